@@ -1,0 +1,138 @@
+"""Bundled Hugging Face ``config.json`` files for commonly fine-tuned models.
+
+memfit simulates memory without downloading weights, but it still needs each
+model's architecture.  The package ships the real hub ``config.json`` of the
+models people fine-tune most (``memfit/configs/<org>--<name>.json``), so the
+common cases work fully offline (``HF_HUB_OFFLINE=1``).
+
+Each bundled file is the hub ``config.json`` (irrelevant bookkeeping fields such
+as ``transformers_version`` dropped) plus one extra top-level key,
+``"_memfit"``, holding provenance::
+
+    {"hub_id": "meta-llama/Llama-3.2-1B",
+     "source": "<where the values came from>",
+     "params": 1240000000,            # published total parameter count
+     "params_source": "<where that count was published>",
+     "params_class": "AutoModelForCausalLM",  # the model class it counts
+     "params_rel_tol": 0.03,          # optional: coarser published figure
+     "note": "..."}                   # optional
+
+Names are matched case-insensitively and may be given as the canonical hub id
+(``google-bert/bert-base-uncased``), the legacy un-namespaced id
+(``bert-base-uncased``), or just the bare model name (``llama-3.2-1b``).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PretrainedConfig
+
+__all__ = [
+    "bundled_model_ids",
+    "find_bundled",
+    "load_bundled_config",
+    "bundled_info",
+]
+
+_PACKAGE = "memfit.configs"
+_META_KEY = "_memfit"
+
+
+def _file_name(hub_id: str) -> str:
+    return hub_id.replace("/", "--") + ".json"
+
+
+@lru_cache(maxsize=None)
+def _read_all() -> dict[str, dict[str, Any]]:
+    """Read every bundled config, keyed by its canonical hub id."""
+    out: dict[str, dict[str, Any]] = {}
+    for entry in resources.files(_PACKAGE).iterdir():
+        if not entry.name.endswith(".json"):
+            continue
+        data = json.loads(entry.read_text(encoding="utf-8"))
+        meta = data.get(_META_KEY) or {}
+        hub_id = meta.get("hub_id") or entry.name[: -len(".json")].replace("--", "/")
+        out[hub_id] = data
+    return out
+
+
+@lru_cache(maxsize=None)
+def _alias_index() -> dict[str, str]:
+    """Map lower-cased aliases (full id, bare name) to canonical hub ids.
+
+    Full ids win over bare names; a bare name shared by two bundled models
+    (none today) would resolve to neither.
+    """
+    full: dict[str, str] = {}
+    bare: dict[str, list[str]] = {}
+    for hub_id in _read_all():
+        key = hub_id.lower()
+        full[key] = hub_id
+        full[key.replace("/", "--")] = hub_id
+        bare.setdefault(key.rsplit("/", 1)[-1], []).append(hub_id)
+    index = {name: ids[0] for name, ids in bare.items() if len(ids) == 1}
+    index.update(full)
+    return index
+
+
+def bundled_model_ids() -> list[str]:
+    """Return the canonical hub ids of all bundled configs, sorted."""
+    return sorted(_read_all(), key=str.lower)
+
+
+def find_bundled(name: str) -> str | None:
+    """Resolve ``name`` to the canonical hub id of a bundled config, or ``None``.
+
+    Matching is case-insensitive and accepts the canonical id
+    (``openai-community/gpt2``), the legacy id without organisation (``gpt2``,
+    ``t5-base``, ``xlnet-large-cased``), the bare model name of a namespaced id
+    (``llama-3.2-1b``, ``deberta-v3-base``) and the file-name form
+    (``meta-llama--Llama-3.2-1B``).  A differing organisation is not accepted
+    (``someone/gpt2`` is a different model).
+    """
+    key = name.strip().strip("/").lower()
+    if key.endswith(".json"):
+        key = key[: -len(".json")]
+    index = _alias_index()
+    if key in index:
+        return index[key]
+    # "org/name" whose org differs from the bundled one: not ours.
+    return None
+
+
+def _require(hub_id: str) -> dict[str, Any]:
+    resolved = find_bundled(hub_id)
+    if resolved is None:
+        raise KeyError(f"no bundled config for {hub_id!r}")
+    return _read_all()[resolved]
+
+
+def bundled_info(hub_id: str) -> dict[str, Any]:
+    """Return the ``_memfit`` provenance record of a bundled config (a copy).
+
+    Raises ``KeyError`` if ``hub_id`` does not resolve via :func:`find_bundled`.
+    """
+    return json.loads(json.dumps(_require(hub_id).get(_META_KEY, {})))
+
+
+def load_bundled_config(hub_id: str) -> PretrainedConfig:
+    """Build a ``transformers.PretrainedConfig`` from a bundled ``config.json``.
+
+    Uses ``AutoConfig.for_model(model_type, **fields)``, so it never touches
+    the network and works with ``HF_HUB_OFFLINE=1``.  Raises ``KeyError`` if
+    ``hub_id`` does not resolve via :func:`find_bundled`.
+    """
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in _require(hub_id).items() if k != _META_KEY}
+    data = json.loads(json.dumps(data))  # deep copy: configs may mutate dicts
+    model_type = data.pop("model_type")
+    config = AutoConfig.for_model(model_type, **data)
+    resolved = find_bundled(hub_id)
+    config._name_or_path = resolved
+    return config

@@ -1,0 +1,210 @@
+"""Tests for memfit.model_catalog and the bundled hub config.json files.
+
+Every bundled config must load offline, build on the meta device and have the
+parameter count published for that model (recorded in ``_memfit.params``).
+Meta-device construction allocates nothing, so the whole module runs in a few
+seconds even for the 8B models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from importlib import resources
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from memfit.model_catalog import (  # noqa: E402
+    bundled_info,
+    bundled_model_ids,
+    find_bundled,
+    load_bundled_config,
+)
+
+IDS = bundled_model_ids()
+
+REQUESTED = [
+    "google-bert/bert-base-uncased", "google-bert/bert-base-cased", "google-bert/bert-large-uncased",
+    "google-bert/bert-base-multilingual-cased", "FacebookAI/roberta-base", "FacebookAI/roberta-large",
+    "FacebookAI/xlm-roberta-base", "FacebookAI/xlm-roberta-large", "distilbert/distilbert-base-uncased",
+    "albert/albert-base-v2", "albert/albert-large-v2", "google/electra-base-discriminator",
+    "google/electra-large-discriminator", "microsoft/deberta-v3-base", "microsoft/deberta-v3-large",
+    "xlnet/xlnet-base-cased", "xlnet/xlnet-large-cased", "openai-community/gpt2",
+    "openai-community/gpt2-medium", "openai-community/gpt2-large", "openai-community/gpt2-xl",
+    "google-t5/t5-small", "google-t5/t5-base", "google-t5/t5-large", "google/flan-t5-base",
+    "google/flan-t5-large", "facebook/bart-base", "facebook/bart-large", "meta-llama/Llama-2-7b-hf",
+    "meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.1-8B",
+    "mistralai/Mistral-7B-v0.1", "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-7B",
+    "microsoft/phi-2", "microsoft/Phi-3-mini-4k-instruct", "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+    "sentence-transformers/all-MiniLM-L6-v2",
+]
+
+
+def _raw(hub_id: str) -> dict:
+    name = hub_id.replace("/", "--") + ".json"
+    return json.loads(resources.files("memfit.configs").joinpath(name).read_text(encoding="utf-8"))
+
+
+def _count_params(model, raw: dict) -> int:
+    """Count unique parameters of ``model`` as it exists once hub weights are loaded.
+
+    ``model.parameters()`` already de-duplicates tied tensors.  One correction:
+    transformers 5 forces ``tie_word_embeddings=True`` for T5 configs (it keeps
+    the hub's ``False`` only as ``scale_decoder_outputs``), so ``from_config``
+    ties the LM head of T5 v1.1 / Flan-T5; ``from_pretrained`` unties it again
+    because the checkpoint stores a distinct ``lm_head.weight``.  Add that head
+    back when the hub config says untied but the built model is tied.
+    """
+    n = sum(p.numel() for p in model.parameters())
+    if raw.get("tie_word_embeddings", True) is False:
+        out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        in_emb = model.get_input_embeddings()
+        if out_emb is not None and out_emb.weight is in_emb.weight:
+            n += out_emb.weight.numel()
+    return n
+
+
+def test_catalog_covers_requested_models():
+    assert len(IDS) >= 30
+    assert set(REQUESTED) <= set(IDS)
+
+
+@pytest.mark.parametrize("hub_id", IDS)
+def test_bundled_file_metadata(hub_id):
+    raw = _raw(hub_id)
+    info = bundled_info(hub_id)
+    assert info == raw["_memfit"]
+    assert info["hub_id"] == hub_id
+    assert info["source"] and info["params_source"]
+    assert isinstance(info["params"], int) and info["params"] > 0
+    assert hasattr(transformers, info["params_class"])
+    assert raw["model_type"]
+    assert "transformers_version" not in raw
+    # bundled_info returns a copy
+    info["hub_id"] = "x"
+    assert bundled_info(hub_id)["hub_id"] == hub_id
+
+
+@pytest.mark.parametrize("hub_id", IDS)
+def test_config_loads(hub_id, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    raw = _raw(hub_id)
+    cfg = load_bundled_config(hub_id)
+    assert isinstance(cfg, transformers.PretrainedConfig)
+    assert cfg.model_type == raw["model_type"]
+    assert cfg.name_or_path == hub_id
+    assert cfg.vocab_size == raw["vocab_size"]
+    if "architectures" in raw:
+        assert cfg.architectures == raw["architectures"]
+    # architecture-defining integers survive unchanged (attribute_map aware)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head",
+                "d_model", "d_ff", "num_layers", "num_heads", "dim", "n_layers", "hidden_dim",
+                "embedding_size", "type_vocab_size", "head_dim"):
+        if key in raw:
+            assert getattr(cfg, key) == raw[key], key
+
+
+@pytest.mark.parametrize("hub_id", IDS)
+def test_param_count_matches_published(hub_id):
+    info = bundled_info(hub_id)
+    raw = _raw(hub_id)
+    cfg = load_bundled_config(hub_id)
+    auto_cls = getattr(transformers, info["params_class"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):
+            model = auto_cls.from_config(cfg)
+    # XLNet creates its q/k/v/o/r projections and biases with torch.FloatTensor(...),
+    # which ignores the default-device context: those land on CPU (real memory).
+    if raw["model_type"] != "xlnet":
+        assert all(p.device.type == "meta" for p in model.parameters())
+    n = _count_params(model, raw)
+    tol = info.get("params_rel_tol", 0.01)
+    rel = abs(n - info["params"]) / info["params"]
+    assert rel <= tol, f"{hub_id}: built {n:,} vs published {info['params']:,} ({rel:.2%})"
+
+
+def test_t5_untied_head_quirk_is_handled():
+    """Flan-T5 has an untied LM head on the hub (248M params, not 223M)."""
+    raw = _raw("google/flan-t5-base")
+    assert raw["tie_word_embeddings"] is False
+    with torch.device("meta"):
+        model = transformers.AutoModelForSeq2SeqLM.from_config(load_bundled_config("google/flan-t5-base"))
+    assert _count_params(model, raw) == 247_577_856
+
+
+def test_loads_in_fresh_offline_process():
+    code = (
+        "import transformers, torch\n"
+        "from memfit.model_catalog import bundled_model_ids, load_bundled_config\n"
+        "ids = bundled_model_ids()\n"
+        "for h in ids: load_bundled_config(h)\n"
+        "with torch.device('meta'):\n"
+        "    m = transformers.AutoModelForCausalLM.from_config(load_bundled_config('llama-3.2-1b'))\n"
+        "print(len(ids), sum(p.numel() for p in m.parameters()))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": os.path.join(os.path.dirname(__file__), ".no-such-hf-home")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n_ids, n_params = map(int, out.stdout.split()[-2:])
+    assert n_ids == len(IDS)
+    assert n_params == 1_235_814_400
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("bert-base-uncased", "google-bert/bert-base-uncased"),
+        ("google-bert/bert-base-uncased", "google-bert/bert-base-uncased"),
+        ("BERT-Base-Uncased", "google-bert/bert-base-uncased"),
+        ("xlnet-large-cased", "xlnet/xlnet-large-cased"),
+        ("xlnet/xlnet-large-cased", "xlnet/xlnet-large-cased"),
+        ("gpt2", "openai-community/gpt2"),
+        ("openai-community/gpt2", "openai-community/gpt2"),
+        ("gpt2-xl", "openai-community/gpt2-xl"),
+        ("t5-base", "google-t5/t5-base"),
+        ("roberta-base", "FacebookAI/roberta-base"),
+        ("xlm-roberta-large", "FacebookAI/xlm-roberta-large"),
+        ("distilbert-base-uncased", "distilbert/distilbert-base-uncased"),
+        ("albert-base-v2", "albert/albert-base-v2"),
+        ("llama-3.2-1b", "meta-llama/Llama-3.2-1B"),
+        ("meta-llama/llama-3.2-1b", "meta-llama/Llama-3.2-1B"),
+        ("meta-llama--Llama-3.2-1B", "meta-llama/Llama-3.2-1B"),
+        ("deberta-v3-base", "microsoft/deberta-v3-base"),
+        ("flan-t5-large", "google/flan-t5-large"),
+        ("qwen2.5-7b", "Qwen/Qwen2.5-7B"),
+        ("all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"),
+        (" Mistral-7B-v0.1 ", "mistralai/Mistral-7B-v0.1"),
+    ],
+)
+def test_find_bundled_aliases(name, expected):
+    assert find_bundled(name) == expected
+
+
+@pytest.mark.parametrize("name", ["", "gpt3", "someone/gpt2", "llama", "bert-base", "Qwen/Qwen2.5-72B"])
+def test_find_bundled_unknown(name):
+    assert find_bundled(name) is None
+
+
+def test_aliases_resolve_for_all_api_functions():
+    assert load_bundled_config("gpt2").n_layer == 12
+    assert bundled_info("t5-small")["hub_id"] == "google-t5/t5-small"
+    with pytest.raises(KeyError):
+        load_bundled_config("not-a-model")
+    with pytest.raises(KeyError):
+        bundled_info("not-a-model")
+
+
+def test_bare_names_are_unambiguous():
+    bare = [h.rsplit("/", 1)[-1].lower() for h in IDS]
+    assert len(bare) == len(set(bare))
+    for h in IDS:
+        assert find_bundled(h.rsplit("/", 1)[-1]) == h
