@@ -1,0 +1,160 @@
+"""`memfit diagnose [LOGFILE|-] [--text ...] [--lang en|zh] [--json]`.
+
+Exit codes: 0 an out-of-memory error was found and explained; 1 none found; 2 user error
+(missing or unreadable file), raised as MemfitError and printed by memfit.cli.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from memfit.diagnose import Diagnosis, diagnose
+from memfit.errors import MemfitError
+from memfit.i18n import LANGS, t
+
+__all__ = ["diagnose_command_parser", "diagnose_command"]
+
+
+def diagnose_command_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "diagnose",
+        help="explain a CUDA out-of-memory error from a log or traceback",
+        description="Find the last out-of-memory error in a training log or traceback and explain "
+        "where it happened, why, and what helps.",
+    )
+    parser.add_argument("logfile", nargs="?", help="log or traceback file; `-` reads stdin")
+    parser.add_argument("--text", help="the error text itself instead of a file")
+    parser.add_argument("--lang", choices=LANGS, default="en", help="output language (default: en)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.set_defaults(func=diagnose_command)
+    return parser
+
+
+def _read_source(args: argparse.Namespace) -> tuple[str, str]:
+    if args.text is not None and args.logfile is not None:
+        raise MemfitError(f"got both a log file `{args.logfile}` and --text; give one of them")
+    if args.text is not None:
+        return args.text, "--text"
+    if args.logfile is None:
+        raise MemfitError("no input `(none)`; pass a log file, `-` to read stdin, or --text \"<error message>\"")
+    if args.logfile == "-":
+        return sys.stdin.read(), "stdin"
+    path = Path(args.logfile)
+    if not path.exists():
+        raise MemfitError(f"log file `{path}` does not exist; pass the path of the training log or traceback")
+    if path.is_dir():
+        raise MemfitError(f"`{path}` is a directory; pass the log file inside it (e.g. `{path}/train.log`)")
+    try:
+        return path.read_text(encoding="utf-8", errors="replace"), str(path)
+    except OSError as err:
+        raise MemfitError(f"cannot read log file `{path}` ({err.strerror}); check its permissions") from err
+
+
+def _gpu_processes() -> list[tuple[int, int, int]]:
+    """(device, pid, bytes) of compute processes now, via pynvml when installed; else []."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+    except Exception:  # not installed, no driver, no GPU
+        return []
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                out.append((i, int(p.pid), int(p.usedGpuMemory or 0)))
+    except Exception:
+        pass
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return out
+
+
+def to_json(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> dict:
+    m = d.message
+    return {
+        "is_oom": d.is_oom,
+        "oom_count": d.oom_count,
+        "format": m.format if m else None,
+        "device": m.device if m else None,
+        "tried_to_allocate_bytes": m.tried_to_allocate_bytes if m else None,
+        "total_bytes": m.total_bytes if m else None,
+        "free_bytes": m.free_bytes if m else None,
+        "allocated_bytes": m.allocated_bytes if m else None,
+        "reserved_bytes": m.reserved_bytes if m else None,
+        "reserved_unallocated_bytes": m.reserved_unallocated_bytes if m else None,
+        "non_pytorch_bytes": d.non_pytorch_bytes,
+        "process_used_bytes": m.process_used_bytes if m else None,
+        "allowed_bytes": m.allowed_bytes if m else None,
+        "private_pool_bytes": m.private_pool_bytes if m else 0,
+        "other_processes": [{"pid": pid, "bytes": b} for pid, b in (m.other_processes if m else ())],
+        "phase": d.phase,
+        "phase_frame": d.phase_frame,
+        "causes": [{"kind": c.kind, "bytes": c.bytes, "text": c.text, "primary": c.primary} for c in d.causes],
+        "advice": list(d.advice),
+        "advice_ids": list(d.advice_ids),
+        "message": m.raw if m else None,
+        "gpu_processes_now": [{"device": g, "pid": pid, "bytes": b} for g, pid, b in gpu_processes],
+    }
+
+
+def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from memfit.diagnose import _fmt
+
+    lang, m = d.lang, d.message
+    assert m is not None
+    console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    console.rule(t("title.cpu" if m.format == "cpu_allocator" else "title", lang))
+    if d.oom_count > 1:
+        console.print(t("count", lang, count=d.oom_count))
+    console.print(f"[bold]{t('label.message', lang)}:[/bold] {escape(m.raw)}", markup=True)
+    console.print(f"[bold]{t('label.format', lang)}:[/bold] {m.format}")
+    console.print(f"[bold]{t('label.phase', lang)}:[/bold] {t('phase.' + d.phase, lang)}")
+    if d.phase_frame:
+        console.print(f"[bold]{t('label.frame', lang)}:[/bold] {escape(d.phase_frame)}", markup=True)
+    if m.has_numbers:
+        table = Table(title=t("label.numbers", lang), show_header=False)
+        rows = [("num.tried", m.tried_to_allocate_bytes), ("num.total", m.total_bytes), ("num.free", m.free_bytes),
+                ("num.allocated", m.allocated_bytes), ("num.reserved", m.reserved_bytes),
+                ("num.unallocated", m.reserved_unallocated_bytes), ("num.non_pytorch", m.non_pytorch_bytes),
+                ("num.process", m.process_used_bytes), ("num.allowed", m.allowed_bytes),
+                ("num.private", m.private_pool_bytes or None)]
+        for key, value in rows:
+            if value is not None:
+                table.add_row(t(key, lang), _fmt(value))
+        console.print(table)
+    console.print(f"[bold]{t('label.causes', lang)}[/bold]")
+    for c in d.causes:
+        tag = f" [bold red]({t('label.primary', lang)})[/bold red]" if c.primary else ""
+        console.print("  • ", escape(c.text), tag, sep="", markup=True)
+    console.print(f"[bold]{t('label.advice', lang)}[/bold]")
+    for i, a in enumerate(d.advice, 1):
+        console.print(f"  {i}. ", a, sep="", markup=False)
+    if gpu_processes:
+        console.print(f"[bold]{t('label.gpu_processes', lang)}[/bold]")
+        for g, pid, b in gpu_processes:
+            console.print(f"  GPU {g}  PID {pid}  {_fmt(b)}")
+
+
+def diagnose_command(args: argparse.Namespace) -> int:
+    text, source = _read_source(args)
+    d = diagnose(text, lang=args.lang)
+    gpu_processes = _gpu_processes() if d.is_oom else []
+    if args.json:
+        print(json.dumps(to_json(d, gpu_processes), ensure_ascii=False, indent=2))
+    elif not d.is_oom:
+        print(t("no_oom", args.lang, source=source))
+    else:
+        _print_rich(d, gpu_processes)
+    return 0 if d.is_oom else 1
