@@ -43,10 +43,6 @@ _PACKAGE = "memfit.configs"
 _META_KEY = "_memfit"
 
 
-def _file_name(hub_id: str) -> str:
-    return hub_id.replace("/", "--") + ".json"
-
-
 @lru_cache(maxsize=None)
 def _read_all() -> dict[str, dict[str, Any]]:
     """Read every bundled config, keyed by its canonical hub id."""
@@ -99,10 +95,8 @@ def find_bundled(name: str) -> str | None:
     if key.endswith(".json"):
         key = key[: -len(".json")]
     index = _alias_index()
-    if key in index:
-        return index[key]
-    # "org/name" whose org differs from the bundled one: not ours.
-    return None
+    # An "org/name" whose org differs from the bundled one is a different model.
+    return index.get(key)
 
 
 def _require(hub_id: str) -> dict[str, Any]:
