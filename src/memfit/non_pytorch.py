@@ -1,0 +1,129 @@
+"""GPU memory a training process holds outside PyTorch's caching allocator.
+
+`nvidia-smi` shows more than `torch.cuda.memory_reserved()`; the difference is the
+CUDA context and libraries. PyTorch's OOM message calls it "non-PyTorch memory". The
+estimate here is a sum of parts:
+
+* driver/runtime base: context bookkeeping, page tables, the default stream, events
+  (estimate 110 MiB, from measured contexts of 300-500 MiB minus the parts below);
+* per-thread local-memory (stack) reservation: the driver backs the stack of every
+  resident thread, `SMs x max resident threads per SM x cudaLimitStackSize` (default
+  1 KiB, CUDA Runtime API `cudaDeviceSetLimit`); this is why H100 contexts are larger
+  than T4 ones;
+* loaded kernels (fatbins of libtorch_cuda, cuBLAS, cuBLASLt, NCCL ...): with lazy
+  loading (`CUDA_MODULE_LOADING=LAZY`, CUDA >= 11.7, set by default by torch >= 1.13)
+  only the kernels a run touches are loaded (estimate 200 MiB for a fine-tuning step);
+  with eager loading everything is loaded up front: the Hugging Face guide
+  "Model training anatomy" (docs/transformers/model_memory_anatomy) measured 1343 MB
+  in use after creating a 1-element CUDA tensor, "the kernels alone take up 1.3GB".
+* cuBLAS / cuBLASLt workspaces are NOT here: torch allocates them through the caching
+  allocator (aten/src/ATen/cuda/CublasHandlePool.cpp, `getNewWorkspace` ->
+  `CUDACachingAllocator::get()->allocate(getChosenWorkspaceSize())`), one per
+  (handle, stream), so they appear in `memory_reserved`. Default size
+  (`parseChosenWorkspaceSize`): 4096 KiB x 8 = 32 MiB on sm_90, else
+  4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB; `CUBLAS_WORKSPACE_CONFIG=:SIZE:COUNT` overrides.
+  `cublas_workspace_bytes` gives that size so a trace can include it (the autograd
+  engine's backward thread uses its own handle, hence its own workspace).
+* cuDNN: transformer fine-tuning rarely touches cuDNN (no convolutions); when it does,
+  its handle and kernels add roughly 100-300 MiB that is not included.
+
+Known limitations:
+
+* The base and kernel figures are estimates (+-150 MiB): they vary with driver, CUDA
+  and torch versions. Prefer `measure_non_pytorch_bytes()` on the target machine.
+* NCCL buffers (multi-GPU), CUDA graphs and other processes are not included.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from memfit.gpus import GpuSpec
+from memfit.units import KiB, MiB
+
+__all__ = ["NonPytorchEstimate", "non_pytorch_bytes", "measure_non_pytorch_bytes", "cublas_workspace_bytes"]
+
+_BASE_BYTES = 110 * MiB  # estimate: driver/runtime structures of a primary context
+_LAZY_KERNELS_BYTES = 200 * MiB  # estimate: kernels touched by a fine-tuning step
+_EAGER_KERNELS_BYTES = 1024 * MiB  # HF "Model training anatomy": ~1.3 GB total with eager loading
+_STACK_PER_THREAD_BYTES = 1 * KiB  # cudaLimitStackSize default
+
+#: SM counts from NVIDIA datasheets / whitepapers (SXM parts where there is a choice).
+_SM_COUNT = {
+    "V100-16GB": 80, "V100-32GB": 80, "T4": 40, "P100-16GB": 56, "RTX-2080Ti": 68,
+    "RTX-3090": 82, "RTX-4090": 128, "A10": 72, "A10G": 80, "L4": 58, "A100-40GB": 108,
+    "A100-80GB": 108, "H100-80GB": 132, "H200": 132,
+}
+#: "Maximum number of resident threads per SM" (CUDA C Programming Guide, compute capabilities table).
+_THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 0): 1536}
+
+
+@dataclass(frozen=True)
+class NonPytorchEstimate:
+    total_bytes: int
+    breakdown: dict[str, int]
+    notes: tuple[str, ...]
+
+
+def cublas_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = None) -> int:
+    """One cuBLAS workspace as torch sizes it (`parseChosenWorkspaceSize`); it lives in the cache."""
+    env = os.environ if environ is None else environ
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        import re
+
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * KiB * int(count) for size, count in pairs)
+    if gpu.compute_capability == (9, 0):
+        return 4096 * KiB * 8
+    return 4096 * KiB * 2 + 16 * KiB * 8
+
+
+def non_pytorch_bytes(gpu: GpuSpec, *, lazy_loading: bool | None = None) -> NonPytorchEstimate:
+    """Estimate the CUDA context and library memory of one training process on `gpu`."""
+    if lazy_loading is None:
+        lazy_loading = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER"
+    sms = _SM_COUNT.get(gpu.name, 108)
+    threads = _THREADS_PER_SM.get(gpu.compute_capability, 2048)
+    stack = sms * threads * _STACK_PER_THREAD_BYTES
+    kernels = _LAZY_KERNELS_BYTES if lazy_loading else _EAGER_KERNELS_BYTES
+    breakdown = {"driver_runtime_base": _BASE_BYTES, "thread_stacks": stack, "kernels": kernels}
+    notes = [
+        f"thread stacks: {sms} SMs x {threads} threads x 1 KiB (cudaLimitStackSize default)",
+        "kernels: lazy loading (CUDA_MODULE_LOADING=LAZY)" if lazy_loading
+        else "kernels: eager loading, ~1.3 GB measured in the HF 'Model training anatomy' guide",
+        "cuBLAS workspaces are allocated by PyTorch's cache and counted there, not here",
+        "estimate +-150 MiB; measure with memfit.non_pytorch.measure_non_pytorch_bytes() on the GPU",
+    ]
+    if gpu.name not in _SM_COUNT:
+        notes.append(f"SM count of `{gpu.name}` unknown; assumed 108 (A100)")
+    return NonPytorchEstimate(sum(breakdown.values()), breakdown, tuple(notes))
+
+
+def measure_non_pytorch_bytes(device: int = 0) -> int | None:
+    """This process's GPU memory per NVML minus `torch.cuda.memory_reserved()`; None without a GPU."""
+    try:
+        import pynvml  # nvidia-ml-py
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()  # pragma: no cover - needs a GPU
+    try:  # pragma: no cover
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        pid = os.getpid()
+        used = 0
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == pid and proc.usedGpuMemory is not None:
+                used += int(proc.usedGpuMemory)
+        pynvml.nvmlShutdown()
+    except Exception:  # pragma: no cover - NVML missing or no permission (containers)
+        return None
+    if used == 0:  # pragma: no cover - per-process accounting unavailable
+        return None
+    return used - int(torch.cuda.memory_reserved(device))  # pragma: no cover

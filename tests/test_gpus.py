@@ -1,0 +1,63 @@
+"""GPU catalog and resolution."""
+
+import pytest
+
+from memfit.errors import MemfitError
+from memfit.gpus import CATALOG, GpuSpec, catalog_names, resolve_gpu
+from memfit.units import GiB, format_size_torch
+
+
+def test_required_entries():
+    for name in ("V100-16GB", "V100-32GB", "T4", "P100-16GB", "RTX-2080Ti", "RTX-3090", "RTX-4090",
+                 "A10", "A10G", "L4", "A100-40GB", "A100-80GB", "H100-80GB", "H200"):
+        assert name in catalog_names()
+
+
+def test_totals_print_like_pytorch():
+    # the OOM message's "total capacity" is format_size(total_memory)
+    assert CATALOG["v100-16gb"].total_bytes == 16945512448
+    assert format_size_torch(CATALOG["v100-16gb"].total_bytes) == "15.78 GiB"
+    assert format_size_torch(CATALOG["t4"].total_bytes) == "14.75 GiB"
+    assert format_size_torch(CATALOG["a100-80gb"].total_bytes) == "79.14 GiB"
+    assert format_size_torch(CATALOG["h100-80gb"].total_bytes) == "79.11 GiB"
+    for g in CATALOG.values():
+        assert g.total_bytes_source
+
+
+def test_bf16_support_follows_compute_capability():
+    assert not resolve_gpu("v100").supports_bf16
+    assert not resolve_gpu("T4").supports_bf16
+    assert resolve_gpu("a100").supports_bf16
+    assert resolve_gpu("h100").bf16_tflops == 989.5
+
+
+@pytest.mark.parametrize("text,name", [
+    ("v100", "V100-16GB"), ("V100-16GB", "V100-16GB"), ("a100-80gb", "A100-80GB"),
+    ("h100", "H100-80GB"), ("T4", "T4"), ("rtx 4090", "RTX-4090"), ("4090", "RTX-4090"), ("A10G", "A10G"),
+])
+def test_names_and_aliases(text, name):
+    assert resolve_gpu(text).name == name
+
+
+def test_plain_sizes_give_a_generic_gpu():
+    g = resolve_gpu("12GiB")
+    assert isinstance(g, GpuSpec) and g.total_bytes == 12 * GiB
+    assert g.compute_capability == (8, 0) and g.notes
+    assert resolve_gpu("16GB").total_bytes == 16 * 10**9
+
+
+def test_unknown_names_list_the_catalog():
+    with pytest.raises(MemfitError, match="`B200`.*H100-80GB"):
+        resolve_gpu("B200")
+    with pytest.raises(MemfitError, match="`1MiB`"):
+        resolve_gpu("1MiB")
+
+
+def test_auto_without_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MemfitError, match="no CUDA GPU.*V100-16GB"):
+        resolve_gpu("auto")
+    with pytest.raises(MemfitError):
+        resolve_gpu(None)
