@@ -237,3 +237,20 @@ def test_replays_200k_events_fast():
     elapsed = time.perf_counter() - t0
     assert r.num_events == 200_000
     assert elapsed < 2.0  # ~0.5 s on one core; slack for slow CI machines
+
+
+def test_garbage_collection_needs_a_memory_fraction():
+    # two cached 30 MiB segments; a 40 MiB request misses. With allowed = 100 MiB and
+    # threshold 0.5, reserved 60 > 50 MiB triggers garbage_collect_cached_blocks: both
+    # blocks have age 1 (one get_free_block call since they were cached) >= mean age 1,
+    # so both are freed before the cudaMalloc -> 40 MiB reserved.
+    ev = [A(1, 30 * MiB), A(2, 30 * MiB), F(1), F(2), A(3, 40 * MiB)]
+    gc = AllocConf(garbage_collection_threshold=0.5)
+    r = replay(ev, conf=gc, allowed_bytes=100 * MiB)
+    assert (r.final_reserved_bytes, r.num_cudafree) == (40 * MiB, 2)
+    # as in PyTorch, the threshold does nothing without set_per_process_memory_fraction
+    r = replay(ev, conf=gc)
+    assert (r.final_reserved_bytes, r.num_cudafree) == (100 * MiB, 0)
+    # the fraction is also a hard cap: 30 + 30 live > 50 MiB allowed -> OOM
+    r = replay([A(1, 30 * MiB), A(2, 30 * MiB)], allowed_bytes=50 * MiB)
+    assert r.oom is not None and r.oom.capacity_bytes == 50 * MiB
