@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 from memfit.i18n import t
-from memfit.oom_text import OomMessage, find_ooms, normalize_log
+from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, find_ooms, normalize_log
 from memfit.units import GiB, MiB, format_bytes
 
 __all__ = [
@@ -340,7 +340,8 @@ def diagnose(source: str | BaseException, *, lang: str = "en", setup: object = N
         causes, first = _allocator_causes(m, lang)
         ids = _rank_advice(first, phase, causes[0].kind == "shortfall")
     else:
-        causes = [Cause(m.format, None, t(f"cause.no_numbers.{m.format}", lang, tried=tried), True)]
+        kind = "truncated" if m.format in ALLOCATOR_FORMATS else m.format  # allocator text cut short
+        causes = [Cause(kind, None, t(f"cause.no_numbers.{kind}", lang, tried=tried), True)]
         first = ["cudnn_check"] if m.format == "cudnn_not_supported" else ["check_nvidia_smi"]
         ids = _rank_advice(first, phase, True) + ["cuda_launch_blocking"]
     pids = ", ".join(str(pid) for pid, _ in m.other_processes) or "?"
