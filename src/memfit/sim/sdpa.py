@@ -202,8 +202,9 @@ def choose_backend(
     order: list[Backend] = (
         ["cudnn", "flash", "efficient", "math"] if prefer_cudnn else ["flash", "efficient", "math", "cudnn"]
     )
-    # Note: the default order of at::Context (Context.h, sdp_priority_order) is
-    # flash, efficient, math, cudnn, overrideable: cuDNN after math is never reached.
+    # Note: the default order of at::Context (ATen/Context.h, sdp_priority_order; checked in the
+    # installed 2.13 headers) is flash, efficient, math, cudnn, overrideable: cuDNN after math is
+    # never reached unless check_prefer_cudnn_attention moved it first.
 
     four_d = len(q) == 4 and len(k) == 4 and len(v) == 4  # sdp_utils_cpp.h: check_tensor_shapes
     stride_ok = all(s == 1 for s in last_dim_strides)
@@ -263,7 +264,7 @@ def choose_backend(
             return False
         # check_data_ptr_alignment_mem_efficient (sm80+ only)
         if major >= 8:
-            el = torch.empty((), dtype=dtype).element_size() if dtype.is_floating_point else 1
+            el = dtype.itemsize
             ab = align * el
             if any((off * el) % ab for off in storage_offsets):
                 reasons.append(f"efficient: storage offsets not {ab}-byte aligned")
@@ -694,7 +695,6 @@ def emulated_sdpa(
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` that allocates what CUDA would."""
     cc = (int(compute_capability[0]), int(compute_capability[1]))
-    el = query.element_size()
     offsets = tuple(int(t.storage_offset()) for t in (query, key, value))
     choice = choose_backend(
         q_shape=tuple(query.shape), k_shape=tuple(key.shape), v_shape=tuple(value.shape),
@@ -708,7 +708,6 @@ def emulated_sdpa(
         mask_last_stride=1 if attn_mask is None or attn_mask.dim() == 0 else int(attn_mask.stride(-1)),
         storage_offsets=offsets,  # type: ignore[arg-type]
     )
-    del el
     backend = choice.backend
     # attention.cpp scaled_dot_product_attention: bool mask -> additive mask for every backend
     mask = _convert_boolean_attn_mask(attn_mask, query.dtype)
