@@ -1,0 +1,446 @@
+"""Run the training step Trainer runs, on fake (or real CPU) tensors, and record the trace.
+
+The sequence mirrors transformers 5 `Trainer._inner_training_loop` / `training_step` /
+`evaluation_loop` with accelerate's wrappers, as a CUDA run executes it:
+
+    weights to the device                         (setup)
+    2 optimizer steps, each of `gradient_accumulation_steps` micro-steps:
+        batch to the device; forward under autocast; outputs -> fp32   (forward)
+        loss / accumulation; GradScaler.scale; backward                 (backward)
+    after the last micro-step: unscale_, clip_grad_norm_ (foreach), optimizer.step(),
+        scaler.update, model.zero_grad(set_to_none=True)               (optimizer)
+    evaluation: no_grad forward under autocast, predictions, labels and losses kept on
+        the device until `eval_accumulation_steps`                      (eval)
+
+Micro-steps after the second of an optimizer step repeat the second exactly (same live
+gradients, same temporaries), so at most two are simulated per optimizer step.
+
+Known limitations: the caching allocator is not modelled here (see memfit.allocator);
+collectives, DeepSpeed and FSDP are not simulated; cuBLAS workspaces are not tensors and
+are counted outside this trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memfit.checkpointing import enable_checkpointing, repeated_layer_lists
+from memfit.errors import MemfitError
+from memfit.models import ModelSpec, build_meta_model, resolve_config
+from memfit.sim import _torch_adapter as adapter
+from memfit.sim.autocast import cuda_autocast
+from memfit.sim.optimizers import build_optimizer
+from memfit.sim.splice import K, GENERIC, LayerTagger, SpliceRefused, splice_events, truncate_layers
+from memfit.sim.tracker import StorageTracker
+from memfit.trace import TraceEvent
+from memfit.train_setup import TrainSetup
+
+__all__ = ["Simulation", "simulate"]
+
+_LOW = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: GradScaler(init_scale=2.**16) as accelerate builds it (torch/amp/grad_scaler.py).
+_INIT_SCALE = 2.0**16
+#: Eval examples assumed when the setup does not say (sizes the on-device prediction buffer).
+DEFAULT_EVAL_SAMPLES = 1000
+#: At most this many prediction-concatenation steps are written to the trace (the last ones).
+_MAX_EVAL_CONCAT_EVENTS = 64
+
+
+@dataclass
+class Simulation:
+    """What one simulated run produced."""
+
+    trace: list[TraceEvent]
+    params: int
+    trainable_params: int
+    checkpointing: str | None  # "huggingface", "memfit" or None
+    sdpa_backends: list[str]
+    notes: list[str] = field(default_factory=list)
+    model_name: str = ""
+    model_type: str = ""
+    eval_steps_held: int = 0
+
+
+def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) -> dict[str, torch.Tensor]:
+    """The tensors DataCollatorWithPadding hands the model (int64, padded to `seq`)."""
+    config = getattr(model, "config", None)
+    params = inspect.signature(model.forward).parameters
+    out = {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
+    if "attention_mask" in params:
+        out["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    model_type = getattr(config, "model_type", "")
+    if "token_type_ids" in params and (getattr(config, "type_vocab_size", 0) > 1 or model_type == "xlnet"):
+        out["token_type_ids"] = torch.zeros(batch, seq, dtype=torch.long)
+    task = setup.task
+    if task == "seq-cls":
+        if setup.num_labels == 1:
+            out["labels"] = torch.zeros(batch, dtype=torch.float32)
+        else:
+            out["labels"] = torch.zeros(batch, dtype=torch.long)
+    elif task in ("token-cls", "mlm", "causal-lm"):
+        out["labels"] = torch.zeros(batch, seq, dtype=torch.long)
+    elif task == "qa":
+        out["start_positions"] = torch.zeros(batch, dtype=torch.long)
+        out["end_positions"] = torch.zeros(batch, dtype=torch.long)
+    elif task == "seq2seq-lm":
+        out["labels"] = torch.zeros(batch, setup.target_length or seq, dtype=torch.long)
+    return out
+
+
+class _Runner:
+    def __init__(self, setup: TrainSetup, *, fake: bool, splice: bool, spec: ModelSpec | None = None) -> None:
+        self.setup = setup
+        self.fake = fake
+        self.low = _LOW[setup.precision]
+        self.notes: list[str] = []
+        self.spec = spec or resolve_config(setup.model)
+        model = build_meta_model(setup, self.spec)
+        if setup.lora_r is not None:
+            model = self._apply_lora(model)
+        self.tracker = StorageTracker()
+        self.sdpa_backends: list[str] = []
+        self.cut = None
+        if splice and not isinstance(setup.model, nn.Module):
+            try:
+                self.cut, self.sizes, self.names = truncate_layers(model)
+            except SpliceRefused:
+                self.cut = None
+        self.checkpointing = None
+        if setup.gradient_checkpointing:
+            try:
+                self.checkpointing = enable_checkpointing(model)
+                if self.cut is not None:
+                    enable_checkpointing(self.cut)
+            except ValueError as err:
+                raise MemfitError(f"gradient checkpointing is not possible here: {err}") from err
+            if self.checkpointing == "memfit":
+                self.notes.append(
+                    f"{type(model).__name__} has no gradient checkpointing in transformers; "
+                    "memfit's per-block checkpointing (memfit.checkpointing) is simulated"
+                )
+        self.model = model
+        self.fwd_model = self.cut if self.cut is not None else model
+        if self.cut is not None:
+            self.tagger = LayerTagger(self.cut, self.tracker, self.names)
+            self.tracker.tag_fn = self.tagger.current
+
+    def _apply_lora(self, model: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        s = self.setup
+        task_type = {"seq-cls": "SEQ_CLS", "token-cls": "TOKEN_CLS", "qa": "QUESTION_ANS",
+                     "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}.get(s.task)
+        cfg = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
+                         target_modules=s.lora_target_modules, task_type=task_type)
+        try:
+            with torch.device("meta"):
+                return get_peft_model(model, cfg)
+        except ValueError as err:
+            raise MemfitError(
+                f"LoRA cannot wrap this model: {str(err).splitlines()[0][:200]}. "
+                "Name the modules with `--lora-target-modules` (e.g. `query,value`)"
+            ) from err
+
+    # -- phases ----------------------------------------------------------------------------
+    def _materialize(self) -> None:
+        """model.to("cuda"): each parameter and buffer becomes a device allocation."""
+        tr = self.tracker
+        tr.phase = "setup"
+        tr.paused = True
+        self.model.to_empty(device="cpu")
+        if self.cut is not None:
+            self.cut.to_empty(device="cpu")
+        tr.paused = False
+        for tensor in list(self.model.parameters()) + list(self.model.buffers()):
+            tr.register(tensor, "weights")
+        if self.cut is not None:
+            for tensor in list(self.cut.parameters()) + list(self.cut.buffers()):
+                tr.ignore(tensor)
+            self.tagger.index_params()
+        if self.setup.precision == "fp16":
+            # GradScaler._lazy_init_scale_growth_tracker: a float scale and an int32 tracker on the device.
+            self.scale = torch.full((), _INIT_SCALE, dtype=torch.float32)
+            self.growth = torch.full((), 0, dtype=torch.int32)
+        # Trainer keeps the running loss on the device: `tr_loss = torch.tensor(0.0, device=...)`.
+        self.tr_loss = torch.tensor(0.0)
+        self.grad_recs = None
+
+    def _register_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        for t in batch.values():
+            self.tracker.register(t, "inputs")
+
+    def _forward(self, batch, *, training: bool):
+        amp = cuda_autocast(self.low)
+        with amp:
+            out = (self.fwd_model if training else self.model)(**batch)
+        if self.low is not None:
+            from accelerate.utils import convert_to_fp32  # accelerate's ConvertOutputsToFp32
+
+            out = convert_to_fp32(out)
+        return out
+
+    def micro_step(self, accumulation: int) -> None:
+        tr = self.tracker
+        self.fwd_model.train()
+        tr.phase = "forward"
+        tr.module = ""
+        first_event = len(tr.events)
+        if self.cut is not None:
+            self.tagger.reset()
+        seq = self.setup.sequence_length
+        batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
+        self._register_batch(batch)
+        start = len(tr.records)
+        out = self._forward(batch, training=True)
+        loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
+        del out, batch
+        if accumulation > 1:
+            loss = loss / accumulation  # Trainer.training_step when the loss is not GA-normalised
+        for rec in tr.records[start:]:
+            if rec.alive and rec.category == "temporaries":
+                rec.category = "activations"
+        tr.phase = "backward"
+        if self.setup.precision == "fp16":
+            loss = loss * self.scale  # GradScaler.scale
+        loss.backward()
+        for p in self.fwd_model.parameters():
+            if p.grad is not None:
+                rec = tr.record_of(p.grad)
+                if rec is not None:
+                    rec.category = "gradients"
+        tr.paused = True  # Trainer's running loss: one device scalar, updated in place in effect
+        self.tr_loss = self.tr_loss + loss.detach()
+        tr.paused = False
+        del loss
+        if self.cut is not None:
+            self._splice(first_event)
+        if self.grad_recs is None:
+            self.grad_recs = {
+                name: tr.record_of(p.grad) for name, p in self.model.named_parameters() if p.grad is not None
+            }
+
+    def replay(self, first: int, last: int) -> None:
+        """Append a copy of events[first:last] with fresh storages (a micro-step that repeats one
+        already simulated), and give the model the gradients that copy allocates."""
+        tr = self.tracker
+        mapping: dict[int, object] = {}
+        for action, rec, phase, tag in tr.events[first:last]:
+            if action == "alloc":
+                new = tr.new_record_like(rec, rec.module)
+                mapping[rec.id] = new
+                tr.events.append(("alloc", new, phase, tag))
+            else:
+                new = mapping.get(rec.id)
+                if new is not None and new.alive:
+                    new.alive = False
+                    tr.events.append(("free", new, phase, tag))
+        for name, p in self.model.named_parameters():
+            rec = self.grad_recs.get(name) if self.grad_recs else None
+            if rec is None or p.grad is not None:
+                continue
+            new = mapping.get(rec.id)
+            if new is None:
+                continue
+            tr.paused = True
+            p.grad = torch.empty_like(p)
+            tr.paused = False
+            tr.bind(p.grad, new)
+
+    def _splice(self, first_event: int) -> None:
+        """Write the full model's events for what the cut model just ran; bind the full model's grads."""
+        tr = self.tracker
+        copies = splice_events(tr, first_event, self.sizes, self.names)
+        cut_params = dict(self.cut.named_parameters())
+        for name, p in self.model.named_parameters():
+            if p.grad is not None or not p.requires_grad:
+                continue
+            cut_name, n = self._cut_name(name)
+            cp = cut_params.get(cut_name)
+            if cp is None or cp.grad is None:
+                continue
+            rec = tr.record_of(cp.grad)
+            if rec is None or rec.id < 0:
+                continue
+            if n is not None:
+                rec = copies.get(rec.id, {}).get(n)
+                if rec is None:
+                    continue
+            tr.paused = True
+            grad = torch.empty_like(p)
+            tr.paused = False
+            p.grad = grad
+            tr.bind(grad, rec)
+        for cp in self.cut.parameters():
+            if cp.grad is not None:
+                tr.forget(cp.grad)
+
+    def _cut_name(self, name: str) -> tuple[str, int | None]:
+        """Full-model parameter name -> (cut-model name, copy index if it is a generic block)."""
+        for j, list_name in self.names.items():
+            prefix = list_name + "."
+            if name.startswith(prefix):
+                idx, _, rest = name[len(prefix):].partition(".")
+                n, total = int(idx), self.sizes[j]
+                if n in (0, 1):
+                    i, copy_n = n, None
+                elif n == total - 1:
+                    i, copy_n = K - 1, None
+                elif n == total - 2:
+                    i, copy_n = K - 2, None
+                else:
+                    i, copy_n = GENERIC, n
+                return f"{prefix}{i}.{rest}", copy_n
+        return name, None
+
+    def optimizer_step(self) -> None:
+        tr = self.tracker
+        tr.phase = "optimizer"
+        start = len(tr.records)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        if self.setup.precision == "fp16":
+            # GradScaler.unscale_ -> _unscale_grads_ (torch/amp/grad_scaler.py)
+            inv_scale = self.scale.double().reciprocal().float()
+            found_inf = torch.full((), 0.0, dtype=torch.float32)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        if self.setup.max_grad_norm > 0 and grads:
+            # torch.nn.utils.clip_grad_norm_ with foreach (the CUDA default): _get_total_norm and
+            # _clip_grads_with_norm_ in torch/nn/utils/clip_grad.py.
+            norms = torch._foreach_norm(grads, 2.0)
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(n, 2.0) for n in norms]), 2.0)
+            del norms
+            coef = torch.clamp(self.setup.max_grad_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+            del coef
+            self.grad_norm = total
+        del grads
+        self.optimizer.step()
+        if self.setup.precision == "fp16":
+            torch._amp_update_scale_(self.scale, self.growth, found_inf, 2.0, 0.5, 2000)
+            del found_inf, inv_scale
+        self.model.zero_grad(set_to_none=True)
+        if self.cut is not None:
+            self.cut.zero_grad(set_to_none=True)
+        for rec in tr.records[start:]:
+            if rec.alive and rec.category == "temporaries":
+                rec.category = "optimizer_state"
+        # Non-fused torch optimizers keep `step` on the host (torch/optim/adam.py `_init_group`).
+        fused = bool(self.optimizer.defaults.get("fused"))
+        for state in self.optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, torch.Tensor) and not fused:
+                rec = tr.record_of(step)
+                if rec is not None:
+                    rec.category = "host"
+
+    def evaluate(self) -> int:
+        tr = self.tracker
+        s = self.setup
+        tr.phase = "eval"
+        # evaluation runs the full model (a forward only: cheap enough, and exact)
+        self.model.eval()
+        tr.tag_fn = lambda: None
+        batch = _make_batch(self.model, s, s.per_device_eval_batch_size, seq=s.sequence_length)
+        self._register_batch(batch)
+        ignore = set(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
+        with torch.no_grad():
+            out = self._forward(batch, training=False)
+            items = dict(out.items()) if hasattr(out, "items") else {"logits": out}
+            loss = items.pop("loss", None)
+            preds = [v for k, v in items.items() if k not in ignore and isinstance(v, torch.Tensor)]
+            labels = [batch[k] for k in ("labels", "start_positions", "end_positions") if k in batch]
+            del out, items
+            # EvalLoopContainer.add / nested_concat (transformers/trainer_pt_utils.py): each step
+            # concatenates the new batch to the buffer kept on the device -> a new buffer of k
+            # batches while the old one of k-1 batches is still alive.
+            per_step = []
+            if loss is not None:
+                losses = loss.detach().mean().repeat(s.per_device_eval_batch_size)
+                per_step.append(losses.untyped_storage().nbytes())
+            if not s.prediction_loss_only:
+                per_step += [t.untyped_storage().nbytes() for t in preds]
+                per_step += [t.untyped_storage().nbytes() for t in labels]
+        samples = s.eval_samples or DEFAULT_EVAL_SAMPLES
+        n_steps = math.ceil(samples / s.per_device_eval_batch_size)
+        held = min(n_steps, s.eval_accumulation_steps or n_steps)
+        first = max(1, held - _MAX_EVAL_CONCAT_EVENTS + 1)
+        buffers = []
+        for size in per_step:
+            buffers.append(tr.synthetic_alloc(size * (first - 1), "eval_outputs") if first > 1 else None)
+        for k in range(first, held + 1):
+            for i, size in enumerate(per_step):
+                new = tr.synthetic_alloc(size * k, "eval_outputs")
+                if buffers[i] is not None:
+                    tr.synthetic_free(buffers[i])
+                buffers[i] = new
+        del preds, labels, loss, batch
+        for b in buffers:
+            if b is not None:
+                tr.synthetic_free(b)
+        self.model.train()
+        return held
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self, *, optimizer_steps: int = 2) -> Simulation:
+        s = self.setup
+        mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
+        sdpa = _sdpa_context(s, self.sdpa_backends)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with mode, self.tracker, sdpa:
+                self._materialize()
+                self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
+                micro = min(s.gradient_accumulation_steps, 2)
+                first = len(self.tracker.events)
+                for _ in range(micro):
+                    self.micro_step(s.gradient_accumulation_steps)
+                last = len(self.tracker.events)
+                self.optimizer_step()
+                for _ in range(optimizer_steps - 1):
+                    # later optimizer steps repeat the first one's micro-steps exactly (the
+                    # gradients were freed by zero_grad); only the optimizer step differs
+                    # (its state now exists), so it is simulated again
+                    tr = self.tracker
+                    tr.phase = "forward"
+                    self.replay(first, last)
+                    self.optimizer_step()
+                held = self.evaluate() if s.does_eval else 0
+                trace = [e for e in self.tracker.trace() if e.category != "host"]
+        params = {id(p): p for p in self.model.parameters()}
+        total = sum(p.numel() for p in params.values())
+        trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+        config = getattr(self.model, "config", None)
+        return Simulation(
+            trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
+            sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
+            model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
+        )
+
+
+def _sdpa_context(setup: TrainSetup, log: list[str]):
+    """Route F.scaled_dot_product_attention to the CUDA-backend emulation (memfit.sim.sdpa)."""
+    from memfit.sim.sdpa_mode import cuda_sdpa
+
+    return cuda_sdpa(compute_capability=setup.compute_capability, log=log)
+
+
+def simulate(setup: TrainSetup, *, fake: bool = True, optimizer_steps: int = 2, splice: bool = True) -> Simulation:
+    """Simulate `setup` and return its allocation trace (see module docstring).
+
+    `splice=True` simulates 4 blocks per repeated stack and writes the trace of all of them
+    (memfit.sim.splice); it falls back to the full model when the cut model cannot stand
+    for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
+    """
+    if splice:
+        try:
+            return _Runner(setup, fake=fake, splice=True).run(optimizer_steps=optimizer_steps)
+        except SpliceRefused:
+            pass
+    return _Runner(setup, fake=fake, splice=False).run(optimizer_steps=optimizer_steps)

@@ -1,0 +1,94 @@
+"""The optimizer Trainer would build, as it runs on a CUDA device.
+
+Trainer picks the class and kwargs in `Trainer.get_optimizer_cls_and_kwargs` (transformers
+5, trainer_optimizer.py) and splits parameters into a weight-decay group and a no-decay
+group (`Trainer.get_decay_parameter_names`). memfit calls both. One thing differs on the
+CPU: with `foreach=None`, torch.optim picks the foreach implementation only for CUDA
+tensors (`_default_to_fused_or_foreach` in torch/optim/optimizer.py), so the simulation
+passes `foreach=True` explicitly to reproduce the multi-tensor temporaries CUDA has.
+
+8-bit AdamW (bitsandbytes) has no CPU kernels; `EmulatedAdamW8bit` allocates the state
+bitsandbytes allocates (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state`):
+uint8 `state1`/`state2` and fp32 `absmax1`/`absmax2` per 256-element block for tensors of
+at least `min_8bit_size=4096` elements, fp32 states below that. Its update runs in place.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import warnings
+
+import torch
+from torch import nn
+
+__all__ = ["build_optimizer", "EmulatedAdamW8bit", "STATE_ON_HOST"]
+
+#: Optimizers whose per-parameter `step` counter is a CPU tensor on a CUDA run (not fused,
+#: not capturable: `_init_group` in torch/optim/adam.py). Those bytes never reach the GPU.
+STATE_ON_HOST = {"step"}
+
+_BNB_BLOCK = 256  # bitsandbytes blockwise optimizer block size (functional.py, optimizer_update_8bit_blockwise)
+_BNB_MIN_8BIT = 4096  # Optimizer8bit min_8bit_size default
+
+
+class EmulatedAdamW8bit(torch.optim.Optimizer):
+    """Memory stand-in for bitsandbytes.optim.AdamW8bit (same state sizes, no numerics)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 **_: object) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    if p.numel() >= _BNB_MIN_8BIT:
+                        blocks = math.ceil(p.numel() / _BNB_BLOCK)
+                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                # the CUDA kernel updates p, state1/2 and absmax in place: no temporaries.
+        return None
+
+
+def _training_args(optim: str, weight_decay: float):
+    from transformers import TrainingArguments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TrainingArguments(
+            output_dir=tempfile.gettempdir(), optim=optim, weight_decay=weight_decay, report_to="none",
+            use_cpu=True,
+        )
+
+
+def build_optimizer(model: nn.Module, optim: str, weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer `Trainer.create_optimizer` builds, with CUDA's foreach default."""
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if optim in ("adamw_bnb_8bit", "adamw_8bit"):
+        return EmulatedAdamW8bit(groups, lr=5e-5, weight_decay=weight_decay)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(_training_args(optim, weight_decay), model)
+    kwargs = dict(kwargs)
+    if cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
+        if "foreach" in cls.__init__.__code__.co_varnames:
+            kwargs["foreach"] = True
+    return cls(groups, **kwargs)

@@ -1,0 +1,265 @@
+"""Exploit the repeated layers: simulate 4 blocks per stack, write the trace of all N.
+
+A 24-layer model runs 24 identical blocks. memfit runs the real model code with each
+repeated layer list cut to its first `K = 5` blocks (blocks 0 and 1, one generic block,
+the second-to-last and the last), tags every allocation and free with the block that ran
+it, and writes the N-block trace by repeating the generic block's events N - 4 times with
+fresh storage ids. Which block runs is known from forward hooks in the forward, and in
+the backward from the autograd node being executed: nodes are numbered in creation
+order (`Node._sequence_nr`), so the range of numbers created during block i's forward
+identifies its backward nodes, and `AccumulateGrad` nodes by their parameter.
+
+References between blocks are resolved by offset: when block i frees what block i - 1
+allocated, copy n frees what copy n - 1 allocated; blocks 1, 2 and 3 must produce
+identical events, so the k-th allocation of block 1 (or 3) stands for the k-th of a
+generic copy. A free issued outside the blocks of something every copy allocated frees
+all copies.
+
+The result is checked against the full simulation in tests/test_splice.py. The splice is
+refused (and the full model simulated) when the two middle blocks of the cut model do not
+produce identical events, when a block's events are not contiguous, or when the stack is
+too short to gain anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+
+import torch
+from torch import nn
+
+from memfit.checkpointing import repeated_layer_lists
+from memfit.sim.tracker import Record, StorageTracker
+
+__all__ = ["K", "GENERIC", "SpliceRefused", "truncate_layers", "LayerTagger", "splice_events"]
+
+K = 5  #: blocks kept per repeated stack: 0, 1, the generic one, N-2, N-1
+GENERIC = 2  #: the block that stands for blocks 2 .. N-3
+
+
+class SpliceRefused(Exception):
+    """The cut model cannot stand for the full one; simulate the full model instead."""
+
+
+def truncate_layers(model: nn.Module) -> tuple[nn.Module, dict[int, int], dict[int, str]]:
+    """A copy of the (meta) model whose repeated layer lists keep their first K blocks.
+
+    Returns the copy, `{list index: N}` and `{list index: qualified list name}`.
+    """
+    lists = [(name, ml) for name, ml in repeated_layer_lists(model) if len(ml) > K + 1]
+    if not lists:
+        raise SpliceRefused("no repeated layer list longer than K + 1")
+    cut = copy.deepcopy(model)
+    sizes, names = {}, {}
+    for j, (name, ml) in enumerate(lists):
+        target = cut.get_submodule(name)
+        kept = nn.ModuleList(list(target)[:K])
+        parent_name, _, attr = name.rpartition(".")
+        parent = cut.get_submodule(parent_name) if parent_name else cut
+        setattr(parent, attr, kept)
+        sizes[j], names[j] = len(ml), name
+    return cut, sizes, names
+
+
+class LayerTagger:
+    """Knows which (stack, block) of the cut model is running: `current()` -> (j, i) or None."""
+
+    def __init__(self, model: nn.Module, tracker: StorageTracker, names: dict[int, str]) -> None:
+        self.tracker = tracker
+        self.stack: list[tuple[int, int]] = []
+        self.starts: list[int] = []
+        self.ranges: list[tuple[int, int, tuple[int, int]]] = []
+        self.param_tag: dict[int, tuple[int, int]] = {}
+        self.handles = []
+        self.model, self.names = model, names
+        for j, name in names.items():
+            for i, block in enumerate(model.get_submodule(name)):
+                tag = (j, i)
+                self.handles.append(block.register_forward_pre_hook(self._pre(tag)))
+                self.handles.append(block.register_forward_hook(self._post(tag), always_call=True))
+        self.index_params()
+
+    def index_params(self) -> None:
+        """Map parameters to blocks; call again after `to_empty` (it replaces Parameter objects)."""
+        self.param_tag.clear()
+        for j, name in self.names.items():
+            for i, block in enumerate(self.model.get_submodule(name)):
+                for p in block.parameters():
+                    self.param_tag[id(p)] = (j, i)
+
+    def _pre(self, tag):
+        def hook(module, args):
+            self.stack.append(tag)
+            self.starts.append(torch._C._autograd._get_sequence_nr())
+
+        return hook
+
+    def _post(self, tag):
+        def hook(module, args, output):
+            start = self.starts.pop()
+            self.stack.pop()
+            if self.tracker.phase == "forward" and torch._C._current_autograd_node() is None:
+                self.ranges.append((start, torch._C._autograd._get_sequence_nr(), tag))
+
+        return hook
+
+    def reset(self) -> None:
+        self.ranges.clear()
+
+    def current(self):
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return self.stack[-1] if self.stack else None
+        if self.stack:  # recomputation (checkpointing) runs the block's forward inside the backward
+            return self.stack[-1]
+        var = getattr(node, "variable", None)
+        if var is not None:
+            return self.param_tag.get(id(var))
+        seq = node._sequence_nr()
+        starts = [r[0] for r in self.ranges]
+        k = bisect.bisect_right(starts, seq) - 1
+        if k >= 0 and self.ranges[k][0] <= seq < self.ranges[k][1]:
+            return self.ranges[k][2]
+        return None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _n_index(tag, sizes) -> int | None:
+    """Block index in the full model of a non-generic block of the cut model."""
+    j, i = tag
+    n = sizes[j]
+    return {0: 0, 1: 1, K - 2: n - 2, K - 1: n - 1}.get(i)
+
+
+def splice_events(
+    tracker: StorageTracker, start: int, sizes: dict[int, int], names: dict[int, str]
+) -> dict[int, dict[int, Record]]:
+    """Rewrite tracker.events[start:] as the full model's events (in place).
+
+    Returns `{record id of a generic-block record: {n: copy}}` for the records that were copied.
+    """
+    events = tracker.events[start:]
+    # runs of consecutive events with the same tag
+    runs: list[tuple[object, list]] = []
+    for ev in events:
+        tag = ev[3]
+        if runs and runs[-1][0] == tag:
+            runs[-1][1].append(ev)
+        else:
+            runs.append((tag, [ev]))
+    # check: the generic block's events are contiguous per phase, and blocks 1, 2 and 3 produce
+    # identical events (their runs of one phase, concatenated)
+    sig: dict[tuple, list] = {}
+    alloc_pos: dict[int, tuple[tuple, int]] = {}
+    generic_allocs: dict[tuple, list[Record]] = {}
+    for tag, evs in runs:
+        if tag is None:
+            continue
+        key = (tag, evs[0][2])
+        if tag[1] == GENERIC and key in sig:
+            raise SpliceRefused(f"events of block {tag} are not contiguous in phase {evs[0][2]}")
+        sig.setdefault(key, []).extend((a, r.size_bytes) for a, r, _, _ in evs)
+        allocs = generic_allocs.setdefault((tag[0], tag[1], evs[0][2]), [])
+        for a, r, _, _ in evs:
+            if a == "alloc":
+                alloc_pos[r.id] = (key, len(allocs))
+                allocs.append(r)
+    for (tag, phase), s_ in sig.items():
+        j, i = tag
+        if i == GENERIC:
+            for other_i in (GENERIC - 1, GENERIC + 1):
+                other = sig.get(((j, other_i), phase))
+                if other is not None and other != s_:
+                    raise SpliceRefused(f"blocks {other_i} and {GENERIC} of stack {names[j]} differ in phase {phase}")
+
+    copies: dict[int, dict[int, Record]] = {}
+    owner: dict[int, object] = {}  # record id -> tag of the run that allocated it (None: outside blocks)
+    out: list = []
+
+    def module_for(rec: Record, j: int, n: int) -> str:
+        return rec.module.replace(f"{names[j]}.{GENERIC}.", f"{names[j]}.{n}.")
+
+    def twin_copy(rec: Record, target_n: int, j: int) -> Record | None:
+        """The generic copy at `target_n` that stands where block 1's or 3's record `rec` stood."""
+        pos = alloc_pos.get(rec.id)
+        if pos is None:
+            return None
+        (_, src_phase), k = pos
+        twins = generic_allocs.get((j, GENERIC, src_phase), [])
+        return copies.get(twins[k].id, {}).get(target_n) if k < len(twins) else None
+
+    def resolve(rec: Record, src, from_i: int, from_n: int, j: int) -> Record | None:
+        """What a free issued by full-model block `from_n` (cut block `from_i`) of `rec` frees."""
+        target_n = from_n - (from_i - src[1])
+        if src[1] == GENERIC:
+            return copies[rec.id].get(target_n)
+        if target_n == _n_index(src, sizes):
+            return rec
+        if src[1] in (GENERIC - 1, GENERIC + 1):
+            return twin_copy(rec, target_n, j)
+        return None
+
+    for tag, evs in runs:
+        phase = evs[0][2]
+        if tag is None or tag[1] != GENERIC:
+            n_from = None if tag is None else _n_index(tag, sizes)
+            for action, rec, ph, _ in evs:
+                if action == "alloc":
+                    owner[rec.id] = tag
+                    out.append((action, rec, ph, tag))
+                    continue
+                src = owner.get(rec.id, "old")
+                if src in ("old", None):
+                    out.append((action, rec, ph, tag))
+                    continue
+                if tag is None or src[0] != tag[0]:
+                    # outside the blocks: a generic record stands for all its copies
+                    targets = [copies[rec.id][n] for n in sorted(copies[rec.id])] if src[1] == GENERIC else [rec]
+                else:
+                    t = resolve(rec, src, tag[1], n_from, tag[0])
+                    targets = [t] if t is not None else []
+                    if t is not rec and src[1] != GENERIC:
+                        # `rec` itself is freed by whichever copy stands at its own index (see below)
+                        pass
+                for t in targets:
+                    if t is rec or t.alive:
+                        t.alive = False
+                        out.append(("free", t, ph, tag))
+            continue
+        # a generic block: emit one copy per full-model block it stands for
+        j, i = tag
+        n_total = sizes[j]
+        order = range(GENERIC, n_total - 2)
+        if phase == "backward":
+            order = reversed(order)
+        for n in order:
+            for action, rec, ph, _ in evs:
+                if action == "alloc":
+                    owner[rec.id] = tag
+                    new = tracker.new_record_like(rec, module_for(rec, j, n))
+                    copies.setdefault(rec.id, {})[n] = new
+                    out.append(("alloc", new, ph, (j, n)))
+                    continue
+                src = owner.get(rec.id, "old")
+                if src in ("old", None) or src[0] != j:
+                    # allocated outside the blocks: freed once, by the copy at the cut model's index
+                    if n == i:
+                        out.append(("free", rec, ph, tag))
+                    continue
+                t = resolve(rec, src, i, n, j)
+                if t is rec:
+                    out.append(("free", rec, ph, (j, n)))
+                elif t is not None and t.alive:
+                    t.alive = False
+                    out.append(("free", t, ph, (j, n)))
+        for action, rec, _, _ in evs:
+            if action == "alloc":
+                rec.expand_to = [copies[rec.id][n] for n in sorted(copies[rec.id])]
+            elif owner.get(rec.id) == tag:
+                rec.alive = False
+    tracker.events[start:] = out
+    return copies

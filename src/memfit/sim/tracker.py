@@ -1,0 +1,163 @@
+"""Track every storage's lifetime, by category, as an ordered allocation trace.
+
+A TorchDispatchMode sees each aten op below autograd; a storage seen for the first time
+in an op's outputs is an allocation, and a `weakref.finalize` on the storage object
+(PyTorch keeps one Python object per live storage) records its free. Works the same on
+FakeTensors and real CPU tensors, which is how the simulator is checked for exactness.
+
+Known limitations: storages created outside the mode (before it is entered) are only
+seen if registered with `register`; allocations inside C++ kernels that never surface
+as an op output (cuBLAS workspaces, kernel scratch) are invisible here and are added by
+the CUDA emulation where they matter (SDPA backward workspaces, see sim/sdpa.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.sim import _torch_adapter as adapter
+from memfit.trace import TraceEvent
+
+__all__ = ["StorageTracker", "Record"]
+
+
+class Record:
+    """One storage: mutable while the simulation runs, frozen into TraceEvents at the end."""
+
+    __slots__ = ("id", "size_bytes", "category", "phase", "module", "layer", "alive", "expand_to")
+
+    def __init__(self, sid: int, size: int, category: str, phase: str, module: str, layer: object) -> None:
+        self.id = sid
+        self.size_bytes = size
+        self.category = category
+        self.phase = phase
+        self.module = module
+        self.layer = layer
+        self.alive = True
+        #: set by layer splicing: freeing this record frees these instead (None: itself)
+        self.expand_to: list[Record] | None = None
+
+
+class StorageTracker(adapter.TorchDispatchMode):
+    """Records alloc/free events of storages produced by aten ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Record] = []
+        #: (action, record, phase) in program order; action is "alloc" or "free".
+        self.events: list[tuple[str, Record, str]] = []
+        self._ids = WeakIdKeyDictionary()
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self.phase = "setup"
+        self.default_category = "temporaries"
+        self.module = ""
+        self.layer: object = None  #: layer tag set by the simulator (for splicing repeated layers)
+        self.tag_fn = lambda: None  #: returns the layer tag of the code running now
+        self.paused = False
+
+    # -- recording -----------------------------------------------------------------------
+    def _new(self, storage, category: str | None = None) -> Record:
+        tag = self.tag_fn()
+        rec = Record(len(self.records), storage.nbytes(), category or self.default_category, self.phase,
+                     self.module or adapter.current_autograd_node_name(), tag)
+        self.records.append(rec)
+        self._ids[storage] = rec
+        self.events.append(("alloc", rec, self.phase, tag))
+        self._finalizers[id(storage)] = weakref.finalize(storage, self._free, rec)
+        return rec
+
+    def synthetic_alloc(self, size_bytes: int, category: str) -> Record:
+        """An allocation the simulation does not run but knows the size of (e.g. eval buffers)."""
+        rec = Record(len(self.records), int(size_bytes), category, self.phase, self.module, None)
+        self.records.append(rec)
+        self.events.append(("alloc", rec, self.phase, None))
+        return rec
+
+    def new_record_like(self, orig: Record, module: str) -> Record:
+        """A copy of `orig` (layer splicing), not yet in the event list."""
+        rec = Record(len(self.records), orig.size_bytes, orig.category, orig.phase, module, orig.layer)
+        self.records.append(rec)
+        return rec
+
+    def ignore(self, tensor: torch.Tensor) -> None:
+        """Treat `tensor`'s storage as known and never report it (stand-in weights of a spliced run)."""
+        storage = tensor.untyped_storage()
+        if storage not in self._ids:
+            rec = Record(-1, 0, "host", self.phase, "", None)
+            rec.alive = False
+            self._ids[storage] = rec
+
+    def bind(self, tensor: torch.Tensor, rec: Record) -> None:
+        """`tensor`'s storage is the one `rec` describes (its free will be reported as rec's)."""
+        storage = tensor.untyped_storage()
+        self._ids[storage] = rec
+        self._finalizers[id(storage)] = weakref.finalize(storage, self._free, rec)
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop reporting `tensor`'s storage (it is known, but its free is no longer an event)."""
+        storage = tensor.untyped_storage()
+        fin = self._finalizers.pop(id(storage), None)
+        if fin is not None:
+            fin.detach()
+        self._ids.pop(storage, None)
+        self.ignore(tensor)
+
+    def synthetic_free(self, rec: Record) -> None:
+        self._free(rec)
+
+    def _free(self, rec: Record) -> None:
+        if not rec.alive:
+            return
+        rec.alive = False
+        if rec.expand_to is not None:
+            tag = self.tag_fn()
+            for other in rec.expand_to:
+                if other.alive:
+                    other.alive = False
+                    self.events.append(("free", other, self.phase, tag))
+            return
+        self.events.append(("free", rec, self.phase, self.tag_fn()))
+
+    def register(self, tensor: torch.Tensor, category: str) -> Record:
+        """Record `tensor`'s storage as allocated now (e.g. weights moved to the GPU)."""
+        storage = tensor.untyped_storage()
+        rec = self._ids.get(storage)
+        if rec is None:
+            rec = self._new(storage, category)
+        else:
+            rec.category = category
+        return rec
+
+    def record_of(self, tensor: torch.Tensor) -> Record | None:
+        return self._ids.get(tensor.untyped_storage())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        if isinstance(out, torch.Tensor):
+            self._see(out)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self._see(t)
+                elif isinstance(t, (tuple, list)):
+                    for u in t:
+                        if isinstance(u, torch.Tensor):
+                            self._see(u)
+        return out
+
+    def _see(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage not in self._ids:
+            self._new(storage)
+
+    # -- results -------------------------------------------------------------------------
+    def live_records(self) -> list[Record]:
+        return [r for r in self.records if r.alive]
+
+    def trace(self) -> list[TraceEvent]:
+        return [TraceEvent(a, r.id, r.size_bytes, r.category, phase, r.module) for a, r, phase, _ in self.events]
