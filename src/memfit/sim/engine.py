@@ -66,6 +66,7 @@ class Simulation:
     model_name: str = ""
     model_type: str = ""
     eval_steps_held: int = 0
+    weights_dtype: str = "float32"
 
 
 def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) -> dict[str, torch.Tensor]:
@@ -421,6 +422,7 @@ class _Runner:
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
+            weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
         )
 
 

@@ -1,0 +1,196 @@
+"""`memfit estimate MODEL`: peak GPU memory of fine-tuning MODEL, without a GPU or weights.
+
+    memfit estimate                                   # the built-in default: the seed case
+    memfit estimate xlnet-large-cased --task seq-cls --num-labels 2 --batch-size 1 --max-length 512
+    memfit estimate meta-llama/Llama-3.2-1B --task causal-lm --precision bf16 --gpu A100-40GB --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from memfit.errors import MemfitError
+from memfit.units import format_bytes
+
+__all__ = ["estimate_command_parser", "estimate_command", "SEED_CASE"]
+
+#: The case in shared/seed-summary.md: xlnet-large-cased, batch 1 x accumulation 16, a V100-16GB.
+SEED_CASE = {
+    "model": "xlnet-large-cased", "task": "seq-cls", "num_labels": 2,
+    "training_args": {"evaluation_strategy": "epoch", "save_strategy": "epoch", "learning_rate": 2e-5,
+                      "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
+                      "num_train_epochs": 3, "gradient_accumulation_steps": 16, "weight_decay": 0.01},
+    "max_length": 512, "gpu": "V100-16GB",
+}
+
+
+def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "estimate", help="peak GPU memory of a fine-tuning run (no GPU, no weights)",
+        description="Simulate a Hugging Face Trainer fine-tuning run on fake tensors and report its peak GPU "
+                    "memory per phase and by category. Without MODEL: the seed case (xlnet-large-cased on a "
+                    "16 GB V100, batch 1 x accumulation 16, 512 tokens).",
+    )
+    p.add_argument("model", nargs="?", help="hub id (bundled ones work offline), model directory, or config.json")
+    p.add_argument("--task", default=None, help="seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm (default seq-cls)")
+    p.add_argument("--num-labels", type=int, default=None, help="labels of a classification head (default 2)")
+    p.add_argument("--batch-size", type=int, default=None, help="per_device_train_batch_size (default 8)")
+    p.add_argument("--eval-batch-size", type=int, default=None, help="per_device_eval_batch_size (default 8)")
+    p.add_argument("--grad-accum", type=int, default=None, help="gradient_accumulation_steps (default 1)")
+    p.add_argument("--max-length", type=int, default=None, help="padded sequence length in tokens (default 512)")
+    p.add_argument("--example-lengths", default=None,
+                   help="token lengths of the examples, comma-separated or @FILE (one per line); the worst batch is simulated")
+    p.add_argument("--no-truncation", action="store_true", help="examples are not truncated to --max-length")
+    p.add_argument("--target-length", type=int, default=None, help="decoder length for seq2seq-lm")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None, help="mixed precision (default fp32)")
+    p.add_argument("--weights-dtype", choices=("auto", "fp32", "fp16", "bf16"), default=None,
+                   help="dtype the weights are loaded in (default auto: the config's, as transformers 5 loads them)")
+    p.add_argument("--optim", default=None, help="TrainingArguments optim name (default adamw_torch_fused)")
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--max-grad-norm", type=float, default=None)
+    p.add_argument("--gradient-checkpointing", action="store_true", default=None)
+    p.add_argument("--eval-strategy", choices=("no", "steps", "epoch"), default=None)
+    p.add_argument("--eval-accumulation-steps", type=int, default=None)
+    p.add_argument("--eval-samples", type=int, default=None, help="examples in the eval set (default 1000)")
+    p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (peft)")
+    p.add_argument("--lora-target-modules", default=None, help="comma-separated module names LoRA wraps")
+    p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="attention implementation")
+    p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs (legacy names accepted)")
+    p.add_argument("--gpu", default=None, help="V100-16GB, A100-80GB, ..., a size like 24GiB, or auto")
+    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to model (default: the environment's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
+    p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
+    p.set_defaults(func=estimate_command)
+    return p
+
+
+def _lengths(text: str) -> list[int]:
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as fh:
+                items = fh.read().split()
+        except OSError as err:
+            raise MemfitError(f"cannot read example lengths file `{text[1:]}`: {err.strerror}") from err
+    else:
+        items = [x for x in text.replace(",", " ").split() if x]
+    try:
+        return [int(x) for x in items]
+    except ValueError as err:
+        raise MemfitError(f"example lengths must be whole token counts; got `{text[:60]}`") from err
+
+
+def build_setup(args: argparse.Namespace):
+    from memfit.train_setup import TrainSetup
+
+    fields = {}
+    for flag, name in (("task", "task"), ("num_labels", "num_labels"), ("batch_size", "per_device_train_batch_size"),
+                       ("eval_batch_size", "per_device_eval_batch_size"), ("grad_accum", "gradient_accumulation_steps"),
+                       ("max_length", "max_length"), ("target_length", "target_length"), ("precision", "precision"),
+                       ("weights_dtype", "weights_dtype"), ("optim", "optim"), ("weight_decay", "weight_decay"),
+                       ("max_grad_norm", "max_grad_norm"), ("gradient_checkpointing", "gradient_checkpointing"),
+                       ("eval_strategy", "eval_strategy"), ("eval_accumulation_steps", "eval_accumulation_steps"),
+                       ("eval_samples", "eval_samples"), ("lora_r", "lora_r"), ("attn", "attn_implementation")):
+        value = getattr(args, flag)
+        if value is not None:
+            fields[name] = value
+    if args.example_lengths:
+        fields["example_lengths"] = _lengths(args.example_lengths)
+    if args.no_truncation:
+        fields["truncation"] = False
+    if args.lora_target_modules:
+        fields["lora_target_modules"] = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
+    gpu = args.gpu
+    if args.model is None:
+        seed = dict(SEED_CASE)
+        gpu = gpu or seed.pop("gpu")
+        seed.pop("gpu", None)
+        training_args = seed.pop("training_args")
+        model = seed.pop("model")
+        seed.update(fields)
+        return TrainSetup.from_kwargs(model, training_args=training_args, **seed), gpu, True
+    if args.args_file:
+        return TrainSetup.from_json(args.args_file, args.model, **fields), gpu, False
+    return TrainSetup.from_kwargs(args.model, **fields), gpu, False
+
+
+def estimate_command(args: argparse.Namespace) -> int:
+    from memfit.estimate import estimate
+
+    if args.list_models:
+        from memfit.model_catalog import bundled_model_ids
+
+        print("\n".join(bundled_model_ids()))
+        return 0
+    for flag in ("batch_size", "eval_batch_size", "grad_accum", "max_length", "num_labels", "lora_r",
+                 "eval_accumulation_steps", "eval_samples", "target_length"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise MemfitError(f"`--{flag.replace('_', '-')}` must be a positive integer; got `{value}`")
+    setup, gpu, is_seed = build_setup(args)
+    report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf)
+    if args.json:
+        json.dump(report.to_json(), sys.stdout, indent=2)
+        print()
+        return 0
+    render(report, is_seed=is_seed)
+    return 0
+
+
+def render(report, *, is_seed: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    s = report.setup
+    title = f"memfit estimate: {report.model} ({report.task})"
+    if is_seed:
+        console.print("[dim]No model given: estimating the built-in default, the case of shared/seed-summary.md "
+                      "(xlnet-large-cased, batch 1 x accumulation 16, 512 tokens, V100-16GB).[/dim]")
+    console.print(f"[bold]{title}[/bold]")
+    console.print(
+        f"params {report.params / 1e6:,.1f} M (trainable {report.trainable_params / 1e6:,.1f} M) | "
+        f"batch {s['per_device_train_batch_size']} x accumulation {s['gradient_accumulation_steps']} x "
+        f"{s['sequence_length']} tokens | {s['precision']} | {s['optim']}"
+        + (f" | checkpointing: {report.checkpointing}" if report.checkpointing else "")
+        + (f" | SDPA: {', '.join(report.sdpa_backends)}" if report.sdpa_backends else "")
+    )
+    phases = Table(title="Peak allocated per phase", title_justify="left")
+    phases.add_column("phase")
+    phases.add_column("allocated", justify="right")
+    phases.add_column("reserved", justify="right")
+    for phase in ("forward", "backward", "optimizer", "eval"):
+        if phase == "eval" and not report.phases.get("eval"):
+            phases.add_row(phase, "not run", "-")
+            continue
+        phases.add_row(phase, format_bytes(report.phases.get(phase, 0)),
+                       format_bytes(report.reserved_by_phase.get(phase, 0)))
+    console.print(phases)
+    cats = Table(title=f"At the peak ({report.peak_phase})", title_justify="left")
+    cats.add_column("category")
+    cats.add_column("bytes", justify="right")
+    cats.add_column("share", justify="right")
+    for k, v in report.breakdown.items():
+        if v or k != "workspaces":
+            cats.add_row(k.replace("_", " "), format_bytes(v),
+                         f"{100 * v / report.peak_allocated_bytes:.0f}%" if report.peak_allocated_bytes else "-")
+    cats.add_row("[bold]allocated[/bold]", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]", "")
+    console.print(cats)
+    console.print(f"peak reserved (caching allocator): {format_bytes(report.peak_reserved_bytes)}"
+                  f"  (reserved but unallocated at that moment: {format_bytes(report.fragmentation_at_peak_bytes)})")
+    if report.gpu is not None:
+        console.print(f"outside PyTorch (CUDA context, kernels): ~{format_bytes(report.non_pytorch_bytes)}")
+        console.print(f"nvidia-smi would show: ~{format_bytes(report.device_used_bytes)} of "
+                      f"{format_bytes(report.gpu['total_bytes'])} ({report.gpu['name']})")
+        if report.fits:
+            console.print(f"[green]fits[/green], headroom {format_bytes(report.headroom_bytes)}")
+        else:
+            console.print(f"[red]does not fit[/red]: short by {format_bytes(-report.headroom_bytes)}"
+                          if report.headroom_bytes is not None and report.headroom_bytes < 0 else "[red]does not fit[/red]")
+            if report.oom is not None:
+                console.print(f"PyTorch would fail in the {report.oom.phase} phase with:")
+                console.print(f"[dim]{report.oom.message}[/dim]", soft_wrap=True)
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    console.print(f"[dim]simulated in {report.elapsed_s:.1f} s[/dim]")
