@@ -1,6 +1,27 @@
-"""memfit: make Hugging Face fine-tuning fit in GPU memory."""
+"""memfit: make Hugging Face fine-tuning fit in GPU memory.
+
+    from memfit import TrainSetup, estimate, diagnose
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from typing import Any
+
+__all__ = ["TrainSetup", "MemoryReport", "estimate", "diagnose", "MemfitError"]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "TrainSetup": "memfit.train_setup",
+    "MemoryReport": "memfit.estimate",
+    "estimate": "memfit.estimate",
+    "diagnose": "memfit.diagnose",
+    "MemfitError": "memfit.errors",
+}
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: import torch only when needed
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")
