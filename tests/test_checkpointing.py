@@ -3,7 +3,7 @@ import torch
 from transformers import XLNetConfig, XLNetForSequenceClassification
 
 from memfit.checkpointing import enable_checkpointing, repeated_layer_lists
-from memfit.estimate import estimate
+from memfit.estimator import estimate
 from memfit.train_setup import TrainSetup
 
 TINY_XLNET = dict(d_model=32, n_layer=3, n_head=2, d_inner=64, vocab_size=50)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit.cli import main
-from memfit.diagnose import diagnose, detect_phase
+from memfit.diagnosis import diagnose, detect_phase
 from memfit.errors import MemfitError
 from memfit.i18n import LANGS, MESSAGES
 from memfit.units import GiB, MiB

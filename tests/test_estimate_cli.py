@@ -5,7 +5,7 @@ import json
 import pytest
 
 from memfit.cli import main
-from memfit.estimate import estimate
+from memfit.estimator import estimate
 from memfit.train_setup import TrainSetup
 
 TINY_BERT = "tests/data/tiny-bert"

@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "TrainSetup": "memfit.train_setup",
-    "MemoryReport": "memfit.estimate",
-    "estimate": "memfit.estimate",
-    "diagnose": "memfit.diagnose",
+    "MemoryReport": "memfit.estimator",
+    "estimate": "memfit.estimator",
+    "diagnose": "memfit.diagnosis",
     "MemfitError": "memfit.errors",
 }
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from memfit.diagnose import Diagnosis, diagnose
+from memfit.diagnosis import Diagnosis, diagnose
 from memfit.errors import MemfitError
 from memfit.i18n import LANGS, t
 
@@ -110,7 +110,7 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
     from rich.markup import escape
     from rich.table import Table
 
-    from memfit.diagnose import _fmt
+    from memfit.diagnosis import _fmt
 
     lang, m = d.lang, d.message
     assert m is not None

@@ -116,7 +116,7 @@ def build_setup(args: argparse.Namespace):
 
 
 def estimate_command(args: argparse.Namespace) -> int:
-    from memfit.estimate import estimate
+    from memfit.estimator import estimate
 
     if args.list_models:
         from memfit.model_catalog import bundled_model_ids
