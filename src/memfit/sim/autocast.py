@@ -20,7 +20,7 @@ import torch
 
 from memfit.sim import _torch_adapter as adapter
 
-__all__ = ["LOWER_PRECISION_OPS", "FP32_OPS", "FP32_SET_OPT_DTYPE_OPS", "PROMOTE_OPS", "cuda_autocast"]
+__all__ = ["LOWER_PRECISION_OPS", "FP32_OPS", "FP32_SET_OPT_DTYPE_OPS", "PROMOTE_OPS", "cuda_autocast", "cuda_autocast_policy"]
 
 LOWER_PRECISION_OPS = (
     "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -124,15 +124,19 @@ class _Policy:
 
 
 @contextlib.contextmanager
-def cuda_autocast(dtype: torch.dtype | None) -> Iterator[_Policy | None]:
-    """Run the enclosed code as `torch.autocast("cuda", dtype)` would on a GPU.
+def cuda_autocast_policy(dtype: torch.dtype | None) -> Iterator[_Policy | None]:
+    """Install the CUDA policy at AutocastCPU for the whole enclosed code (a simulation run).
 
-    Must be entered inside a simulation (fake or real CPU tensors). `dtype=None` is a
-    no-op (fp32 training). The cast cache is dropped on exit, like autocast's
-    `clear_cache()` when the outermost autocast region ends.
+    The kernels act only where CPU autocast is enabled. Installing them for the whole run, not
+    just the forward, matters for gradient checkpointing: the recomputation in the backward
+    re-enters `torch.autocast("cpu", ...)` (torch/utils/checkpoint.py `recompute_fn` /
+    `_checkpoint_hook`), and must see CUDA's policy there too, not CPU's. The policy's cast
+    cache is dropped whenever autocast drops its own: on leaving the outermost region
+    (`autocast.__exit__` -> `torch.clear_autocast_cache()`), the forward's or a recomputation's.
     """
-    if dtype is None:
-        yield None
+    global _ACTIVE
+    if dtype is None or _ACTIVE is not None:
+        yield _ACTIVE if dtype is not None else None
         return
     policy = _Policy(dtype)
     kernels: dict[str, object] = {}
@@ -151,7 +155,39 @@ def cuda_autocast(dtype: torch.dtype | None) -> Iterator[_Policy | None]:
                 kernels["aten::" + name] = policy.kernel(name, kind)
             except AttributeError:  # op absent from this torch build
                 continue
-    with adapter.override_autocast_cpu(kernels), torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+    plain_clear = torch.clear_autocast_cache
+
+    def clear_autocast_cache() -> None:
+        policy.cache.clear()
+        plain_clear()
+
+    torch.clear_autocast_cache = clear_autocast_cache
+    _ACTIVE = policy
+    try:
+        with adapter.override_autocast_cpu(kernels):
+            yield policy
+    finally:
+        _ACTIVE = None
+        torch.clear_autocast_cache = plain_clear
+        policy.cache.clear()
+
+
+_ACTIVE: _Policy | None = None
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype: torch.dtype | None) -> Iterator[_Policy | None]:
+    """Run the enclosed code as `torch.autocast("cuda", dtype)` would on a GPU.
+
+    Must be entered inside a simulation (fake or real CPU tensors). `dtype=None` is a
+    no-op (fp32 training). The cast cache is dropped on exit, like autocast's
+    `clear_cache()` when the outermost autocast region ends. Uses the policy installed by
+    `cuda_autocast_policy` when one is (the engine installs it for a whole run).
+    """
+    if dtype is None:
+        yield None
+        return
+    with cuda_autocast_policy(dtype) as policy, torch.autocast("cpu", dtype=dtype, cache_enabled=False):
         try:
             yield policy
         finally:

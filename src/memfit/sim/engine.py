@@ -35,7 +35,7 @@ from memfit.checkpointing import enable_checkpointing, repeated_layer_lists
 from memfit.errors import MemfitError
 from memfit.models import ModelSpec, build_meta_model, resolve_config
 from memfit.sim import _torch_adapter as adapter
-from memfit.sim.autocast import cuda_autocast
+from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.optimizers import build_optimizer
 from memfit.sim.splice import K, GENERIC, LayerTagger, SpliceRefused, splice_events, truncate_layers
 from memfit.sim.tracker import StorageTracker
@@ -76,6 +76,12 @@ def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) ->
     out = {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
     if "attention_mask" in params:
         out["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+        # A padded batch: the last example is one token shorter than the longest. transformers
+        # skips the attention mask when it is all ones (masking_utils `_ignore_causal_mask_sdpa`,
+        # `_ignore_bidirectional_mask_sdpa`), but cannot read a FakeTensor and then always builds
+        # it; with one pad token a real run takes the same branch (tests/test_exactness.py).
+        # In place on a view: no allocation.
+        out["attention_mask"][-1, -1:].zero_()
     model_type = getattr(config, "model_type", "")
     if "token_type_ids" in params and (getattr(config, "type_vocab_size", 0) > 1 or model_type == "xlnet"):
         out["token_type_ids"] = torch.zeros(batch, seq, dtype=torch.long)
@@ -158,6 +164,14 @@ class _Runner:
         self.model.to_empty(device="cpu")
         if self.cut is not None:
             self.cut.to_empty(device="cpu")
+        if not self.fake:
+            # to_empty leaves garbage in real storages; a garbage `position_ids` buffer indexes out
+            # of range. Zeros keep every real run well defined (values never change the trace).
+            with torch.no_grad():
+                for module in (self.model, self.cut):
+                    if module is not None:
+                        for tensor in list(module.parameters()) + list(module.buffers()):
+                            tensor.zero_()
         tr.paused = False
         for tensor in list(self.model.parameters()) + list(self.model.buffers()):
             tr.register(tensor, "weights")
@@ -391,11 +405,17 @@ class _Runner:
     # -- the run ---------------------------------------------------------------------------
     def run(self, *, optimizer_steps: int = 2) -> Simulation:
         s = self.setup
+        # Import what runs inside the modes now: a first import under the tracker would record
+        # module-level constants as allocations (peft's LoHa `torch.tensor(...)` class attributes,
+        # imported by transformers.Trainer) and, on a fake run, leave them FakeTensors for good.
+        import accelerate.utils  # noqa: F401  (convert_to_fp32 in _forward)
+        from transformers import Trainer  # noqa: F401  (build_optimizer)
+
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
         sdpa = _sdpa_context(s, self.sdpa_backends)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with mode, self.tracker, sdpa:
+            with mode, self.tracker, sdpa, _cuda_one_hot(), cuda_autocast_policy(self.low):
                 self._materialize()
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
                 micro = min(s.gradient_accumulation_steps, 2)
@@ -424,6 +444,29 @@ class _Runner:
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
         )
+
+
+@contextlib.contextmanager
+def _cuda_one_hot():
+    """`F.one_hot` as aten runs it on a CUDA tensor: `zeros(..., num_classes)` then `scatter_`.
+
+    aten/src/ATen/native/Onehot.cpp takes a functional path for FakeTensors (arange, eq, to(long):
+    two temporaries CUDA never allocates) and checks min/max with `.item()` on the CPU. XLNet
+    one-hot encodes its segment matrix in every forward.
+    """
+    plain = torch.nn.functional.one_hot
+
+    def one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+        if num_classes < 0 or tensor.numel() == 0:
+            return plain(tensor, num_classes)
+        out = torch.zeros(*tensor.shape, num_classes, dtype=tensor.dtype, device=tensor.device)
+        return out.scatter_(-1, tensor.unsqueeze(-1), 1)
+
+    torch.nn.functional.one_hot = one_hot
+    try:
+        yield
+    finally:
+        torch.nn.functional.one_hot = plain
 
 
 def _sdpa_context(setup: TrainSetup, log: list[str]):
