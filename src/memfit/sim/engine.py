@@ -111,6 +111,11 @@ class _Runner:
         model = build_meta_model(setup, self.spec)
         if setup.lora_r is not None:
             model = self._apply_lora(model)
+        if setup.freeze_embeddings:
+            emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            if emb is None:
+                raise MemfitError("`freeze_embeddings` needs a model with input embeddings (get_input_embeddings())")
+            emb.requires_grad_(False)
         self.tracker = StorageTracker()
         self.sdpa_backends: list[str] = []
         self.cut = None
@@ -345,7 +350,8 @@ class _Runner:
             self.cut.zero_grad(set_to_none=True)
         for rec in tr.records[start:]:
             if rec.alive and rec.category == "temporaries":
-                rec.category = "optimizer_state"
+                # ZeRO-Offload keeps the optimizer state in host memory (memfit.remedies.offload)
+                rec.category = "host" if self.setup.offload_optimizer_state else "optimizer_state"
         # Non-fused torch optimizers keep `step` on the host (torch/optim/adam.py `_init_group`).
         fused = bool(self.optimizer.defaults.get("fused"))
         for state in self.optimizer.state.values():
@@ -403,7 +409,7 @@ class _Runner:
         return held
 
     # -- the run ---------------------------------------------------------------------------
-    def run(self, *, optimizer_steps: int = 2) -> Simulation:
+    def run(self, *, optimizer_steps: int = 2, train: bool = True) -> Simulation:
         s = self.setup
         # Import what runs inside the modes now: a first import under the tracker would record
         # module-level constants as allocations (peft's LoHa `torch.tensor(...)` class attributes,
@@ -418,13 +424,14 @@ class _Runner:
             with mode, self.tracker, sdpa, _cuda_one_hot(), cuda_autocast_policy(self.low):
                 self._materialize()
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
-                micro = min(s.gradient_accumulation_steps, 2)
+                micro = min(s.gradient_accumulation_steps, 2) if train else 0
                 first = len(self.tracker.events)
                 for _ in range(micro):
                     self.micro_step(s.gradient_accumulation_steps)
                 last = len(self.tracker.events)
-                self.optimizer_step()
-                for _ in range(optimizer_steps - 1):
+                if train and optimizer_steps > 0:
+                    self.optimizer_step()
+                for _ in range(optimizer_steps - 1 if train else 0):
                     # later optimizer steps repeat the first one's micro-steps exactly (the
                     # gradients were freed by zero_grad); only the optimizer step differs
                     # (its state now exists), so it is simulated again
@@ -476,16 +483,20 @@ def _sdpa_context(setup: TrainSetup, log: list[str]):
     return cuda_sdpa(compute_capability=setup.compute_capability, log=log)
 
 
-def simulate(setup: TrainSetup, *, fake: bool = True, optimizer_steps: int = 2, splice: bool = True) -> Simulation:
+def simulate(
+    setup: TrainSetup, *, fake: bool = True, optimizer_steps: int = 2, splice: bool = True, train: bool = True
+) -> Simulation:
     """Simulate `setup` and return its allocation trace (see module docstring).
 
-    `splice=True` simulates 4 blocks per repeated stack and writes the trace of all of them
+    `optimizer_steps=0` runs the micro-steps of one optimizer step without the step itself;
+    `train=False` runs only the evaluation (the planner's cheap partial simulations).
+    `splice=True` simulates 5 blocks per repeated stack and writes the trace of all of them
     (memfit.sim.splice); it falls back to the full model when the cut model cannot stand
     for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
     """
     if splice:
         try:
-            return _Runner(setup, fake=fake, splice=True).run(optimizer_steps=optimizer_steps)
+            return _Runner(setup, fake=fake, splice=True).run(optimizer_steps=optimizer_steps, train=train)
         except SpliceRefused:
             pass
-    return _Runner(setup, fake=fake, splice=False).run(optimizer_steps=optimizer_steps)
+    return _Runner(setup, fake=fake, splice=False).run(optimizer_steps=optimizer_steps, train=train)
