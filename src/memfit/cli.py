@@ -14,7 +14,7 @@ from memfit.errors import MemfitError
 
 __all__ = ["main"]
 
-VERBS = ("estimate", "diagnose")
+VERBS = ("estimate", "plan", "diagnose")
 
 
 def build_parser() -> argparse.ArgumentParser:

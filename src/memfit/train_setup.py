@@ -114,6 +114,10 @@ class TrainSetup:
     lora_dropout: float = 0.0
     lora_target_modules: list[str] | None = None
     """Module names LoRA wraps; None lets peft pick its default for the architecture."""
+    freeze_embeddings: bool = False
+    """Input embeddings get no gradient (requires_grad=False)."""
+    offload_optimizer_state: bool = False
+    """Optimizer state kept in host memory (DeepSpeed ZeRO-Offload); not on the GPU."""
     compute_capability: tuple[int, int] = (8, 0)
     """Of the target GPU: decides the SDPA backend and whether bf16 is allowed."""
     notes: list[str] = field(default_factory=list)

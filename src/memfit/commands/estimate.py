@@ -14,7 +14,7 @@ import sys
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
 
-__all__ = ["estimate_command_parser", "estimate_command", "SEED_CASE"]
+__all__ = ["estimate_command_parser", "estimate_command", "add_setup_arguments", "build_setup", "SEED_CASE"]
 
 #: The case in shared/seed-summary.md: xlnet-large-cased, batch 1 x accumulation 16, a V100-16GB.
 SEED_CASE = {
@@ -33,6 +33,14 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
                     "memory per phase and by category. Without MODEL: the seed case (xlnet-large-cased on a "
                     "16 GB V100, batch 1 x accumulation 16, 512 tokens).",
     )
+    add_setup_arguments(p)
+    p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
+    p.set_defaults(func=estimate_command)
+    return p
+
+
+def add_setup_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and TrainingArguments flags shared by `estimate` and `plan`."""
     p.add_argument("model", nargs="?", help="hub id (bundled ones work offline), model directory, or config.json")
     p.add_argument("--task", default=None, help="seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm (default seq-cls)")
     p.add_argument("--num-labels", type=int, default=None, help="labels of a classification head (default 2)")
@@ -61,9 +69,6 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help="V100-16GB, A100-80GB, ..., a size like 24GiB, or auto")
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to model (default: the environment's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
-    p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
-    p.set_defaults(func=estimate_command)
-    return p
 
 
 def _lengths(text: str) -> list[int]:

@@ -409,7 +409,15 @@ class _Runner:
         return held
 
     # -- the run ---------------------------------------------------------------------------
-    def run(self, *, optimizer_steps: int = 2, train: bool = True) -> Simulation:
+    def _fake_gradients(self) -> None:
+        """Gradients as a finished backward leaves them (optimizer-only runs)."""
+        self.tracker.phase = "backward"
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.empty_like(p)
+                self.tracker.register(p.grad, "gradients")
+
+    def run(self, *, optimizer_steps: int = 2, train: bool = True, optimizer_only: bool = False) -> Simulation:
         s = self.setup
         # Import what runs inside the modes now: a first import under the tracker would record
         # module-level constants as allocations (peft's LoHa `torch.tensor(...)` class attributes,
@@ -424,6 +432,11 @@ class _Runner:
             with mode, self.tracker, sdpa, _cuda_one_hot(), cuda_autocast_policy(self.low):
                 self._materialize()
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
+                if optimizer_only:
+                    for _ in range(optimizer_steps):
+                        self._fake_gradients()
+                        self.optimizer_step()
+                    train = False
                 micro = min(s.gradient_accumulation_steps, 2) if train else 0
                 first = len(self.tracker.events)
                 for _ in range(micro):
@@ -439,7 +452,7 @@ class _Runner:
                     tr.phase = "forward"
                     self.replay(first, last)
                     self.optimizer_step()
-                held = self.evaluate() if s.does_eval else 0
+                held = self.evaluate() if s.does_eval and not optimizer_only else 0
                 trace = [e for e in self.tracker.trace() if e.category != "host"]
         params = {id(p): p for p in self.model.parameters()}
         total = sum(p.numel() for p in params.values())
@@ -484,19 +497,22 @@ def _sdpa_context(setup: TrainSetup, log: list[str]):
 
 
 def simulate(
-    setup: TrainSetup, *, fake: bool = True, optimizer_steps: int = 2, splice: bool = True, train: bool = True
+    setup: TrainSetup, *, fake: bool = True, optimizer_steps: int = 2, splice: bool = True, train: bool = True,
+    optimizer_only: bool = False,
 ) -> Simulation:
     """Simulate `setup` and return its allocation trace (see module docstring).
 
     `optimizer_steps=0` runs the micro-steps of one optimizer step without the step itself;
-    `train=False` runs only the evaluation (the planner's cheap partial simulations).
+    `train=False` runs only the evaluation; `optimizer_only=True` gives the model the gradients a
+    backward leaves and runs only the optimizer steps (the planner's cheap partial simulations).
     `splice=True` simulates 5 blocks per repeated stack and writes the trace of all of them
     (memfit.sim.splice); it falls back to the full model when the cut model cannot stand
     for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
     """
-    if splice:
+    kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
+    if splice and train and not optimizer_only:
         try:
-            return _Runner(setup, fake=fake, splice=True).run(optimizer_steps=optimizer_steps, train=train)
+            return _Runner(setup, fake=fake, splice=True).run(**kwargs)
         except SpliceRefused:
             pass
-    return _Runner(setup, fake=fake, splice=False).run(optimizer_steps=optimizer_steps, train=train)
+    return _Runner(setup, fake=fake, splice=False).run(**kwargs)

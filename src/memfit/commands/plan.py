@@ -1,0 +1,101 @@
+"""`memfit plan MODEL --gpu GPU`: the fastest configuration that fits, and the exact change.
+
+    memfit plan                                        # the seed case on a V100-16GB
+    memfit plan xlnet-large-cased --batch-size 1 --grad-accum 16 --max-length 2048 --gpu V100-16GB
+    memfit plan meta-llama/Llama-3.2-1B --task causal-lm --gpu T4 --allow lora,truncation --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from memfit.commands.estimate import add_setup_arguments, build_setup
+from memfit.errors import MemfitError
+from memfit.units import format_bytes
+
+__all__ = ["plan_command_parser", "plan_command"]
+
+
+def plan_command_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="the fastest configuration that fits a GPU, and the exact change",
+        description="Search gradient checkpointing, mixed precision, optimizers, micro-batch vs accumulation, "
+                     "evaluation and allocator settings (and, with --allow, truncation, LoRA, freezing, offload) for "
+                     "the fastest configuration that fits the GPU, verified by simulation.",
+    )
+    add_setup_arguments(p)
+    p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, freeze, offload (comma-separated)")
+    p.add_argument("--margin", type=float, default=None, help="fraction of the GPU kept free (default 0.05)")
+    p.set_defaults(func=plan_command)
+    return p
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from memfit.plan import DEFAULT_MARGIN, plan
+
+    setup, gpu, is_seed = build_setup(args)
+    if gpu is None:
+        raise MemfitError("`memfit plan` needs a GPU to plan for: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
+                          "or `--gpu auto` on a machine with a GPU")
+    result = plan(setup, gpu=gpu, allow=[a for a in args.allow.split(",") if a.strip()],
+                  margin=DEFAULT_MARGIN if args.margin is None else args.margin, alloc_conf=args.alloc_conf)
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=2, default=str)
+        print()
+        return 0 if (result.fits_as_is or result.chosen is not None) else 1
+    render(result, is_seed=is_seed)
+    return 0 if (result.fits_as_is or result.chosen is not None) else 1
+
+
+def _snippet(p) -> str:
+    lines = []
+    for k, v in p.env.items():
+        lines.append(f"export {k}={v}")
+    if p.changes:
+        kw = ", ".join(f"{k}={v!r}" for k, v in p.changes.items())
+        lines.append(f"TrainingArguments(..., {kw})")
+    lines += p.code
+    return "\n".join(lines)
+
+
+def render(result, *, is_seed: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    g = result.gpu
+    b = result.baseline
+    if is_seed:
+        c.print("[dim]No model given: planning the seed case (xlnet-large-cased, batch 1 x accumulation 16, 512 "
+                "tokens) for a V100-16GB.[/dim]")
+    state = "[green]fits[/green]" if result.fits_as_is else "[red]does not fit[/red]"
+    c.print(f"[bold]As is[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): nvidia-smi would show "
+            f"~{format_bytes(b.device_used_bytes)}; budget with {result.margin:.0%} margin {format_bytes(result.budget_bytes)}")
+    t = Table(title="Plans (fastest first; * = verified by full simulation + allocator replay)", title_justify="left")
+    for col in ("#", "changes", "peak reserved", "device used", "headroom", "step time", "fits"):
+        t.add_column(col, justify="right" if col not in ("changes",) else "left")
+    for i, p in enumerate(result.plans):
+        mark = ">" if i == result.chosen else ""
+        desc = ", ".join(f"{k}={v}" for k, v in p.setup_changes.items())
+        if p.env:
+            desc += (", " if desc else "") + ", ".join(f"{k}={v}" for k, v in p.env.items())
+        t.add_row(f"{mark}{i}{'*' if p.verified else ''}", desc or "(none)", format_bytes(p.peak_reserved_bytes),
+                  format_bytes(p.device_used_bytes), format_bytes(p.headroom_bytes), f"{p.relative_step_time:.2f}x",
+                  "yes" if p.fits else "no")
+    c.print(t)
+    if result.chosen is not None:
+        p = result.plans[result.chosen]
+        c.print(f"[bold]Chosen plan {result.chosen}[/bold] ({', '.join(p.remedies)}): step time "
+                f"{p.relative_step_time:.2f}x, {format_bytes(p.headroom_bytes)} headroom. Apply:")
+        c.print(_snippet(p), markup=False, highlight=False)
+    elif result.fits_as_is:
+        c.print("The setup fits as it is and no faster configuration fits.")
+    else:
+        c.print(f"[red]Nothing fits[/red]: the closest plan misses by {format_bytes(result.miss_bytes or 0)}.")
+        for s in result.suggestions:
+            c.print(f"  - {s}")
+    if result.not_applicable:
+        c.print("[dim]Not applicable here: " + "; ".join(f"{k}: {v}" for k, v in result.not_applicable.items()) + "[/dim]")
+    c.print(f"[dim]{result.simulations} simulations in {result.elapsed_s:.1f} s[/dim]")

@@ -1,0 +1,30 @@
+"""Gradient checkpointing: keep each block's input, recompute its activations in the backward.
+
+Saves most activation memory (all but one block's internals plus the block inputs); costs
+one extra forward (about a third more compute, Chen et al. 2016). Where Hugging Face has no
+implementation (XLNet in transformers 5), memfit.checkpointing wraps the blocks itself.
+"""
+
+from memfit.remedies.base import Applicability, Remedy
+
+
+def _check(setup, gpu):
+    if setup.gradient_checkpointing:
+        return Applicability(False, "already enabled")
+    return Applicability(True, "recomputes activations in the backward")
+
+
+def _apply(changes, setup, *, kind: str | None = None):
+    if kind == "memfit":
+        return ({}, {}, [
+            "from memfit.checkpointing import enable_checkpointing",
+            "enable_checkpointing(model)  # transformers has none for this model; do NOT set gradient_checkpointing=True",
+        ])
+    return {"gradient_checkpointing": True}, {}, []
+
+
+REMEDY = Remedy(
+    name="gradient_checkpointing", title="gradient checkpointing",
+    saves="activations of every block but the one being recomputed", costs="~33% more compute per step",
+    check=_check, variants=lambda setup, gpu: [{"gradient_checkpointing": True}], apply=_apply,
+)

@@ -1,0 +1,37 @@
+"""Micro-batch size vs gradient accumulation, keeping the effective batch size exactly.
+
+Activations scale with the micro-batch; accumulation steps do not change peak memory (they
+set how often the optimizer steps). A smaller micro-batch with more accumulation saves
+activations at some speed; a larger one, when memory is left over, is faster.
+"""
+
+from memfit.remedies.base import Applicability, Remedy
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check(setup, gpu):
+    if setup.effective_batch_size == 1:
+        return Applicability(False, "effective batch size is 1: the micro-batch cannot shrink")
+    return Applicability(True, f"effective batch {setup.effective_batch_size} can be split differently")
+
+
+def _variants(setup, gpu):
+    e = setup.effective_batch_size
+    return [
+        {"per_device_train_batch_size": b, "gradient_accumulation_steps": e // b}
+        for b in _divisors(e) if b != setup.per_device_train_batch_size
+    ]
+
+
+def _apply(changes, setup, **_):
+    return dict(changes), {}, []
+
+
+REMEDY = Remedy(
+    name="micro_batch", title="micro-batch x accumulation",
+    saves="activations, in proportion to the micro-batch", costs="smaller micro-batches use the GPU less well",
+    check=_check, variants=_variants, apply=_apply,
+)
