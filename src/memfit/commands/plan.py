@@ -49,6 +49,38 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0 if (result.fits_as_is or result.chosen is not None) else 1
 
 
+def short(changes: dict, env: dict | None = None) -> str:
+    """Compact label of a plan's changes: `fp16, ckpt, b4x4, adafactor`."""
+    out = []
+    c = dict(changes)
+    if "precision" in c:
+        out.append(c.pop("precision"))
+    if c.pop("gradient_checkpointing", False):
+        out.append("ckpt")
+    if "optim" in c:
+        out.append(c.pop("optim"))
+    b = c.pop("per_device_train_batch_size", None)
+    a = c.pop("gradient_accumulation_steps", None)
+    if b is not None or a is not None:
+        out.append(f"b{b if b is not None else '='}x{a if a is not None else '='}")
+    if "max_length" in c:
+        out.append(f"len {c.pop('max_length')}")
+        c.pop("truncation", None)
+    if "lora_r" in c:
+        out.append(f"LoRA r{c.pop('lora_r')}")
+    if c.pop("freeze_embeddings", False):
+        out.append("frozen emb")
+    if c.pop("offload_optimizer_state", False):
+        out.append("offload")
+    if "per_device_eval_batch_size" in c:
+        out.append(f"eval b{c.pop('per_device_eval_batch_size')}")
+    if "eval_accumulation_steps" in c:
+        out.append(f"eval acc {c.pop('eval_accumulation_steps')}")
+    out += [f"{k}={v}" for k, v in c.items()]
+    out += [v for v in (env or {}).values()]
+    return ", ".join(out) or "(as is)"
+
+
 def _snippet(p) -> str:
     lines = []
     for k, v in p.env.items():
@@ -73,15 +105,16 @@ def render(result, *, is_seed: bool = False) -> None:
     state = "[green]fits[/green]" if result.fits_as_is else "[red]does not fit[/red]"
     c.print(f"[bold]As is[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): nvidia-smi would show "
             f"~{format_bytes(b.device_used_bytes)}; budget with {result.margin:.0%} margin {format_bytes(result.budget_bytes)}")
-    t = Table(title="Plans (fastest first; * = verified by full simulation + allocator replay)", title_justify="left")
+    t = Table(title="Plans (fastest first within: same method, then other optimizer, then opt-ins; "
+                    "* = verified by full simulation + allocator replay; > = chosen)", title_justify="left")
     for col in ("#", "changes", "peak reserved", "device used", "headroom", "step time", "fits"):
         t.add_column(col, justify="right" if col not in ("changes",) else "left")
+    t.add_row("as is", "(as is)", format_bytes(b.peak_reserved_bytes), format_bytes(b.device_used_bytes),
+              format_bytes(b.headroom_bytes), "1.00x", "yes" if b.fits else "no")
     for i, p in enumerate(result.plans):
         mark = ">" if i == result.chosen else ""
-        desc = ", ".join(f"{k}={v}" for k, v in p.setup_changes.items())
-        if p.env:
-            desc += (", " if desc else "") + ", ".join(f"{k}={v}" for k, v in p.env.items())
-        t.add_row(f"{mark}{i}{'*' if p.verified else ''}", desc or "(none)", format_bytes(p.peak_reserved_bytes),
+        desc = short(p.setup_changes, p.env)
+        t.add_row(f"{mark}{i}{'*' if p.verified else ''}", desc, format_bytes(p.peak_reserved_bytes),
                   format_bytes(p.device_used_bytes), format_bytes(p.headroom_bytes), f"{p.relative_step_time:.2f}x",
                   "yes" if p.fits else "no")
     c.print(t)
