@@ -96,6 +96,7 @@ class Diagnosis:
     advice_ids: tuple[str, ...] = ()
     phase_frame: str = ""  #: the traceback frame that decided the phase
     lang: str = "en"
+    plan: object = None  #: memfit.plan.PlanResult when a setup was given
 
     @property
     def non_pytorch_bytes(self) -> int | None:
@@ -312,12 +313,12 @@ def _rank_advice(first: list[str], phase: str, primary_is_shortfall: bool) -> li
 def diagnose(source: str | BaseException, *, lang: str = "en", setup: object = None) -> Diagnosis:
     """Diagnose the last out-of-memory error in a log, a traceback, a message or an exception.
 
-    `setup` is reserved for handing the diagnosis to memfit's planner (model, batch, sequence
-    length) so that advice comes with numbers; the planner is not built yet, so passing it
-    raises MemfitError.
+    With `setup` (a TrainSetup: the model and arguments of the run that failed), the diagnosis
+    is handed to the planner (memfit.plan) for the GPU the message describes: its total
+    capacity picks the GPU (a catalog entry of that size, else a generic GPU of that size) and
+    the memory it shows outside PyTorch's cache replaces memfit's estimate of it. The result
+    is in `Diagnosis.plan`.
     """
-    if setup is not None:
-        raise MemfitError("diagnose(setup=...) is not implemented yet; call diagnose(text) without `setup`")
     t("title", lang)  # validates lang
     if isinstance(source, BaseException):
         text = "".join(traceback.format_exception(type(source), source, source.__traceback__))
@@ -346,4 +347,27 @@ def diagnose(source: str | BaseException, *, lang: str = "en", setup: object = N
         ids = _rank_advice(first, phase, True) + ["cuda_launch_blocking"]
     pids = ", ".join(str(pid) for pid, _ in m.other_processes) or "?"
     advice = tuple(t(f"advice.{a}", lang, pids=pids) for a in ids)
-    return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang)
+    planned = _plan_for(setup, m) if setup is not None else None
+    return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang, planned)
+
+
+def gpu_from_message(m: OomMessage):
+    """The GPU an OOM message describes: the catalog entry of that total capacity, else a generic one."""
+    from memfit.gpus import CATALOG, resolve_gpu
+
+    if not m.total_bytes:
+        raise MemfitError("the message has no total capacity; pass the GPU to `memfit plan --gpu` instead")
+    for g in CATALOG.values():
+        if abs(g.total_bytes - m.total_bytes) <= 0.003 * g.total_bytes:
+            return g
+    return resolve_gpu(f"{m.total_bytes}B")
+
+
+def _plan_for(setup, m: OomMessage):
+    from memfit.plan import plan
+    from memfit.train_setup import TrainSetup
+
+    if not isinstance(setup, TrainSetup):
+        raise MemfitError(f"`setup` must be a memfit.TrainSetup, not `{type(setup).__name__}`")
+    outside = m.non_pytorch_bytes if m.has_numbers else None
+    return plan(setup, gpu=gpu_from_message(m), non_pytorch_bytes=outside)

@@ -20,7 +20,8 @@ from typing import Any
 from memfit.alloc_conf import AllocConf, alloc_conf_from_env, parse_alloc_conf
 from memfit.allocator import replay
 from memfit.gpus import GpuSpec, resolve_gpu
-from memfit.non_pytorch import cublas_workspace_bytes, non_pytorch_bytes
+from memfit.non_pytorch import cublas_workspace_bytes
+from memfit.non_pytorch import non_pytorch_bytes as _non_pytorch_table
 from memfit.report import BREAKDOWN_KEYS, peaks
 from memfit.sim.engine import simulate
 from memfit.trace import TraceEvent
@@ -131,13 +132,15 @@ def estimate(
     *,
     gpu: str | GpuSpec | None = None,
     alloc_conf: str | AllocConf | None = None,
+    non_pytorch_bytes: int | None = None,
     **fields: Any,
 ) -> MemoryReport:
     """Simulate `setup` (or `TrainSetup(**fields)`) and report its peak memory.
 
     `gpu`: a catalog name (`V100-16GB`), a size (`16GiB`), `auto`, or a GpuSpec; None
     leaves `fits` unknown. `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF text; None reads the
-    environment as PyTorch does.
+    environment as PyTorch does. `non_pytorch_bytes`: memory outside PyTorch's cache when it
+    is known (measured, or read from an OOM message) instead of memfit's table.
     """
     started = time.perf_counter()
     if setup is None:
@@ -161,8 +164,8 @@ def estimate(
     workspace = cublas_workspace_bytes(spec) if spec is not None else 0
     trace = _with_workspaces(trace, workspace)
     tp = peaks(trace)
-    np_est = non_pytorch_bytes(spec) if spec is not None else None
-    outside = np_est.total_bytes if np_est is not None else 0
+    np_est = _non_pytorch_table(spec) if spec is not None and non_pytorch_bytes is None else None
+    outside = np_est.total_bytes if np_est is not None else (non_pytorch_bytes or 0)
     capacity = spec.total_bytes - outside if spec is not None else None
     alloc = replay(trace, conf=conf, capacity_bytes=capacity)
     oom = None

@@ -183,6 +183,33 @@ def _plan_from_report(base, changes, report: MemoryReport, rel_time: float, budg
                 used <= budget, verified, list(report.notes))
 
 
+def _other_processes_bytes(spec: GpuSpec) -> int | None:
+    """On a machine with this GPU: memfit's table for this process plus what other processes hold now (NVML).
+
+    None (use memfit's table alone) without a GPU or without nvidia-ml-py.
+    """
+    try:
+        import os
+
+        import pynvml  # type: ignore[import-not-found]
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            others = sum(int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                         if p.pid != os.getpid())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML, no driver, no GPU: nothing to count
+        return None
+    from memfit.non_pytorch import non_pytorch_bytes as table
+
+    return table(spec).total_bytes + others
+
+
 def plan(
     setup: TrainSetup,
     *,
@@ -192,6 +219,7 @@ def plan(
     alloc_conf: str | None = None,
     verify_top: int = 2,
     max_plans: int = 8,
+    non_pytorch_bytes: int | None = None,
 ) -> PlanResult:
     """Search the remedies for the fastest configuration of `setup` that fits `gpu`."""
     started = time.perf_counter()
@@ -206,7 +234,9 @@ def plan(
     budget = int(spec.total_bytes * (1 - margin))
     sims = 0
 
-    base_report = estimate(setup, gpu=spec, alloc_conf=alloc_conf)
+    if non_pytorch_bytes is None:
+        non_pytorch_bytes = _other_processes_bytes(spec)
+    base_report = estimate(setup, gpu=spec, alloc_conf=alloc_conf, non_pytorch_bytes=non_pytorch_bytes)
     sims += 1
     ratio = max(1.0, base_report.peak_reserved_bytes / max(1, base_report.peak_allocated_bytes))
     outside = base_report.non_pytorch_bytes
@@ -364,7 +394,8 @@ def plan(
             continue
         seen.add(key)
         if verified < verify_top and chosen is None:
-            report = estimate(setup.replace(**changes), gpu=spec, alloc_conf=alloc_conf)
+            report = estimate(setup.replace(**changes), gpu=spec, alloc_conf=alloc_conf,
+                              non_pytorch_bytes=non_pytorch_bytes)
             sims += 1
             verified += 1
             candidate = _plan_from_report(setup, changes, report, t, budget, verified=True)

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from memfit.commands.estimate import add_setup_arguments, build_setup
 from memfit.diagnosis import Diagnosis, diagnose
 from memfit.errors import MemfitError
 from memfit.i18n import LANGS, t
@@ -29,6 +30,10 @@ def diagnose_command_parser(subparsers: argparse._SubParsersAction) -> argparse.
     parser.add_argument("--text", help="the error text itself instead of a file")
     parser.add_argument("--lang", choices=LANGS, default="en", help="output language (default: en)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--plan", dest="plan_file", default=None,
+                        help="a plan saved with `memfit plan ... --json > plan.json`: print its chosen change")
+    group = parser.add_argument_group("the run that failed (hands the diagnosis to the planner)")
+    add_setup_arguments(group, model_option=True)
     parser.set_defaults(func=diagnose_command)
     return parser
 
@@ -147,14 +152,60 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
             console.print(f"  GPU {g}  PID {pid}  {_fmt(b)}")
 
 
+def _saved_plan(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError as err:
+        raise MemfitError(f"plan file `{path}` does not exist; save one with `memfit plan ... --json > plan.json`") from err
+    except (OSError, json.JSONDecodeError) as err:
+        raise MemfitError(f"cannot read plan file `{path}` ({err}); save one with `memfit plan ... --json`") from err
+    if not isinstance(data, dict) or data.get("schema") != "memfit.plan/1":
+        raise MemfitError(f"`{path}` is not a memfit plan (schema `memfit.plan/1`); save one with `memfit plan --json`")
+    return data
+
+
 def diagnose_command(args: argparse.Namespace) -> int:
     text, source = _read_source(args)
-    d = diagnose(text, lang=args.lang)
+    setup = None
+    if args.model is not None or args.args_file is not None:
+        if args.model is None:
+            raise MemfitError("`--args` needs `--model` too: the model of the run that failed")
+        setup, _, _ = build_setup(args)
+    saved = _saved_plan(args.plan_file) if args.plan_file else None
+    d = diagnose(text, lang=args.lang, setup=setup)
     gpu_processes = _gpu_processes() if d.is_oom else []
     if args.json:
-        print(json.dumps(to_json(d, gpu_processes), ensure_ascii=False, indent=2))
+        out = to_json(d, gpu_processes)
+        if d.plan is not None:
+            out["plan"] = d.plan.to_json()
+        if saved is not None:
+            out["saved_plan"] = saved
+        print(json.dumps(out, ensure_ascii=False, indent=2, default=str))
     elif not d.is_oom:
         print(t("no_oom", args.lang, source=source))
     else:
         _print_rich(d, gpu_processes)
+        if d.plan is not None:
+            from memfit.commands.plan import render
+
+            print()
+            render(d.plan)
+        elif saved is not None:
+            _print_saved(saved)
     return 0 if d.is_oom else 1
+
+
+def _print_saved(saved: dict) -> None:
+    chosen = saved.get("chosen")
+    if chosen is None:
+        print("The saved plan has no configuration that fits; see its `suggestions`.")
+        return
+    p = saved["plans"][chosen]
+    print("The saved plan's change:")
+    for k, v in p.get("env", {}).items():
+        print(f"  export {k}={v}")
+    if p.get("changes"):
+        print("  TrainingArguments(..., " + ", ".join(f"{k}={v!r}" for k, v in p["changes"].items()) + ")")
+    for line in p.get("code", []):
+        print("  " + line)

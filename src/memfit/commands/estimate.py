@@ -39,9 +39,13 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def add_setup_arguments(p: argparse.ArgumentParser) -> None:
-    """The model and TrainingArguments flags shared by `estimate` and `plan`."""
-    p.add_argument("model", nargs="?", help="hub id (bundled ones work offline), model directory, or config.json")
+def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = False) -> None:
+    """The model and TrainingArguments flags shared by `estimate`, `plan` and `diagnose`."""
+    model_help = "hub id (bundled ones work offline), model directory, or config.json"
+    if model_option:
+        p.add_argument("--model", default=None, help=model_help + " of the run that failed")
+    else:
+        p.add_argument("model", nargs="?", help=model_help)
     p.add_argument("--task", default=None, help="seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm (default seq-cls)")
     p.add_argument("--num-labels", type=int, default=None, help="labels of a classification head (default 2)")
     p.add_argument("--batch-size", type=int, default=None, help="per_device_train_batch_size (default 8)")
@@ -66,6 +70,8 @@ def add_setup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-target-modules", default=None, help="comma-separated module names LoRA wraps")
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="attention implementation")
     p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs (legacy names accepted)")
+    if model_option:
+        return
     p.add_argument("--gpu", default=None, help="V100-16GB, A100-80GB, ..., a size like 24GiB, or auto")
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to model (default: the environment's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
@@ -106,7 +112,7 @@ def build_setup(args: argparse.Namespace):
         fields["truncation"] = False
     if args.lora_target_modules:
         fields["lora_target_modules"] = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
-    gpu = args.gpu
+    gpu = getattr(args, "gpu", None)
     if args.model is None:
         seed = dict(SEED_CASE)
         gpu = gpu or seed.pop("gpu")
