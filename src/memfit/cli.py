@@ -14,7 +14,7 @@ from memfit.errors import MemfitError
 
 __all__ = ["main"]
 
-VERBS = ("estimate", "plan", "diagnose")
+VERBS = ("estimate", "plan", "diagnose", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:
