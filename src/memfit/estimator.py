@@ -182,6 +182,9 @@ def estimate(
         oom = OomPrediction(o.phase, o.category, o.tried_to_allocate_bytes, o.allocated_bytes,
                             o.reserved_bytes, "torch.OutOfMemoryError: CUDA out of memory. " + message
                             if not message.startswith("CUDA out of memory") else message)
+    if alloc.oom is not None:
+        # the capped replay stops at the OOM; report what the run would need without a cap
+        alloc = dataclasses.replace(replay(trace, conf=conf), oom=alloc.oom)
     peak_reserved = alloc.peak_reserved_bytes
     if spec is None:
         notes.append("no --gpu given: reserved memory is modelled, `fits` is unknown and memory outside "
