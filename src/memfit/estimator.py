@@ -158,12 +158,19 @@ def estimate(
         conf = parse_alloc_conf(alloc_conf)
     else:
         conf = alloc_conf
+    notes_extra: list[str] = []
     sim = simulate(setup)
     notes = list(sim.notes)
     trace = sim.trace
     workspace = cublas_workspace_bytes(spec) if spec is not None else 0
     trace = _with_workspaces(trace, workspace)
     tp = peaks(trace)
+    if non_pytorch_bytes is None and isinstance(gpu, str) and gpu.strip().lower() == "auto":
+        from memfit.non_pytorch import measure_non_pytorch_bytes
+
+        non_pytorch_bytes = measure_non_pytorch_bytes()  # None without a GPU or NVML
+        if non_pytorch_bytes is not None:
+            notes_extra = ["memory outside PyTorch measured by NVML in this process (context and loaded kernels)"]
     np_est = _non_pytorch_table(spec) if spec is not None and non_pytorch_bytes is None else None
     outside = np_est.total_bytes if np_est is not None else (non_pytorch_bytes or 0)
     capacity = spec.total_bytes - outside if spec is not None else None
@@ -182,6 +189,7 @@ def estimate(
         oom = OomPrediction(o.phase, o.category, o.tried_to_allocate_bytes, o.allocated_bytes,
                             o.reserved_bytes, "torch.OutOfMemoryError: CUDA out of memory. " + message
                             if not message.startswith("CUDA out of memory") else message)
+    notes += notes_extra
     if alloc.oom is not None:
         # the capped replay stops at the OOM; report what the run would need without a cap
         alloc = dataclasses.replace(replay(trace, conf=conf), oom=alloc.oom)
