@@ -1,0 +1,268 @@
+"""`memfit.fit(trainer)`: train a real `transformers.Trainer` so that it fits, and recover when it does not.
+
+    import memfit.fit
+    report = memfit.fit.fit(trainer, gpu="auto")          # or: memfit.fit(trainer) (the module is callable)
+    print(report.steps_completed, report.oom_recoveries)
+
+1. `preflight` (memfit.fit_preflight): the setup of the trainer, the estimate, the traps.
+2. When a GPU (or an emulated budget) is known and the setup does not fit, memfit's plan
+   (memfit.plan) is applied to `trainer.args` before training: micro-batch / accumulation,
+   fp16/bf16 (CUDA only), optimizer, eval batch size / eval_accumulation_steps, gradient
+   checkpointing (Hugging Face's, or memfit's per-block wrapper where the model has none).
+3. Training runs with recovery (memfit.fit_recovery): an OOM inside a micro-step splits the
+   micro-batch into chunks and recomputes the accumulation window, without losing an
+   optimizer step or changing the effective batch size; an OOM in evaluation lowers the eval
+   batch size and reruns the evaluation. Checkpoints are written atomically
+   (memfit._trainer_adapter).
+4. Measured per-phase peaks (torch.cuda's, or the memory_budget's) are reported next to the
+   prediction.
+
+Not done: agreement between processes in multi-GPU runs (each process recovers on its own;
+with DDP a chunked rank and an unchunked rank still all-reduce the same gradient, but an
+OOM on one rank while others wait in a collective is not coordinated). OOMs outside a
+training micro-step or evaluation (optimizer step, checkpoint save) are diagnosed and
+re-raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.fit_preflight import PreflightFlag, PreflightReport, preflight
+from memfit.fit_recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
+
+logger = logging.getLogger("memfit.fit")
+
+__all__ = ["fit", "FitReport", "preflight", "PreflightReport", "PreflightFlag", "is_oom_error", "OOM_FRAGMENTS",
+           "apply_plan", "steps_expected"]
+
+
+@dataclass
+class FitReport:
+    steps_completed: int
+    steps_expected: int
+    effective_batch_size: int
+    oom_recoveries: list[dict[str, Any]]
+    plan_applied: dict[str, Any] | None
+    changes: list[str]
+    phases: dict[str, dict[str, int | None]]  #: phase -> predicted_bytes, measured_bytes
+    train_metrics: dict[str, Any]
+    final_metrics: dict[str, Any]
+    preflight: dict[str, Any]
+    micro_batch_chunks: int
+    elapsed_s: float
+    measured_with: str | None  #: "cuda", "memory_budget" or None
+    report_path: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["schema"] = "memfit.fit/1"
+        return out
+
+
+def steps_expected(trainer: Any) -> int:
+    """Optimizer steps `trainer.train()` will take (transformers 5's own arithmetic)."""
+    args = trainer.args
+    if args.max_steps and args.max_steps > 0:
+        return int(args.max_steps)
+    n = len(trainer.train_dataset)
+    batches = math.ceil(n / args.train_batch_size) if not args.dataloader_drop_last else n // args.train_batch_size
+    per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
+    return int(math.ceil(args.num_train_epochs * per_epoch))
+
+
+def apply_plan(trainer: Any, setup_changes: dict[str, Any], log: list[str]) -> dict[str, Any]:
+    """Apply a plan's TrainSetup changes to a Trainer before `train()`. Returns what was applied."""
+    import torch
+
+    from memfit import _trainer_adapter as adapter
+
+    args = trainer.args
+    applied: dict[str, Any] = {}
+    for key, value in setup_changes.items():
+        if key == "per_device_train_batch_size":
+            old = args.per_device_train_batch_size
+            adapter.set_train_batch_size(trainer, value)
+            log.append(f"per_device_train_batch_size {old} -> {value}")
+        elif key in ("gradient_accumulation_steps", "per_device_eval_batch_size", "eval_accumulation_steps", "optim"):
+            old = getattr(args, key)
+            setattr(args, key, value)
+            log.append(f"{key} {getattr(old, 'value', old)} -> {value}")
+        elif key == "precision":
+            if not torch.cuda.is_available():
+                log.append(f"precision {value} not applied: mixed precision is only applied on a CUDA GPU")
+                continue
+            args.fp16, args.bf16 = value == "fp16", value == "bf16"
+            adapter.rebuild_accelerator(trainer)
+            log.append(f"mixed precision: {value}")
+        elif key == "gradient_checkpointing":
+            if not value:
+                continue
+            model = trainer.model
+            if getattr(model, "supports_gradient_checkpointing", False):
+                args.gradient_checkpointing = True
+                log.append("gradient_checkpointing True (Hugging Face's)")
+            else:
+                from memfit.checkpointing import enable_checkpointing
+
+                kind = enable_checkpointing(model)
+                log.append(f"gradient checkpointing enabled ({kind}'s per-block wrapper: the model has none)")
+        else:
+            log.append(f"{key}={value!r} not applied automatically (changes the training method); see `memfit plan`")
+            continue
+        applied[key] = value
+    return applied
+
+
+def _make_callback(meter: Meter):
+    from transformers import TrainerCallback
+
+    class _PhaseMeter(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            meter.reset()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            meter.record("optimizer")
+
+    return _PhaseMeter()
+
+
+def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan: bool = True,
+        max_recoveries: int = 4, report_path: str | None = None, progress: Any = None) -> FitReport:
+    """Preflight, plan, train with OOM recovery and report (see the module docstring).
+
+    `gpu`: catalog name, size, `auto` or GpuSpec for the estimate and plan (None: `auto` on
+    a CUDA machine, else unknown). `budget_bytes`: run under `memfit.testing.memory_budget`
+    (an emulated GPU of that size on the CPU). `plan`: apply memfit's plan when the setup is
+    predicted not to fit. `report_path`: write the report as JSON there. `progress`: an
+    optional TrainerCallback (e.g. the CLI's progress bar).
+    """
+    import torch
+
+    from memfit import _trainer_adapter as adapter
+
+    started = time.perf_counter()
+    changes: list[str] = []
+    notes: list[str] = []
+
+    def on_change(text: str) -> None:
+        logger.warning("memfit: %s", text)
+        changes.append(text)
+
+    if gpu is None and budget_bytes is None and torch.cuda.is_available():
+        gpu = "auto"
+    pre = preflight(trainer, gpu=gpu, budget_bytes=budget_bytes)
+    for f in pre.flags:
+        logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
+    plan_applied = None
+    if plan and pre.fits is False:
+        from memfit.plan import plan as make_plan
+
+        spec = pre.estimate.gpu
+        with adapter.preserve_accelerator_state():
+            result = make_plan(pre.setup, gpu=_spec_for(gpu, budget_bytes),
+                               non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None)
+        if result.chosen is not None:
+            chosen = result.plans[result.chosen]
+            applied_log: list[str] = []
+            applied = apply_plan(trainer, chosen.setup_changes, applied_log)
+            for line in applied_log:
+                on_change(f"plan: {line}")
+            plan_applied = {"remedies": chosen.remedies, "setup_changes": applied,
+                            "predicted_peak_allocated_bytes": chosen.peak_allocated_bytes,
+                            "gpu": spec["name"] if spec else None}
+            if applied:
+                pre = preflight(trainer, gpu=gpu, budget_bytes=budget_bytes)
+        else:
+            notes.append("the setup is predicted not to fit and memfit's plan found nothing that fits; "
+                         "training as is, with recovery")
+    expected = steps_expected(trainer)
+    effective = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+
+    budget = None
+    if budget_bytes is not None:
+        from memfit.testing import memory_budget
+
+        budget = memory_budget(budget_bytes, count=(trainer.model,))
+    meter = Meter(budget)
+    recoveries: list[Recovery] = []
+    step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
+                               on_change=on_change)
+    undo_eval = guard_evaluation(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
+                                 on_change=on_change)
+    adapter.clean_staging(trainer.args.output_dir)
+    adapter.install_atomic_checkpoints(trainer)
+    callback = _make_callback(meter)
+    trainer.add_callback(callback)
+    if progress is not None:
+        trainer.add_callback(progress)
+    final_metrics: dict[str, Any] = {}
+    train_metrics: dict[str, Any] = {}
+    try:
+        with (budget if budget is not None else contextlib.nullcontext()):
+            out = trainer.train()
+            train_metrics = dict(out.metrics)
+            if trainer.eval_dataset is not None:
+                final_metrics = dict(trainer.evaluate())
+    except Exception as exc:
+        if is_oom_error(exc):
+            from memfit.diagnosis import diagnose
+
+            d = diagnose(exc)
+            logger.error("memfit: unrecoverable out-of-memory error in the %s phase: %s", d.phase,
+                         d.causes[0].text if d.causes else exc)
+        raise
+    finally:
+        step.uninstall()
+        undo_eval()
+        trainer.remove_callback(callback)
+        if progress is not None:
+            trainer.remove_callback(progress)
+    effective_after = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+    if effective_after != effective:  # never expected: recovery keeps the effective batch size
+        notes.append(f"effective batch size changed from {effective} to {effective_after}")
+    predicted = pre.estimate.phases
+    phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
+                  "measured_bytes": meter.peaks.get(p)}
+              for p in ("forward", "backward", "optimizer", "eval")}
+    report = FitReport(
+        steps_completed=int(trainer.state.global_step), steps_expected=expected, effective_batch_size=effective_after,
+        oom_recoveries=[dataclasses.asdict(r) for r in recoveries], plan_applied=plan_applied, changes=changes,
+        phases=phases, train_metrics=train_metrics, final_metrics=final_metrics, preflight=pre.to_json(),
+        micro_batch_chunks=step.chunks, elapsed_s=round(time.perf_counter() - started, 2),
+        measured_with="memory_budget" if budget is not None else ("cuda" if meter.cuda else None),
+        report_path=report_path, notes=notes)
+    if report_path:
+        with open(report_path, "w", encoding="utf-8") as fh:
+            json.dump(report.to_json(), fh, indent=2, default=str)
+    return report
+
+
+def _spec_for(gpu: Any, budget_bytes: int | None):
+    from memfit.gpus import resolve_gpu
+
+    if gpu is not None:
+        return resolve_gpu(gpu) if isinstance(gpu, str) else gpu
+    from memfit.fit_preflight import budget_spec
+
+    return budget_spec(budget_bytes)
+
+
+class _CallableModule(types.ModuleType):
+    """`memfit.fit` is both this module and, called, the `fit` function (`memfit.fit(trainer)`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> FitReport:
+        return fit(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

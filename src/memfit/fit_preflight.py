@@ -1,0 +1,214 @@
+"""`memfit.preflight(trainer, gpu=None) -> PreflightReport`: what a real Trainer will need, and its traps.
+
+The TrainSetup is read from `trainer.args` and the model's *config* (no weights are
+simulated), the token lengths of `trainer.train_dataset` (`input_ids`) and the collator's
+padding: with dynamic padding (DataCollatorWithPadding, padding=True/"longest") the worst
+batch is the longest example; with padding="max_length" it is the collator's max_length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import MemfitError
+from memfit.estimator import MemoryReport, estimate
+from memfit.train_setup import TrainSetup
+
+__all__ = ["PreflightFlag", "PreflightReport", "preflight", "setup_from_trainer", "task_of_model", "budget_spec"]
+
+_LM_TASKS = ("causal-lm", "mlm", "seq2seq-lm")
+
+
+@dataclass(frozen=True)
+class PreflightFlag:
+    """A trap found before training: what it is and what to do."""
+
+    kind: str
+    text: str
+    fix: str
+
+
+@dataclass
+class PreflightReport:
+    setup: TrainSetup
+    estimate: MemoryReport
+    gpu: str | None
+    budget_bytes: int | None
+    fits: bool | None
+    flags: list[PreflightFlag] = field(default_factory=list)
+    example_count: int | None = None
+    longest_example: int | None = None
+    free_bytes_now: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu, "budget_bytes": self.budget_bytes, "fits": self.fits,
+            "predicted_peak_allocated_bytes": self.estimate.peak_allocated_bytes,
+            "predicted_peak_reserved_bytes": self.estimate.peak_reserved_bytes,
+            "predicted_phases": dict(self.estimate.phases),
+            "sequence_length": self.setup.sequence_length,
+            "example_count": self.example_count, "longest_example": self.longest_example,
+            "free_bytes_now": self.free_bytes_now,
+            "flags": [dataclasses.asdict(f) for f in self.flags],
+        }
+
+
+def task_of_model(model: Any) -> str:
+    name = type(getattr(model, "module", model)).__name__
+    for key, task in (("ForSequenceClassification", "seq-cls"), ("ForTokenClassification", "token-cls"),
+                      ("ForQuestionAnswering", "qa"), ("ForMaskedLM", "mlm"), ("ForCausalLM", "causal-lm"),
+                      ("ForConditionalGeneration", "seq2seq-lm"), ("ForSeq2SeqLM", "seq2seq-lm"),
+                      ("LMHeadModel", "causal-lm")):
+        if key in name:
+            return task
+    raise MemfitError(f"cannot tell the task of model class `{name}`; memfit knows "
+                      "ForSequenceClassification, ForTokenClassification, ForQuestionAnswering, ForMaskedLM, "
+                      "ForCausalLM and ForConditionalGeneration heads")
+
+
+def _lengths(dataset: Any, limit: int = 200_000) -> list[int] | None:
+    if dataset is None:
+        return None
+    try:
+        column = dataset["input_ids"]  # datasets.Dataset: the whole column at once
+        return [len(x) for x in column[:limit]]
+    except Exception:
+        pass
+    try:
+        n = min(len(dataset), limit)
+        return [len(dataset[i]["input_ids"]) for i in range(n)]
+    except Exception:
+        return None
+
+
+def _tokenizer(trainer: Any) -> Any:
+    tok = getattr(trainer, "processing_class", None)
+    if tok is None:
+        tok = getattr(getattr(trainer, "data_collator", None), "tokenizer", None)
+    return tok
+
+
+def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
+    """The TrainSetup of a real Trainer (model config, arguments, token lengths, padding)."""
+    model = trainer.model
+    config = getattr(getattr(model, "module", model), "config", None)
+    if config is None:
+        raise MemfitError(f"model `{type(model).__name__}` has no Hugging Face config; memfit needs a transformers model")
+    task = task_of_model(model)
+    lengths = _lengths(trainer.train_dataset)
+    collator = trainer.data_collator
+    padding = getattr(collator, "padding", True)
+    fields: dict[str, Any] = {"task": task}
+    if task in ("seq-cls", "token-cls"):
+        fields["num_labels"] = int(getattr(config, "num_labels", 2) or 2)
+    if lengths:
+        if padding == "max_length" and getattr(collator, "max_length", None):
+            fields["max_length"] = int(collator.max_length)
+        else:
+            fields["example_lengths"] = lengths
+            fields["max_length"] = max(lengths)
+    eval_ds = getattr(trainer, "eval_dataset", None)
+    if eval_ds is not None and not isinstance(eval_ds, dict):
+        try:
+            fields["eval_samples"] = max(1, len(eval_ds))
+        except TypeError:
+            pass
+    if getattr(config, "dtype", None) is not None or getattr(config, "torch_dtype", None) is not None:
+        import torch
+
+        p = next(iter(model.parameters()), None)
+        if p is not None:
+            fields["weights_dtype"] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
+                p.dtype, "fp32")
+    setup = TrainSetup.from_training_args(trainer.args, model=config, **fields)
+    if setup.eval_strategy == "no" and eval_ds is not None and getattr(trainer.args, "do_eval", False):
+        setup = setup.replace(eval_strategy="epoch")
+    return setup, lengths
+
+
+def budget_spec(budget_bytes: int):
+    """An emulated GPU of `budget_bytes` (memfit.testing.memory_budget): A100-40GB rates, nothing outside PyTorch."""
+    from memfit.gpus import CATALOG
+    from memfit.units import format_bytes
+
+    return dataclasses.replace(CATALOG["a100-40gb"], name=f"memory_budget-{format_bytes(int(budget_bytes))}",
+                               total_bytes=int(budget_bytes), total_bytes_source="memory_budget",
+                               notes=("an emulated GPU (memfit.testing.memory_budget) on the CPU",))
+
+
+def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | None = None,
+              non_pytorch_bytes: int | None = None) -> PreflightReport:
+    """Estimate a real Trainer's run and flag the traps that make such runs fail.
+
+    `gpu`: a catalog name, a size, `auto` or a GpuSpec (None: only flags, `fits` unknown
+    unless `budget_bytes` is given). `budget_bytes`: an emulated GPU of that many bytes
+    (memfit.testing.memory_budget) with nothing outside PyTorch.
+    """
+    from memfit.gpus import resolve_gpu
+
+    setup, lengths = setup_from_trainer(trainer)
+    spec = None
+    if gpu is not None:
+        spec = resolve_gpu(gpu) if isinstance(gpu, str) else gpu
+    elif budget_bytes is not None:
+        spec = budget_spec(budget_bytes)
+        non_pytorch_bytes = 0 if non_pytorch_bytes is None else non_pytorch_bytes
+    from memfit._trainer_adapter import preserve_accelerator_state
+
+    with preserve_accelerator_state():
+        report = estimate(setup, gpu=spec, non_pytorch_bytes=non_pytorch_bytes)
+    flags: list[PreflightFlag] = []
+    args = trainer.args
+    tok = _tokenizer(trainer)
+    mml = getattr(tok, "model_max_length", None)
+    if mml is not None and mml > 1e6:
+        flags.append(PreflightFlag(
+            "no_max_length",
+            f"the tokenizer has no real maximum length (model_max_length = {int(mml):.3g}): truncation=True "
+            "truncates nothing, so one long text makes a batch as long as that text",
+            "pass max_length=... (e.g. 512) to the tokenizer call together with truncation=True"))
+    if args.per_device_eval_batch_size > args.per_device_train_batch_size:
+        flags.append(PreflightFlag(
+            "eval_batch_larger",
+            f"per_device_eval_batch_size ({args.per_device_eval_batch_size}) is larger than "
+            f"per_device_train_batch_size ({args.per_device_train_batch_size}); evaluation may need more memory "
+            "than training (it also keeps the predictions on the GPU)",
+            f"per_device_eval_batch_size={args.per_device_train_batch_size}"))
+    if (setup.task in _LM_TASKS and args.eval_accumulation_steps is None
+            and getattr(trainer, "preprocess_logits_for_metrics", None) is None
+            and not args.prediction_loss_only
+            and (setup.does_eval or getattr(trainer, "compute_metrics", None) is not None)):
+        flags.append(PreflightFlag(
+            "eval_logits_on_gpu",
+            "evaluation of a language-model head keeps every batch's logits (batch x length x vocabulary) on the "
+            "GPU until the end of the evaluation",
+            "eval_accumulation_steps=1, or preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1)"))
+    free_now = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free_now, _total = torch.cuda.mem_get_info()
+            need = report.peak_reserved_bytes
+            if free_now < need:
+                flags.append(PreflightFlag(
+                    "low_free_memory",
+                    f"only {free_now / 2**30:.2f} GiB of GPU memory is free now, the run needs about "
+                    f"{need / 2**30:.2f} GiB (other processes or earlier objects hold the rest)",
+                    "free the GPU (del old models/trainers, torch.cuda.empty_cache(), stop other processes "
+                    "shown by nvidia-smi) or apply memfit's plan"))
+    except Exception:  # no driver: nothing to measure
+        free_now = None
+    fits = report.fits
+    if fits is False:
+        flags.append(PreflightFlag(
+            "does_not_fit",
+            f"predicted {report.device_used_bytes / 2**20:,.0f} MiB in use at the peak ({report.peak_phase}) "
+            f"on {spec.name if spec else '?'}",
+            "let memfit.fit apply the plan, or run `memfit plan` for the changes"))
+    return PreflightReport(setup=setup, estimate=report, gpu=None if spec is None else spec.name,
+                           budget_bytes=budget_bytes, fits=fits, flags=flags,
+                           example_count=len(lengths) if lengths else None,
+                           longest_example=max(lengths) if lengths else None, free_bytes_now=free_now)

@@ -1,0 +1,317 @@
+"""Recovery from out-of-memory errors inside a running `transformers.Trainer`.
+
+Training (`ChunkedTrainingStep`): `trainer.training_step` is wrapped so one micro-batch can
+run as `c` chunks, each forward+backward with its loss weighted by its share of the
+micro-batch (examples, or label tokens for token-level mean losses; weight 1 where the loss
+is already sum / num_items_in_batch), so the accumulated gradient equals the unchunked one.
+The inputs of the current accumulation window's micro-steps are kept (on the CPU) with the
+RNG state at their start. On an OOM inside a micro-step: memory is freed, the error is
+diagnosed, the partial gradients are zeroed, `c` is doubled, and the window's earlier
+micro-steps and the failing one are recomputed chunked: the optimizer step sees the
+gradient it would have seen, no optimizer step is lost, the effective batch size and the
+data order are unchanged. The loss reported for the earlier micro-steps was already
+counted and is not counted again.
+
+Evaluation (`guard_evaluation`): an OOM in `trainer.evaluate` halves
+`per_device_eval_batch_size` and sets `eval_accumulation_steps=1`, then reruns the
+evaluation; the training batch is not touched.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from memfit import _trainer_adapter as adapter
+
+logger = logging.getLogger("memfit.fit")
+
+__all__ = ["is_oom_error", "OOM_FRAGMENTS", "Meter", "ChunkedTrainingStep", "guard_evaluation", "free_memory",
+           "Recovery"]
+
+#: Message fragments of out-of-memory errors raised as other types (RuntimeError, AcceleratorError, ...).
+OOM_FRAGMENTS = (
+    "CUDA out of memory", "HIP out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED", "DefaultCPUAllocator: can't allocate memory", "XPU out of memory",
+    "MPS backend out of memory",
+)
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for an out-of-memory error: `torch.OutOfMemoryError` first, then known message fragments."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if not isinstance(exc, (RuntimeError, MemoryError)):
+        return False
+    text = str(exc)
+    return any(f in text for f in OOM_FRAGMENTS)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Recovery:
+    """One change made after an out-of-memory error."""
+
+    step: int  #: optimizer steps completed when it happened
+    phase: str  #: train or eval
+    change: str
+    diagnosis: str
+    tried_to_allocate_bytes: int | None = None
+
+
+class Meter:
+    """Peak memory per phase: the budget's peak under memory_budget, else torch.cuda's on a GPU."""
+
+    def __init__(self, budget: Any = None) -> None:
+        self.budget = budget
+        self.cuda = budget is None and torch.cuda.is_available()
+        self.peaks: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.budget is not None or self.cuda
+
+    def reset(self) -> None:
+        if self.budget is not None:
+            self.budget.reset_peak()
+        elif self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def record(self, phase: str) -> None:
+        if self.budget is not None:
+            peak, reserved = self.budget.peak_bytes, self.budget.peak_bytes
+        elif self.cuda:
+            peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        else:
+            return
+        self.peaks[phase] = max(self.peaks.get(phase, 0), int(peak))
+        self.reserved[phase] = max(self.reserved.get(phase, 0), int(reserved))
+
+
+def _diagnosis_text(exc: BaseException) -> tuple[str, int | None]:
+    from memfit.diagnosis import diagnose
+
+    d = diagnose(exc)
+    tried = d.message.tried_to_allocate_bytes if d.message else None
+    cause = d.causes[0].text if d.causes else str(exc).splitlines()[0][:200]
+    return cause, tried
+
+
+def _to_cpu(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+
+
+def _batch_size(inputs: dict[str, Any]) -> int:
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return 1
+
+
+def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
+    n = _batch_size(inputs)
+    c = max(1, min(c, n))
+    bounds = [round(i * n / c) for i in range(c + 1)]
+    parts = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b <= a:
+            continue
+        parts.append({k: (v[a:b] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v)
+                      for k, v in inputs.items()})
+    return parts
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ChunkedTrainingStep:
+    """The replacement for `trainer.training_step`; see the module docstring."""
+
+    def __init__(self, trainer: Any, *, max_recoveries: int, meter: Meter, recoveries: list[Recovery],
+                 on_change: Callable[[str], None]) -> None:
+        self.trainer = trainer
+        self.original = trainer.training_step
+        self.original_compute_loss = trainer.compute_loss
+        self.max_recoveries = max_recoveries
+        self.meter = meter
+        self.recoveries = recoveries
+        self.on_change = on_change
+        self.chunks = 1
+        self.window: list[tuple[dict[str, Any], Any, dict[str, Any]]] = []
+        self._window_done = True
+        self._weight = 1.0
+        self.micro_steps = 0
+        trainer.compute_loss = self._compute_loss
+        trainer.training_step = self
+
+    def uninstall(self) -> None:
+        self.trainer.training_step = self.original
+        self.trainer.compute_loss = self.original_compute_loss
+
+    # -- loss weighting and per-phase measurement --------------------------------------------
+    def _compute_loss(self, model, inputs, *args, **kwargs):
+        out = self.original_compute_loss(model, inputs, *args, **kwargs)
+        self.meter.record("forward")
+        self.meter.reset()
+        if self._weight != 1.0:
+            if isinstance(out, tuple):
+                return (out[0] * self._weight,) + tuple(out[1:])
+            return out * self._weight
+        return out
+
+    def _weights(self, parts: list[dict[str, Any]], num_items: Any, model: Any) -> list[float]:
+        if len(parts) == 1:
+            return [1.0]
+        if adapter.loss_uses_num_items(self.trainer, model, num_items):
+            return [1.0] * len(parts)
+        counts = []
+        for p in parts:
+            labels = p.get("labels")
+            if isinstance(labels, torch.Tensor) and labels.dim() > 1:  # token-level mean loss
+                counts.append(int(labels.ne(-100).sum()))
+            else:
+                counts.append(_batch_size(p))
+        total = sum(counts) or 1
+        return [c / total for c in counts]
+
+    def _run(self, model, inputs, num_items, chunks: int):
+        parts = _split(inputs, chunks) if chunks > 1 else [inputs]
+        weights = self._weights(parts, num_items, model)
+        total = None
+        for part, w in zip(parts, weights):
+            self._weight = w
+            try:
+                self.meter.reset()
+                loss = self.original(model, part, num_items)
+                self.meter.record("backward")
+            finally:
+                self._weight = 1.0
+            total = loss if total is None else total + loss
+        return total
+
+    # -- the wrapped training_step -------------------------------------------------------------
+    def __call__(self, model, inputs, num_items_in_batch=None):
+        trainer = self.trainer
+        if self._window_done:
+            self.window = []
+        sync = bool(trainer.accelerator.gradient_state.sync_gradients)
+        self._window_done = sync
+        entry = (_to_cpu(inputs), num_items_in_batch, _rng_state())
+        self.window.append(entry)
+        self.micro_steps += 1
+        try:
+            return self._run(model, inputs, num_items_in_batch, self.chunks)
+        except Exception as exc:  # noqa: BLE001 - only OOMs are handled, the rest re-raised
+            if not is_oom_error(exc):
+                raise
+            failure = self._note_oom(exc)
+            exc = None  # drop the traceback (it holds the activations)
+        del inputs
+        return self._recover(model, failure)
+
+    def _note_oom(self, exc: BaseException) -> tuple[str, int | None]:
+        try:
+            return _diagnosis_text(exc)
+        except Exception:  # a diagnosis must never hide the recovery
+            return str(exc).splitlines()[0][:200], None
+
+    def _recover(self, model, failure: tuple[str, int | None]):
+        trainer = self.trainer
+        device = trainer.args.device
+        while True:
+            cause, tried = failure
+            micro = _batch_size(self.window[-1][0])
+            if len(self.recoveries) >= self.max_recoveries or self.chunks >= micro:
+                raise torch.OutOfMemoryError(
+                    f"memfit: out of memory at optimizer step {trainer.state.global_step} even with the micro-batch "
+                    f"of {micro} split into {self.chunks} chunks (recoveries: {len(self.recoveries)} of "
+                    f"{self.max_recoveries}); last error: {cause}")
+            old = self.chunks
+            self.chunks = min(micro, old * 2)
+            per_chunk = -(-micro // self.chunks)
+            change = (f"micro-batch of {micro} now runs as {self.chunks} chunks of <= {per_chunk} examples "
+                      f"(was {old}); gradients of the {len(self.window)} micro-step(s) of this accumulation window "
+                      "recomputed, effective batch size and data order unchanged")
+            self.recoveries.append(Recovery(trainer.state.global_step, "train", change, cause, tried))
+            self.on_change(f"out of memory at optimizer step {trainer.state.global_step} (train): {cause} -> {change}")
+            model.zero_grad(set_to_none=True)
+            free_memory()
+            try:
+                loss = None
+                for i, (saved, num_items, rng) in enumerate(self.window):
+                    _set_rng_state(rng)
+                    on_device = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
+                    loss = self._run(model, on_device, num_items, self.chunks)
+                    del on_device
+                return loss  # the failing micro-step's loss; earlier ones were already counted
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom_error(exc):
+                    raise
+                failure = self._note_oom(exc)
+                exc = None
+
+
+def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recoveries: list[Recovery],
+                     on_change: Callable[[str], None]) -> Callable[[], None]:
+    """Wrap `trainer.evaluate`: an OOM lowers the eval batch size and reruns the evaluation. Returns an undo."""
+    original = trainer.evaluate
+
+    def evaluate(*args, **kwargs):
+        while True:
+            meter.reset()
+            try:
+                metrics = original(*args, **kwargs)
+                meter.record("eval")
+                return metrics
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom_error(exc):
+                    raise
+                try:
+                    cause, tried = _diagnosis_text(exc)
+                except Exception:
+                    cause, tried = str(exc).splitlines()[0][:200], None
+                exc = None
+            ta = trainer.args
+            old_bs, old_acc = ta.per_device_eval_batch_size, ta.eval_accumulation_steps
+            evals = sum(1 for r in recoveries if r.phase == "eval")
+            if (old_bs <= 1 and old_acc == 1) or evals >= max_recoveries:
+                raise torch.OutOfMemoryError(
+                    f"memfit: out of memory in evaluation even at per_device_eval_batch_size={old_bs}, "
+                    f"eval_accumulation_steps={old_acc}; last error: {cause}")
+            ta.per_device_eval_batch_size = max(1, old_bs // 2)
+            ta.eval_accumulation_steps = 1
+            change = (f"per_device_eval_batch_size {old_bs} -> {ta.per_device_eval_batch_size}, "
+                      f"eval_accumulation_steps {old_acc} -> 1; evaluation rerun (training batch unchanged)")
+            recoveries.append(Recovery(trainer.state.global_step, "eval", change, cause, tried))
+            on_change(f"out of memory at optimizer step {trainer.state.global_step} (eval): {cause} -> {change}")
+            adapter.reset_eval_dataloaders(trainer)
+            free_memory()
+            time.sleep(0)
+
+    trainer.evaluate = evaluate
+
+    def undo() -> None:
+        trainer.evaluate = original
+
+    return undo

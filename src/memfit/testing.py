@@ -1,0 +1,169 @@
+"""CPU-testable out-of-memory: run real training on the CPU as if the GPU had `limit_bytes`.
+
+    from memfit.testing import memory_budget
+    with memory_budget(300 * 2**20, count=(model,)) as budget:
+        trainer.train()            # raises torch.OutOfMemoryError past 300 MiB of live tensors
+    print(budget.peak_bytes)
+
+A TorchDispatchMode (like memfit.sim.tracker) sees every aten op below autograd. A storage
+seen for the first time in an op's outputs is an allocation, rounded up to 512 bytes as
+PyTorch's CUDA caching allocator rounds blocks; a `weakref.finalize` on the storage object
+records its free. Tensors of the modules and optimizers passed as `count` (parameters,
+buffers, gradients, optimizer state) are live from the start. When an allocation would take
+the live bytes over the limit, the op's output is dropped and `torch.OutOfMemoryError` is
+raised with the message PyTorch's CUDA caching allocator prints (`format_oom_message`), so
+code that handles real CUDA OOMs handles these the same way.
+
+Known limitations: memory is counted per storage (no caching-allocator blocks, no
+fragmentation: "reserved" equals "allocated"); storages created outside the mode (e.g. by
+`torch.tensor(list)` in a collator before the mode sees them) count from the first op that
+returns them; kernel scratch space that never surfaces as an op output is invisible.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.oom_text import format_oom_message
+
+__all__ = ["memory_budget", "MemoryBudget", "round_size"]
+
+_MIN_BLOCK = 512
+
+
+def round_size(n_bytes: int) -> int:
+    """Bytes the CUDA caching allocator hands out for a request (multiples of 512, at least 512)."""
+    n = int(n_bytes)
+    if n < _MIN_BLOCK:
+        return _MIN_BLOCK
+    return _MIN_BLOCK * ((n + _MIN_BLOCK - 1) // _MIN_BLOCK)
+
+
+def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+    """Parameters, buffers and gradients of a module; state of an optimizer; tensors themselves."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield v
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_of(item)
+    elif obj is not None:
+        raise TypeError(f"memory_budget cannot count `{type(obj).__name__}`; pass modules, optimizers or tensors")
+
+
+class MemoryBudget(TorchDispatchMode):
+    """Live storage bytes of a CPU run against a limit; see the module docstring."""
+
+    def __init__(self, limit_bytes: int, *, count: Iterable[Any] = (), device: int = 0) -> None:
+        super().__init__()
+        if int(limit_bytes) <= 0:
+            raise ValueError(f"limit_bytes must be positive; got {limit_bytes!r}")
+        self.limit_bytes = int(limit_bytes)
+        self.device = device
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.oom_count = 0
+        self.enabled = True
+        self._seen = WeakIdKeyDictionary()
+        self._counting_frees = True
+        for t in _tensors_of(list(count)):
+            self._track(t.untyped_storage())
+        self.peak_bytes = self.live_bytes
+
+    # -- accounting --------------------------------------------------------------------
+    def _track(self, storage) -> None:
+        if storage in self._seen or storage.device.type == "meta":
+            return
+        size = round_size(storage.nbytes())
+        self._seen[storage] = size
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, size)
+
+    def _free(self, size: int) -> None:
+        if self._counting_frees:
+            self.live_bytes -= size
+
+    def count(self, *objs: Any) -> None:
+        """Count more tensors as live now (e.g. an optimizer created before the mode)."""
+        for t in _tensors_of(list(objs)):
+            self._track(t.untyped_storage())
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the live bytes now (as torch.cuda.reset_peak_memory_stats)."""
+        self.peak_bytes = self.live_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.limit_bytes - self.live_bytes)
+
+    def oom_message(self, tried_bytes: int) -> str:
+        return format_oom_message(
+            device=self.device, tried_to_allocate_bytes=tried_bytes, total_bytes=self.limit_bytes,
+            free_bytes=self.free_bytes, process_used_bytes=self.live_bytes, allocated_bytes=self.live_bytes,
+            reserved_unallocated_bytes=0,
+        )
+
+    # -- dispatch ----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.enabled:
+            return out
+        new = []
+        for t in _flat_tensors(out):
+            storage = t.untyped_storage()
+            if storage not in self._seen and storage.device.type != "meta" and all(s is not storage for s in new):
+                new.append(storage)
+        if not new:
+            return out
+        request = sum(round_size(s.nbytes()) for s in new)
+        if self.live_bytes + request > self.limit_bytes:
+            self.oom_count += 1
+            largest = max(round_size(s.nbytes()) for s in new)
+            del out, new
+            raise torch.OutOfMemoryError(self.oom_message(largest))
+        for s in new:
+            self._track(s)
+        return out
+
+    def __exit__(self, *exc):
+        return super().__exit__(*exc)
+
+
+def _flat_tensors(out: Any):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _flat_tensors(item)
+
+
+def memory_budget(limit_bytes: int | str, *, count: Iterable[Any] = (), device: int = 0) -> MemoryBudget:
+    """A context manager that raises `torch.OutOfMemoryError` past `limit_bytes` of live tensors.
+
+    `limit_bytes`: an int or a size such as ``"300MiB"``. `count`: modules, optimizers or
+    tensors that already exist and count from the start. The returned object has
+    `peak_bytes`, `live_bytes`, `reset_peak()` and `oom_count`.
+    """
+    if isinstance(limit_bytes, str):
+        from memfit.units import parse_size
+
+        limit_bytes = parse_size(limit_bytes, what="memory budget")
+    return MemoryBudget(int(limit_bytes), count=count, device=device)
