@@ -8,7 +8,12 @@ breaks (at most) this file:
 - `torch.library.Library(..., "IMPL")` at the `AutocastCPU` dispatch key: replacing the CPU
   autocast policy by CUDA's while a simulation runs (see `cuda_autocast`).
 - `torch._C._ExcludeDispatchKeyGuard`: re-dispatching below the autocast key.
-- `torch._C._current_autograd_node`: which backward node is running.
+- `torch._C._current_autograd_node`, `torch._C._autograd._get_sequence_nr`: which backward
+  node is running, and the autograd node counter (layer splicing).
+- `torch.utils.weak.WeakIdKeyDictionary`: storages as weak keys.
+- `Tensor._is_view`, `OpOverload._schema`: autocast's cache rule and argument names.
+- `torch._foreach_norm`, `torch._foreach_mul_`, `torch._amp_foreach_non_finite_check_and_unscale_`,
+  `torch._amp_update_scale_`: the kernels `clip_grad_norm_` and `GradScaler` call on CUDA.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "FakeTensor",
@@ -30,6 +36,15 @@ __all__ = [
     "override_autocast_cpu",
     "current_autograd_node_name",
     "autocast_cpu_op_names",
+    "WeakIdKeyDictionary",
+    "current_autograd_node",
+    "autograd_sequence_nr",
+    "is_view",
+    "op_argument_names",
+    "foreach_norm",
+    "foreach_mul_",
+    "amp_unscale_",
+    "amp_update_scale_",
 ]
 
 
@@ -73,3 +88,39 @@ def override_autocast_cpu(kernels: dict[str, object]) -> Iterator[None]:
 def current_autograd_node_name() -> str:
     node = torch._C._current_autograd_node()
     return node.name() if node is not None else ""
+
+
+def current_autograd_node():
+    """The autograd Node the engine is executing now (None outside a backward)."""
+    return torch._C._current_autograd_node()
+
+
+def autograd_sequence_nr() -> int:
+    """The sequence number the next autograd Node created on this thread will get."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def is_view(t: torch.Tensor) -> bool:
+    return t._is_view()
+
+
+def op_argument_names(op) -> list[str]:
+    return [a.name for a in op._schema.arguments]
+
+
+def foreach_norm(tensors, ord: float = 2.0):
+    return torch._foreach_norm(tensors, ord)
+
+
+def foreach_mul_(tensors, scalar) -> None:
+    torch._foreach_mul_(tensors, scalar)
+
+
+def amp_unscale_(grads, found_inf, inv_scale) -> None:
+    """GradScaler._unscale_grads_'s kernel (torch/amp/grad_scaler.py)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval) -> None:
+    """GradScaler.update's kernel (torch/amp/grad_scaler.py)."""
+    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)

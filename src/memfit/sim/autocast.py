@@ -75,7 +75,7 @@ class _Policy:
         if not _eligible(t) or t.dtype is dtype:
             return t
         can_cache = (
-            dtype is self.low and t.dtype is torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
+            dtype is self.low and t.dtype is torch.float32 and t.requires_grad and t.is_leaf and not adapter.is_view(t)
         )
         if can_cache:
             hit = self.cache.get(id(t))
@@ -90,7 +90,7 @@ class _Policy:
         op = _overload(name)
         dtype_index = None
         if kind == "set_opt_dtype":
-            names = [a.name for a in op._schema.arguments]
+            names = adapter.op_argument_names(op)
             dtype_index = names.index("dtype") if "dtype" in names else None
 
         def run(*args, **kwargs):

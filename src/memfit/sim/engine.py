@@ -329,21 +329,21 @@ class _Runner:
             # GradScaler.unscale_ -> _unscale_grads_ (torch/amp/grad_scaler.py)
             inv_scale = self.scale.double().reciprocal().float()
             found_inf = torch.full((), 0.0, dtype=torch.float32)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            adapter.amp_unscale_(grads, found_inf, inv_scale)
         if self.setup.max_grad_norm > 0 and grads:
             # torch.nn.utils.clip_grad_norm_ with foreach (the CUDA default): _get_total_norm and
             # _clip_grads_with_norm_ in torch/nn/utils/clip_grad.py.
-            norms = torch._foreach_norm(grads, 2.0)
+            norms = adapter.foreach_norm(grads, 2.0)
             total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(n, 2.0) for n in norms]), 2.0)
             del norms
             coef = torch.clamp(self.setup.max_grad_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
+            adapter.foreach_mul_(grads, coef)
             del coef
             self.grad_norm = total
         del grads
         self.optimizer.step()
         if self.setup.precision == "fp16":
-            torch._amp_update_scale_(self.scale, self.growth, found_inf, 2.0, 0.5, 2000)
+            adapter.amp_update_scale_(self.scale, self.growth, found_inf, 2.0, 0.5, 2000)
             del found_inf, inv_scale
         self.model.zero_grad(set_to_none=True)
         if self.cut is not None:

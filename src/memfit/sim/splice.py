@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from memfit.checkpointing import repeated_layer_lists
+from memfit.sim import _torch_adapter as adapter
 from memfit.sim.tracker import Record, StorageTracker
 
 __all__ = ["K", "GENERIC", "SpliceRefused", "truncate_layers", "LayerTagger", "splice_events"]
@@ -91,7 +92,7 @@ class LayerTagger:
     def _pre(self, tag):
         def hook(module, args):
             self.stack.append(tag)
-            self.starts.append(torch._C._autograd._get_sequence_nr())
+            self.starts.append(adapter.autograd_sequence_nr())
 
         return hook
 
@@ -99,8 +100,8 @@ class LayerTagger:
         def hook(module, args, output):
             start = self.starts.pop()
             self.stack.pop()
-            if self.tracker.phase == "forward" and torch._C._current_autograd_node() is None:
-                self.ranges.append((start, torch._C._autograd._get_sequence_nr(), tag))
+            if self.tracker.phase == "forward" and adapter.current_autograd_node() is None:
+                self.ranges.append((start, adapter.autograd_sequence_nr(), tag))
 
         return hook
 
@@ -108,7 +109,7 @@ class LayerTagger:
         self.ranges.clear()
 
     def current(self):
-        node = torch._C._current_autograd_node()
+        node = adapter.current_autograd_node()
         if node is None:
             return self.stack[-1] if self.stack else None
         if self.stack:  # recomputation (checkpointing) runs the block's forward inside the backward

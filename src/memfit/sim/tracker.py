@@ -16,7 +16,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.sim import _torch_adapter as adapter
 from memfit.trace import TraceEvent
@@ -49,7 +48,7 @@ class StorageTracker(adapter.TorchDispatchMode):
         self.records: list[Record] = []
         #: (action, record, phase) in program order; action is "alloc" or "free".
         self.events: list[tuple[str, Record, str]] = []
-        self._ids = WeakIdKeyDictionary()
+        self._ids = adapter.WeakIdKeyDictionary()
         self._finalizers: dict[int, weakref.finalize] = {}
         self.phase = "setup"
         self.default_category = "temporaries"
