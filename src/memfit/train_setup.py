@@ -213,10 +213,9 @@ class TrainSetup:
                 continue
             if key in _ARG_TO_FIELD:
                 merged[_ARG_TO_FIELD[key]] = value
-        if isinstance(merged.get("optim"), object) and merged.get("optim") is not None:
-            merged["optim"] = str(getattr(merged["optim"], "value", merged["optim"]))
-        if isinstance(merged.get("eval_strategy"), object) and merged.get("eval_strategy") is not None:
-            merged["eval_strategy"] = str(getattr(merged["eval_strategy"], "value", merged["eval_strategy"]))
+        for key in ("optim", "eval_strategy"):  # TrainingArguments holds enums (OptimizerNames, IntervalStrategy)
+            if merged.get(key) is not None:
+                merged[key] = str(getattr(merged[key], "value", merged[key]))
         merged.update(fields)
         if model is not None:
             merged["model"] = model
