@@ -15,13 +15,8 @@ SEED = ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 MiB (GPU 0; 15
 
 
 @pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    from transformers import BertConfig
-
-    path = tmp_path_factory.mktemp("bert")
-    BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
-               vocab_size=500).save_pretrained(path)
-    return str(path)
+def bert_dir(tiny_bert_dir):
+    return tiny_bert_dir
 
 
 def test_gpu_from_the_seed_message_is_a_v100():

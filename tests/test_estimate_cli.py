@@ -8,19 +8,6 @@ from memfit.cli import main
 from memfit.estimator import estimate
 from memfit.train_setup import TrainSetup
 
-TINY_BERT = "tests/data/tiny-bert"
-
-
-@pytest.fixture(scope="module")
-def tiny_bert_dir(tmp_path_factory):
-    from transformers import BertConfig
-
-    path = tmp_path_factory.mktemp("tiny-bert")
-    BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-               vocab_size=200).save_pretrained(path)
-    return str(path)
-
-
 def test_json_schema(tiny_bert_dir, capsys):
     assert main(["estimate", tiny_bert_dir, "--batch-size", "2", "--max-length", "32", "--eval-strategy", "epoch",
                  "--gpu", "T4", "--json"]) == 0
@@ -109,3 +96,11 @@ def test_list_models(capsys):
     assert main(["estimate", "--list-models"]) == 0
     out = capsys.readouterr().out.split()
     assert len(out) >= 25 and any("xlnet-large-cased" in m for m in out)
+
+
+def test_unsupported_architecture(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    assert main(["estimate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "Traceback" not in err

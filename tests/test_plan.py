@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from conftest import save_bert_config
 from memfit.cli import main
 from memfit.errors import MemfitError
 from memfit.estimator import estimate
@@ -13,12 +14,8 @@ from memfit.train_setup import TrainSetup
 
 @pytest.fixture(scope="module")
 def small_bert(tmp_path_factory):
-    from transformers import BertConfig
-
-    path = tmp_path_factory.mktemp("bert6")
-    BertConfig(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, intermediate_size=1024,
-               vocab_size=8000).save_pretrained(path)
-    return str(path)
+    return save_bert_config(tmp_path_factory, "bert8", hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+                            intermediate_size=1024, vocab_size=8000)
 
 
 def _setup(model, **kw):

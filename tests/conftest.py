@@ -1,0 +1,18 @@
+"""Shared test helpers."""
+
+import pytest
+
+
+def save_bert_config(tmp_path_factory, name: str, **dims) -> str:
+    """A directory holding a small BERT config.json (a model memfit can load offline)."""
+    from transformers import BertConfig
+
+    path = tmp_path_factory.mktemp(name)
+    BertConfig(**dims).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    return save_bert_config(tmp_path_factory, "tiny-bert", hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=128, vocab_size=200)
