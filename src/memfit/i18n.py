@@ -76,9 +76,9 @@ MESSAGES: dict[str, dict[str, str]] = {
     },
     "cause.non_pytorch": {
         "en": "About {bytes} ({total} total − {free} free − {reserved} reserved) is held outside PyTorch's "
-        "cache: the CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, other libraries and processes.{extra}",
+        "cache: the CUDA context and loaded kernels, cuDNN, NCCL buffers, other libraries and processes.{extra}",
         "zh": "约 {bytes}（总量 {total} − 空闲 {free} − 保留 {reserved}）在 PyTorch 缓存之外：CUDA 上下文、"
-        "cuBLAS/cuDNN 工作区、NCCL 缓冲区、其他库和进程。{extra}",
+        "已加载的内核、cuDNN、NCCL 缓冲区、其他库和进程。{extra}",
     },
     "cause.non_pytorch.typical": {
         "en": " That is the usual size of a CUDA context and libraries (up to {ctx}); it cannot be freed.",
