@@ -186,7 +186,7 @@ def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[s
                 notes.append(f"`{key}` is the old name of `{new}`; read as `{new}`")
                 key = new
             kwargs[key] = value
-    defaults = {"per_device_train_batch_size": 32 if is_default else 8, "num_train_epochs": 3.0,
+    defaults = {"per_device_train_batch_size": 32 if is_default else 8, "num_train_epochs": 2.0 if is_default else 3.0,
                 "learning_rate": 5e-5 if is_default else 2e-5, "eval_strategy": "epoch" if is_default else "no",
                 "save_strategy": "epoch", "seed": 42}
     for flag, name in (("batch_size", "per_device_train_batch_size"), ("eval_batch_size", "per_device_eval_batch_size"),
