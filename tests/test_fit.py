@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
-import memfit.fit as mf  # noqa: E402
+import memfit.fitting as mf  # noqa: E402
 from memfit.oom_text import format_oom_message  # noqa: E402
 
 CFG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -194,7 +194,9 @@ def test_plan_applied_when_budget_too_small(tmp_path):
     assert report.effective_batch_size == 16 and report.steps_completed == 4
 
 
-def test_module_is_callable(tmp_path):
+def test_public_fit(tmp_path):
+    import memfit
+
     t = _trainer(tmp_path, bs=32, ga=1)
-    report = mf(t, plan=False)
+    report = memfit.fit(t, plan=False)
     assert report.steps_completed == 2

@@ -1,13 +1,13 @@
 """memfit: make Hugging Face fine-tuning fit in GPU memory.
 
-    from memfit import TrainSetup, estimate, diagnose
+    from memfit import TrainSetup, estimate, plan, diagnose, preflight, fit
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TrainSetup", "MemoryReport", "estimate", "diagnose", "MemfitError"]
+__all__ = ["TrainSetup", "MemoryReport", "estimate", "plan", "diagnose", "preflight", "fit", "MemfitError"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -15,6 +15,9 @@ _LAZY = {
     "MemoryReport": "memfit.estimator",
     "estimate": "memfit.estimator",
     "diagnose": "memfit.diagnosis",
+    "plan": "memfit.planner",
+    "fit": "memfit.fitting",
+    "preflight": "memfit.fitting",
     "MemfitError": "memfit.errors",
 }
 

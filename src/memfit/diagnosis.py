@@ -96,7 +96,7 @@ class Diagnosis:
     advice_ids: tuple[str, ...] = ()
     phase_frame: str = ""  #: the traceback frame that decided the phase
     lang: str = "en"
-    plan: object = None  #: memfit.plan.PlanResult when a setup was given
+    plan: object = None  #: memfit.planner.PlanResult when a setup was given
 
     @property
     def non_pytorch_bytes(self) -> int | None:
@@ -314,7 +314,7 @@ def diagnose(source: str | BaseException, *, lang: str = "en", setup: object = N
     """Diagnose the last out-of-memory error in a log, a traceback, a message or an exception.
 
     With `setup` (a TrainSetup: the model and arguments of the run that failed), the diagnosis
-    is handed to the planner (memfit.plan) for the GPU the message describes: its total
+    is handed to the planner (memfit.planner) for the GPU the message describes: its total
     capacity picks the GPU (a catalog entry of that size, else a generic GPU of that size) and
     the memory it shows outside PyTorch's cache replaces memfit's estimate of it. The result
     is in `Diagnosis.plan`.
@@ -364,7 +364,7 @@ def gpu_from_message(m: OomMessage):
 
 
 def _plan_for(setup, m: OomMessage):
-    from memfit.plan import plan
+    from memfit.planner import plan
     from memfit.train_setup import TrainSetup
 
     if not isinstance(setup, TrainSetup):

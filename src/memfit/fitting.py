@@ -1,12 +1,12 @@
 """`memfit.fit(trainer)`: train a real `transformers.Trainer` so that it fits, and recover when it does not.
 
-    import memfit.fit
-    report = memfit.fit.fit(trainer, gpu="auto")          # or: memfit.fit(trainer) (the module is callable)
+    import memfit
+    report = memfit.fit(trainer, gpu="auto")
     print(report.steps_completed, report.oom_recoveries)
 
 1. `preflight` (memfit.fit_preflight): the setup of the trainer, the estimate, the traps.
 2. When a GPU (or an emulated budget) is known and the setup does not fit, memfit's plan
-   (memfit.plan) is applied to `trainer.args` before training: micro-batch / accumulation,
+   (memfit.planner) is applied to `trainer.args` before training: micro-batch / accumulation,
    fp16/bf16 (CUDA only), optimizer, eval batch size / eval_accumulation_steps, gradient
    checkpointing (Hugging Face's, or memfit's per-block wrapper where the model has none).
 3. Training runs with recovery (memfit.fit_recovery): an OOM inside a micro-step splits the
@@ -31,9 +31,7 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 import time
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,7 +164,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
         logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
     plan_applied = None
     if plan and pre.fits is False:
-        from memfit.plan import plan as make_plan
+        from memfit.planner import plan as make_plan
 
         spec = pre.estimate.gpu
         with adapter.preserve_accelerator_state():
@@ -256,13 +254,3 @@ def _spec_for(gpu: Any, budget_bytes: int | None):
     from memfit.fit_preflight import budget_spec
 
     return budget_spec(budget_bytes)
-
-
-class _CallableModule(types.ModuleType):
-    """`memfit.fit` is both this module and, called, the `fit` function (`memfit.fit(trainer)`)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> FitReport:
-        return fit(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
