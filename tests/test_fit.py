@@ -200,3 +200,12 @@ def test_public_fit(tmp_path):
     t = _trainer(tmp_path, bs=32, ga=1)
     report = memfit.fit(t, plan=False)
     assert report.steps_completed == 2
+
+
+def test_report_feeds_prediction_error_back_into_the_margin(tmp_path):
+    t = _trainer(tmp_path, bs=32, ga=1)
+    report = mf.fit(t, plan=False, budget_bytes=4 * 2**30)
+    assert report.prediction_error, "measured and predicted peaks are compared"
+    worst = max([e for e in report.prediction_error.values() if e > 0], default=0.0)
+    assert report.suggested_margin >= min(0.45, worst)
+    assert 0.05 <= report.suggested_margin <= 0.45

@@ -61,6 +61,10 @@ class FitReport:
     measured_with: str | None  #: "cuda", "memory_budget" or None
     report_path: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: measured / predicted - 1 per phase (positive: memfit under-predicted)
+    prediction_error: dict[str, float] = field(default_factory=dict)
+    #: safety margin for the next plan of this run: max(margin, worst under-prediction + 2%)
+    suggested_margin: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -136,14 +140,17 @@ def _make_callback(meter: Meter):
 
 
 def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan: bool = True,
-        max_recoveries: int = 4, report_path: str | None = None, progress: Any = None) -> FitReport:
+        max_recoveries: int = 4, report_path: str | None = None, progress: Any = None,
+        margin: float | None = None) -> FitReport:
     """Preflight, plan, train with OOM recovery and report (see the module docstring).
 
     `gpu`: catalog name, size, `auto` or GpuSpec for the estimate and plan (None: `auto` on
     a CUDA machine, else unknown). `budget_bytes`: run under `memfit.testing.memory_budget`
     (an emulated GPU of that size on the CPU). `plan`: apply memfit's plan when the setup is
     predicted not to fit. `report_path`: write the report as JSON there. `progress`: an
-    optional TrainerCallback (e.g. the CLI's progress bar).
+    optional TrainerCallback (e.g. the CLI's progress bar). `margin`: the planner's safety
+    margin; pass a previous report's `suggested_margin` to feed the observed prediction
+    error back into the next plan.
     """
     import torch
 
@@ -169,7 +176,8 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
         spec = pre.estimate.gpu
         with adapter.preserve_accelerator_state():
             result = make_plan(pre.setup, gpu=_spec_for(gpu, budget_bytes),
-                               non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None)
+                               non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None,
+                               **({} if margin is None else {"margin": margin}))
         if result.chosen is not None:
             chosen = result.plans[result.chosen]
             applied_log: list[str] = []
@@ -233,7 +241,15 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
                   "measured_bytes": meter.peaks.get(p)}
               for p in ("forward", "backward", "optimizer", "eval")}
+    from memfit.planner import DEFAULT_MARGIN
+
+    # measured / predicted - 1 per phase; the worst under-prediction becomes the next run's margin
+    errors = {p: round(v["measured_bytes"] / v["predicted_bytes"] - 1, 4) for p, v in phases.items()
+              if v.get("measured_bytes") and v.get("predicted_bytes")}
+    under = max([e for e in errors.values() if e > 0], default=0.0)
+    suggested = round(min(0.45, max(DEFAULT_MARGIN if margin is None else margin, under + 0.02)), 3)
     report = FitReport(
+        prediction_error=errors, suggested_margin=suggested,
         steps_completed=int(trainer.state.global_step), steps_expected=expected, effective_batch_size=effective_after,
         oom_recoveries=[dataclasses.asdict(r) for r in recoveries], plan_applied=plan_applied, changes=changes,
         phases=phases, train_metrics=train_metrics, final_metrics=final_metrics, preflight=pre.to_json(),
