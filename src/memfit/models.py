@@ -87,6 +87,10 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
     config = spec.config
     if setup.task in ("seq-cls", "token-cls"):
         config.num_labels = setup.num_labels
+        if setup.task == "seq-cls" and setup.num_labels > 1 and getattr(config, "problem_type", None) is None:
+            # what most heads set on their first forward with integer labels; DeBERTa-v2 otherwise
+            # takes a `labels.nonzero()` path whose output size depends on the data
+            config.problem_type = "single_label_classification"
     if setup.attn_implementation is not None:
         config._attn_implementation = setup.attn_implementation
     if getattr(config, "pad_token_id", None) is None and setup.task == "seq-cls":
