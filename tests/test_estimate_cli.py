@@ -104,3 +104,18 @@ def test_unsupported_architecture(tmp_path, capsys, monkeypatch):
     assert main(["estimate", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path) in err and "Traceback" not in err
+
+
+def test_a_module_is_never_modified():
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                     intermediate_size=64, vocab_size=100))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = estimate(TrainSetup(model=model, per_device_train_batch_size=2, max_length=16))
+    assert r.params == sum(p.numel() for p in model.parameters())
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -77,13 +77,35 @@ def resolve_config(model: Any) -> ModelSpec:
         ) from err
 
 
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A meta-device twin of the user's module; the user's weights are never touched.
+
+    A Hugging Face model is rebuilt from its config (same class, no weights); any other module
+    is deep-copied and moved to meta (its memory is briefly duplicated on the host).
+    """
+    import copy
+
+    from accelerate import init_empty_weights
+
+    config = getattr(module, "config", None)
+    from_config = getattr(type(module), "_from_config", None)
+    if config is not None and from_config is not None:
+        dtype = next((p.dtype for p in module.parameters()), None)
+        with init_empty_weights(), torch.device("meta"):
+            twin = from_config(copy.deepcopy(config), **({"dtype": dtype} if dtype is not None else {}))
+        for p_user, p_twin in zip(module.parameters(), twin.parameters()):
+            p_twin.requires_grad_(p_user.requires_grad)
+        return twin
+    return copy.deepcopy(module).to("meta")
+
+
 def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Module:
     """Build the task model of `setup` on the meta device (no weights, no memory)."""
     import transformers
 
     spec = spec or resolve_config(setup.model)
     if isinstance(setup.model, nn.Module):
-        return setup.model
+        return _meta_copy(setup.model)
     config = spec.config
     if setup.task in ("seq-cls", "token-cls"):
         config.num_labels = setup.num_labels
