@@ -173,7 +173,6 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     if plan and pre.fits is False:
         from memfit.planner import plan as make_plan
 
-        spec = pre.estimate.gpu
         with adapter.preserve_accelerator_state():
             result = make_plan(pre.setup, gpu=_spec_for(gpu, budget_bytes),
                                non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None,

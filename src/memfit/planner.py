@@ -249,18 +249,13 @@ def plan(
 
     base_time = rel_time(setup, base_report.params, base_report.trainable_params)
     baseline = _plan_from_report(setup, {}, base_report, 1.0, budget, verified=True)
-    not_applicable = {name: r.check(setup, spec).reason for name, r in REGISTRY.items()
-                      if not r.check(setup, spec).applies}
-    if baseline.fits:
-        # still look for a faster split (larger micro-batch) below the budget
-        pass
+    verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
+    not_applicable = {name: v.reason for name, v in verdicts.items() if not v.applies}
 
     # -- axes ------------------------------------------------------------------------------
     def axis(name: str, current: dict[str, Any]) -> list[dict[str, Any]]:
         r = REGISTRY[name]
-        if r.opt_in and r.opt_in not in allow:
-            return [current]
-        if not r.check(setup, spec).applies:
+        if (r.opt_in and r.opt_in not in allow) or not verdicts[name].applies:
             return [current]
         return [current] + r.variants(setup, spec)
 
@@ -425,7 +420,7 @@ def plan(
         closest = min([baseline] + plans, key=lambda p: p.device_used_bytes)
         miss = closest.device_used_bytes - budget
         for name, r in REGISTRY.items():
-            if r.opt_in and r.opt_in not in allow and r.check(setup, spec).applies:
+            if r.opt_in and r.opt_in not in allow and verdicts[name].applies:
                 suggestions.append(f"allow `{r.opt_in}` ({r.title}: saves {r.saves}; costs: {r.costs})")
         need = closest.device_used_bytes / (1 - margin)
         bigger = sorted((g for g in CATALOG.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)

@@ -39,6 +39,7 @@ __all__ = [
     "WeakIdKeyDictionary",
     "current_autograd_node",
     "autograd_sequence_nr",
+    "node_sequence_nr",
     "is_view",
     "op_argument_names",
     "foreach_norm",
@@ -93,6 +94,11 @@ def current_autograd_node_name() -> str:
 def current_autograd_node():
     """The autograd Node the engine is executing now (None outside a backward)."""
     return torch._C._current_autograd_node()
+
+
+def node_sequence_nr(node) -> int:
+    """The creation number of an autograd Node (`Node._sequence_nr`)."""
+    return node._sequence_nr()
 
 
 def autograd_sequence_nr() -> int:

@@ -71,6 +71,7 @@ class LayerTagger:
         self.stack: list[tuple[int, int]] = []
         self.starts: list[int] = []
         self.ranges: list[tuple[int, int, tuple[int, int]]] = []
+        self.range_starts: list[int] = []  #: ranges[i][0], ascending (blocks run in order)
         self.param_tag: dict[int, tuple[int, int]] = {}
         self.handles = []
         self.model, self.names = model, names
@@ -102,11 +103,13 @@ class LayerTagger:
             self.stack.pop()
             if self.tracker.phase == "forward" and adapter.current_autograd_node() is None:
                 self.ranges.append((start, adapter.autograd_sequence_nr(), tag))
+                self.range_starts.append(start)
 
         return hook
 
     def reset(self) -> None:
         self.ranges.clear()
+        self.range_starts.clear()
 
     def current(self):
         node = adapter.current_autograd_node()
@@ -117,9 +120,8 @@ class LayerTagger:
         var = getattr(node, "variable", None)
         if var is not None:
             return self.param_tag.get(id(var))
-        seq = node._sequence_nr()
-        starts = [r[0] for r in self.ranges]
-        k = bisect.bisect_right(starts, seq) - 1
+        seq = adapter.node_sequence_nr(node)
+        k = bisect.bisect_right(self.range_starts, seq) - 1
         if k >= 0 and self.ranges[k][0] <= seq < self.ranges[k][1]:
             return self.ranges[k][2]
         return None
