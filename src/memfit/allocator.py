@@ -34,9 +34,8 @@ Known limitations:
   broken by creation order, whereas the driver may reuse lower addresses.
 * `capacity_bytes` is a hard limit on reserved bytes; the real driver can also fail
   through its own fragmentation of physical memory, which is not modelled.
-* `replay_torch_snapshot` cannot see allocations made before recording started, and an
-  `empty_cache()` directly followed by a cudaMalloc is indistinguishable from the
-  OOM-retry path in the trace; both are treated as the retry path.
+* Real traces (memfit.allocator_snapshot) cannot show allocations made before recording
+  started.
 * With expandable segments, `release_available_cached_blocks` is skipped (torch would
   assert on an expandable block there).
 """
@@ -44,11 +43,10 @@ Known limitations:
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from memfit.alloc_conf import AllocConf, parse_alloc_conf
+from memfit.alloc_conf import AllocConf
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
 
@@ -56,6 +54,7 @@ __all__ = [
     "AllocatorReport", "OomEvent", "SnapshotReplay", "replay", "round_size",
     "get_allocation_size", "events_from_torch_snapshot", "replay_torch_snapshot",
 ]
+# the snapshot helpers live in memfit.allocator_snapshot; re-exported at the end of this module
 
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 B
 K_SMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
@@ -541,92 +540,6 @@ def replay(
     )
 
 
-# -- torch.cuda.memory._snapshot() -------------------------------------------------
-
-def events_from_torch_snapshot(snapshot: Mapping[str, Any], *, device: int = 0) -> list[TraceEvent]:
-    """TraceEvents from `torch.cuda.memory._snapshot()` taken with `_record_memory_history`.
-
-    Uses the `device_traces` entries (`TraceEntry` in CUDACachingAllocator.h): `alloc`
-    (size = requested bytes) opens an id, `free_completed` closes it (the memory returns
-    to the cache then, after any cross-stream events), and a run of `segment_free` /
-    `segment_unmap` not followed by `segment_alloc` / `segment_map` is an `empty_cache`.
-    Frees of blocks allocated before recording started are dropped.
-    """
-    traces = snapshot.get("device_traces")
-    if not traces or device >= len(traces):
-        raise MemfitError(
-            f"snapshot has no trace for device `{device}`; record it with "
-            "`torch.cuda.memory._record_memory_history()` before `torch.cuda.memory._snapshot()`"
-        )
-    live: dict[int, int] = {}
-    out: list[TraceEvent] = []
-    pending_release = False
-    for entry in traces[device]:
-        action = entry.get("action")
-        if action in ("segment_free", "segment_unmap"):
-            pending_release = True
-            continue
-        if action in ("segment_alloc", "segment_map"):
-            pending_release = False  # part of a malloc's retry / GC path
-            continue
-        if action not in ("alloc", "free_completed"):
-            continue  # free_requested, snapshot, oom, user_defined
-        if pending_release:
-            out.append(TraceEvent("empty_cache", -1, 0))
-            pending_release = False
-        addr = int(entry["addr"])
-        if action == "alloc":
-            live[addr] = len(out)
-            out.append(TraceEvent("alloc", len(out), int(entry["size"])))
-        elif addr in live:
-            out.append(TraceEvent("free", live.pop(addr), int(entry.get("size", 0))))
-    if pending_release:
-        out.append(TraceEvent("empty_cache", -1, 0))
-    return out
-
-
-@dataclass(frozen=True)
-class SnapshotReplay:
-    report: AllocatorReport
-    observed_peak_reserved_bytes: int  #: from segment_alloc/free/map/unmap entries
-    observed_num_cudamalloc: int
-    conf: AllocConf
-
-
-def _conf_from_snapshot(snapshot: Mapping[str, Any]) -> AllocConf:
-    settings = snapshot.get("allocator_settings") or {}
-    raw = settings.get("PYTORCH_CUDA_ALLOC_CONF")
-    if raw:
-        return parse_alloc_conf(raw)
-    mss = settings.get("max_split_size")
-    divs = settings.get("roundup_power2_divisions")
-    return AllocConf(
-        max_split_size_bytes=int(mss) if mss and int(mss) < (1 << 63) - 1 else None,
-        expandable_segments=bool(settings.get("expandable_segments", False)),
-        garbage_collection_threshold=settings.get("garbage_collection_threshold") or None,
-        roundup_power2_divisions=tuple(divs) if isinstance(divs, (list, tuple)) and len(divs) == 16 else 0,
-    )
-
-
-def replay_torch_snapshot(
-    snapshot: Mapping[str, Any], *, conf: AllocConf | None = None,
-    capacity_bytes: int | None = None, device: int = 0,
-) -> SnapshotReplay:
-    """Replay a recorded GPU trace and return the model's report next to what was observed."""
-    conf = conf if conf is not None else _conf_from_snapshot(snapshot)
-    report = replay(events_from_torch_snapshot(snapshot, device=device), conf=conf,
-                    capacity_bytes=capacity_bytes)
-    delta = peak = n_malloc = 0
-    for entry in snapshot["device_traces"][device]:
-        action = entry.get("action")
-        if action in ("segment_alloc", "segment_map"):
-            delta += int(entry["size"])
-            n_malloc += 1
-            peak = max(peak, delta)
-        elif action in ("segment_free", "segment_unmap"):
-            delta -= int(entry["size"])
-    # the recording may start with segments already reserved: anchor on the final state
-    final = sum(int(s.get("total_size", 0)) for s in snapshot.get("segments", [])
-                if s.get("device", device) == device)
-    baseline = max(final - delta, 0)
-    return SnapshotReplay(report, baseline + peak, n_malloc, conf)
+from memfit.allocator_snapshot import (  # noqa: E402  (they use replay above)
+    SnapshotReplay, events_from_torch_snapshot, replay_torch_snapshot,
+)
