@@ -131,3 +131,11 @@ def test_seed_case(max_length):
         # XLNet has no Hugging Face checkpointing: the plan must hand over memfit's own
         assert any("enable_checkpointing" in line for line in chosen.code)
         assert "gradient_checkpointing" not in chosen.changes
+
+
+def test_freeze_opt_in_offers_embeddings_and_lower_blocks(small_bert):
+    s = _setup(small_bert, per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    result = plan(s, gpu="A100-40GB", allow=["freeze"], max_plans=80)
+    frozen = [p for p in result.plans if p.setup_changes.get("freeze_embeddings")]
+    assert frozen and any(p.setup_changes.get("freeze_layers") == 4 for p in frozen)
+    assert all(any("requires_grad_(False)" in line for line in p.code) for p in frozen)

@@ -67,3 +67,24 @@ def test_every_remedy_is_documented_and_checkable():
     assert set(OPT_IN) == {"truncation", "lora", "freeze", "offload"}
     # padding never counts as making a run fit: the peak is set by the longest batch
     assert REGISTRY["padding"].check(s, None).applies is False
+
+
+def test_frozen_lower_blocks_save_gradients_and_state_like_a_real_run():
+    base = TrainSetup(model=XLNET.__class__(**{**XLNET.to_dict(), "n_layer": 4}), per_device_train_batch_size=2,
+                      max_length=32)
+    frozen = base.replace(freeze_layers=2)
+    for fake in (True, False):
+        a = peaks(simulate(base, fake=fake, splice=False).trace, round_to=1).by_phase["optimizer"].breakdown
+        b = peaks(simulate(frozen, fake=fake, splice=False).trace, round_to=1).by_phase["optimizer"].breakdown
+        assert b["gradients"] < a["gradients"] and b["optimizer_state"] < a["optimizer_state"]
+    fake_saving = _peak(base, fake=True) - _peak(frozen, fake=True)
+    assert fake_saving > 0 and fake_saving == _peak(base, fake=False) - _peak(frozen, fake=False)
+
+
+def test_freeze_layers_out_of_range_is_a_clear_error():
+    from memfit.errors import MemfitError
+
+    with pytest.raises(MemfitError, match="freeze at most 2"):
+        simulate(TrainSetup(model=XLNET, per_device_train_batch_size=1, max_length=16, freeze_layers=5))
+    with pytest.raises(MemfitError, match="freeze_layers"):
+        TrainSetup(model=XLNET, freeze_layers=-1)

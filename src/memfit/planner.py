@@ -152,8 +152,8 @@ def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str
     if changes.get("per_device_train_batch_size", base.per_device_train_batch_size) != base.per_device_train_batch_size:
         names.append("micro_batch")
     for key, remedy in (("max_length", "sequence_length"), ("lora_r", "lora"), ("freeze_embeddings", "freeze"),
-                        ("offload_optimizer_state", "offload")):
-        if key in changes and changes[key] != getattr(base, key):
+                        ("freeze_layers", "freeze"), ("offload_optimizer_state", "offload")):
+        if key in changes and changes[key] != getattr(base, key) and remedy not in names:
             names.append(remedy)
             a, e, c = REGISTRY[remedy].apply(changes, base)
             args.update(a)
@@ -291,7 +291,7 @@ def plan(
     combos = list(itertools.product(precisions, ckpts, lengths, loras, freezes))
     for combo in combos:
         changes = {k: v for part in combo for k, v in part.items() if getattr(setup, k) != v}
-        method = any(k in changes for k in ("lora_r", "freeze_embeddings"))
+        method = any(k in changes for k in ("lora_r", "freeze_embeddings", "freeze_layers"))
         steps = 2 if method else 0  # a changed set of trainable parameters: simulate its optimizer too
         s2 = setup.replace(**changes, per_device_train_batch_size=min(2, e), gradient_accumulation_steps=min(2, e))
         p2, bd2, sim = _phase_peaks(s2, optimizer_steps=steps)
@@ -335,6 +335,7 @@ def plan(
         # method changes (optimizer, opt-ins) rank after plans that keep the method
         tier = int(optim_change["optim"] != setup.optim) + 2 * int(
             any(k in {kk for part in combo for kk in part} for k in ("max_length", "lora_r", "freeze_embeddings",
+                                                                      "freeze_layers",
                                                                       "offload_optimizer_state")))
         for b in micro:
             changes = {k: v for part in combo for k, v in part.items()}

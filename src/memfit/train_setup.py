@@ -116,6 +116,8 @@ class TrainSetup:
     """Module names LoRA wraps; None lets peft pick its default for the architecture."""
     freeze_embeddings: bool = False
     """Input embeddings get no gradient (requires_grad=False)."""
+    freeze_layers: int = 0
+    """The lowest N blocks of the model's (first) stack of layers get no gradient."""
     offload_optimizer_state: bool = False
     """Optimizer state kept in host memory (DeepSpeed ZeRO-Offload); not on the GPU."""
     compute_capability: tuple[int, int] = (8, 0)
@@ -166,6 +168,8 @@ class TrainSetup:
             raise MemfitError(f"eval_strategy `{self.eval_strategy}` must be `no`, `steps` or `epoch`")
         if self.lora_r is not None:
             _positive_int("lora_r", self.lora_r)
+        if not isinstance(self.freeze_layers, int) or isinstance(self.freeze_layers, bool) or self.freeze_layers < 0:
+            raise MemfitError(f"`freeze_layers` must be 0 or a positive number of blocks; got `{self.freeze_layers!r}`")
 
     # -- derived ---------------------------------------------------------------------------
     @property

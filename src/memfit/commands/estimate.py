@@ -69,6 +69,8 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (peft)")
     p.add_argument("--lora-target-modules", default=None, help="comma-separated module names LoRA wraps")
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="attention implementation")
+    p.add_argument("--freeze-embeddings", action="store_true", default=None, help="the input embeddings are frozen")
+    p.add_argument("--freeze-layers", type=int, default=None, help="the lowest N blocks are frozen")
     p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs (legacy names accepted)")
     if model_option:
         return
@@ -102,7 +104,8 @@ def build_setup(args: argparse.Namespace):
                        ("weights_dtype", "weights_dtype"), ("optim", "optim"), ("weight_decay", "weight_decay"),
                        ("max_grad_norm", "max_grad_norm"), ("gradient_checkpointing", "gradient_checkpointing"),
                        ("eval_strategy", "eval_strategy"), ("eval_accumulation_steps", "eval_accumulation_steps"),
-                       ("eval_samples", "eval_samples"), ("lora_r", "lora_r"), ("attn", "attn_implementation")):
+                       ("eval_samples", "eval_samples"), ("lora_r", "lora_r"), ("attn", "attn_implementation"),
+                       ("freeze_embeddings", "freeze_embeddings"), ("freeze_layers", "freeze_layers")):
         value = getattr(args, flag)
         if value is not None:
             fields[name] = value

@@ -70,6 +70,8 @@ def short(changes: dict, env: dict | None = None) -> str:
         out.append(f"LoRA r{c.pop('lora_r')}")
     if c.pop("freeze_embeddings", False):
         out.append("frozen emb")
+    if c.get("freeze_layers"):
+        out.append(f"frozen blocks 0-{c.pop('freeze_layers') - 1}")
     if c.pop("offload_optimizer_state", False):
         out.append("offload")
     if "per_device_eval_batch_size" in c:

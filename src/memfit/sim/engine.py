@@ -116,6 +116,15 @@ class _Runner:
             if emb is None:
                 raise MemfitError("`freeze_embeddings` needs a model with input embeddings (get_input_embeddings())")
             emb.requires_grad_(False)
+        if setup.freeze_layers:
+            stacks = repeated_layer_lists(model)
+            if not stacks or setup.freeze_layers > len(stacks[0][1]):
+                have = len(stacks[0][1]) if stacks else 0
+                raise MemfitError(f"`freeze_layers` is `{setup.freeze_layers}` but the model has {have} blocks; "
+                                  f"freeze at most {have}")
+            for block in list(stacks[0][1])[: setup.freeze_layers]:
+                block.requires_grad_(False)
+            splice = False  # frozen and trained blocks differ: the generic block cannot stand for both
         self.tracker = StorageTracker()
         self.sdpa_backends: list[str] = []
         self.cut = None
