@@ -115,7 +115,7 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
             fields["eval_samples"] = max(1, len(eval_ds))
         except TypeError:
             pass
-    if getattr(config, "dtype", None) is not None or getattr(config, "torch_dtype", None) is not None:
+    if getattr(config, "dtype", None) is not None:
         import torch
 
         p = next(iter(model.parameters()), None)

@@ -225,9 +225,6 @@ def splice_events(
                 else:
                     t = resolve(rec, src, tag[1], n_from, tag[0])
                     targets = [t] if t is not None else []
-                    if t is not rec and src[1] != GENERIC:
-                        # `rec` itself is freed by whichever copy stands at its own index (see below)
-                        pass
                 for t in targets:
                     if t is rec or t.alive:
                         t.alive = False
