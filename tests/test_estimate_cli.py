@@ -119,3 +119,11 @@ def test_a_module_is_never_modified():
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_fp16_weights_with_fp16_amp_is_flagged(tiny_bert_dir):
+    r = estimate(TrainSetup(model=tiny_bert_dir, per_device_train_batch_size=2, max_length=16, precision="fp16",
+                            weights_dtype="fp16"))
+    assert any("unscale FP16 gradients" in n for n in r.notes)
+    ok = estimate(TrainSetup(model=tiny_bert_dir, per_device_train_batch_size=2, max_length=16, precision="fp16"))
+    assert not any("unscale FP16 gradients" in n for n in ok.notes)

@@ -200,6 +200,10 @@ def estimate(
     if setup.weights_dtype == "auto" and sim.weights_dtype != "float32":
         notes.append(f"weights are {sim.weights_dtype}, the dtype transformers 5 `from_pretrained` loads this "
                      "checkpoint in by default (dtype='auto'); pass --weights-dtype fp32 if you load in fp32")
+    if sim.weights_dtype == "float16" and setup.precision == "fp16":
+        notes.append("fp16 weights with fp16 mixed precision: a real run stops at the first optimizer step "
+                     "(GradScaler: 'Attempting to unscale FP16 gradients'); load the model in fp32 "
+                     "(--weights-dtype fp32) or use bf16")
     phases = {p: tp.by_phase[p].bytes for p in REPORT_PHASES if p in tp.by_phase}
     if not setup.does_eval:
         phases["eval"] = 0
