@@ -209,3 +209,33 @@ def test_report_feeds_prediction_error_back_into_the_margin(tmp_path):
     worst = max([e for e in report.prediction_error.values() if e > 0], default=0.0)
     assert report.suggested_margin >= min(0.45, worst)
     assert 0.05 <= report.suggested_margin <= 0.45
+
+
+class _LongDS(torch.utils.data.Dataset):
+    """64 examples of 256 tokens: activations dominate the tiny model's memory."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(3)
+        self.items = [{"input_ids": torch.randint(1, 100, (256,), generator=g).tolist(), "labels": i % 2}
+                      for i in range(64)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def test_plan_is_applied_when_the_setup_does_not_fit(tmp_path):
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**{**CFG, "hidden_size": 128, "intermediate_size": 512,
+                                                        "max_position_embeddings": 256}))
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                             num_train_epochs=1, report_to="none", logging_strategy="no", use_cpu=True, seed=0,
+                             disable_tqdm=True, save_strategy="no")
+    t = Trainer(model=model, args=args, train_dataset=_LongDS(), data_collator=_collate)
+    need = mf.preflight(t, budget_bytes=4 << 30).estimate.device_used_bytes
+    report = mf.fit(t, budget_bytes=int(need * 0.75))
+    assert report.plan_applied is not None and report.plan_applied["setup_changes"]
+    assert report.steps_completed == report.steps_expected
+    assert report.effective_batch_size == 32

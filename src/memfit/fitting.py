@@ -173,9 +173,12 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     if plan and pre.fits is False:
         from memfit.planner import plan as make_plan
 
+        spec = pre.estimate.gpu
         with adapter.preserve_accelerator_state():
             result = make_plan(pre.setup, gpu=_spec_for(gpu, budget_bytes),
                                non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None,
+                               # apply_plan applies mixed precision only on CUDA: do not plan on it elsewhere
+                               exclude=() if torch.cuda.is_available() else ("mixed_precision",),
                                **({} if margin is None else {"margin": margin}))
         if result.chosen is not None:
             chosen = result.plans[result.chosen]

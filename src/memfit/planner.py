@@ -220,12 +220,20 @@ def plan(
     verify_top: int = 2,
     max_plans: int = 8,
     non_pytorch_bytes: int | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> PlanResult:
-    """Search the remedies for the fastest configuration of `setup` that fits `gpu`."""
+    """Search the remedies for the fastest configuration of `setup` that fits `gpu`.
+
+    `exclude`: remedy names (memfit.remedies.REGISTRY) not to search, e.g. `("mixed_precision",)`
+    when the run cannot use it (memfit.fit on the CPU).
+    """
     started = time.perf_counter()
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of the GPU kept free)")
     allow = tuple(a.strip() for a in allow if a.strip())
+    bad = [x for x in exclude if x not in REGISTRY]
+    if bad:
+        raise MemfitError(f"cannot exclude `{bad[0]}`; remedies are: {', '.join(REGISTRY)}")
     unknown = [a for a in allow if a not in OPT_IN]
     if unknown:
         raise MemfitError(f"cannot allow `{unknown[0]}`; opt-in remedies are: {', '.join(sorted(OPT_IN))}")
@@ -255,7 +263,7 @@ def plan(
     # -- axes ------------------------------------------------------------------------------
     def axis(name: str, current: dict[str, Any]) -> list[dict[str, Any]]:
         r = REGISTRY[name]
-        if (r.opt_in and r.opt_in not in allow) or not verdicts[name].applies:
+        if (r.opt_in and r.opt_in not in allow) or not verdicts[name].applies or name in exclude:
             return [current]
         return [current] + r.variants(setup, spec)
 
