@@ -12,7 +12,6 @@ import argparse
 import csv
 import json
 import os
-import sys
 import time
 from typing import Any
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import copy
 
-import torch
 from torch import nn
 
 from memfit.checkpointing import repeated_layer_lists
