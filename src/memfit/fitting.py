@@ -126,10 +126,16 @@ def apply_plan(trainer: Any, setup_changes: dict[str, Any], log: list[str]) -> d
     return applied
 
 
-def _make_callback(meter: Meter):
+def _make_callback(meter: Meter, step: Any = None):
     from transformers import TrainerCallback
 
+    from memfit.fit_distributed import agree_max
+
     class _PhaseMeter(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if step is not None:  # a recovery on any rank splits micro-batches on every rank
+                step.chunks = agree_max(step.chunks)
+
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             meter.reset()
 
@@ -180,14 +186,18 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
                                # apply_plan applies mixed precision only on CUDA: do not plan on it elsewhere
                                exclude=() if torch.cuda.is_available() else ("mixed_precision",),
                                **({} if margin is None else {"margin": margin}))
-        if result.chosen is not None:
-            chosen = result.plans[result.chosen]
+        from memfit.fit_distributed import agree
+
+        # every rank applies rank 0's plan
+        chosen_changes = agree(result.plans[result.chosen].setup_changes if result.chosen is not None else None)
+        if chosen_changes is not None:
+            chosen = result.plans[result.chosen] if result.chosen is not None else None
             applied_log: list[str] = []
-            applied = apply_plan(trainer, chosen.setup_changes, applied_log)
+            applied = apply_plan(trainer, chosen_changes, applied_log)
             for line in applied_log:
                 on_change(f"plan: {line}")
-            plan_applied = {"remedies": chosen.remedies, "setup_changes": applied,
-                            "predicted_peak_allocated_bytes": chosen.peak_allocated_bytes,
+            plan_applied = {"remedies": chosen.remedies if chosen else [], "setup_changes": applied,
+                            "predicted_peak_allocated_bytes": chosen.peak_allocated_bytes if chosen else None,
                             "gpu": spec["name"] if spec else None}
             if applied:
                 pre = preflight(trainer, gpu=gpu, budget_bytes=budget_bytes)
@@ -210,7 +220,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
                                  on_change=on_change)
     adapter.clean_staging(trainer.args.output_dir)
     adapter.install_atomic_checkpoints(trainer)
-    callback = _make_callback(meter)
+    callback = _make_callback(meter, step)
     trainer.add_callback(callback)
     if progress is not None:
         trainer.add_callback(progress)
