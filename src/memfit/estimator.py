@@ -158,7 +158,6 @@ def estimate(
         conf = parse_alloc_conf(alloc_conf)
     else:
         conf = alloc_conf
-    notes_extra: list[str] = []
     sim = simulate(setup)
     notes = list(sim.notes)
     trace = sim.trace
@@ -170,7 +169,7 @@ def estimate(
 
         non_pytorch_bytes = measure_non_pytorch_bytes()  # None without a GPU or NVML
         if non_pytorch_bytes is not None:
-            notes_extra = ["memory outside PyTorch measured by NVML in this process (context and loaded kernels)"]
+            notes.append("memory outside PyTorch measured by NVML in this process (context and loaded kernels)")
     np_est = _non_pytorch_table(spec) if spec is not None and non_pytorch_bytes is None else None
     outside = np_est.total_bytes if np_est is not None else (non_pytorch_bytes or 0)
     capacity = spec.total_bytes - outside if spec is not None else None
@@ -187,9 +186,7 @@ def estimate(
             reserved_unallocated_bytes=o.reserved_bytes - o.allocated_bytes,
         )
         oom = OomPrediction(o.phase, o.category, o.tried_to_allocate_bytes, o.allocated_bytes,
-                            o.reserved_bytes, "torch.OutOfMemoryError: CUDA out of memory. " + message
-                            if not message.startswith("CUDA out of memory") else message)
-    notes += notes_extra
+                            o.reserved_bytes, message)
     if alloc.oom is not None:
         # the capped replay stops at the OOM; report what the run would need without a cap
         alloc = dataclasses.replace(replay(trace, conf=conf), oom=alloc.oom)
@@ -211,7 +208,7 @@ def estimate(
         model=sim.model_name, model_type=sim.model_type, task=setup.task, params=sim.params,
         trainable_params=sim.trainable_params, peak_allocated_bytes=tp.overall.bytes, peak_phase=tp.phase_of_peak,
         phases=phases, breakdown={k: tp.overall.breakdown.get(k, 0) for k in BREAKDOWN_KEYS + ("workspaces",)},
-        phase_breakdowns={p: {k: v for k, v in tp.by_phase[p].breakdown.items()} for p in phases if p in tp.by_phase},
+        phase_breakdowns={p: dict(tp.by_phase[p].breakdown) for p in phases if p in tp.by_phase},
         peak_reserved_bytes=peak_reserved,
         reserved_by_phase={p: alloc.peak_reserved_by_phase.get(p, 0) for p in REPORT_PHASES},
         fragmentation_at_peak_bytes=alloc.fragmentation_at_peak_bytes,

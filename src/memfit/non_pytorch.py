@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from memfit.gpus import GpuSpec
 from memfit.units import KiB, MiB
 
-__all__ = ["NonPytorchEstimate", "non_pytorch_bytes", "measure_non_pytorch_bytes", "cublas_workspace_bytes"]
+__all__ = ["NonPytorchEstimate", "non_pytorch_bytes", "measure_non_pytorch_bytes", "cublas_workspace_bytes",
+           "gpu_processes"]
 
 _BASE_BYTES = 110 * MiB  # estimate: driver/runtime structures of a primary context
 _LAZY_KERNELS_BYTES = 200 * MiB  # estimate: kernels touched by a fine-tuning step
@@ -127,3 +128,31 @@ def measure_non_pytorch_bytes(device: int = 0) -> int | None:
     if used == 0:  # pragma: no cover - per-process accounting unavailable
         return None
     return used - int(torch.cuda.memory_reserved(device))  # pragma: no cover
+
+
+def gpu_processes() -> list[tuple[int, int, int]] | None:
+    """(NVML device index, pid, bytes) of every compute process on every GPU now.
+
+    None when nvidia-ml-py, the driver or a GPU is missing. NVML numbers devices in PCI order,
+    which differs from CUDA's when `CUDA_VISIBLE_DEVICES` reorders them.
+    """
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+    except Exception:  # not installed, no driver, no GPU
+        return None
+    out = []
+    try:  # pragma: no cover - needs a GPU
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                out.append((i, int(proc.pid), int(proc.usedGpuMemory or 0)))
+    except Exception:  # pragma: no cover - no permission (containers)
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # pragma: no cover
+            pass
+    return out

@@ -188,23 +188,19 @@ def _other_processes_bytes(spec: GpuSpec) -> int | None:
 
     None (use memfit's table alone) without a GPU or without nvidia-ml-py.
     """
-    try:
-        import os
+    import os
 
-        import pynvml  # type: ignore[import-not-found]
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            return None
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            others = sum(int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                         if p.pid != os.getpid())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML, no driver, no GPU: nothing to count
+    from memfit.non_pytorch import gpu_processes
+
+    if not torch.cuda.is_available():
         return None
+    procs = gpu_processes()
+    if procs is None:  # no NVML: nothing to count
+        return None
+    device = torch.cuda.current_device()
+    others = sum(b for dev, pid, b in procs if dev == device and pid != os.getpid())
     from memfit.non_pytorch import non_pytorch_bytes as table
 
     return table(spec).total_bytes + others

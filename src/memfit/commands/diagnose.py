@@ -59,27 +59,10 @@ def _read_source(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _gpu_processes() -> list[tuple[int, int, int]]:
-    """(device, pid, bytes) of compute processes now, via pynvml when installed; else []."""
-    try:
-        import pynvml  # type: ignore[import-not-found]
+    """(device, pid, bytes) of compute processes now, via NVML when installed; else []."""
+    from memfit.non_pytorch import gpu_processes
 
-        pynvml.nvmlInit()
-    except Exception:  # not installed, no driver, no GPU
-        return []
-    out = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                out.append((i, int(p.pid), int(p.usedGpuMemory or 0)))
-    except Exception:
-        pass
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return out
+    return gpu_processes() or []
 
 
 def to_json(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> dict:
