@@ -37,7 +37,7 @@ from memfit.models import ModelSpec, build_meta_model, resolve_config
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.optimizers import build_optimizer
-from memfit.sim.splice import K, GENERIC, LayerTagger, SpliceRefused, splice_events, truncate_layers
+from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events, truncate_layers
 from memfit.sim.tracker import StorageTracker
 from memfit.trace import TraceEvent
 from memfit.train_setup import TrainSetup
@@ -275,12 +275,15 @@ class _Runner:
             if rec is None or p.grad is not None:
                 continue
             new = mapping.get(rec.id)
-            if new is None:
-                continue
-            tr.paused = True
-            p.grad = torch.empty_like(p)
-            tr.paused = False
-            tr.bind(p.grad, new)
+            if new is not None:
+                self._bind_grad(p, new)
+
+    def _bind_grad(self, p: torch.Tensor, rec) -> None:
+        """Give `p` a gradient whose storage is the one `rec` already describes (no new event)."""
+        self.tracker.paused = True
+        p.grad = torch.empty_like(p)
+        self.tracker.paused = False
+        self.tracker.bind(p.grad, rec)
 
     def _splice(self, first_event: int) -> None:
         """Write the full model's events for what the cut model just ran; bind the full model's grads."""
@@ -301,11 +304,7 @@ class _Runner:
                 rec = copies.get(rec.id, {}).get(n)
                 if rec is None:
                     continue
-            tr.paused = True
-            grad = torch.empty_like(p)
-            tr.paused = False
-            p.grad = grad
-            tr.bind(grad, rec)
+            self._bind_grad(p, rec)
         for cp in self.cut.parameters():
             if cp.grad is not None:
                 tr.forget(cp.grad)
@@ -316,15 +315,7 @@ class _Runner:
             prefix = list_name + "."
             if name.startswith(prefix):
                 idx, _, rest = name[len(prefix):].partition(".")
-                n, total = int(idx), self.sizes[j]
-                if n in (0, 1):
-                    i, copy_n = n, None
-                elif n == total - 1:
-                    i, copy_n = K - 1, None
-                elif n == total - 2:
-                    i, copy_n = K - 2, None
-                else:
-                    i, copy_n = GENERIC, n
+                i, copy_n = cut_block(int(idx), self.sizes[j])
                 return f"{prefix}{i}.{rest}", copy_n
         return name, None
 

@@ -32,7 +32,7 @@ from memfit.checkpointing import repeated_layer_lists
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.tracker import Record, StorageTracker
 
-__all__ = ["K", "GENERIC", "SpliceRefused", "truncate_layers", "LayerTagger", "splice_events"]
+__all__ = ["K", "GENERIC", "SpliceRefused", "truncate_layers", "LayerTagger", "splice_events", "cut_block"]
 
 K = 5  #: blocks kept per repeated stack: 0, 1, the generic one, N-2, N-1
 GENERIC = 2  #: the block that stands for blocks 2 .. N-3
@@ -128,6 +128,20 @@ class LayerTagger:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def cut_block(n: int, total: int) -> tuple[int, int | None]:
+    """Block `n` of a stack of `total` -> (its block in the cut model, the copy index if generic).
+
+    The inverse of `_n_index` for the non-generic blocks.
+    """
+    if n in (0, 1):
+        return n, None
+    if n == total - 1:
+        return K - 1, None
+    if n == total - 2:
+        return K - 2, None
+    return GENERIC, n
 
 
 def _n_index(tag, sizes) -> int | None:
