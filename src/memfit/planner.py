@@ -46,6 +46,10 @@ __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
 #: (cuDNN, NCCL, driver differences) and the error of the estimate itself.
 DEFAULT_MARGIN = 0.05
 _TRAIN_PHASES = ("forward", "backward", "optimizer")
+#: TrainSetup fields that change which parameters train (their fits simulate the optimizer too)
+_TRAINABLE_KEYS = ("lora_r", "freeze_embeddings", "freeze_layers")
+#: TrainSetup fields of the opt-in remedies (method changes that rank last)
+_OPT_IN_KEYS = ("max_length",) + _TRAINABLE_KEYS + ("offload_optimizer_state",)
 _SETUP_TO_ARG = {
     "per_device_train_batch_size": "per_device_train_batch_size",
     "gradient_accumulation_steps": "gradient_accumulation_steps",
@@ -295,7 +299,7 @@ def plan(
     combos = list(itertools.product(precisions, ckpts, lengths, loras, freezes))
     for combo in combos:
         changes = {k: v for part in combo for k, v in part.items() if getattr(setup, k) != v}
-        method = any(k in changes for k in ("lora_r", "freeze_embeddings", "freeze_layers"))
+        method = any(k in changes for k in _TRAINABLE_KEYS)
         steps = 2 if method else 0  # a changed set of trainable parameters: simulate its optimizer too
         s2 = setup.replace(**changes, per_device_train_batch_size=min(2, e), gradient_accumulation_steps=min(2, e))
         p2, bd2, sim = _phase_peaks(s2, optimizer_steps=steps)
@@ -331,19 +335,15 @@ def plan(
     # -- rank ------------------------------------------------------------------------------
     ranked = []
     for combo in itertools.product(precisions, ckpts, lengths, loras, freezes, optims, offloads):
-        fit_key = tuple(sorted({k: v for part in combo[:5] for k, v in part.items()}.items()))
-        fit = fits[fit_key]
+        fit = fits[tuple(sorted({k: v for part in combo[:5] for k, v in part.items()}.items()))]
+        merged = {k: v for part in combo for k, v in part.items()}
         optim_change, offload = combo[5], combo[6]
         if fit.has_state and optim_change["optim"] != setup.optim:
             continue  # LoRA / frozen embeddings: the optimizer is not where the memory is
         # method changes (optimizer, opt-ins) rank after plans that keep the method
-        tier = int(optim_change["optim"] != setup.optim) + 2 * int(
-            any(k in {kk for part in combo for kk in part} for k in ("max_length", "lora_r", "freeze_embeddings",
-                                                                      "freeze_layers",
-                                                                      "offload_optimizer_state")))
+        tier = int(optim_change["optim"] != setup.optim) + 2 * int(any(k in merged for k in _OPT_IN_KEYS))
         for b in micro:
-            changes = {k: v for part in combo for k, v in part.items()}
-            changes.update(per_device_train_batch_size=b, gradient_accumulation_steps=e // b)
+            changes = dict(merged, per_device_train_batch_size=b, gradient_accumulation_steps=e // b)
             changes = {k: v for k, v in changes.items() if getattr(setup, k) != v}
             by = fit.at(b)
             if fit.has_state:
@@ -378,8 +378,7 @@ def plan(
             changes.update(eval_changes)
             peak = max(by.values())
             used = int(peak * ratio) + outside
-            s_c = setup.replace(**{k: v for k, v in changes.items()})
-            t = rel_time(s_c, fit.params, fit.trainable) / base_time
+            t = rel_time(setup.replace(**changes), fit.params, fit.trainable) / base_time
             ranked.append((used <= budget, tier, t, len(changes), used, peak, changes))
     ranked.sort(key=lambda x: (not x[0], x[1], x[2] if x[0] else x[4], x[3]))
 
