@@ -26,23 +26,12 @@ import weakref
 from typing import Any, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.allocator import round_size  # the caching allocator's 512-byte rounding (re-exported)
 from memfit.oom_text import format_oom_message
+from memfit.sim._torch_adapter import TorchDispatchMode, WeakIdKeyDictionary
 
 __all__ = ["memory_budget", "MemoryBudget", "round_size"]
-
-_MIN_BLOCK = 512
-
-
-def round_size(n_bytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request (multiples of 512, at least 512)."""
-    n = int(n_bytes)
-    if n < _MIN_BLOCK:
-        return _MIN_BLOCK
-    return _MIN_BLOCK * ((n + _MIN_BLOCK - 1) // _MIN_BLOCK)
-
 
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
     """Parameters, buffers and gradients of a module; state of an optimizer; tensors themselves."""
