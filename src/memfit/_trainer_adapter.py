@@ -6,7 +6,13 @@ only this module changes:
 - `Trainer._train_batch_size`: the train dataloader's batch size, copied from
   `args.train_batch_size` in `__init__`; must follow `per_device_train_batch_size` changes.
 - `Trainer._save_checkpoint(model, trial)` and `Trainer._get_output_dir(trial)`: checkpoint
-  saving, made atomic here (see `install_atomic_checkpoints`).
+  saving, made atomic here (see `install_atomic_checkpoints`) and guarded against OOMs
+  (`wrap_checkpoint_save`).
+- `Trainer._save(output_dir, state_dict=None)`: writes the model weights of a checkpoint;
+  given CPU copies of the weights on a save's retry (`wrap_checkpoint_save`).
+- `Trainer._load_best_model()`: load_best_model_at_end's load, guarded against OOMs
+  (`wrap_load_best_model`); `Trainer.state.best_model_checkpoint`: its folder, kept pointing
+  at a checkpoint that exists (`install_atomic_checkpoints`, `best_model_checkpoint`).
 - `Trainer.model_accepts_loss_kwargs`, `Trainer.compute_loss_func`: how the loss of a
   micro-batch is normalised (decides the weights of chunked micro-batches).
 - accelerate's `AcceleratorState/PartialState/GradientState._shared_state`: restored after
@@ -24,12 +30,13 @@ import logging
 import os
 import shutil
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger("memfit.fit")
 
 __all__ = ["set_train_batch_size", "install_atomic_checkpoints", "loss_uses_num_items", "rebuild_accelerator",
-           "STAGING_DIR", "clean_staging", "preserve_accelerator_state", "reset_eval_dataloaders"]
+           "STAGING_DIR", "clean_staging", "preserve_accelerator_state", "reset_eval_dataloaders",
+           "wrap_checkpoint_save", "wrap_load_best_model", "best_model_checkpoint"]
 
 #: Folder inside output_dir where checkpoints are written before the rename into place.
 STAGING_DIR = ".memfit-staging"
@@ -111,7 +118,8 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
     `checkpoint-N` that `get_last_checkpoint` would pick up and fail to resume from. Here
     the whole checkpoint is written under the staging folder (a name `get_last_checkpoint`
     ignores) and moved into place with one `os.replace` once complete; a failure removes the
-    partial folder and re-raises. Rotation (`save_total_limit`) runs on the real folder after
+    partial folder, restores `state.best_model_checkpoint` (Trainer may have pointed it at the
+    staged folder) and re-raises. Rotation (`save_total_limit`) runs on the real folder after
     the rename.
     """
     if getattr(trainer, "_memfit_atomic_checkpoints", False):
@@ -130,6 +138,7 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
         trainer._get_output_dir = lambda trial=None: staging_root
         saved_limit = trainer.args.save_total_limit
         trainer.args.save_total_limit = None  # rotate on the real folder, after the rename
+        best_before = trainer.state.best_model_checkpoint
         try:
             original_save(model, trial, *args, **kwargs)
             staged = os.path.join(staging_root, folder)
@@ -149,6 +158,7 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
                 else:
                     os.replace(staged, final)
         except BaseException:
+            trainer.state.best_model_checkpoint = best_before  # not the staging folder about to be removed
             logger.warning("memfit: checkpoint save of step %s failed; the partial checkpoint was removed, "
                            "earlier checkpoints are intact", trainer.state.global_step)
             raise
@@ -170,3 +180,76 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
 
     trainer._save_checkpoint = _save_checkpoint
     trainer._memfit_atomic_checkpoints = True
+
+
+def _cpu_copies(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`.detach().cpu()` of every tensor; tensors that share a view (tied weights) share one copy."""
+    import torch
+
+    copies: dict[tuple, Any] = {}
+    out = {}
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor):
+            key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride(), value.device)
+            if key not in copies:
+                copies[key] = value.detach().cpu()
+            value = copies[key]
+        out[name] = value
+    return out
+
+
+@contextlib.contextmanager
+def _weights_from_cpu(trainer: Any):
+    """While active, `Trainer._save` writes CPU copies of the weights (save_pretrained then needs no GPU memory)."""
+    original = trainer._save
+
+    def _save(output_dir=None, state_dict=None):
+        weights = trainer.model.state_dict() if state_dict is None else state_dict
+        original(output_dir, state_dict=_cpu_copies(weights))
+
+    trainer._save = _save
+    try:
+        yield
+    finally:
+        trainer._save = original
+
+
+def wrap_checkpoint_save(trainer: Any, around: Callable[[Callable[[bool], None]], None]) -> Callable[[], None]:
+    """Route `Trainer._save_checkpoint` through `around(save)`. Returns an undo.
+
+    `save(cpu_weights)` runs the checkpoint save as installed (atomic, when
+    `install_atomic_checkpoints` ran first); with `cpu_weights` the model weights reach
+    `Trainer._save` as CPU copies.
+    """
+    original = trainer._save_checkpoint
+
+    def _save_checkpoint(model, trial, *args, **kwargs):
+        def save(cpu_weights: bool) -> None:
+            with _weights_from_cpu(trainer) if cpu_weights else contextlib.nullcontext():
+                original(model, trial, *args, **kwargs)
+
+        around(save)
+
+    return _replace(trainer, "_save_checkpoint", _save_checkpoint)
+
+
+def wrap_load_best_model(trainer: Any, around: Callable[[Callable[[], None]], None]) -> Callable[[], None]:
+    """Route `Trainer._load_best_model` (load_best_model_at_end) through `around(load)`. Returns an undo."""
+    original = trainer._load_best_model
+    return _replace(trainer, "_load_best_model", lambda: around(original))
+
+
+def best_model_checkpoint(trainer: Any) -> str | None:
+    """The folder of the best checkpoint so far (`Trainer.state.best_model_checkpoint`)."""
+    return trainer.state.best_model_checkpoint
+
+
+def _replace(trainer: Any, name: str, new: Any) -> Callable[[], None]:
+    """Set `trainer.<name>` to `new`; the returned undo puts the previous one back."""
+    old = getattr(trainer, name)
+    setattr(trainer, name, new)
+
+    def undo() -> None:
+        setattr(trainer, name, old)
+
+    return undo

@@ -63,7 +63,7 @@ class Recovery:
     """One change made after an out-of-memory error."""
 
     step: int  #: optimizer steps completed when it happened
-    phase: str  #: train or eval
+    phase: str  #: train, eval, optimizer, save or load_best
     change: str
     diagnosis: str
     tried_to_allocate_bytes: int | None = None

@@ -13,15 +13,18 @@
    micro-batch into chunks and recomputes the accumulation window, without losing an
    optimizer step or changing the effective batch size; an OOM in evaluation lowers the eval
    batch size and reruns the evaluation. Checkpoints are written atomically
-   (memfit._trainer_adapter).
+   (memfit._trainer_adapter); an OOM in a checkpoint save retries it once with the weights
+   copied to the CPU, else skips that checkpoint, and an OOM in load-best-model copies the
+   best weights, read on the CPU, into the model in place, else keeps the last weights
+   (memfit.fit_save). An OOM in the optimizer step is undone (host copy of parameters and
+   state, or proof that nothing changed) and retried per parameter where foreach
+   temporaries were the cause, or, at the first step, with a smaller optimizer
+   (memfit.fit_optimizer).
 4. Measured per-phase peaks (torch.cuda's, or the memory_budget's) are reported next to the
    prediction.
 
-Not done: agreement between processes in multi-GPU runs (each process recovers on its own;
-with DDP a chunked rank and an unchunked rank still all-reduce the same gradient, but an
-OOM on one rank while others wait in a collective is not coordinated). OOMs outside a
-training micro-step or evaluation (optimizer step, checkpoint save) are diagnosed and
-re-raised.
+Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
+optimizer step (memfit.fit_distributed).
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.errors import MemfitError
 from memfit.fit_preflight import PreflightFlag, PreflightReport, preflight
 from memfit.fit_recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
+from memfit.fit_save import guard_saving
 
 logger = logging.getLogger("memfit.fit")
 
@@ -126,7 +131,7 @@ def apply_plan(trainer: Any, setup_changes: dict[str, Any], log: list[str]) -> d
     return applied
 
 
-def _make_callback(meter: Meter, step: Any = None):
+def _make_callback(meter: Meter, step: Any = None, optimizer_guard: Any = None):
     from transformers import TrainerCallback
 
     from memfit.fit_distributed import agree_max
@@ -137,7 +142,13 @@ def _make_callback(meter: Meter, step: Any = None):
                 step.chunks = agree_max(step.chunks)
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if optimizer_guard is not None:  # the optimizer exists from here on
+                optimizer_guard.install()
             meter.reset()
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            if optimizer_guard is not None:  # memory layout changed: keep a host copy at the next step
+                optimizer_guard.evaluated = True
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             meter.record("optimizer")
@@ -147,7 +158,8 @@ def _make_callback(meter: Meter, step: Any = None):
 
 def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan: bool = True,
         max_recoveries: int = 4, report_path: str | None = None, progress: Any = None,
-        margin: float | None = None) -> FitReport:
+        margin: float | None = None, optimizer_snapshot: str = "auto",
+        allow_optimizer_switch: bool = True) -> FitReport:
     """Preflight, plan, train with OOM recovery and report (see the module docstring).
 
     `gpu`: catalog name, size, `auto` or GpuSpec for the estimate and plan (None: `auto` on
@@ -156,12 +168,22 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     predicted not to fit. `report_path`: write the report as JSON there. `progress`: an
     optional TrainerCallback (e.g. the CLI's progress bar). `margin`: the planner's safety
     margin; pass a previous report's `suggested_margin` to feed the observed prediction
-    error back into the next plan.
+    error back into the next plan. `optimizer_snapshot`: when to keep a host copy of the
+    parameters and optimizer state before an optimizer step, so that a step that runs out of
+    memory after modifying them can be undone and retried (memfit.fit_optimizer): "auto"
+    (first step, and the first after an evaluation or a recovery), "always" or "never".
+    `allow_optimizer_switch`: when the optimizer state does not fit at the first step, replace
+    the optimizer by one with a smaller state (8-bit AdamW / Adafactor) instead of stopping.
     """
     import torch
 
     from memfit import _trainer_adapter as adapter
 
+    from memfit.fit_optimizer import SNAPSHOT_POLICIES, OptimizerStepGuard
+
+    if optimizer_snapshot not in SNAPSHOT_POLICIES:
+        raise MemfitError(f"optimizer_snapshot `{optimizer_snapshot!r}` is not a policy; "
+                          f"use one of {', '.join(SNAPSHOT_POLICIES)}")
     started = time.perf_counter()
     changes: list[str] = []
     notes: list[str] = []
@@ -216,11 +238,15 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     recoveries: list[Recovery] = []
     step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
                                on_change=on_change)
+    optimizer_guard = OptimizerStepGuard(trainer, meter=meter, recoveries=recoveries, on_change=on_change,
+                                         snapshot=optimizer_snapshot, max_recoveries=max_recoveries,
+                                         allow_optimizer_switch=allow_optimizer_switch)
     undo_eval = guard_evaluation(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
                                  on_change=on_change)
     adapter.clean_staging(trainer.args.output_dir)
     adapter.install_atomic_checkpoints(trainer)
-    callback = _make_callback(meter, step)
+    undo_save = guard_saving(trainer, meter=meter, recoveries=recoveries, on_change=on_change)
+    callback = _make_callback(meter, step, optimizer_guard)
     trainer.add_callback(callback)
     if progress is not None:
         trainer.add_callback(progress)
@@ -242,7 +268,9 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
         raise
     finally:
         step.uninstall()
+        optimizer_guard.uninstall()
         undo_eval()
+        undo_save()
         trainer.remove_callback(callback)
         if progress is not None:
             trainer.remove_callback(progress)
@@ -252,7 +280,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     predicted = pre.estimate.phases
     phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
                   "measured_bytes": meter.peaks.get(p)}
-              for p in ("forward", "backward", "optimizer", "eval")}
+              for p in ("forward", "backward", "optimizer", "eval", "save", "load_best")}
     from memfit.planner import DEFAULT_MARGIN
 
     # measured / predicted - 1 per phase; the worst under-prediction becomes the next run's margin

@@ -22,6 +22,7 @@ returns them; kernel scratch space that never surfaces as an op output is invisi
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Iterable
 
@@ -98,6 +99,15 @@ class MemoryBudget(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak from the live bytes now (as torch.cuda.reset_peak_memory_stats)."""
         self.peak_bytes = self.live_bytes
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Allocations inside are not counted: host-side work such as a CPU copy of the optimizer state."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield self
+        finally:
+            self.enabled = was
 
     @property
     def free_bytes(self) -> int:
