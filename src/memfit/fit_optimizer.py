@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from memfit.fit_recovery import Meter, Recovery, _diagnosis_text, free_memory, is_oom_error
+from memfit.fit_recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
 
 logger = logging.getLogger("memfit.fit")
 
@@ -319,10 +319,7 @@ class OptimizerStepGuard:
                 self._put_back_groups(opt)
                 if not is_oom_error(exc):
                     raise
-                try:
-                    cause, tried = _diagnosis_text(exc)
-                except Exception:  # a diagnosis must never hide the recovery
-                    cause, tried = str(exc).splitlines()[0][:200], None
+                cause, tried = oom_cause(exc)
                 exc = None  # drop the traceback: it holds the failed step's temporaries
                 self._undo(opt, before, cause)
                 opt = self._next(opt, cause, tried)

@@ -32,7 +32,7 @@ from memfit import _trainer_adapter as adapter
 logger = logging.getLogger("memfit.fit")
 
 __all__ = ["is_oom_error", "OOM_FRAGMENTS", "Meter", "ChunkedTrainingStep", "guard_evaluation", "free_memory",
-           "Recovery"]
+           "Recovery", "oom_cause"]
 
 #: Message fragments of out-of-memory errors raised as other types (RuntimeError, AcceleratorError, ...).
 OOM_FRAGMENTS = (
@@ -99,13 +99,16 @@ class Meter:
         self.reserved[phase] = max(self.reserved.get(phase, 0), int(reserved))
 
 
-def _diagnosis_text(exc: BaseException) -> tuple[str, int | None]:
-    from memfit.diagnosis import diagnose
+def oom_cause(exc: BaseException) -> tuple[str, int | None]:
+    """The diagnosis's first cause and the bytes the failed allocation tried; never raises."""
+    try:
+        from memfit.diagnosis import diagnose
 
-    d = diagnose(exc)
-    tried = d.message.tried_to_allocate_bytes if d.message else None
-    cause = d.causes[0].text if d.causes else str(exc).splitlines()[0][:200]
-    return cause, tried
+        d = diagnose(exc)
+        tried = d.message.tried_to_allocate_bytes if d.message else None
+        return (d.causes[0].text if d.causes else str(exc).splitlines()[0][:200]), tried
+    except Exception:  # a diagnosis must never hide the recovery
+        return str(exc).splitlines()[0][:200], None
 
 
 def _to_cpu(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -225,16 +228,10 @@ class ChunkedTrainingStep:
         except Exception as exc:  # noqa: BLE001 - only OOMs are handled, the rest re-raised
             if not is_oom_error(exc):
                 raise
-            failure = self._note_oom(exc)
+            failure = oom_cause(exc)
             exc = None  # drop the traceback (it holds the activations)
         del inputs
         return self._recover(model, failure)
-
-    def _note_oom(self, exc: BaseException) -> tuple[str, int | None]:
-        try:
-            return _diagnosis_text(exc)
-        except Exception:  # a diagnosis must never hide the recovery
-            return str(exc).splitlines()[0][:200], None
 
     def _recover(self, model, failure: tuple[str, int | None]):
         trainer = self.trainer
@@ -268,7 +265,7 @@ class ChunkedTrainingStep:
             except Exception as exc:  # noqa: BLE001
                 if not is_oom_error(exc):
                     raise
-                failure = self._note_oom(exc)
+                failure = oom_cause(exc)
                 exc = None
 
 
@@ -287,10 +284,7 @@ def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recover
             except Exception as exc:  # noqa: BLE001
                 if not is_oom_error(exc):
                     raise
-                try:
-                    cause, tried = _diagnosis_text(exc)
-                except Exception:
-                    cause, tried = str(exc).splitlines()[0][:200], None
+                cause, tried = oom_cause(exc)
                 exc = None
             ta = trainer.args
             old_bs, old_acc = ta.per_device_eval_batch_size, ta.eval_accumulation_steps

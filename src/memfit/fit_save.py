@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from memfit import _trainer_adapter as adapter
-from memfit.fit_recovery import Meter, Recovery, _diagnosis_text, free_memory, is_oom_error
+from memfit.fit_recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
 
 __all__ = ["guard_saving"]
 
@@ -86,15 +86,7 @@ def _oom_of(call: Callable[..., None], *args: Any) -> tuple[str, int | None] | N
     except Exception as exc:  # noqa: BLE001 - only OOMs are handled, the rest re-raised
         if not is_oom_error(exc):
             raise
-        return _cause(exc)
-
-
-def _cause(exc: BaseException) -> tuple[str, int | None]:
-    """The diagnosis's first cause and the bytes the allocation tried; never raises."""
-    try:
-        return _diagnosis_text(exc)
-    except Exception:  # a diagnosis must never hide the recovery
-        return str(exc).splitlines()[0][:200], None
+        return oom_cause(exc)
 
 
 def _retry_save(save: Callable[[bool], None], step: int) -> str:
