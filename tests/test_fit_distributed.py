@@ -1,6 +1,7 @@
-"""Ranks agree: rank 0's plan everywhere, the largest chunk count everywhere (gloo, 2 CPU processes)."""
+"""Ranks agree: rank 0's plan everywhere, the largest chunk count everywhere; DDP recovery (gloo, 2 CPU processes)."""
 
 import os
+import sys
 import tempfile
 
 import torch.multiprocessing as mp
@@ -31,3 +32,72 @@ def test_ranks_agree():
 def test_single_process_is_a_no_op():
     assert not is_distributed()
     assert agree({"a": 1}) == {"a": 1} and agree_max(3) == 3
+
+
+# -- DDP (gloo, 2 CPU processes) under memfit.fit: an OOM on one rank does not leave the other waiting ------
+
+def _ddp_worker(rank, world, port, out, mode):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+
+    import memfit.fitting as mf
+    import test_fit
+
+    t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2)
+    result = "ok"
+    try:
+        if mode == "plain":  # DDP's own gradient all-reduce, no memfit
+            t.train()
+        else:
+            if rank == 1 and mode == "oom":  # 2nd micro-step = the synchronising one of the 1st window
+                test_fit._inject_train_oom(t, at_call=2, min_batch=4)
+            if rank == 1 and mode == "fatal":
+                test_fit._inject_train_oom(t, at_call=1, min_batch=1)
+            report = mf.fit(t, plan=False, max_recoveries=2)
+            result = f"ok {report.steps_completed} {len(report.oom_recoveries)} {type(t.model_wrapped).__name__}"
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
+        result = f"error {type(exc).__name__}"
+    torch.save([p.detach() for p in t.model.parameters()], os.path.join(out, f"w{rank}.pt"))
+    with open(os.path.join(out, f"{rank}.txt"), "w") as fh:
+        fh.write(result)
+
+
+def _ddp_run(mode, port):
+    import multiprocessing
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(__file__))  # the spawned ranks import test_fit (spawn copies sys.path)
+    d = tempfile.mkdtemp()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, d, mode)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not any(hung), f"a rank was still waiting after 120 s: {hung}"
+    results = [open(os.path.join(d, f"{r}.txt")).read() for r in range(2)]
+    weights = [torch.load(os.path.join(d, f"w{r}.pt")) for r in range(2)]
+    return results, weights
+
+
+def _diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
+    (plain, w_plain), (rec, w_rec) = _ddp_run("plain", 29611), _ddp_run("oom", 29612)
+    assert plain == ["ok", "ok"]
+    assert rec == ["ok 4 0 DistributedDataParallel", "ok 4 1 DistributedDataParallel"]
+    assert _diff(*w_rec) == 0.0  # the ranks agree
+    assert _diff(w_plain[0], w_rec[0]) < 1e-6  # the same training as DDP's own all-reduce
+
+
+def test_ddp_rank_that_fails_for_good_stops_the_others():
+    results, _ = _ddp_run("fatal", 29613)
+    assert results == ["error PeerFailed", "error OutOfMemoryError"]

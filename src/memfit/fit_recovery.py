@@ -12,6 +12,10 @@ gradient it would have seen, no optimizer step is lost, the effective batch size
 data order are unchanged. The loss reported for the earlier micro-steps was already
 counted and is not counted again.
 
+With DDP, the micro-steps run without collectives and memfit averages the gradients after
+the window (memfit.fit_distributed), so a rank that recovers does not leave the others
+waiting inside DDP's all-reduce.
+
 Evaluation (`guard_evaluation`): an OOM in `trainer.evaluate` halves
 `per_device_eval_batch_size` and sets `eval_accumulation_steps=1`, then reruns the
 evaluation; the training batch is not touched.
@@ -28,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from memfit import _trainer_adapter as adapter
+from memfit import fit_distributed as dist_sync
 
 logger = logging.getLogger("memfit.fit")
 
@@ -223,6 +228,23 @@ class ChunkedTrainingStep:
         entry = (_to_cpu(inputs), num_items_in_batch, _rng_state())
         self.window.append(entry)
         self.micro_steps += 1
+        if not dist_sync.is_ddp(model):
+            return self._micro_step(model, inputs, num_items_in_batch)
+        # DDP: no collective inside a micro-step (a rank that recovers runs more forwards and
+        # backwards than the others); gradients are averaged once, after the window, by memfit
+        dist_sync.take_over_buffer_sync(model)
+        with model.no_sync():
+            try:
+                loss = self._micro_step(model, inputs, num_items_in_batch)
+            except BaseException:
+                dist_sync.window_end(failed=True)  # the other ranks stop at their window end instead of waiting
+                raise
+        if sync:
+            dist_sync.window_end(failed=False)
+            dist_sync.average_gradients(model)
+        return loss
+
+    def _micro_step(self, model, inputs, num_items_in_batch):
         try:
             return self._run(model, inputs, num_items_in_batch, self.chunks)
         except Exception as exc:  # noqa: BLE001 - only OOMs are handled, the rest re-raised

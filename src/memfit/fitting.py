@@ -24,7 +24,10 @@
    prediction.
 
 Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
-optimizer step (memfit.fit_distributed).
+optimizer step; with DDP, gradients are averaged by memfit after each accumulation window so
+that a rank that recovers never leaves the others waiting in a collective, and a rank that
+fails for good makes the others stop (memfit.fit_distributed). Not coordinated: retries of a
+checkpoint save or load-best-model on one rank.
 """
 
 from __future__ import annotations

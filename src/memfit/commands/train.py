@@ -74,6 +74,10 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--budget", default=None, help="emulate a GPU of this size on the CPU, e.g. 300MiB")
     p.add_argument("--no-plan", action="store_true", help="do not apply memfit's plan before training")
     p.add_argument("--max-recoveries", type=int, default=4)
+    p.add_argument("--optimizer-snapshot", choices=("auto", "always", "never"), default="auto",
+                   help="when to keep a host copy of the optimizer state so an OOM in the optimizer step can be undone")
+    p.add_argument("--no-optimizer-switch", action="store_true",
+                   help="stop instead of switching to a smaller optimizer when AdamW's state does not fit")
     p.add_argument("--output-dir", default=None, help="where the model, checkpoints and report go (default memfit-train-out)")
     p.set_defaults(func=train_command)
     return p
@@ -363,7 +367,8 @@ def train_command(args: argparse.Namespace) -> int:
     try:
         report = mf.fit(trainer, gpu=args.gpu, budget_bytes=budget_bytes, plan=not args.no_plan,
                         max_recoveries=args.max_recoveries, report_path=report_path,
-                        progress=_progress_callback(console))
+                        progress=_progress_callback(console), optimizer_snapshot=args.optimizer_snapshot,
+                        allow_optimizer_switch=not args.no_optimizer_switch)
     finally:
         fit_logger.removeHandler(handler)
         fit_logger.propagate = True
