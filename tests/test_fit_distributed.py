@@ -54,6 +54,17 @@ def _ddp_worker(rank, world, port, out, mode):
                 test_fit._inject_train_oom(t, at_call=2, min_batch=4)
             if rank == 1 and mode == "fatal":
                 test_fit._inject_train_oom(t, at_call=1, min_batch=1)
+            if rank == 1 and mode == "optimizer":  # AdamW's state never fits on rank 1
+                from transformers import TrainerCallback
+
+                def step(*a, **k):
+                    raise test_fit._oom()
+
+                class _Failing(TrainerCallback):
+                    def on_step_begin(self, args, state, control, **kwargs):
+                        t.optimizer.optimizer.step = step  # the torch optimizer under accelerate's wrapper
+
+                t.add_callback(_Failing())
             report = mf.fit(t, plan=False, max_recoveries=2)
             result = f"ok {report.steps_completed} {len(report.oom_recoveries)} {type(t.model_wrapped).__name__}"
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
@@ -100,4 +111,10 @@ def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
 
 def test_ddp_rank_that_fails_for_good_stops_the_others():
     results, _ = _ddp_run("fatal", 29613)
+    assert results == ["error PeerFailed", "error OutOfMemoryError"]
+
+
+def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others():
+    results, _ = _ddp_run("optimizer", 29614)
+    # rank 1 may not switch to a smaller optimizer alone (rank 0 has stepped with AdamW): it stops, rank 0 too
     assert results == ["error PeerFailed", "error OutOfMemoryError"]

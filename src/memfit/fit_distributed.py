@@ -11,8 +11,8 @@ forward. A rank that runs out of memory there and recovers (more, smaller forwar
 backwards) would call those collectives a different number of times than the others, and
 they would wait forever. Under `memfit.fit` every micro-step of a DDP model therefore runs
 under `DDP.no_sync()` with buffer broadcasting off (no collective inside a micro-step);
-after the window, `window_end` exchanges one flag (a rank that failed for good tells the
-others, which stop with an error instead of waiting), `average_gradients` all-reduces the
+after the window, `check_peers` exchanges one flag (a rank that failed for good tells the
+others, which stop with an error instead of waiting; the same after every optimizer step), `average_gradients` all-reduces the
 gradients in 25 MiB buckets (DDP's default bucket size, torch/nn/parallel/distributed.py
 `bucket_cap_mb`) and divides them by the world size, as DDP does, and rank 0's buffers are
 broadcast. Cost: the gradient all-reduce no longer overlaps the last backward.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_distributed", "agree", "agree_max", "is_ddp", "take_over_buffer_sync", "window_end",
+__all__ = ["is_distributed", "agree", "agree_max", "is_ddp", "take_over_buffer_sync", "check_peers",
            "average_gradients", "BUCKET_BYTES"]
 
 #: Gradient bucket size of the all-reduce after a window (DDP's default `bucket_cap_mb=25`).
@@ -82,10 +82,14 @@ class PeerFailed(RuntimeError):
     """Another rank stopped with an error in this accumulation window."""
 
 
-def window_end(*, failed: bool) -> None:
-    """One flag per rank per window: raises PeerFailed on the others when any rank failed."""
+def check_peers(*, failed: bool, where: str = "accumulation window") -> None:
+    """One flag per rank, at the end of every accumulation window and every optimizer step.
+
+    A rank that fails for good calls it with `failed=True` before raising; the others raise
+    PeerFailed instead of waiting for it in their next collective.
+    """
     if agree_max(int(failed)) and not failed:
-        raise PeerFailed("memfit: another process of this run stopped with an error in this accumulation window "
+        raise PeerFailed(f"memfit: another process of this run stopped with an error in this {where} "
                          "(see its log); this process stops too instead of waiting for it")
 
 

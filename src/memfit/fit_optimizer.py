@@ -32,7 +32,10 @@ stepped one after the other. Retrying such a step would apply it twice. So `Opti
      replaced by one with a smaller state, as `memfit plan`'s optimizer remedy would (8-bit
      AdamW with bitsandbytes on CUDA, else Adafactor), `args.optim` is set to it so that
      checkpoints resume with it, and the step is retried: no step lost, but a different
-     optimizer (`allow_optimizer_switch=False` forbids it). Not with a GradScaler (fp16).
+     optimizer (`allow_optimizer_switch=False` forbids it). Not with a GradScaler (fp16), not
+     in multi-process runs (the other ranks have stepped already).
+In multi-process runs every rank exchanges one flag after each optimizer step, so a rank
+that fails for good makes the others stop instead of waiting (memfit.fit_distributed).
    Freeing gradients as they are used would lower the first step's peak but not the steady
    state (the next backward holds weights, state and gradients again), so it is not offered.
 Known limitation: user step pre/post hooks see the per-parameter groups during the step.
@@ -48,6 +51,7 @@ from typing import Any, Callable
 
 import torch
 
+from memfit import fit_distributed as dist_sync
 from memfit.fit_recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
 
 logger = logging.getLogger("memfit.fit")
@@ -304,6 +308,17 @@ class OptimizerStepGuard:
         return False
 
     def _step(self, *args, **kwargs):
+        if not dist_sync.is_distributed():
+            return self._guarded_step(*args, **kwargs)
+        try:
+            out = self._guarded_step(*args, **kwargs)
+        except BaseException:
+            dist_sync.check_peers(failed=True, where="optimizer step")  # the others stop instead of waiting
+            raise
+        dist_sync.check_peers(failed=False, where="optimizer step")
+        return out
+
+    def _guarded_step(self, *args, **kwargs):
         opt = _inner(self._wrapped)
         copy = self._wants_copy(opt) and self._host_copy_fits(opt)
         budget = self.meter.budget
@@ -374,6 +389,8 @@ class OptimizerStepGuard:
         """Why the optimizer cannot be replaced here (None: it can)."""
         if not self.allow_optimizer_switch:
             return "allow_optimizer_switch=False forbids replacing the optimizer"
+        if dist_sync.is_distributed():
+            return "in a multi-process run the other ranks have already stepped with it"
         if any(opt.state.get(p) for p in _params(opt)):
             return "the optimizer already has state (replacing it would lose its moments)"
         if self._wrapped is opt or not isinstance(self._wrapped, torch.optim.Optimizer):

@@ -237,10 +237,10 @@ class ChunkedTrainingStep:
             try:
                 loss = self._micro_step(model, inputs, num_items_in_batch)
             except BaseException:
-                dist_sync.window_end(failed=True)  # the other ranks stop at their window end instead of waiting
+                dist_sync.check_peers(failed=True)  # the other ranks stop at their window end instead of waiting
                 raise
         if sync:
-            dist_sync.window_end(failed=False)
+            dist_sync.check_peers(failed=False)
             dist_sync.average_gradients(model)
         return loss
 
