@@ -163,11 +163,10 @@ def _restore(opt: torch.optim.Optimizer, before: _Before) -> None:
                 continue
             host_param, host_state = saved
             p.copy_(host_param)
-            state = opt.state.get(p)
             if before.state_keys[id(p)] is None:
-                if state:
-                    del opt.state[p]
+                opt.state.pop(p, None)
                 continue
+            state = opt.state.setdefault(p, {})
             for k, v in host_state.items():
                 if isinstance(v, torch.Tensor):
                     cur = state.get(k)
@@ -320,13 +319,7 @@ class OptimizerStepGuard:
 
     def _guarded_step(self, *args, **kwargs):
         opt = _inner(self._wrapped)
-        copy = self._wants_copy(opt) and self._host_copy_fits(opt)
-        budget = self.meter.budget
-        if budget is not None and copy:
-            with budget.paused():  # the host copy is not on the (emulated) GPU
-                before = _record(opt, copy=True)
-        else:
-            before = _record(opt, copy=copy)
+        before = self._record(opt, copy=self._wants_copy(opt) and self._host_copy_fits(opt))
         while True:
             try:
                 out = self._original(*args, **kwargs)
@@ -338,12 +331,21 @@ class OptimizerStepGuard:
                 exc = None  # drop the traceback: it holds the failed step's temporaries
                 self._undo(opt, before, cause)
                 opt = self._next(opt, cause, tried)
-                before = _record(opt, copy=False) if before.copy is None or opt is not before.optimizer else before
+                if opt is not before.optimizer:  # a new, empty optimizer: the parameters were put back
+                    before = self._record(opt, copy=before.copy is not None)
+                elif before.copy is None:
+                    before = self._record(opt, copy=False)
                 self.meter.reset()
                 continue
             self.evaluated = False
             self._recoveries_seen = len(self.recoveries)
             return out
+
+    def _record(self, opt: torch.optim.Optimizer, *, copy: bool) -> _Before:
+        if copy and self.meter.budget is not None:
+            with self.meter.budget.paused():  # the host copy is not on the (emulated) GPU
+                return _record(opt, copy=True)
+        return _record(opt, copy=copy)
 
     def _undo(self, opt: torch.optim.Optimizer, before: _Before, cause: str) -> None:
         step = self.trainer.state.global_step
