@@ -117,7 +117,13 @@ def oom_cause(exc: BaseException) -> tuple[str, int | None]:
 
 
 def _to_cpu(inputs: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    """Host copies of a micro-batch, kept for a possible recomputation of the window.
+
+    From a GPU the copy is non-blocking (into pinned memory: no device sync per micro-step);
+    `_recover` synchronises before it reads them.
+    """
+    return {k: (v.detach().to("cpu", non_blocking=v.is_cuda) if isinstance(v, torch.Tensor) else v)
+            for k, v in inputs.items()}
 
 
 def _batch_size(inputs: dict[str, Any]) -> int:
@@ -276,6 +282,8 @@ class ChunkedTrainingStep:
             self.on_change(f"out of memory at optimizer step {trainer.state.global_step} (train): {cause} -> {change}")
             model.zero_grad(set_to_none=True)
             free_memory()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking host copies of the window are complete
             try:
                 loss = None
                 for i, (saved, num_items, rng) in enumerate(self.window):
