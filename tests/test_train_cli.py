@@ -67,6 +67,8 @@ def test_cli_errors_are_one_line(tmp_path, csv_file, capsys):
             ([model, "--data", str(tmp_path / "missing.csv")], "does not exist"),
             ([model, "--data", str(csv_file), "--text-column", "review"], "--text-column"),
             ([model, "--data", str(csv_file), "--num-labels", "1"], "does not fit a head of 1 labels"),
+            ([model, "--data", str(csv_file), "--resume", "--output-dir", str(tmp_path / "fresh")],
+             "holds no checkpoint-N folder"),
         ]
     for argv, match in cases:
         code, out = _run(argv, capsys)
@@ -109,3 +111,10 @@ def test_tiny_end_to_end_with_budget(tmp_path, capsys):
     assert report["phases"]["backward"]["measured_bytes"] > 0
     assert (out_dir / "config.json").exists() and any(p.name.startswith("checkpoint-") for p in out_dir.iterdir())
     assert "old name of `eval_strategy`" in out.out and "steps 4/4" in out.out
+    last = max((p for p in out_dir.iterdir() if p.name.startswith("checkpoint-")), key=lambda p: int(p.name[11:]))
+    assert json.loads((last / "memfit-state.json").read_text())["per_device_train_batch_size"] == 16
+    # resumed from its last checkpoint with the settings memfit saved there, to 6 steps
+    code, out = _run([str(tiny), "--data", bundled_data_path(), "--args", str(args), "--budget", "64MiB",
+                      "--output-dir", str(out_dir), "--max-steps", "6", "--resume"], capsys)
+    assert code == 0, out.err
+    assert json.loads((out_dir / "memfit-report.json").read_text())["steps_completed"] == 6

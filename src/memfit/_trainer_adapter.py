@@ -36,7 +36,7 @@ logger = logging.getLogger("memfit.fit")
 
 __all__ = ["set_train_batch_size", "install_atomic_checkpoints", "loss_uses_num_items", "rebuild_accelerator",
            "STAGING_DIR", "clean_staging", "preserve_accelerator_state", "reset_eval_dataloaders",
-           "wrap_checkpoint_save", "wrap_load_best_model", "best_model_checkpoint"]
+           "wrap_checkpoint_save", "wrap_load_best_model", "best_model_checkpoint", "add_checkpoint_file"]
 
 #: Folder inside output_dir where checkpoints are written before the rename into place.
 STAGING_DIR = ".memfit-staging"
@@ -149,6 +149,9 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
                     from transformers.trainer import TRAINER_STATE_NAME
 
                     trainer.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+            if os.path.isdir(staged) and trainer.args.should_save:
+                for write in getattr(trainer, "_memfit_checkpoint_extras", ()):
+                    write(staged)  # inside the staging folder: published with the checkpoint, atomically
             if os.path.isdir(staged):
                 if os.path.isdir(final):  # a checkpoint of the same step (resumed run): replace it
                     old = os.path.join(run_dir, STAGING_DIR, f"old-{uuid.uuid4().hex[:8]}")
@@ -251,5 +254,17 @@ def _replace(trainer: Any, name: str, new: Any) -> Callable[[], None]:
 
     def undo() -> None:
         setattr(trainer, name, old)
+
+    return undo
+
+
+def add_checkpoint_file(trainer: Any, write: Callable[[str], None]) -> Callable[[], None]:
+    """Call `write(folder)` for every checkpoint before it is published (atomic checkpoints). Returns an undo."""
+    extras = trainer.__dict__.setdefault("_memfit_checkpoint_extras", [])
+    extras.append(write)
+
+    def undo() -> None:
+        if write in extras:
+            extras.remove(write)
 
     return undo

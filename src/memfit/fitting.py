@@ -22,6 +22,8 @@
    (memfit.fit_optimizer).
 4. Measured per-phase peaks (torch.cuda's, or the memory_budget's) are reported next to the
    prediction.
+5. Each checkpoint carries the memory settings memfit changed; a resumed run re-applies them
+   (memfit.fit_resume).
 
 Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
 optimizer step; with DDP, gradients are averaged by memfit after each accumulation window so
@@ -162,7 +164,7 @@ def _make_callback(meter: Meter, step: Any = None, optimizer_guard: Any = None):
 def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan: bool = True,
         max_recoveries: int = 4, report_path: str | None = None, progress: Any = None,
         margin: float | None = None, optimizer_snapshot: str = "auto",
-        allow_optimizer_switch: bool = True) -> FitReport:
+        allow_optimizer_switch: bool = True, resume_from_checkpoint: Any = None) -> FitReport:
     """Preflight, plan, train with OOM recovery and report (see the module docstring).
 
     `gpu`: catalog name, size, `auto` or GpuSpec for the estimate and plan (None: `auto` on
@@ -177,12 +179,15 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     (first step, and the first after an evaluation or a recovery), "always" or "never".
     `allow_optimizer_switch`: when the optimizer state does not fit at the first step, replace
     the optimizer by one with a smaller state (8-bit AdamW / Adafactor) instead of stopping.
+    `resume_from_checkpoint`: a checkpoint folder, or True for the last one in output_dir;
+    passed to `trainer.train`, after the memory settings memfit saved with that checkpoint
+    (memfit.fit_resume) are applied to the trainer.
     """
     import torch
 
     from memfit import _trainer_adapter as adapter
 
-    from memfit.fit_optimizer import SNAPSHOT_POLICIES, OptimizerStepGuard
+    from memfit.fit_optimizer import MODES, SNAPSHOT_POLICIES, OptimizerStepGuard
 
     if optimizer_snapshot not in SNAPSHOT_POLICIES:
         raise MemfitError(f"optimizer_snapshot `{optimizer_snapshot!r}` is not a policy; "
@@ -197,6 +202,17 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
 
     if gpu is None and budget_bytes is None and torch.cuda.is_available():
         gpu = "auto"
+    from memfit import fit_resume
+
+    resume_dir = fit_resume.resolve_checkpoint(trainer, resume_from_checkpoint)
+    saved = fit_resume.read_state(resume_dir) if resume_dir else None
+    memfit_checkpointing = False
+    if saved:
+        resumed_log: list[str] = []
+        restored = apply_plan(trainer, fit_resume.changes_to_apply(trainer, saved), resumed_log)
+        memfit_checkpointing = bool(restored.get("gradient_checkpointing")) and not trainer.args.gradient_checkpointing
+        for line in resumed_log:
+            on_change(f"resume from {resume_dir}: {line}")
     pre = preflight(trainer, gpu=gpu, budget_bytes=budget_bytes)
     for f in pre.flags:
         logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
@@ -221,6 +237,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
             applied = apply_plan(trainer, chosen_changes, applied_log)
             for line in applied_log:
                 on_change(f"plan: {line}")
+            memfit_checkpointing |= bool(applied.get("gradient_checkpointing")) and not trainer.args.gradient_checkpointing
             plan_applied = {"remedies": chosen.remedies if chosen else [], "setup_changes": applied,
                             "predicted_peak_allocated_bytes": chosen.peak_allocated_bytes if chosen else None,
                             "gpu": spec["name"] if spec else None}
@@ -248,6 +265,13 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
                                  on_change=on_change)
     adapter.clean_staging(trainer.args.output_dir)
     adapter.install_atomic_checkpoints(trainer)
+    if saved:
+        step.chunks = max(1, int(saved.get("micro_batch_chunks", 1)))
+        if saved.get("optimizer_step_mode") in MODES:
+            optimizer_guard.mode = saved["optimizer_step_mode"]
+    undo_state_file = adapter.add_checkpoint_file(trainer, lambda folder: fit_resume.write_state(
+        folder, fit_resume.run_state(trainer, micro_batch_chunks=step.chunks, optimizer_step_mode=optimizer_guard.mode,
+                                     memfit_checkpointing=memfit_checkpointing)))
     undo_save = guard_saving(trainer, meter=meter, recoveries=recoveries, on_change=on_change)
     callback = _make_callback(meter, step, optimizer_guard)
     trainer.add_callback(callback)
@@ -257,7 +281,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     train_metrics: dict[str, Any] = {}
     try:
         with (budget if budget is not None else contextlib.nullcontext()):
-            out = trainer.train()
+            out = trainer.train(resume_from_checkpoint=resume_dir)
             train_metrics = dict(out.metrics)
             if trainer.eval_dataset is not None:
                 final_metrics = dict(trainer.evaluate())
@@ -274,6 +298,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
         optimizer_guard.uninstall()
         undo_eval()
         undo_save()
+        undo_state_file()
         trainer.remove_callback(callback)
         if progress is not None:
             trainer.remove_callback(progress)

@@ -78,6 +78,9 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
                    help="when to keep a host copy of the optimizer state so an OOM in the optimizer step can be undone")
     p.add_argument("--no-optimizer-switch", action="store_true",
                    help="stop instead of switching to a smaller optimizer when AdamW's state does not fit")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="resume from CHECKPOINT (default: the last checkpoint-N in --output-dir) with the memory "
+                        "settings memfit saved in it")
     p.add_argument("--output-dir", default=None, help="where the model, checkpoints and report go (default memfit-train-out)")
     p.set_defaults(func=train_command)
     return p
@@ -368,7 +371,8 @@ def train_command(args: argparse.Namespace) -> int:
         report = mf.fit(trainer, gpu=args.gpu, budget_bytes=budget_bytes, plan=not args.no_plan,
                         max_recoveries=args.max_recoveries, report_path=report_path,
                         progress=_progress_callback(console), optimizer_snapshot=args.optimizer_snapshot,
-                        allow_optimizer_switch=not args.no_optimizer_switch)
+                        allow_optimizer_switch=not args.no_optimizer_switch,
+                        resume_from_checkpoint=args.resume)
     finally:
         fit_logger.removeHandler(handler)
         fit_logger.propagate = True

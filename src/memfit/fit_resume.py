@@ -1,0 +1,106 @@
+"""What memfit changed in a run, saved with every checkpoint and re-applied when the run resumes.
+
+Every checkpoint written under `memfit.fit` holds `memfit-state.json` (written inside the
+staging folder, so it is published atomically with the checkpoint): the training arguments
+memfit may have changed (by the plan or by a recovery: micro-batch and accumulation, eval
+batch, mixed precision, gradient checkpointing, optimizer), the number of chunks micro-batches
+run as, and the optimizer step mode. `fit(trainer, resume_from_checkpoint=...)` applies them
+before `trainer.train(resume_from_checkpoint=...)`, so Trainer rebuilds the optimizer the
+checkpoint's `optimizer.pt` belongs to (Adafactor's state does not load into AdamW), the
+dataloader skips the right number of batches, and the first window after the resume does not
+run out of memory again. A checkpoint without the file resumes with the trainer's arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = ["STATE_FILE", "SCHEMA", "run_state", "write_state", "read_state", "changes_to_apply",
+           "resolve_checkpoint"]
+
+STATE_FILE = "memfit-state.json"
+SCHEMA = "memfit.fit-state/1"
+
+
+def _optim_name(args: Any) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def run_state(trainer: Any, *, micro_batch_chunks: int, optimizer_step_mode: str,
+              memfit_checkpointing: bool) -> dict[str, Any]:
+    """The run's memory settings now (what a resume must reproduce)."""
+    args = trainer.args
+    return {
+        "schema": SCHEMA,
+        "step": int(trainer.state.global_step),
+        "per_device_train_batch_size": int(args.per_device_train_batch_size),
+        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+        "per_device_eval_batch_size": int(args.per_device_eval_batch_size),
+        "eval_accumulation_steps": args.eval_accumulation_steps,
+        "optim": _optim_name(args),
+        "precision": "fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
+        "gradient_checkpointing": bool(args.gradient_checkpointing or memfit_checkpointing),
+        "micro_batch_chunks": int(micro_batch_chunks),
+        "optimizer_step_mode": optimizer_step_mode,
+    }
+
+
+def write_state(folder: str, state: dict[str, Any]) -> None:
+    """Write the state into a checkpoint folder (temporary file + rename: never half-written)."""
+    path = os.path.join(folder, STATE_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(state, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def read_state(folder: str) -> dict[str, Any] | None:
+    """The state saved in a checkpoint folder, or None when it has none (not written by memfit.fit)."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            state = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise MemfitError(f"the checkpoint's memfit state `{path}` cannot be read ({exc}); delete that file to "
+                          "resume with the trainer's own arguments") from None
+    if not isinstance(state, dict) or state.get("schema") != SCHEMA:
+        raise MemfitError(f"the checkpoint's memfit state `{path}` is not a {SCHEMA} file; delete it to resume "
+                          "with the trainer's own arguments")
+    return state
+
+
+def changes_to_apply(trainer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """The saved settings that differ from the trainer's, as `fitting.apply_plan` changes."""
+    now = run_state(trainer, micro_batch_chunks=1, optimizer_step_mode="", memfit_checkpointing=False)
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size",
+            "eval_accumulation_steps", "optim", "precision")
+    changes = {k: state[k] for k in keys if k in state and state[k] != now[k]}
+    if state.get("gradient_checkpointing") and not now["gradient_checkpointing"]:
+        changes["gradient_checkpointing"] = True
+    return changes
+
+
+def resolve_checkpoint(trainer: Any, resume_from_checkpoint: Any) -> str | None:
+    """The checkpoint folder `trainer.train(resume_from_checkpoint=...)` will resume from, checked."""
+    if resume_from_checkpoint in (None, False):
+        return None
+    if resume_from_checkpoint is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        out = trainer.args.output_dir
+        last = get_last_checkpoint(out) if os.path.isdir(out) else None
+        if last is None:
+            raise MemfitError(f"resume_from_checkpoint=True but output_dir `{out}` holds no checkpoint-N folder; "
+                              "pass the checkpoint's path, or start without resuming")
+        return last
+    path = os.fspath(resume_from_checkpoint)
+    if not os.path.isdir(path):
+        raise MemfitError(f"resume_from_checkpoint `{path}` is not a folder; pass a checkpoint-N folder of an "
+                          "earlier run (or True for the last one in output_dir)")
+    return path
