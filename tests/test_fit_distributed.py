@@ -44,7 +44,10 @@ def _ddp_worker(rank, world, port, out, mode):
     import memfit.fitting as mf
     import test_fit
 
-    t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2)
+    if mode == "save":  # both ranks write into one output_dir, as in a real run
+        t = test_fit._trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="steps", save_steps=1)
+    else:
+        t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2)
     result = "ok"
     try:
         if mode == "plain":  # DDP's own gradient all-reduce, no memfit
@@ -94,7 +97,7 @@ def _ddp_run(mode, port):
     assert not any(hung), f"a rank was still waiting after 120 s: {hung}"
     results = [open(os.path.join(d, f"{r}.txt")).read() for r in range(2)]
     weights = [torch.load(os.path.join(d, f"w{r}.pt")) for r in range(2)]
-    return results, weights
+    return results, weights, d
 
 
 def _diff(a, b):
@@ -102,7 +105,7 @@ def _diff(a, b):
 
 
 def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
-    (plain, w_plain), (rec, w_rec) = _ddp_run("plain", 29611), _ddp_run("oom", 29612)
+    (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain", 29611), _ddp_run("oom", 29612)
     assert plain == ["ok", "ok"]
     assert rec == ["ok 4 0 DistributedDataParallel", "ok 4 1 DistributedDataParallel"]
     assert _diff(*w_rec) == 0.0  # the ranks agree
@@ -110,11 +113,23 @@ def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
 
 
 def test_ddp_rank_that_fails_for_good_stops_the_others():
-    results, _ = _ddp_run("fatal", 29613)
+    results, _, _ = _ddp_run("fatal", 29613)
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
 
 
 def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others():
-    results, _ = _ddp_run("optimizer", 29614)
+    results, _, _ = _ddp_run("optimizer", 29614)
     # rank 1 may not switch to a smaller optimizer alone (rank 0 has stepped with AdamW): it stops, rank 0 too
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
+
+
+def test_ddp_checkpoints_hold_every_rank_s_files():
+    """Both ranks write into one checkpoint; only the main process publishes it, once all have written."""
+    results, _, d = _ddp_run("save", 29615)
+    assert results == ["ok 4 0 DistributedDataParallel", "ok 4 0 DistributedDataParallel"]
+    run = os.path.join(d, "run")
+    assert sorted(os.listdir(run)) == [f"checkpoint-{i}" for i in range(1, 5)]
+    for i in range(1, 5):
+        names = set(os.listdir(os.path.join(run, f"checkpoint-{i}")))
+        assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "memfit-state.json",
+                "rng_state_0.pth", "rng_state_1.pth"} <= names, (i, names)

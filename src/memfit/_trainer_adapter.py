@@ -121,6 +121,10 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
     partial folder, restores `state.best_model_checkpoint` (Trainer may have pointed it at the
     staged folder) and re-raises. Rotation (`save_total_limit`) runs on the real folder after
     the rename.
+
+    Multi-process runs: every rank writes its part (its `rng_state_<rank>.pth`; the main
+    process the rest) into one staging folder named after the step; after a barrier, only the
+    process that saves (`args.should_save`) publishes it and removes the staging folder.
     """
     if getattr(trainer, "_memfit_atomic_checkpoints", False):
         return
@@ -131,7 +135,10 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         run_dir = original_output_dir(trial=trial)
-        staging_root = os.path.join(run_dir, STAGING_DIR, uuid.uuid4().hex[:8])
+        distributed = _world_size() > 1
+        publisher = bool(trainer.args.should_save)
+        tag = f"step-{trainer.state.global_step}" if distributed else uuid.uuid4().hex[:8]  # shared by the ranks
+        staging_root = os.path.join(run_dir, STAGING_DIR, tag)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
         final = os.path.join(run_dir, folder)
         os.makedirs(staging_root, exist_ok=True)
@@ -141,6 +148,10 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
         best_before = trainer.state.best_model_checkpoint
         try:
             original_save(model, trial, *args, **kwargs)
+            if distributed:
+                import torch.distributed as dist
+
+                dist.barrier()  # every rank's files are in the staging folder before it is published
             staged = os.path.join(staging_root, folder)
             best = trainer.state.best_model_checkpoint
             if best and best.startswith(staging_root):
@@ -149,10 +160,10 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
                     from transformers.trainer import TRAINER_STATE_NAME
 
                     trainer.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-            if os.path.isdir(staged) and trainer.args.should_save:
+            if os.path.isdir(staged) and publisher:
                 for write in getattr(trainer, "_memfit_checkpoint_extras", ()):
                     write(staged)  # inside the staging folder: published with the checkpoint, atomically
-            if os.path.isdir(staged):
+            if os.path.isdir(staged) and (publisher or not distributed):
                 if os.path.isdir(final):  # a checkpoint of the same step (resumed run): replace it
                     old = os.path.join(run_dir, STAGING_DIR, f"old-{uuid.uuid4().hex[:8]}")
                     os.replace(final, old)
@@ -168,11 +179,12 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
         finally:
             trainer._get_output_dir = original_output_dir
             trainer.args.save_total_limit = saved_limit
-            shutil.rmtree(staging_root, ignore_errors=True)
-            try:
-                os.rmdir(os.path.join(run_dir, STAGING_DIR))
-            except OSError:
-                pass
+            if publisher or not distributed:  # the other ranks may still be writing until the barrier
+                shutil.rmtree(staging_root, ignore_errors=True)
+                try:
+                    os.rmdir(os.path.join(run_dir, STAGING_DIR))
+                except OSError:
+                    pass
         if trainer.args.should_save:
             from transformers.trainer_utils import rotate_checkpoints
 
@@ -256,6 +268,12 @@ def _replace(trainer: Any, name: str, new: Any) -> Callable[[], None]:
         setattr(trainer, name, old)
 
     return undo
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def add_checkpoint_file(trainer: Any, write: Callable[[str], None]) -> Callable[[], None]:

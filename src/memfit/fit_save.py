@@ -13,8 +13,10 @@ tensors in place (no new GPU memory). When that fails too (out of memory, or a c
 that does not map one to one onto the model's tensors, e.g. PEFT adapters), the last
 weights are kept.
 
-Both phases are measured (`Meter`: "save", "load_best"). Not coordinated between processes:
-a retry on one rank of a multi-GPU run is not mirrored on the others.
+Both phases are measured (`Meter`: "save", "load_best"). Multi-process runs: a checkpoint
+save is not retried (it runs collectives: Trainer's flos gather and barriers, memfit's
+publishing barrier; a retry on one rank would not meet the others' calls); an OOM there is
+raised as before, and the atomic staging keeps earlier checkpoints intact.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from memfit import _trainer_adapter as adapter
+from memfit import fit_distributed as dist_sync
 from memfit.fit_recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
 
 __all__ = ["guard_saving"]
@@ -51,6 +54,10 @@ def guard_saving(trainer: Any, *, meter: Meter, recoveries: list[Recovery],
 
     def around_save(save: Callable[[bool], None]) -> None:
         meter.reset()
+        if dist_sync.is_distributed():  # a save has collectives inside (Trainer's flos gather, barriers):
+            save(False)  # a retry on one rank would not meet the others' calls, so it is not retried
+            meter.record("save")
+            return
         failure = _oom_of(save, False)
         if failure is not None:
             free_memory()
