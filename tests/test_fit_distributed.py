@@ -44,19 +44,34 @@ def _ddp_worker(rank, world, port, out, mode):
     import memfit.fitting as mf
     import test_fit
 
-    if mode == "save":  # both ranks write into one output_dir, as in a real run
+    if mode in ("plain-adafactor", "switch"):
+        t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2,
+                              optim="adafactor" if mode == "plain-adafactor" else "adamw_torch_fused")
+    elif mode == "save":  # both ranks write into one output_dir, as in a real run
         t = test_fit._trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="steps", save_steps=1)
     else:
         t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2)
     result = "ok"
     try:
-        if mode == "plain":  # DDP's own gradient all-reduce, no memfit
+        if mode in ("plain", "plain-adafactor"):  # DDP's own gradient all-reduce, no memfit
             t.train()
         else:
             if rank == 1 and mode == "oom":  # 2nd micro-step = the synchronising one of the 1st window
                 test_fit._inject_train_oom(t, at_call=2, min_batch=4)
             if rank == 1 and mode == "fatal":
                 test_fit._inject_train_oom(t, at_call=1, min_batch=1)
+            if rank == 1 and mode == "switch":  # AdamW's state does not fit on rank 1; Adafactor's does
+                from transformers import TrainerCallback
+
+                def adamw_step(*a, **k):
+                    raise test_fit._oom()
+
+                class _AdamWFails(TrainerCallback):
+                    def on_step_begin(self, args, state, control, **kwargs):
+                        if isinstance(t.optimizer.optimizer, torch.optim.AdamW):
+                            t.optimizer.optimizer.step = adamw_step
+
+                t.add_callback(_AdamWFails())
             if rank == 1 and mode == "optimizer":  # AdamW's state never fits on rank 1
                 from transformers import TrainerCallback
 
@@ -70,6 +85,8 @@ def _ddp_worker(rank, world, port, out, mode):
                 t.add_callback(_Failing())
             report = mf.fit(t, plan=False, max_recoveries=2)
             result = f"ok {report.steps_completed} {len(report.oom_recoveries)} {type(t.model_wrapped).__name__}"
+            if mode == "switch":
+                result += f" {type(t.optimizer.optimizer).__name__}"
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
         result = f"error {type(exc).__name__}"
     torch.save([p.detach() for p in t.model.parameters()], os.path.join(out, f"w{rank}.pt"))
@@ -119,8 +136,17 @@ def test_ddp_rank_that_fails_for_good_stops_the_others():
 
 def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others():
     results, _, _ = _ddp_run("optimizer", 29614)
-    # rank 1 may not switch to a smaller optimizer alone (rank 0 has stepped with AdamW): it stops, rank 0 too
+    # both ranks switch to Adafactor together; it fails on rank 1 too, and there is nothing smaller: both stop
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
+
+
+def test_ddp_ranks_switch_to_a_smaller_optimizer_together():
+    (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain-adafactor", 29616), _ddp_run("switch", 29617)
+    assert plain == ["ok", "ok"]
+    # rank 0's AdamW step succeeded and was undone from its host copy; both train with Adafactor from step 0
+    assert rec == ["ok 4 1 DistributedDataParallel Adafactor", "ok 4 1 DistributedDataParallel Adafactor"]
+    assert _diff(*w_rec) == 0.0
+    assert _diff(w_plain[0], w_rec[0]) < 1e-6
 
 
 def test_ddp_checkpoints_hold_every_rank_s_files():

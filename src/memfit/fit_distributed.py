@@ -12,9 +12,9 @@ backwards) would call those collectives a different number of times than the oth
 they would wait forever. Under `memfit.fit` every micro-step of a DDP model therefore runs
 under `DDP.no_sync()` with buffer broadcasting off (no collective inside a micro-step);
 after the window, `check_peers` exchanges one flag (a rank that failed for good tells the
-others, which stop with an error instead of waiting; the same after every optimizer step), `average_gradients` all-reduces the
-gradients in 25 MiB buckets (DDP's default bucket size, torch/nn/parallel/distributed.py
-`bucket_cap_mb`) and divides them by the world size, as DDP does, and rank 0's buffers are
+others, which stop with an error instead of waiting; memfit.fit_optimizer votes likewise
+after every optimizer step), `average_gradients` all-reduces the gradients in 25 MiB
+buckets (DDP's default bucket size, torch/nn/parallel/distributed.py `bucket_cap_mb`) and divides them by the world size, as DDP does, and rank 0's buffers are
 broadcast. Cost: the gradient all-reduce no longer overlaps the last backward.
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["is_distributed", "agree", "agree_max", "is_ddp", "take_over_buffer_sync", "check_peers",
-           "average_gradients", "BUCKET_BYTES"]
+__all__ = ["is_distributed", "agree", "agree_max", "agree_flags", "PeerFailed", "is_ddp", "take_over_buffer_sync",
+           "check_peers", "average_gradients", "BUCKET_BYTES"]
 
 #: Gradient bucket size of the all-reduce after a window (DDP's default `bucket_cap_mb=25`).
 BUCKET_BYTES = 25 * 2**20
@@ -48,15 +48,19 @@ def agree(obj: Any) -> Any:
 
 def agree_max(value: int) -> int:
     """The largest `value` over all ranks (`all_reduce` with MAX; on the GPU for NCCL)."""
+    return agree_flags([value])[0]
+
+
+def agree_flags(values: list[int]) -> list[int]:
+    """Element-wise largest of `values` over all ranks (one small `all_reduce` with MAX)."""
     if not is_distributed():
-        return value
+        return [int(v) for v in values]
     import torch
     import torch.distributed as dist
 
-    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def _device():
@@ -82,14 +86,14 @@ class PeerFailed(RuntimeError):
     """Another rank stopped with an error in this accumulation window."""
 
 
-def check_peers(*, failed: bool, where: str = "accumulation window") -> None:
-    """One flag per rank, at the end of every accumulation window and every optimizer step.
+def check_peers(*, failed: bool) -> None:
+    """One flag per rank at the end of every accumulation window (DDP under memfit.fit).
 
     A rank that fails for good calls it with `failed=True` before raising; the others raise
     PeerFailed instead of waiting for it in their next collective.
     """
     if agree_max(int(failed)) and not failed:
-        raise PeerFailed(f"memfit: another process of this run stopped with an error in this {where} "
+        raise PeerFailed("memfit: another process of this run stopped with an error in this accumulation window "
                          "(see its log); this process stops too instead of waiting for it")
 
 

@@ -32,10 +32,11 @@ stepped one after the other. Retrying such a step would apply it twice. So `Opti
      replaced by one with a smaller state, as `memfit plan`'s optimizer remedy would (8-bit
      AdamW with bitsandbytes on CUDA, else Adafactor), `args.optim` is set to it so that
      checkpoints resume with it, and the step is retried: no step lost, but a different
-     optimizer (`allow_optimizer_switch=False` forbids it). Not with a GradScaler (fp16), not
-     in multi-process runs (the other ranks have stepped already).
-In multi-process runs every rank exchanges one flag after each optimizer step, so a rank
-that fails for good makes the others stop instead of waiting (memfit.fit_distributed).
+     optimizer (`allow_optimizer_switch=False` forbids it). Not with a GradScaler (fp16).
+In multi-process runs the ranks vote after each optimizer step (one small all-reduce): a
+rank that fails for good makes the others stop instead of waiting; when a rank's state does
+not fit, every rank undoes its step (from the host copy of the first step) and all switch
+to the same smaller optimizer.
    Freeing gradients as they are used would lower the first step's peak but not the steady
    state (the next backward holds weights, state and gradients again), so it is not offered.
 Known limitation: user step pre/post hooks see the per-parameter groups during the step.
@@ -208,6 +209,14 @@ def _smaller_optimizer(params: list[torch.Tensor]) -> str:
     return "adafactor"
 
 
+class _SwitchNeeded(Exception):
+    """In a multi-process run: this rank needs a smaller optimizer (its step was undone)."""
+
+    def __init__(self, cause: str, tried: int | None) -> None:
+        super().__init__(cause)
+        self.cause, self.tried = cause, tried
+
+
 class OptimizerStepGuard:
     """Wraps `trainer.optimizer.step`; see the module docstring."""
 
@@ -231,6 +240,7 @@ class OptimizerStepGuard:
         self._had_instance_step = False
         self._hooks: list[Any] = []
         self._saved_groups: list[dict[str, Any]] | None = None
+        self._last_before: _Before | None = None
         self._warned_host = False
 
     # -- installation ----------------------------------------------------------------------
@@ -309,13 +319,44 @@ class OptimizerStepGuard:
     def _step(self, *args, **kwargs):
         if not dist_sync.is_distributed():
             return self._guarded_step(*args, **kwargs)
-        try:
-            out = self._guarded_step(*args, **kwargs)
-        except BaseException:
-            dist_sync.check_peers(failed=True, where="optimizer step")  # the others stop instead of waiting
-            raise
-        dist_sync.check_peers(failed=False, where="optimizer step")
-        return out
+        while True:  # every rank votes after each attempt: failed for good / needs a smaller optimizer / cannot undo
+            out = need = None
+            try:
+                out = self._guarded_step(*args, **kwargs)
+            except _SwitchNeeded as exc:
+                need = exc
+            except BaseException:
+                dist_sync.agree_flags([1, 0, 0])  # the others stop instead of waiting for this rank
+                raise
+            can_undo = need is not None or self._last_before.copy is not None
+            failed, switch, stuck = dist_sync.agree_flags([0, int(need is not None), int(not can_undo)])
+            if failed:
+                raise dist_sync.PeerFailed("memfit: another process of this run stopped with an error in this "
+                                           "optimizer step (see its log); this process stops too")
+            if not switch:
+                return out
+            self._switch_together(need, stuck)
+
+    def _switch_together(self, need: "_SwitchNeeded | None", stuck: int) -> None:
+        """A rank's optimizer state did not fit: every rank undoes its step and switches, then all retry."""
+        step = self.trainer.state.global_step
+        if stuck:
+            text = ("another rank cannot undo its step (no host copy of its state), so the ranks cannot switch "
+                    "optimizer together")
+            if need is not None:
+                raise torch.OutOfMemoryError(f"memfit: out of memory in the optimizer step at step {step}: the "
+                                             f"optimizer state does not fit, and {text}. Last error: {need.cause}")
+            raise dist_sync.PeerFailed(f"memfit: {text}; this process stops too")
+        opt = _inner(self._wrapped)
+        if need is None:  # this rank's step succeeded: put it back so that all ranks switch from the same point
+            _restore(opt, self._last_before)
+            _drop_new_state(opt, self._last_before)
+            free_memory()
+        why = self._switch_refused(opt)
+        if why:
+            raise dist_sync.PeerFailed(f"memfit: another rank needs a smaller optimizer but {why}; stopping")
+        cause, tried = (need.cause, need.tried) if need else ("the optimizer state did not fit on another rank", None)
+        self._apply_switch(opt, cause, tried)
 
     def _guarded_step(self, *args, **kwargs):
         opt = _inner(self._wrapped)
@@ -339,6 +380,7 @@ class OptimizerStepGuard:
                 continue
             self.evaluated = False
             self._recoveries_seen = len(self.recoveries)
+            self._last_before = before
             return out
 
     def _record(self, opt: torch.optim.Optimizer, *, copy: bool) -> _Before:
@@ -379,10 +421,19 @@ class OptimizerStepGuard:
                     f"`{type(opt).__name__}` does not fit next to the weights and gradients, and {why}. The parameters "
                     "and optimizer state were put back. Fix: a smaller optimizer state (`memfit plan` lists 8-bit and "
                     f"factored optimizers, LoRA). Last error: {cause}")
-            old_name = type(opt).__name__
-            opt = self._switch(opt)
-            change = (f"optimizer {old_name} -> {type(opt).__name__} (args.optim={self.trainer.args.optim}) before "
-                      "any optimizer state existed: its state did not fit; no step lost, but a different optimizer")
+            if dist_sync.is_distributed():
+                raise _SwitchNeeded(cause, tried)  # decided by all ranks together (_step)
+            return self._apply_switch(opt, cause, tried)
+        self.recoveries.append(Recovery(step, "optimizer", change, cause, tried))
+        self.on_change(f"out of memory at optimizer step {step} (optimizer): {cause} -> {change}")
+        return opt
+
+    def _apply_switch(self, opt: torch.optim.Optimizer, cause: str, tried: int | None) -> torch.optim.Optimizer:
+        step = self.trainer.state.global_step
+        old_name = type(opt).__name__
+        opt = self._switch(opt)
+        change = (f"optimizer {old_name} -> {type(opt).__name__} (args.optim={self.trainer.args.optim}) before "
+                  "any optimizer state existed: its state did not fit; no step lost, but a different optimizer")
         self.recoveries.append(Recovery(step, "optimizer", change, cause, tried))
         self.on_change(f"out of memory at optimizer step {step} (optimizer): {cause} -> {change}")
         return opt
@@ -391,8 +442,6 @@ class OptimizerStepGuard:
         """Why the optimizer cannot be replaced here (None: it can)."""
         if not self.allow_optimizer_switch:
             return "allow_optimizer_switch=False forbids replacing the optimizer"
-        if dist_sync.is_distributed():
-            return "in a multi-process run the other ranks have already stepped with it"
         if any(opt.state.get(p) for p in _params(opt)):
             return "the optimizer already has state (replacing it would lose its moments)"
         if self._wrapped is opt or not isinstance(self._wrapped, torch.optim.Optimizer):
