@@ -162,3 +162,5 @@ def test_bad_snapshot_policy_is_a_clear_error():
 
     with pytest.raises(MemfitError, match="optimizer_snapshot `'sometimes'`"):
         fit(object(), optimizer_snapshot="sometimes")
+    with pytest.raises(MemfitError, match="allow_optimizer_switch `'no'` is not a bool"):
+        fit(object(), allow_optimizer_switch="no")

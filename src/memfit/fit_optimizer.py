@@ -39,7 +39,8 @@ not fit, every rank undoes its step (from the host copy of the first step) and a
 to the same smaller optimizer.
    Freeing gradients as they are used would lower the first step's peak but not the steady
    state (the next backward holds weights, state and gradients again), so it is not offered.
-Known limitation: user step pre/post hooks see the per-parameter groups during the step.
+Known limitations: user step pre/post hooks see the per-parameter groups during the step;
+DeepSpeed and FSDP optimizers (sharded, stepping with collectives) are left unguarded.
 """
 
 from __future__ import annotations
@@ -249,6 +250,8 @@ class OptimizerStepGuard:
         outer = self.trainer.optimizer
         if outer is None or outer is self._wrapped:
             return
+        if getattr(self.trainer, "is_deepspeed_enabled", False) or getattr(self.trainer, "is_fsdp_enabled", False):
+            return  # sharded optimizers step with collectives and flat partitions: not retried here
         self.uninstall()
         self._wrapped, self._original = outer, outer.step
         self._had_instance_step = "step" in vars(outer)

@@ -192,6 +192,8 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     if optimizer_snapshot not in SNAPSHOT_POLICIES:
         raise MemfitError(f"optimizer_snapshot `{optimizer_snapshot!r}` is not a policy; "
                           f"use one of {', '.join(SNAPSHOT_POLICIES)}")
+    if not isinstance(allow_optimizer_switch, bool):
+        raise MemfitError(f"allow_optimizer_switch `{allow_optimizer_switch!r}` is not a bool; pass True or False")
     started = time.perf_counter()
     changes: list[str] = []
     notes: list[str] = []
