@@ -138,8 +138,14 @@ def test_save_and_load_best_are_measured_under_a_budget(tmp_path):
     assert report.measured_with == "memory_budget"
     for phase in ("save", "load_best"):
         assert report.phases[phase]["measured_bytes"] > 0
-        assert report.phases[phase]["predicted_bytes"] is None
-        assert phase not in report.prediction_error
+        # predicted: weights + optimizer state, what stays on the GPU after the step and zero_grad; on the CPU
+        # the budget also counts AdamW's per-parameter step counters (host tensors on CUDA), 512 B each, and
+        # load_best's state dict read from the file (host memory on CUDA)
+        params = list(t.model.parameters())
+        host = 512 * (len(params) + 4) + (sum(p.numel() * p.element_size() for p in params)
+                                          if phase == "load_best" else 0)
+        extra = report.phases[phase]["measured_bytes"] - report.phases[phase]["predicted_bytes"]
+        assert 0 <= extra <= host, (phase, extra, host)
     assert not report.oom_recoveries
 
 

@@ -307,7 +307,12 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     effective_after = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
     if effective_after != effective:  # never expected: recovery keeps the effective batch size
         notes.append(f"effective batch size changed from {effective} to {effective_after}")
-    predicted = pre.estimate.phases
+    predicted = dict(pre.estimate.phases)
+    step_end = pre.estimate.phase_breakdowns.get("optimizer")
+    if step_end:
+        # Trainer saves (and loads the best model) after the step and zero_grad: weights and optimizer
+        # state stay; safetensors copies to the host one tensor at a time and load_best copies in place
+        predicted["save"] = predicted["load_best"] = step_end.get("weights", 0) + step_end.get("optimizer_state", 0)
     phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
                   "measured_bytes": meter.peaks.get(p)}
               for p in ("forward", "backward", "optimizer", "eval", "save", "load_best")}
