@@ -14,14 +14,13 @@ before the allocation that fails, and Trainer's two parameter groups (decay / no
 stepped one after the other. Retrying such a step would apply it twice. So `OptimizerStepGuard`:
 
 1. before a step, copies the step counters on their device (one `torch.stack` per device, no
-   sync) and, on "risky" steps (the first one, which
-   creates the state, and the first after an evaluation or any recovery), keeps a host copy
-   of the trainable parameters and the optimizer state (`snapshot="auto"`; "always" /
-   "never" to choose);
+   sync) and, on "risky" steps (the first one, which creates the state, and the first after
+   an evaluation or any recovery), keeps a host copy of the trainable parameters and the
+   optimizer state (`snapshot="auto"`; "always" / "never" to choose);
 2. on an OOM: drops the state entries the failed step created, and either proves nothing was
    modified (for Adam/AdamW, whose step increments the step counters before anything else: no
-   counter moved) or restores the host copy; if neither is possible it raises
-   with the reason and the fix (the run's last checkpoint is intact);
+   counter moved) or restores the host copy; if neither is possible it raises with the reason
+   and the fix (the run's last checkpoint is intact);
 3. retries in a lower-memory way:
    - "per-parameter" (each parameter stepped as its own group, with torch's public step
      pre/post hooks around the innermost `Optimizer.step`, so accelerate's and GradScaler's
@@ -30,15 +29,18 @@ stepped one after the other. Retrying such a step would apply it twice. So `Opti
      temporaries (foreach); fused and for-loop steps have none.
    - when the state itself does not fit and none exists yet (the first step): the optimizer is
      replaced by one with a smaller state, as `memfit plan`'s optimizer remedy would (8-bit
-     AdamW with bitsandbytes on CUDA, else Adafactor), `args.optim` is set to it so that
-     checkpoints resume with it, and the step is retried: no step lost, but a different
-     optimizer (`allow_optimizer_switch=False` forbids it). Not with a GradScaler (fp16).
+     AdamW with bitsandbytes on CUDA, else Adafactor), `args.optim` is set to it (saved with
+     every checkpoint, memfit.fit_resume, so a resumed run rebuilds it), and the step is
+     retried: no step lost, but a different optimizer (`allow_optimizer_switch=False`
+     forbids it). Not with a GradScaler (fp16).
+   Freeing gradients as they are used would lower the first step's peak but not the steady
+   state (the next backward holds weights, state and gradients again), so it is not offered.
+
 In multi-process runs the ranks vote after each optimizer step (one small all-reduce): a
 rank that fails for good makes the others stop instead of waiting; when a rank's state does
 not fit, every rank undoes its step (from the host copy of the first step) and all switch
 to the same smaller optimizer.
-   Freeing gradients as they are used would lower the first step's peak but not the steady
-   state (the next backward holds weights, state and gradients again), so it is not offered.
+
 Known limitations: user step pre/post hooks see the per-parameter groups during the step;
 DeepSpeed and FSDP optimizers (sharded, stepping with collectives) are left unguarded.
 """
