@@ -312,7 +312,11 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
     if step_end:
         # Trainer saves (and loads the best model) after the step and zero_grad: weights and optimizer
         # state stay; safetensors copies to the host one tensor at a time and load_best copies in place
-        predicted["save"] = predicted["load_best"] = step_end.get("weights", 0) + step_end.get("optimizer_state", 0)
+        resident = step_end.get("weights", 0) + step_end.get("optimizer_state", 0)
+        if str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)) != "no":
+            predicted["save"] = resident
+        if trainer.args.load_best_model_at_end:
+            predicted["load_best"] = resident
     phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
                   "measured_bytes": meter.peaks.get(p)}
               for p in ("forward", "backward", "optimizer", "eval", "save", "load_best")}
