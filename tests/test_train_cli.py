@@ -60,6 +60,8 @@ def test_cli_errors_are_one_line(tmp_path, csv_file, capsys):
         ([str(tmp_path / "nope"), "--data", str(csv_file)], "not a local directory"),
         ([str(tmp_path), "--data", str(csv_file)], "no config.json"),
         (["--batch-size", "0"], "positive integer"),
+        (["--budget", "0"], "is zero"),
+        (["--resume", str(tmp_path / "nope")], "is not a folder"),
         ([str(tmp_path)], "give both a model and --data"),
     ]
     if model:

@@ -7,6 +7,8 @@ when online), a local directory holding `config.json`, a `PretrainedConfig`, or 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +69,8 @@ def resolve_config(model: Any) -> ModelSpec:
     if config is not None:
         return ModelSpec(name, config, "bundled")
     try:
-        return ModelSpec(name, AutoConfig.from_pretrained(name), "hub")
+        with _quiet_hub():
+            return ModelSpec(name, AutoConfig.from_pretrained(name), "hub")
     except Exception as err:  # offline, unknown id, gated repo, unknown model_type ...
         shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
         raise MemfitError(
@@ -75,6 +78,18 @@ def resolve_config(model: Any) -> ModelSpec:
             f"Bundled ids work offline: {shown} (`memfit estimate --list-models` shows all). "
             "Otherwise pass a directory or a config.json file of the model"
         ) from err
+
+
+@contextlib.contextmanager
+def _quiet_hub():
+    """Keep huggingface_hub's own retry warnings off the terminal: the MemfitError says what failed."""
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR + 1)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

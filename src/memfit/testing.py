@@ -64,7 +64,9 @@ class MemoryBudget(TorchDispatchMode):
     def __init__(self, limit_bytes: int, *, count: Iterable[Any] = (), device: int = 0) -> None:
         super().__init__()
         if int(limit_bytes) <= 0:
-            raise ValueError(f"limit_bytes must be positive; got {limit_bytes!r}")
+            from memfit.errors import MemfitError
+
+            raise MemfitError(f"memory budget `{limit_bytes!r}` is not positive; give a size such as `800MiB`")
         self.limit_bytes = int(limit_bytes)
         self.device = device
         self.live_bytes = 0

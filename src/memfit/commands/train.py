@@ -300,6 +300,11 @@ def train_command(args: argparse.Namespace) -> int:
         from memfit.units import parse_size
 
         budget_bytes = parse_size(budget, what="memory budget")
+        if budget_bytes <= 0:
+            raise MemfitError(f"memory budget `{budget}` is zero; give a size such as `800MiB`")
+    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
+        raise MemfitError(f"--resume `{args.resume}` is not a folder; pass a checkpoint-N folder of an earlier run, "
+                          "or --resume alone for the last one in --output-dir")
     max_length = args.max_length or 128
 
     import torch
