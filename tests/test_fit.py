@@ -239,3 +239,20 @@ def test_plan_is_applied_when_the_setup_does_not_fit(tmp_path):
     assert report.plan_applied is not None and report.plan_applied["setup_changes"]
     assert report.steps_completed == report.steps_expected
     assert report.effective_batch_size == 32
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budget_bytes=-5), "not a positive number of bytes"),
+    (dict(budget_bytes="abc"), "is not a size"),
+    (dict(max_recoveries=-1), "whole number >= 0"),
+    (dict(margin=5), "between 0 and 0.5"),
+    (dict(resume_from_checkpoint=3), "not a path or a bool"),
+    (dict(plan="yes"), "plan `'yes'` is not a bool"),
+])
+def test_bad_fit_arguments_are_clear_errors_before_anything_runs(tmp_path, kwargs, match):
+    from memfit.errors import MemfitError
+
+    t = _trainer(tmp_path)
+    with pytest.raises(MemfitError, match=match):
+        mf.fit(t, **kwargs)
+    assert t.state.global_step == 0

@@ -161,7 +161,7 @@ def _make_callback(meter: Meter, step: Any = None, optimizer_guard: Any = None):
     return _PhaseMeter()
 
 
-def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan: bool = True,
+def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None, plan: bool = True,
         max_recoveries: int = 4, report_path: str | None = None, progress: Any = None,
         margin: float | None = None, optimizer_snapshot: str = "auto",
         allow_optimizer_switch: bool = True, resume_from_checkpoint: Any = None) -> FitReport:
@@ -169,8 +169,8 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
 
     `gpu`: catalog name, size, `auto` or GpuSpec for the estimate and plan (None: `auto` on
     a CUDA machine, else unknown). `budget_bytes`: run under `memfit.testing.memory_budget`
-    (an emulated GPU of that size on the CPU). `plan`: apply memfit's plan when the setup is
-    predicted not to fit. `report_path`: write the report as JSON there. `progress`: an
+    (an emulated GPU of that size on the CPU; bytes or a size such as "800MiB"). `plan`:
+    apply memfit's plan when the setup is predicted not to fit. `report_path`: write the report as JSON there. `progress`: an
     optional TrainerCallback (e.g. the CLI's progress bar). `margin`: the planner's safety
     margin; pass a previous report's `suggested_margin` to feed the observed prediction
     error back into the next plan. `optimizer_snapshot`: when to keep a host copy of the
@@ -187,13 +187,12 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
 
     from memfit import _trainer_adapter as adapter
 
-    from memfit.fit_optimizer import MODES, SNAPSHOT_POLICIES, OptimizerStepGuard
+    from memfit.fit_optimizer import MODES, OptimizerStepGuard
 
-    if optimizer_snapshot not in SNAPSHOT_POLICIES:
-        raise MemfitError(f"optimizer_snapshot `{optimizer_snapshot!r}` is not a policy; "
-                          f"use one of {', '.join(SNAPSHOT_POLICIES)}")
-    if not isinstance(allow_optimizer_switch, bool):
-        raise MemfitError(f"allow_optimizer_switch `{allow_optimizer_switch!r}` is not a bool; pass True or False")
+    budget_bytes = _check_inputs(budget_bytes=budget_bytes, max_recoveries=max_recoveries, margin=margin,
+                                 optimizer_snapshot=optimizer_snapshot, plan=plan,
+                                 allow_optimizer_switch=allow_optimizer_switch,
+                                 resume_from_checkpoint=resume_from_checkpoint)
     started = time.perf_counter()
     changes: list[str] = []
     notes: list[str] = []
@@ -339,6 +338,39 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | None = None, plan:
         with open(report_path, "w", encoding="utf-8") as fh:
             json.dump(report.to_json(), fh, indent=2, default=str)
     return report
+
+
+def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimizer_snapshot: Any, plan: Any,
+                  allow_optimizer_switch: Any, resume_from_checkpoint: Any) -> int | None:
+    """Clear errors for bad arguments of `fit`, before anything runs. Returns the budget in bytes."""
+    import os
+
+    from memfit.fit_optimizer import SNAPSHOT_POLICIES
+
+    if budget_bytes is not None:
+        if isinstance(budget_bytes, str):
+            from memfit.units import parse_size
+
+            budget_bytes = parse_size(budget_bytes, what="memory budget")
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise MemfitError(f"budget_bytes `{budget_bytes!r}` is not a positive number of bytes; pass e.g. "
+                              "800 * 2**20 or '800MiB'")
+    if isinstance(max_recoveries, bool) or not isinstance(max_recoveries, int) or max_recoveries < 0:
+        raise MemfitError(f"max_recoveries `{max_recoveries!r}` is not a whole number >= 0; pass e.g. 4")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not 0 <= margin <= 0.5):
+        raise MemfitError(f"margin `{margin!r}` must be between 0 and 0.5 (a fraction of the GPU kept free); "
+                          "pass e.g. 0.1")
+    if optimizer_snapshot not in SNAPSHOT_POLICIES:
+        raise MemfitError(f"optimizer_snapshot `{optimizer_snapshot!r}` is not a policy; "
+                          f"use one of {', '.join(SNAPSHOT_POLICIES)}")
+    for name, value in (("plan", plan), ("allow_optimizer_switch", allow_optimizer_switch)):
+        if not isinstance(value, bool):
+            raise MemfitError(f"{name} `{value!r}` is not a bool; pass True or False")
+    if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, (bool, str, os.PathLike)):
+        raise MemfitError(f"resume_from_checkpoint `{resume_from_checkpoint!r}` is not a path or a bool; pass a "
+                          "checkpoint-N folder, or True for the last one in output_dir")
+    return budget_bytes
 
 
 def _spec_for(gpu: Any, budget_bytes: int | None):
