@@ -248,6 +248,7 @@ def test_plan_is_applied_when_the_setup_does_not_fit(tmp_path):
     (dict(margin=5), "between 0 and 0.5"),
     (dict(resume_from_checkpoint=3), "not a path or a bool"),
     (dict(plan="yes"), "plan `'yes'` is not a bool"),
+    (dict(gpu=5), "gpu `5` is not a GPU"),
 ])
 def test_bad_fit_arguments_are_clear_errors_before_anything_runs(tmp_path, kwargs, match):
     from memfit.errors import MemfitError
@@ -256,3 +257,13 @@ def test_bad_fit_arguments_are_clear_errors_before_anything_runs(tmp_path, kwarg
     with pytest.raises(MemfitError, match=match):
         mf.fit(t, **kwargs)
     assert t.state.global_step == 0
+
+
+def test_preflight_and_fit_refuse_what_is_not_a_trainer(tmp_path):
+    from memfit.errors import MemfitError
+
+    for call in (mf.preflight, mf.fit):
+        with pytest.raises(MemfitError, match="is not a transformers.Trainer"):
+            call(object())
+    with pytest.raises(MemfitError, match="is not a size"):
+        mf.preflight(_trainer(tmp_path), budget_bytes="lots")

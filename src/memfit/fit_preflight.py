@@ -15,6 +15,7 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.train_setup import TrainSetup
+from memfit.units import parse_size
 
 __all__ = ["PreflightFlag", "PreflightReport", "preflight", "setup_from_trainer", "task_of_model", "budget_spec"]
 
@@ -138,7 +139,38 @@ def budget_spec(budget_bytes: int):
                                notes=("an emulated GPU (memfit.testing.memory_budget) on the CPU",))
 
 
-def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | None = None,
+def check_trainer(trainer: Any) -> None:
+    """A clear error when `trainer` is not a Trainer (memfit reads its model, args and datasets)."""
+    if not all(hasattr(trainer, a) for a in ("model", "args", "train", "train_dataset")):
+        raise MemfitError(f"`{type(trainer).__name__}` is not a transformers.Trainer; pass the Trainer you would "
+                          "call .train() on")
+
+
+def check_budget(budget_bytes: Any) -> int | None:
+    """The emulated budget in bytes from an int or a size such as "800MiB"; a clear error otherwise."""
+    if budget_bytes is None:
+        return None
+    if isinstance(budget_bytes, str):
+        budget_bytes = parse_size(budget_bytes, what="memory budget")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise MemfitError(f"budget_bytes `{budget_bytes!r}` is not a positive number of bytes; pass e.g. "
+                          "800 * 2**20 or '800MiB'")
+    return budget_bytes
+
+
+def gpu_spec(gpu: Any):
+    """A GpuSpec from a catalog name, a size string, `auto` or a GpuSpec (None stays None)."""
+    from memfit.gpus import GpuSpec, resolve_gpu
+
+    if gpu is None or isinstance(gpu, GpuSpec):
+        return gpu
+    if isinstance(gpu, str):
+        return resolve_gpu(gpu)
+    raise MemfitError(f"gpu `{gpu!r}` is not a GPU; pass a catalog name such as 'V100-16GB', a size such as "
+                      "'24GiB', or 'auto'")
+
+
+def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None = None,
               non_pytorch_bytes: int | None = None) -> PreflightReport:
     """Estimate a real Trainer's run and flag the traps that make such runs fail.
 
@@ -146,13 +178,11 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | None = None,
     unless `budget_bytes` is given). `budget_bytes`: an emulated GPU of that many bytes
     (memfit.testing.memory_budget) with nothing outside PyTorch.
     """
-    from memfit.gpus import resolve_gpu
-
+    check_trainer(trainer)
+    budget_bytes = check_budget(budget_bytes)
+    spec = gpu_spec(gpu)
     setup, lengths = setup_from_trainer(trainer)
-    spec = None
-    if gpu is not None:
-        spec = resolve_gpu(gpu) if isinstance(gpu, str) else gpu
-    elif budget_bytes is not None:
+    if spec is None and budget_bytes is not None:
         spec = budget_spec(budget_bytes)
         non_pytorch_bytes = 0 if non_pytorch_bytes is None else non_pytorch_bytes
     from memfit._trainer_adapter import preserve_accelerator_state

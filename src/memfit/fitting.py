@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.fit_preflight import PreflightFlag, PreflightReport, preflight
+from memfit.fit_preflight import PreflightFlag, PreflightReport, check_budget, check_trainer, gpu_spec, preflight
 from memfit.fit_recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
 from memfit.fit_save import guard_saving
 
@@ -193,6 +193,8 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
                                  optimizer_snapshot=optimizer_snapshot, plan=plan,
                                  allow_optimizer_switch=allow_optimizer_switch,
                                  resume_from_checkpoint=resume_from_checkpoint)
+    check_trainer(trainer)
+    gpu_spec(gpu)  # a clear error for a bad gpu before anything runs
     started = time.perf_counter()
     changes: list[str] = []
     notes: list[str] = []
@@ -347,14 +349,7 @@ def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimi
 
     from memfit.fit_optimizer import SNAPSHOT_POLICIES
 
-    if budget_bytes is not None:
-        if isinstance(budget_bytes, str):
-            from memfit.units import parse_size
-
-            budget_bytes = parse_size(budget_bytes, what="memory budget")
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise MemfitError(f"budget_bytes `{budget_bytes!r}` is not a positive number of bytes; pass e.g. "
-                              "800 * 2**20 or '800MiB'")
+    budget_bytes = check_budget(budget_bytes)
     if isinstance(max_recoveries, bool) or not isinstance(max_recoveries, int) or max_recoveries < 0:
         raise MemfitError(f"max_recoveries `{max_recoveries!r}` is not a whole number >= 0; pass e.g. 4")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
@@ -374,10 +369,8 @@ def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimi
 
 
 def _spec_for(gpu: Any, budget_bytes: int | None):
-    from memfit.gpus import resolve_gpu
-
     if gpu is not None:
-        return resolve_gpu(gpu) if isinstance(gpu, str) else gpu
+        return gpu_spec(gpu)
     from memfit.fit_preflight import budget_spec
 
     return budget_spec(budget_bytes)
