@@ -61,3 +61,23 @@ def test_auto_without_gpu(monkeypatch):
         resolve_gpu("auto")
     with pytest.raises(MemfitError):
         resolve_gpu(None)
+
+
+def test_api_gpu_and_setup_arguments_are_clear_errors():
+    import pytest
+
+    from memfit import estimate, plan
+    from memfit.errors import MemfitError
+    from memfit.gpus import CATALOG, as_gpu_spec
+
+    assert as_gpu_spec(None) is None and as_gpu_spec(CATALOG["t4"]) is CATALOG["t4"]
+    assert as_gpu_spec("T4") == CATALOG["t4"]
+    for bad in (3, 1.5, ["T4"]):
+        with pytest.raises(MemfitError, match="is not a GPU"):
+            as_gpu_spec(bad)
+    with pytest.raises(MemfitError, match="is not a GPU"):
+        plan("bert-base-uncased", gpu=None)
+    with pytest.raises(MemfitError, match="is not a TrainSetup"):
+        estimate(3)
+    with pytest.raises(MemfitError, match="is not a TrainSetup"):
+        plan(3, gpu="T4")

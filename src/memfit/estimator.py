@@ -19,7 +19,8 @@ from typing import Any
 
 from memfit.alloc_conf import AllocConf, alloc_conf_from_env, parse_alloc_conf
 from memfit.allocator import replay
-from memfit.gpus import GpuSpec, resolve_gpu
+from memfit.errors import MemfitError
+from memfit.gpus import GpuSpec, as_gpu_spec
 from memfit.non_pytorch import cublas_workspace_bytes
 from memfit.non_pytorch import non_pytorch_bytes as _non_pytorch_table
 from memfit.report import BREAKDOWN_KEYS, peaks
@@ -128,14 +129,15 @@ def _with_workspaces(trace: list[TraceEvent], workspace_bytes: int) -> list[Trac
 
 
 def estimate(
-    setup: TrainSetup | None = None,
+    setup: TrainSetup | str | None = None,
     *,
     gpu: str | GpuSpec | None = None,
     alloc_conf: str | AllocConf | None = None,
     non_pytorch_bytes: int | None = None,
     **fields: Any,
 ) -> MemoryReport:
-    """Simulate `setup` (or `TrainSetup(**fields)`) and report its peak memory.
+    """Simulate `setup` (or `TrainSetup(**fields)`, or `TrainSetup(model=setup, **fields)` for a
+    model id) and report its peak memory.
 
     `gpu`: a catalog name (`V100-16GB`), a size (`16GiB`), `auto`, or a GpuSpec; None
     leaves `fits` unknown. `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF text; None reads the
@@ -145,9 +147,14 @@ def estimate(
     started = time.perf_counter()
     if setup is None:
         setup = TrainSetup(**fields)
+    elif isinstance(setup, str):  # a model id: estimate("bert-base-uncased", per_device_train_batch_size=4)
+        setup = TrainSetup(model=setup, **fields)
+    elif not isinstance(setup, TrainSetup):
+        raise MemfitError(f"setup `{type(setup).__name__}` is not a TrainSetup; pass TrainSetup(...), "
+                          "TrainSetup.from_kwargs(model, training_args={...}) or a model id")
     elif fields:
         setup = setup.replace(**fields)
-    spec = resolve_gpu(gpu) if isinstance(gpu, str) else gpu
+    spec = as_gpu_spec(gpu)
     if spec is not None and tuple(setup.compute_capability) != tuple(spec.compute_capability):
         setup = setup.replace(compute_capability=tuple(spec.compute_capability))
     if alloc_conf is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
+from memfit.gpus import as_gpu_spec
 from memfit.train_setup import TrainSetup
 from memfit.units import parse_size
 
@@ -158,18 +159,6 @@ def check_budget(budget_bytes: Any) -> int | None:
     return budget_bytes
 
 
-def gpu_spec(gpu: Any):
-    """A GpuSpec from a catalog name, a size string, `auto` or a GpuSpec (None stays None)."""
-    from memfit.gpus import GpuSpec, resolve_gpu
-
-    if gpu is None or isinstance(gpu, GpuSpec):
-        return gpu
-    if isinstance(gpu, str):
-        return resolve_gpu(gpu)
-    raise MemfitError(f"gpu `{gpu!r}` is not a GPU; pass a catalog name such as 'V100-16GB', a size such as "
-                      "'24GiB', or 'auto'")
-
-
 def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None = None,
               non_pytorch_bytes: int | None = None) -> PreflightReport:
     """Estimate a real Trainer's run and flag the traps that make such runs fail.
@@ -180,7 +169,7 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     """
     check_trainer(trainer)
     budget_bytes = check_budget(budget_bytes)
-    spec = gpu_spec(gpu)
+    spec = as_gpu_spec(gpu)
     setup, lengths = setup_from_trainer(trainer)
     if spec is None and budget_bytes is not None:
         spec = budget_spec(budget_bytes)

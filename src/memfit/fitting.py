@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.fit_preflight import PreflightFlag, PreflightReport, check_budget, check_trainer, gpu_spec, preflight
+from memfit.fit_preflight import PreflightFlag, PreflightReport, check_budget, check_trainer, preflight
+from memfit.gpus import as_gpu_spec
 from memfit.fit_recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
 from memfit.fit_save import guard_saving
 
@@ -194,7 +195,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
                                  allow_optimizer_switch=allow_optimizer_switch,
                                  resume_from_checkpoint=resume_from_checkpoint)
     check_trainer(trainer)
-    gpu_spec(gpu)  # a clear error for a bad gpu before anything runs
+    as_gpu_spec(gpu)  # a clear error for a bad gpu before anything runs
     started = time.perf_counter()
     changes: list[str] = []
     notes: list[str] = []
@@ -353,7 +354,7 @@ def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimi
     if isinstance(max_recoveries, bool) or not isinstance(max_recoveries, int) or max_recoveries < 0:
         raise MemfitError(f"max_recoveries `{max_recoveries!r}` is not a whole number >= 0; pass e.g. 4")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
-                               or not 0 <= margin <= 0.5):
+                               or not 0 <= margin < 0.5):
         raise MemfitError(f"margin `{margin!r}` must be between 0 and 0.5 (a fraction of the GPU kept free); "
                           "pass e.g. 0.1")
     if optimizer_snapshot not in SNAPSHOT_POLICIES:
@@ -370,7 +371,7 @@ def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimi
 
 def _spec_for(gpu: Any, budget_bytes: int | None):
     if gpu is not None:
-        return gpu_spec(gpu)
+        return as_gpu_spec(gpu)
     from memfit.fit_preflight import budget_spec
 
     return budget_spec(budget_bytes)

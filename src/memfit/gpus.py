@@ -23,13 +23,15 @@ Known limitations:
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 from memfit.units import GiB, MiB, format_bytes, parse_size
 
-__all__ = ["GpuSpec", "CATALOG", "resolve_gpu", "catalog_names"]
+__all__ = ["GpuSpec", "CATALOG", "resolve_gpu", "as_gpu_spec", "catalog_names"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,21 @@ def _detect() -> GpuSpec:
                            f"detected: {props.name}")
     return _generic(int(props.total_memory), props.name.replace(" ", "-"),  # pragma: no cover
                     (props.major, props.minor), f"detected {props.name}; rates unknown, A100-40GB assumed")
+
+
+def as_gpu_spec(gpu: Any, *, required: bool = False) -> GpuSpec | None:
+    """A GpuSpec from a catalog name, a size string, `auto` or a GpuSpec; a clear error for anything else.
+
+    None stays None unless `required` (the planner needs a GPU to plan for).
+    """
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    if isinstance(gpu, str):
+        return resolve_gpu(gpu)
+    if gpu is None and not required:
+        return None
+    raise MemfitError(f"gpu `{gpu!r}` is not a GPU; pass a catalog name such as 'V100-16GB', a size such as "
+                      "'24GiB', or 'auto'")
 
 
 def resolve_gpu(text: str | None) -> GpuSpec:

@@ -33,7 +33,7 @@ from memfit.allocator import replay
 from memfit.alloc_conf import parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
-from memfit.gpus import CATALOG, GpuSpec, resolve_gpu
+from memfit.gpus import CATALOG, GpuSpec, as_gpu_spec
 from memfit.remedies import OPT_IN, REGISTRY
 from memfit.report import peaks
 from memfit.sim.engine import simulate
@@ -211,7 +211,7 @@ def _other_processes_bytes(spec: GpuSpec) -> int | None:
 
 
 def plan(
-    setup: TrainSetup,
+    setup: TrainSetup | str,
     *,
     gpu: str | GpuSpec,
     allow: tuple[str, ...] | list[str] = (),
@@ -237,7 +237,12 @@ def plan(
     unknown = [a for a in allow if a not in OPT_IN]
     if unknown:
         raise MemfitError(f"cannot allow `{unknown[0]}`; opt-in remedies are: {', '.join(sorted(OPT_IN))}")
-    spec = resolve_gpu(gpu) if isinstance(gpu, str) else gpu
+    if isinstance(setup, str):  # a model id
+        setup = TrainSetup(model=setup)
+    elif not isinstance(setup, TrainSetup):
+        raise MemfitError(f"setup `{type(setup).__name__}` is not a TrainSetup; pass TrainSetup(...), "
+                          "TrainSetup.from_kwargs(model, training_args={...}) or a model id")
+    spec = as_gpu_spec(gpu, required=True)
     setup = setup.replace(compute_capability=tuple(spec.compute_capability))
     budget = int(spec.total_bytes * (1 - margin))
     sims = 0
