@@ -69,7 +69,6 @@ import csv
 import dataclasses
 import datetime as _dt
 import json
-import math
 import os
 import pickle
 import platform
@@ -79,7 +78,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,7 +270,6 @@ def run_child(cfg: Config, snapshot_path: str | None) -> dict[str, Any]:
         return {**out, "status": "skipped", "error": f"{', '.join(missing)} not installed"}
     meter = None
     try:
-        import transformers
         from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
         torch.cuda.init()

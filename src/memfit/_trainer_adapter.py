@@ -32,6 +32,8 @@ import shutil
 import uuid
 from typing import Any, Callable
 
+from memfit.fit_distributed import is_distributed
+
 logger = logging.getLogger("memfit.fit")
 
 __all__ = ["set_train_batch_size", "install_atomic_checkpoints", "loss_uses_num_items", "rebuild_accelerator",
@@ -135,7 +137,7 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         run_dir = original_output_dir(trial=trial)
-        distributed = _world_size() > 1
+        distributed = is_distributed()
         publisher = bool(trainer.args.should_save)
         tag = f"step-{trainer.state.global_step}" if distributed else uuid.uuid4().hex[:8]  # shared by the ranks
         staging_root = os.path.join(run_dir, STAGING_DIR, tag)
@@ -268,12 +270,6 @@ def _replace(trainer: Any, name: str, new: Any) -> Callable[[], None]:
         setattr(trainer, name, old)
 
     return undo
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def add_checkpoint_file(trainer: Any, write: Callable[[str], None]) -> Callable[[], None]:
