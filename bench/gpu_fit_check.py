@@ -51,7 +51,7 @@ def _trainer(out: str, check: dict[str, Any], seed: int = 0):
     import torch
     from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
 
-    from memfit.models import resolve_config
+    from memfit.models.build import resolve_config
 
     config = resolve_config(MODEL).config
     config.num_labels = 2

@@ -31,7 +31,7 @@ memory the process holds outside PyTorch (NVML for this pid via nvidia-ml-py whe
 and sees the pid, else `torch.cuda.mem_get_info()` used minus reserved).
 
 memfit's prediction of the same setup is computed in the parent, which never touches CUDA, with
-the GpuSpec that `memfit.gpus.resolve_gpu("auto")` returns in a probe child. Compared quantities
+the GpuSpec that `memfit.gpus.catalog.resolve_gpu("auto")` returns in a probe child. Compared quantities
 (relative error = predicted / measured - 1):
 
 * peak_allocated: `max_memory_allocated()` vs `MemoryReport.peak_allocated_bytes`
@@ -42,7 +42,7 @@ the GpuSpec that `memfit.gpus.resolve_gpu("auto")` returns in a probe child. Com
 
 One configuration (`--snapshot-config`, default the first of the run) also records the
 allocator trace (`torch.cuda.memory._record_memory_history`), saves `torch.cuda.memory._snapshot()`
-as a pickle and replays it through `memfit.allocator.replay_torch_snapshot`: the model's peak
+as a pickle and replays it through `memfit.allocator.caching.replay_torch_snapshot`: the model's peak
 reserved against the observed one (exact match is the target).
 
 Output: `<out>/gpu_truth-<gpu>-<date>.csv` (one row per configuration, with GPU, driver, CUDA,
@@ -200,11 +200,11 @@ class _PhaseMeter:
 
 
 def _build_model(cfg: Config):
-    """The task model as memfit builds it (memfit.models.build_meta_model), but real, on the CPU."""
+    """The task model as memfit builds it (memfit.models.build.build_meta_model), but real, on the CPU."""
     import torch
     import transformers
 
-    from memfit.models import resolve_config
+    from memfit.models.build import resolve_config
     from memfit.train_setup import TASKS
 
     config = resolve_config(cfg.model).config
@@ -376,7 +376,7 @@ def _device_memory(torch) -> dict[str, Any]:
     reserved = int(torch.cuda.memory_reserved())
     res: dict[str, Any] = {"reserved_end": reserved}
     try:
-        from memfit.non_pytorch import measure_non_pytorch_bytes
+        from memfit.gpus.outside_pytorch import measure_non_pytorch_bytes
 
         non_pt = measure_non_pytorch_bytes(0)
     except Exception:
@@ -409,7 +409,7 @@ def run_probe() -> dict[str, Any]:
     info.update(gpu_name=props.name, total_memory=int(props.total_memory),
                 compute_capability=[props.major, props.minor], device_count=torch.cuda.device_count())
     info["driver"] = _driver_version()
-    from memfit.gpus import resolve_gpu
+    from memfit.gpus.catalog import resolve_gpu
 
     info["gpu_spec"] = dataclasses.asdict(resolve_gpu("auto"))
     return info
@@ -434,7 +434,7 @@ def _driver_version() -> str | None:
 
 
 def _spec_from(d: dict[str, Any]):
-    from memfit.gpus import GpuSpec
+    from memfit.gpus.catalog import GpuSpec
 
     d = dict(d)
     d["compute_capability"] = tuple(d["compute_capability"])
@@ -506,7 +506,7 @@ def _pct(x: float | None) -> str:
 
 # -- snapshot replay -----------------------------------------------------------------------------
 def replay_snapshot(path: str, measured_peak_reserved: int | None = None) -> dict[str, Any]:
-    from memfit.allocator import replay_torch_snapshot
+    from memfit.allocator.snapshot import replay_torch_snapshot
 
     with open(path, "rb") as fh:
         snap = pickle.load(fh)
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
                "gpu_name": None, "driver": None}
         gpu = a.gpu or "H200"
-    from memfit.gpus import resolve_gpu
+    from memfit.gpus.catalog import resolve_gpu
 
     spec = resolve_gpu(gpu) if isinstance(gpu, str) else gpu
     mode = "dry run (no CUDA)" if a.dry_run else f"GPU {env.get('gpu_name')}"

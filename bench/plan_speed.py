@@ -15,7 +15,7 @@ import time
 
 def main(repeats: int = 3) -> int:
     from memfit.commands.estimate import SEED_CASE
-    from memfit.planner import plan
+    from memfit.planner.search import plan
     from memfit.train_setup import TrainSetup
 
     results = []

@@ -15,7 +15,7 @@ zero_grad(set_to_none=True), on FakeTensors (no data, no real memory).
   tensor bytes (`peaks(trace, round_to=1)`).
 - MemTracker: `torch.distributed._tools.mem_tracker.MemTracker` under
   `torch._subclasses.fake_tensor.FakeTensorMode`, on the model memfit builds
-  (`memfit.models.build_meta_model`), materialised with `to_empty(device="cpu")` in the
+  (`memfit.models.build.build_meta_model`), materialised with `to_empty(device="cpu")` in the
   fake mode. MemTracker counts per-device storage bytes; on the (fake) CPU device it does
   not round to 512 bytes, so both sides count raw bytes.
 
@@ -51,7 +51,7 @@ LLAMA7B = dict(model="meta-llama/Llama-2-7b-hf", task="causal-lm", per_device_tr
 # -- memfit --------------------------------------------------------------------------------
 def memfit_step(setup):
     """One training step with memfit; returns (raw peak bytes, breakdown at the peak, phase)."""
-    from memfit.report import peaks
+    from memfit.peaks import peaks
     from memfit.sim.engine import simulate
 
     sim = simulate(setup, optimizer_steps=1)
@@ -60,7 +60,7 @@ def memfit_step(setup):
 
 
 def memfit_full(setup):
-    from memfit.report import peaks
+    from memfit.peaks import peaks
     from memfit.sim.engine import simulate
 
     sim = simulate(setup)  # default: 2 optimizer steps (+ evaluation when eval_strategy != "no")
@@ -110,7 +110,7 @@ def memtracker_step(setup):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memfit.models import build_meta_model
+    from memfit.models.build import build_meta_model
 
     model = build_meta_model(setup)  # the exact module memfit simulates, on the meta device
     seq, batch_size = setup.max_length, setup.per_device_train_batch_size
@@ -179,7 +179,7 @@ def timed(fn, *args):
 def llama7b_child() -> None:
     """Run in a subprocess: wall time and max RSS of a 7B Llama estimate, as JSON on stdout."""
     t0 = time.perf_counter()
-    from memfit.report import peaks
+    from memfit.peaks import peaks
     from memfit.sim.engine import simulate
     from memfit.train_setup import TrainSetup
 

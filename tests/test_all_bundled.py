@@ -3,7 +3,7 @@
 import pytest
 
 from memfit import TrainSetup, estimate
-from memfit.model_catalog import bundled_model_ids
+from memfit.models.catalog import bundled_model_ids
 
 _LM = ("llama", "mistral", "qwen", "phi", "gpt2")
 _S2S = ("t5", "bart")

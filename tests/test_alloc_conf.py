@@ -2,7 +2,7 @@
 
 import pytest
 
-from memfit.alloc_conf import AllocConf, alloc_conf_from_env, parse_alloc_conf
+from memfit.allocator.conf import AllocConf, alloc_conf_from_env, parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.units import GiB, MiB
 

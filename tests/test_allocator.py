@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from memfit.alloc_conf import AllocConf
+from memfit.allocator.conf import AllocConf
 from memfit.allocator import (
     events_from_torch_snapshot, get_allocation_size, replay, replay_torch_snapshot, round_size,
 )

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import XLNetConfig, XLNetForSequenceClassification
 
-from memfit.checkpointing import enable_checkpointing, repeated_layer_lists
+from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.estimator import estimate
 from memfit.train_setup import TrainSetup
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import BertConfig, GPT2Config
 
-from memfit.models import build_meta_model
+from memfit.models.build import build_meta_model
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
 

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit.cli import main
-from memfit.diagnosis import diagnose, detect_phase
+from memfit.diagnosis.causes import diagnose, detect_phase
 from memfit.errors import MemfitError
-from memfit.i18n import LANGS, MESSAGES
+from memfit.diagnosis.strings import LANGS, MESSAGES
 from memfit.units import GiB, MiB
 
 DATA = Path(__file__).parent / "data" / "oom"

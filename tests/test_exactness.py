@@ -33,7 +33,7 @@ from transformers import (
     XLNetConfig,
 )
 
-from memfit.report import peaks
+from memfit.peaks import peaks
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
 

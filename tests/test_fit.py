@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
-import memfit.fitting as mf  # noqa: E402
+import memfit.fitting.run as mf  # noqa: E402
 from memfit.oom_text import format_oom_message  # noqa: E402
 
 CFG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

@@ -6,7 +6,7 @@ import tempfile
 
 import torch.multiprocessing as mp
 
-from memfit.fit_distributed import agree, agree_max, is_distributed
+from memfit.fitting.distributed import agree, agree_max, is_distributed
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -41,7 +41,7 @@ def _ddp_worker(rank, world, port, out, mode):
                       MASTER_PORT=str(port))
     import torch
 
-    import memfit.fitting as mf
+    import memfit.fitting.run as mf
     import test_fit
 
     if mode in ("plain-adafactor", "switch"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from memfit.errors import MemfitError
-from memfit.fit_optimizer import MODES, OptimizerStepGuard
-from memfit.fit_recovery import Meter
+from memfit.fitting.optimizer_step import MODES, OptimizerStepGuard
+from memfit.fitting.recovery import Meter
 from memfit.testing import memory_budget
 
 
@@ -125,7 +125,7 @@ def _bigger_trainer(out, optim, **kw):
 
 
 def test_trainer_switches_to_a_smaller_optimizer_before_any_state_exists(tmp_path):
-    import memfit.fitting as mf
+    import memfit.fitting.run as mf
 
     ada = _bigger_trainer(tmp_path / "ada", "adafactor")
     ada_report = mf.fit(ada, plan=False, budget_bytes=1 << 30)
@@ -148,7 +148,7 @@ def test_trainer_switches_to_a_smaller_optimizer_before_any_state_exists(tmp_pat
 
 
 def test_trainer_without_switch_permission_stops_with_the_fix(tmp_path):
-    import memfit.fitting as mf
+    import memfit.fitting.run as mf
 
     probe = _bigger_trainer(tmp_path / "probe", "adamw_torch_fused")
     step_peak = mf.fit(probe, plan=False, budget_bytes=1 << 30).phases["optimizer"]["measured_bytes"]
@@ -158,7 +158,7 @@ def test_trainer_without_switch_permission_stops_with_the_fix(tmp_path):
 
 
 def test_bad_snapshot_policy_is_a_clear_error():
-    from memfit.fitting import fit
+    from memfit.fitting.run import fit
 
     with pytest.raises(MemfitError, match="optimizer_snapshot `'sometimes'`"):
         fit(object(), optimizer_snapshot="sometimes")

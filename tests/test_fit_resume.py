@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-import memfit.fitting as mf
+import memfit.fitting.run as mf
 from memfit.errors import MemfitError
-from memfit.fit_resume import STATE_FILE
+from memfit.fitting.resume import STATE_FILE
 from test_fit_optimizer import _bigger_trainer
 
 STEPS = dict(max_steps=6, save_strategy="steps", save_steps=2)

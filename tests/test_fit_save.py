@@ -10,7 +10,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
-import memfit.fitting as mf  # noqa: E402
+import memfit.fitting.run as mf  # noqa: E402
 from test_fit import _oom, _trainer  # noqa: E402  (tests/ is on sys.path under pytest)
 
 CHECKPOINT_FILES = ("trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth")
@@ -173,7 +173,7 @@ def test_skipped_best_checkpoint_is_not_kept_as_the_best(tmp_path):
 
 
 def test_cpu_copies_keep_tied_weights_shared():
-    from memfit import _trainer_adapter as adapter
+    from memfit.fitting import _trainer as adapter
 
     shared, other = torch.ones(3), torch.zeros(3)
     copies = adapter._cpu_copies({"embed": shared, "lm_head": shared, "other": other, "step": 7})

@@ -3,7 +3,7 @@
 import pytest
 
 from memfit.errors import MemfitError
-from memfit.gpus import CATALOG, GpuSpec, catalog_names, resolve_gpu
+from memfit.gpus.catalog import CATALOG, GpuSpec, catalog_names, resolve_gpu
 from memfit.units import GiB, format_size_torch
 
 
@@ -68,7 +68,7 @@ def test_api_gpu_and_setup_arguments_are_clear_errors():
 
     from memfit import estimate, plan
     from memfit.errors import MemfitError
-    from memfit.gpus import CATALOG, as_gpu_spec
+    from memfit.gpus.catalog import CATALOG, as_gpu_spec
 
     assert as_gpu_spec(None) is None and as_gpu_spec(CATALOG["t4"]) is CATALOG["t4"]
     assert as_gpu_spec("T4") == CATALOG["t4"]

@@ -1,4 +1,4 @@
-"""Tests for memfit.model_catalog and the bundled hub config.json files.
+"""Tests for memfit.models.catalog and the bundled hub config.json files.
 
 Every bundled config must load offline, build on the meta device and have the
 parameter count published for that model (recorded in ``_memfit.params``).
@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from memfit.model_catalog import (  # noqa: E402
+from memfit.models.catalog import (  # noqa: E402
     bundled_info,
     bundled_model_ids,
     find_bundled,
@@ -48,7 +48,7 @@ REQUESTED = [
 
 def _raw(hub_id: str) -> dict:
     name = hub_id.replace("/", "--") + ".json"
-    return json.loads(resources.files("memfit.configs").joinpath(name).read_text(encoding="utf-8"))
+    return json.loads(resources.files("memfit.models.configs").joinpath(name).read_text(encoding="utf-8"))
 
 
 def _count_params(model, raw: dict) -> int:
@@ -143,7 +143,7 @@ def test_t5_untied_head_quirk_is_handled():
 def test_loads_in_fresh_offline_process():
     code = (
         "import transformers, torch\n"
-        "from memfit.model_catalog import bundled_model_ids, load_bundled_config\n"
+        "from memfit.models.catalog import bundled_model_ids, load_bundled_config\n"
         "ids = bundled_model_ids()\n"
         "for h in ids: load_bundled_config(h)\n"
         "with torch.device('meta'):\n"

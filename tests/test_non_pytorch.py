@@ -1,7 +1,7 @@
 """Non-PyTorch memory estimate."""
 
-from memfit.gpus import resolve_gpu
-from memfit.non_pytorch import cublas_workspace_bytes, measure_non_pytorch_bytes, non_pytorch_bytes
+from memfit.gpus.catalog import resolve_gpu
+from memfit.gpus.outside_pytorch import cublas_workspace_bytes, measure_non_pytorch_bytes, non_pytorch_bytes
 from memfit.units import KiB, MiB
 
 

@@ -8,7 +8,7 @@ from conftest import save_bert_config
 from memfit.cli import main
 from memfit.errors import MemfitError
 from memfit.estimator import estimate
-from memfit.planner import plan
+from memfit.planner.search import plan
 from memfit.train_setup import TrainSetup
 
 

@@ -5,7 +5,7 @@ import torch
 from transformers import BertConfig, XLNetConfig
 
 from memfit.remedies import OPT_IN, REGISTRY
-from memfit.report import peaks
+from memfit.peaks import peaks
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
 

@@ -1,4 +1,4 @@
-"""Tests for memfit.sim.sdpa (CPU only)."""
+"""Tests for memfit.sim.kernels.sdpa (CPU only)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.sim.sdpa import SdpaChoice, choose_backend, emulated_sdpa
+from memfit.sim.kernels.sdpa import SdpaChoice, choose_backend, emulated_sdpa
 
 
 def _choose(q=(2, 8, 128, 64), k=None, v=None, dtype=torch.float16, has_mask=False, dropout_p=0.0,

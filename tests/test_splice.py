@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from transformers import AlbertConfig
 
-from memfit.report import peaks
+from memfit.peaks import peaks
 from memfit.sim import engine
 from memfit.train_setup import TrainSetup
 from test_exactness import TASK, _config  # noqa: E402  (tests/ is on sys.path under pytest)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from memfit.fitting import is_oom_error
+from memfit.fitting.run import is_oom_error
 from memfit.oom_text import parse_oom
 from memfit.testing import memory_budget, round_size
 

@@ -14,10 +14,10 @@ _LAZY = {
     "TrainSetup": "memfit.train_setup",
     "MemoryReport": "memfit.estimator",
     "estimate": "memfit.estimator",
-    "diagnose": "memfit.diagnosis",
-    "plan": "memfit.planner",
-    "fit": "memfit.fitting",
-    "preflight": "memfit.fitting",
+    "diagnose": "memfit.diagnosis.causes",
+    "plan": "memfit.planner.search",
+    "fit": "memfit.fitting.run",
+    "preflight": "memfit.fitting.run",
     "MemfitError": "memfit.errors",
 }
 

@@ -1,8 +1,8 @@
 """`memfit.estimate(setup) -> MemoryReport`: peak GPU memory of a fine-tuning run.
 
 Simulates the run (memfit.sim.engine), reduces the trace to peaks per phase and the
-breakdown at the peak (memfit.report), replays it through the caching-allocator model
-(memfit.allocator) and adds memory held outside PyTorch (memfit.non_pytorch) to say what
+breakdown at the peak (memfit.peaks), replays it through the caching-allocator model
+(memfit.allocator.caching) and adds memory held outside PyTorch (memfit.gpus.outside_pytorch) to say what
 `nvidia-smi` would show and whether the run fits the GPU.
 
     from memfit import TrainSetup, estimate
@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.alloc_conf import AllocConf, alloc_conf_from_env, parse_alloc_conf
-from memfit.allocator import replay
+from memfit.allocator.conf import AllocConf, alloc_conf_from_env, parse_alloc_conf
+from memfit.allocator.caching import replay
 from memfit.errors import MemfitError
-from memfit.gpus import GpuSpec, as_gpu_spec
-from memfit.non_pytorch import cublas_workspace_bytes
-from memfit.non_pytorch import non_pytorch_bytes as _non_pytorch_table
-from memfit.report import BREAKDOWN_KEYS, peaks
+from memfit.gpus.catalog import GpuSpec, as_gpu_spec
+from memfit.gpus.outside_pytorch import cublas_workspace_bytes
+from memfit.gpus.outside_pytorch import non_pytorch_bytes as _non_pytorch_table
+from memfit.peaks import BREAKDOWN_KEYS, peaks
 from memfit.sim.engine import simulate
 from memfit.trace import TraceEvent
 from memfit.train_setup import TrainSetup
@@ -172,7 +172,7 @@ def estimate(
     trace = _with_workspaces(trace, workspace)
     tp = peaks(trace)
     if non_pytorch_bytes is None and isinstance(gpu, str) and gpu.strip().lower() == "auto":
-        from memfit.non_pytorch import measure_non_pytorch_bytes
+        from memfit.gpus.outside_pytorch import measure_non_pytorch_bytes
 
         non_pytorch_bytes = measure_non_pytorch_bytes()  # None without a GPU or NVML
         if non_pytorch_bytes is not None:

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
-from memfit.allocator import round_size  # the caching allocator's 512-byte rounding (re-exported)
+from memfit.allocator.caching import round_size  # the caching allocator's 512-byte rounding (re-exported)
 from memfit.oom_text import format_oom_message
 from memfit.sim._torch_adapter import TorchDispatchMode, WeakIdKeyDictionary
 

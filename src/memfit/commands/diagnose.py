@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from memfit.commands.estimate import add_setup_arguments, build_setup
-from memfit.diagnosis import Diagnosis, diagnose
+from memfit.diagnosis.causes import Diagnosis, diagnose
 from memfit.errors import MemfitError
-from memfit.i18n import LANGS, t
+from memfit.diagnosis.strings import LANGS, t
 
 __all__ = ["diagnose_command_parser", "diagnose_command"]
 
@@ -60,7 +60,7 @@ def _read_source(args: argparse.Namespace) -> tuple[str, str]:
 
 def _gpu_processes() -> list[tuple[int, int, int]]:
     """(device, pid, bytes) of compute processes now, via NVML when installed; else []."""
-    from memfit.non_pytorch import gpu_processes
+    from memfit.gpus.outside_pytorch import gpu_processes
 
     return gpu_processes() or []
 
@@ -98,7 +98,7 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
     from rich.markup import escape
     from rich.table import Table
 
-    from memfit.diagnosis import _fmt
+    from memfit.diagnosis.causes import _fmt
 
     lang, m = d.lang, d.message
     assert m is not None

@@ -133,7 +133,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     from memfit.estimator import estimate
 
     if args.list_models:
-        from memfit.model_catalog import bundled_model_ids
+        from memfit.models.catalog import bundled_model_ids
 
         print("\n".join(bundled_model_ids()))
         return 0

@@ -33,7 +33,7 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from memfit.planner import DEFAULT_MARGIN, plan
+    from memfit.planner.search import DEFAULT_MARGIN, plan
 
     setup, gpu, is_seed = build_setup(args)
     if gpu is None:

@@ -339,7 +339,7 @@ def train_command(args: argparse.Namespace) -> int:
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
-    import memfit.fitting as mf
+    import memfit.fitting.run as mf
 
     head = "built-in default: " if is_default else ""
     console.print(f"[bold]memfit train[/bold] {head}{os.path.basename(model_dir.rstrip('/')) if not is_default else 'all-MiniLM-L6-v2'} "

@@ -3,7 +3,7 @@
 Each remedy says whether it applies to a setup (and if not, why), which variants of the
 setup it proposes (TrainSetup field changes), and what a user changes to apply one: the
 TrainingArguments kwargs, environment variables and code. Its effect is never assumed:
-the planner simulates every variant it proposes (memfit.planner).
+the planner simulates every variant it proposes (memfit.planner.search).
 """
 
 from __future__ import annotations

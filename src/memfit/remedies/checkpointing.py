@@ -2,7 +2,7 @@
 
 Saves most activation memory (all but one block's internals plus the block inputs); costs
 one extra forward (about a third more compute, Chen et al. 2016). Where Hugging Face has no
-implementation (XLNet in transformers 5), memfit.checkpointing wraps the blocks itself.
+implementation (XLNet in transformers 5), memfit.models.blocks wraps the blocks itself.
 """
 
 from memfit.remedies.base import Applicability, Remedy
@@ -17,7 +17,7 @@ def _check(setup, gpu):
 def _apply(changes, setup, *, kind: str | None = None):
     if kind == "memfit":
         return ({}, {}, [
-            "from memfit.checkpointing import enable_checkpointing",
+            "from memfit.models.blocks import enable_checkpointing",
             "enable_checkpointing(model)  # transformers has none for this model; do NOT set gradient_checkpointing=True",
         ])
     return {"gradient_checkpointing": True}, {}, []

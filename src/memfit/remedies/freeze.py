@@ -17,8 +17,8 @@ def _check(setup, gpu):
 
 
 def _variants(setup, gpu):
-    from memfit.checkpointing import repeated_layer_lists
-    from memfit.models import build_meta_model
+    from memfit.models.blocks import repeated_layer_lists
+    from memfit.models.build import build_meta_model
 
     out = [{"freeze_embeddings": True}]
     stacks = repeated_layer_lists(build_meta_model(setup))

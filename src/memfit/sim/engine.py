@@ -15,7 +15,7 @@ The sequence mirrors transformers 5 `Trainer._inner_training_loop` / `training_s
 Micro-steps after the second of an optimizer step repeat the second exactly (same live
 gradients, same temporaries), so at most two are simulated per optimizer step.
 
-Known limitations: the caching allocator is not modelled here (see memfit.allocator);
+Known limitations: the caching allocator is not modelled here (see memfit.allocator.caching);
 collectives, DeepSpeed and FSDP are not simulated; cuBLAS workspaces are not tensors and
 are counted outside this trace.
 """
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from memfit.checkpointing import enable_checkpointing, repeated_layer_lists
+from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.errors import MemfitError
-from memfit.models import ModelSpec, build_meta_model, resolve_config
+from memfit.models.build import ModelSpec, build_meta_model, resolve_config
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.optimizers import build_optimizer
@@ -144,7 +144,7 @@ class _Runner:
             if self.checkpointing == "memfit":
                 self.notes.append(
                     f"{type(model).__name__} has no gradient checkpointing in transformers; "
-                    "memfit's per-block checkpointing (memfit.checkpointing) is simulated"
+                    "memfit's per-block checkpointing (memfit.models.blocks) is simulated"
                 )
         self.model = model
         self.fwd_model = self.cut if self.cut is not None else model
@@ -490,8 +490,8 @@ def _cuda_one_hot():
 
 
 def _sdpa_context(setup: TrainSetup, log: list[str]):
-    """Route F.scaled_dot_product_attention to the CUDA-backend emulation (memfit.sim.sdpa)."""
-    from memfit.sim.sdpa_mode import cuda_sdpa
+    """Route F.scaled_dot_product_attention to the CUDA-backend emulation (memfit.sim.kernels.sdpa)."""
+    from memfit.sim.kernels.sdpa_mode import cuda_sdpa
 
     return cuda_sdpa(compute_capability=setup.compute_capability, log=log)
 

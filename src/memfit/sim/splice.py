@@ -28,7 +28,7 @@ import copy
 
 from torch import nn
 
-from memfit.checkpointing import repeated_layer_lists
+from memfit.models.blocks import repeated_layer_lists
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.tracker import Record, StorageTracker
 

@@ -13,7 +13,7 @@ Step time = micro-steps x (compute time of a micro-batch) + optimizer pass.
   Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost".
 * Rate: the GPU's dense tensor-core rate for fp16/bf16 autocast, its fp32 rate for fp32
   (PyTorch leaves TF32 off for matmuls by default since 1.12,
-  `torch.backends.cuda.matmul.allow_tf32 = False`), from memfit.gpus.
+  `torch.backends.cuda.matmul.allow_tf32 = False`), from memfit.gpus.catalog.
 * Achieved fraction of the peak rate: 0.35 on tensor cores (fp16/bf16), 0.75 on fp32 CUDA
   cores. Assumptions, not measurements: transformer fine-tuning typically reaches 30-50%
   MFU with AMP, and NVIDIA's V100 mixed-precision BERT results show 2-4x (not the 8x of the
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.gpus import GpuSpec
+from memfit.gpus.catalog import GpuSpec
 
 __all__ = ["StepCost", "step_time_s", "T_HALF_TOKENS"]
 

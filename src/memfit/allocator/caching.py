@@ -34,7 +34,7 @@ Known limitations:
   broken by creation order, whereas the driver may reuse lower addresses.
 * `capacity_bytes` is a hard limit on reserved bytes; the real driver can also fail
   through its own fragmentation of physical memory, which is not modelled.
-* Real traces (memfit.allocator_snapshot) cannot show allocations made before recording
+* Real traces (memfit.allocator.snapshot) cannot show allocations made before recording
   started.
 * With expandable segments, `release_available_cached_blocks` is skipped (torch would
   assert on an expandable block there).
@@ -46,15 +46,14 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from memfit.alloc_conf import AllocConf
+from memfit.allocator.conf import AllocConf
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
 
 __all__ = [
-    "AllocatorReport", "OomEvent", "SnapshotReplay", "replay", "round_size",
-    "get_allocation_size", "events_from_torch_snapshot", "replay_torch_snapshot",
+    "AllocatorReport", "OomEvent", "replay", "round_size",
+    "get_allocation_size",
 ]
-# the snapshot helpers live in memfit.allocator_snapshot; re-exported at the end of this module
 
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 B
 K_SMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
@@ -539,7 +538,3 @@ def replay(
         peak_reserved_by_phase=by_phase_res, peak_allocated_by_phase=by_phase_alloc,
     )
 
-
-from memfit.allocator_snapshot import (  # noqa: E402  (they use replay above)
-    SnapshotReplay, events_from_torch_snapshot, replay_torch_snapshot,
-)

@@ -4,31 +4,31 @@
     report = memfit.fit(trainer, gpu="auto")
     print(report.steps_completed, report.oom_recoveries)
 
-1. `preflight` (memfit.fit_preflight): the setup of the trainer, the estimate, the traps.
+1. `preflight` (memfit.fitting.preflight): the setup of the trainer, the estimate, the traps.
 2. When a GPU (or an emulated budget) is known and the setup does not fit, memfit's plan
-   (memfit.planner) is applied to `trainer.args` before training: micro-batch / accumulation,
+   (memfit.planner.search) is applied to `trainer.args` before training: micro-batch / accumulation,
    fp16/bf16 (CUDA only), optimizer, eval batch size / eval_accumulation_steps, gradient
    checkpointing (Hugging Face's, or memfit's per-block wrapper where the model has none).
-3. Training runs with recovery (memfit.fit_recovery): an OOM inside a micro-step splits the
+3. Training runs with recovery (memfit.fitting.recovery): an OOM inside a micro-step splits the
    micro-batch into chunks and recomputes the accumulation window, without losing an
    optimizer step or changing the effective batch size; an OOM in evaluation lowers the eval
    batch size and reruns the evaluation. Checkpoints are written atomically
-   (memfit._trainer_adapter); an OOM in a checkpoint save retries it once with the weights
+   (memfit.fitting._trainer); an OOM in a checkpoint save retries it once with the weights
    copied to the CPU, else skips that checkpoint, and an OOM in load-best-model copies the
    best weights, read on the CPU, into the model in place, else keeps the last weights
-   (memfit.fit_save). An OOM in the optimizer step is undone (host copy of parameters and
+   (memfit.fitting.saving). An OOM in the optimizer step is undone (host copy of parameters and
    state, or proof that nothing changed) and retried per parameter where foreach
    temporaries were the cause, or, at the first step, with a smaller optimizer
-   (memfit.fit_optimizer).
+   (memfit.fitting.optimizer_step).
 4. Measured per-phase peaks (torch.cuda's, or the memory_budget's) are reported next to the
    prediction.
 5. Each checkpoint carries the memory settings memfit changed; a resumed run re-applies them
-   (memfit.fit_resume).
+   (memfit.fitting.resume).
 
 Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
 optimizer step; with DDP, gradients are averaged by memfit after each accumulation window so
 that a rank that recovers never leaves the others waiting in a collective, and a rank that
-fails for good makes the others stop (memfit.fit_distributed). Not coordinated: retries of a
+fails for good makes the others stop (memfit.fitting.distributed). Not coordinated: retries of a
 checkpoint save or load-best-model on one rank.
 """
 
@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.fit_preflight import PreflightFlag, PreflightReport, check_budget, check_trainer, preflight
-from memfit.gpus import as_gpu_spec
-from memfit.fit_recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
-from memfit.fit_save import guard_saving
+from memfit.fitting.preflight import PreflightFlag, PreflightReport, check_budget, check_trainer, preflight
+from memfit.gpus.catalog import as_gpu_spec
+from memfit.fitting.recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
+from memfit.fitting.saving import guard_saving
 
 logger = logging.getLogger("memfit.fit")
 
@@ -98,7 +98,7 @@ def apply_plan(trainer: Any, setup_changes: dict[str, Any], log: list[str]) -> d
     """Apply a plan's TrainSetup changes to a Trainer before `train()`. Returns what was applied."""
     import torch
 
-    from memfit import _trainer_adapter as adapter
+    from memfit.fitting import _trainer as adapter
 
     args = trainer.args
     applied: dict[str, Any] = {}
@@ -126,7 +126,7 @@ def apply_plan(trainer: Any, setup_changes: dict[str, Any], log: list[str]) -> d
                 args.gradient_checkpointing = True
                 log.append("gradient_checkpointing True (Hugging Face's)")
             else:
-                from memfit.checkpointing import enable_checkpointing
+                from memfit.models.blocks import enable_checkpointing
 
                 kind = enable_checkpointing(model)
                 log.append(f"gradient checkpointing enabled ({kind}'s per-block wrapper: the model has none)")
@@ -140,7 +140,7 @@ def apply_plan(trainer: Any, setup_changes: dict[str, Any], log: list[str]) -> d
 def _make_callback(meter: Meter, step: Any = None, optimizer_guard: Any = None):
     from transformers import TrainerCallback
 
-    from memfit.fit_distributed import agree_max
+    from memfit.fitting.distributed import agree_max
 
     class _PhaseMeter(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -176,19 +176,19 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
     margin; pass a previous report's `suggested_margin` to feed the observed prediction
     error back into the next plan. `optimizer_snapshot`: when to keep a host copy of the
     parameters and optimizer state before an optimizer step, so that a step that runs out of
-    memory after modifying them can be undone and retried (memfit.fit_optimizer): "auto"
+    memory after modifying them can be undone and retried (memfit.fitting.optimizer_step): "auto"
     (first step, and the first after an evaluation or a recovery), "always" or "never".
     `allow_optimizer_switch`: when the optimizer state does not fit at the first step, replace
     the optimizer by one with a smaller state (8-bit AdamW / Adafactor) instead of stopping.
     `resume_from_checkpoint`: a checkpoint folder, or True for the last one in output_dir;
     passed to `trainer.train`, after the memory settings memfit saved with that checkpoint
-    (memfit.fit_resume) are applied to the trainer.
+    (memfit.fitting.resume) are applied to the trainer.
     """
     import torch
 
-    from memfit import _trainer_adapter as adapter
+    from memfit.fitting import _trainer as adapter
 
-    from memfit.fit_optimizer import MODES, OptimizerStepGuard
+    from memfit.fitting.optimizer_step import MODES, OptimizerStepGuard
 
     budget_bytes = _check_inputs(budget_bytes=budget_bytes, max_recoveries=max_recoveries, margin=margin,
                                  optimizer_snapshot=optimizer_snapshot, plan=plan,
@@ -206,7 +206,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
 
     if gpu is None and budget_bytes is None and torch.cuda.is_available():
         gpu = "auto"
-    from memfit import fit_resume
+    from memfit.fitting import resume as fit_resume
 
     resume_dir = fit_resume.resolve_checkpoint(trainer, resume_from_checkpoint)
     saved = fit_resume.read_state(resume_dir) if resume_dir else None
@@ -222,7 +222,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
         logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
     plan_applied = None
     if plan and pre.fits is False:
-        from memfit.planner import plan as make_plan
+        from memfit.planner.search import plan as make_plan
 
         spec = pre.estimate.gpu
         with adapter.preserve_accelerator_state():
@@ -231,7 +231,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
                                # apply_plan applies mixed precision only on CUDA: do not plan on it elsewhere
                                exclude=() if torch.cuda.is_available() else ("mixed_precision",),
                                **({} if margin is None else {"margin": margin}))
-        from memfit.fit_distributed import agree
+        from memfit.fitting.distributed import agree
 
         # every rank applies rank 0's plan
         chosen_changes = agree(result.plans[result.chosen].setup_changes if result.chosen is not None else None)
@@ -291,7 +291,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
                 final_metrics = dict(trainer.evaluate())
     except Exception as exc:
         if is_oom_error(exc):
-            from memfit.diagnosis import diagnose
+            from memfit.diagnosis.causes import diagnose
 
             d = diagnose(exc)
             logger.error("memfit: unrecoverable out-of-memory error in the %s phase: %s", d.phase,
@@ -322,7 +322,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
     phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
                   "measured_bytes": meter.peaks.get(p)}
               for p in ("forward", "backward", "optimizer", "eval", "save", "load_best")}
-    from memfit.planner import DEFAULT_MARGIN
+    from memfit.planner.search import DEFAULT_MARGIN
 
     # measured / predicted - 1 per phase; the worst under-prediction becomes the next run's margin
     errors = {p: round(v["measured_bytes"] / v["predicted_bytes"] - 1, 4) for p, v in phases.items()
@@ -348,7 +348,7 @@ def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimi
     """Clear errors for bad arguments of `fit`, before anything runs. Returns the budget in bytes."""
     import os
 
-    from memfit.fit_optimizer import SNAPSHOT_POLICIES
+    from memfit.fitting.optimizer_step import SNAPSHOT_POLICIES
 
     budget_bytes = check_budget(budget_bytes)
     if isinstance(max_recoveries, bool) or not isinstance(max_recoveries, int) or max_recoveries < 0:
@@ -372,6 +372,6 @@ def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimi
 def _spec_for(gpu: Any, budget_bytes: int | None):
     if gpu is not None:
         return as_gpu_spec(gpu)
-    from memfit.fit_preflight import budget_spec
+    from memfit.fitting.preflight import budget_spec
 
     return budget_spec(budget_bytes)

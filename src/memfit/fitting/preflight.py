@@ -14,7 +14,7 @@ from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
-from memfit.gpus import as_gpu_spec
+from memfit.gpus.catalog import as_gpu_spec
 from memfit.train_setup import TrainSetup
 from memfit.units import parse_size
 
@@ -132,7 +132,7 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
 
 def budget_spec(budget_bytes: int):
     """An emulated GPU of `budget_bytes` (memfit.testing.memory_budget): A100-40GB rates, nothing outside PyTorch."""
-    from memfit.gpus import CATALOG
+    from memfit.gpus.catalog import CATALOG
     from memfit.units import format_bytes
 
     return dataclasses.replace(CATALOG["a100-40gb"], name=f"memory_budget-{format_bytes(int(budget_bytes))}",
@@ -174,7 +174,7 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     if spec is None and budget_bytes is not None:
         spec = budget_spec(budget_bytes)
         non_pytorch_bytes = 0 if non_pytorch_bytes is None else non_pytorch_bytes
-    from memfit._trainer_adapter import preserve_accelerator_state
+    from memfit.fitting._trainer import preserve_accelerator_state
 
     with preserve_accelerator_state():
         report = estimate(setup, gpu=spec, non_pytorch_bytes=non_pytorch_bytes)

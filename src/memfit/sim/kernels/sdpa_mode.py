@@ -22,7 +22,7 @@ _NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale
 
 @contextlib.contextmanager
 def cuda_sdpa(*, compute_capability: tuple[int, int], log: list[str]) -> Iterator[None]:
-    from memfit.sim.sdpa import choose_backend, emulated_sdpa
+    from memfit.sim.kernels.sdpa import choose_backend, emulated_sdpa
 
     cc = tuple(compute_capability)
     original = F.scaled_dot_product_attention

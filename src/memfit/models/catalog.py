@@ -2,7 +2,7 @@
 
 memfit simulates memory without downloading weights, but it still needs each
 model's architecture.  The package ships the real hub ``config.json`` of the
-models people fine-tune most (``memfit/configs/<org>--<name>.json``), so the
+models people fine-tune most (``memfit/models/configs/<org>--<name>.json``), so the
 common cases work fully offline (``HF_HUB_OFFLINE=1``).
 
 Each bundled file is the hub ``config.json`` (irrelevant bookkeeping fields such
@@ -39,7 +39,7 @@ __all__ = [
     "bundled_info",
 ]
 
-_PACKAGE = "memfit.configs"
+_PACKAGE = "memfit.models.configs"
 _META_KEY = "_memfit"
 
 

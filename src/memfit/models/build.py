@@ -33,7 +33,7 @@ class ModelSpec:
 
 def _bundled(name: str):
     try:
-        from memfit import model_catalog
+        from memfit.models import catalog as model_catalog
     except ImportError:  # pragma: no cover - catalog not built yet
         return None, []
     hub_id = model_catalog.find_bundled(name)

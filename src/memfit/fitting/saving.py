@@ -1,6 +1,6 @@
 """Recovery from out-of-memory errors in checkpoint saves and load-best-model of a `transformers.Trainer`.
 
-Checkpoint save (`Trainer._save_checkpoint`, atomic: memfit._trainer_adapter): on an OOM the
+Checkpoint save (`Trainer._save_checkpoint`, atomic: memfit.fitting._trainer): on an OOM the
 partial checkpoint is already removed; memory is freed and the save is retried once with the
 model weights copied to the CPU, so `save_pretrained` (which may allocate on the GPU in
 transformers 5: reverted weight conversions, contiguous copies) needs no GPU memory. When
@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from memfit import _trainer_adapter as adapter
-from memfit import fit_distributed as dist_sync
-from memfit.fit_recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
+from memfit.fitting import _trainer as adapter
+from memfit.fitting import distributed as dist_sync
+from memfit.fitting.recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
 
 __all__ = ["guard_saving"]
 

@@ -11,7 +11,7 @@ The search never assumes what a remedy saves; every number comes from simulation
    Evaluation is simulated at two eval batch sizes.
 3. Rank every combination (with the micro-batch split keeping the effective batch size
    exactly) that fits by the fitted model with the safety margin, by modelled step time
-   (memfit.throughput).
+   (memfit.planner.throughput).
 4. Verify the best with a full simulation and the allocator replay, including the
    allocator settings of memfit.remedies.allocator; the first verified plan that fits is
    chosen.
@@ -29,15 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.allocator import replay
-from memfit.alloc_conf import parse_alloc_conf
+from memfit.allocator.caching import replay
+from memfit.allocator.conf import parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
-from memfit.gpus import CATALOG, GpuSpec, as_gpu_spec
+from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
 from memfit.remedies import OPT_IN, REGISTRY
-from memfit.report import peaks
+from memfit.peaks import peaks
 from memfit.sim.engine import simulate
-from memfit.throughput import StepCost, step_time_s
+from memfit.planner.throughput import StepCost, step_time_s
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
@@ -123,7 +123,7 @@ def _phase_peaks(setup: TrainSetup, **kwargs: Any) -> tuple[dict[str, int], dict
 
 
 def _config_dims(setup: TrainSetup) -> tuple[int, int]:
-    from memfit.models import resolve_config
+    from memfit.models.build import resolve_config
 
     cfg = resolve_config(setup.model).config
     n_layer = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if getattr(cfg, k, None)), 12)
@@ -196,7 +196,7 @@ def _other_processes_bytes(spec: GpuSpec) -> int | None:
 
     import torch
 
-    from memfit.non_pytorch import gpu_processes
+    from memfit.gpus.outside_pytorch import gpu_processes
 
     if not torch.cuda.is_available():
         return None
@@ -205,7 +205,7 @@ def _other_processes_bytes(spec: GpuSpec) -> int | None:
         return None
     device = torch.cuda.current_device()
     others = sum(b for dev, pid, b in procs if dev == device and pid != os.getpid())
-    from memfit.non_pytorch import non_pytorch_bytes as table
+    from memfit.gpus.outside_pytorch import non_pytorch_bytes as table
 
     return table(spec).total_bytes + others
 

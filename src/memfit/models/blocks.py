@@ -7,7 +7,7 @@ list in `torch.utils.checkpoint.checkpoint(use_reentrant=False)`: the block's in
 saved, its internals are recomputed in the backward. The same wrapper serves the
 simulator and real training.
 
-    from memfit.checkpointing import enable_checkpointing
+    from memfit.models.blocks import enable_checkpointing
     kind = enable_checkpointing(model)   # "huggingface" or "memfit"
 """
 

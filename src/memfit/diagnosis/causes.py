@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
-from memfit.i18n import t
+from memfit.diagnosis.strings import t
 from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, find_ooms, normalize_log
 from memfit.units import GiB, MiB, format_bytes
 
@@ -96,7 +96,7 @@ class Diagnosis:
     advice_ids: tuple[str, ...] = ()
     phase_frame: str = ""  #: the traceback frame that decided the phase
     lang: str = "en"
-    plan: object = None  #: memfit.planner.PlanResult when a setup was given
+    plan: object = None  #: memfit.planner.search.PlanResult when a setup was given
 
     @property
     def non_pytorch_bytes(self) -> int | None:
@@ -314,7 +314,7 @@ def diagnose(source: str | BaseException, *, lang: str = "en", setup: object = N
     """Diagnose the last out-of-memory error in a log, a traceback, a message or an exception.
 
     With `setup` (a TrainSetup: the model and arguments of the run that failed), the diagnosis
-    is handed to the planner (memfit.planner) for the GPU the message describes: its total
+    is handed to the planner (memfit.planner.search) for the GPU the message describes: its total
     capacity picks the GPU (a catalog entry of that size, else a generic GPU of that size) and
     the memory it shows outside PyTorch's cache replaces memfit's estimate of it. The result
     is in `Diagnosis.plan`.
@@ -353,7 +353,7 @@ def diagnose(source: str | BaseException, *, lang: str = "en", setup: object = N
 
 def gpu_from_message(m: OomMessage):
     """The GPU an OOM message describes: the catalog entry of that total capacity, else a generic one."""
-    from memfit.gpus import CATALOG, resolve_gpu
+    from memfit.gpus.catalog import CATALOG, resolve_gpu
 
     if not m.total_bytes:
         raise MemfitError("the message has no total capacity; pass the GPU to `memfit plan --gpu` instead")
@@ -364,7 +364,7 @@ def gpu_from_message(m: OomMessage):
 
 
 def _plan_for(setup, m: OomMessage):
-    from memfit.planner import plan
+    from memfit.planner.search import plan
     from memfit.train_setup import TrainSetup
 
     if not isinstance(setup, TrainSetup):

@@ -13,7 +13,7 @@ data order are unchanged. The loss reported for the earlier micro-steps was alre
 counted and is not counted again.
 
 With DDP, the micro-steps run without collectives and memfit averages the gradients after
-the window (memfit.fit_distributed), so a rank that recovers does not leave the others
+the window (memfit.fitting.distributed), so a rank that recovers does not leave the others
 waiting inside DDP's all-reduce.
 
 Evaluation (`guard_evaluation`): an OOM in `trainer.evaluate` halves
@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from memfit import _trainer_adapter as adapter
-from memfit import fit_distributed as dist_sync
+from memfit.fitting import _trainer as adapter
+from memfit.fitting import distributed as dist_sync
 
 logger = logging.getLogger("memfit.fit")
 
@@ -107,7 +107,7 @@ class Meter:
 def oom_cause(exc: BaseException) -> tuple[str, int | None]:
     """The diagnosis's first cause and the bytes the failed allocation tried; never raises."""
     try:
-        from memfit.diagnosis import diagnose
+        from memfit.diagnosis.causes import diagnose
 
         d = diagnose(exc)
         tried = d.message.tried_to_allocate_bytes if d.message else None

@@ -1,9 +1,9 @@
-"""Which fused kernel CUDA's `scaled_dot_product_attention` picks (memfit.sim.sdpa emulates it).
+"""Which fused kernel CUDA's `scaled_dot_product_attention` picks (memfit.sim.kernels.sdpa emulates it).
 
 Re-implements `select_sdp_backend` of aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:
 the default priority order and the filters `can_use_cudnn_attention`,
 `can_use_flash_attention`, `can_use_mem_efficient_attention`, for a GPU of a given compute
-capability. Known limitations: see memfit.sim.sdpa.
+capability. Known limitations: see memfit.sim.kernels.sdpa.
 """
 
 from __future__ import annotations

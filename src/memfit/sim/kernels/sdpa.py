@@ -61,7 +61,7 @@ import math
 
 import torch
 
-from memfit.sim.sdpa_choice import (  # noqa: F401  (re-exported)
+from memfit.sim.kernels.sdpa_choice import (  # noqa: F401  (re-exported)
     _HALF, _NUM_SMS, ASSUMED_CUDNN_VERSION, SdpaChoice, _ceil_div, _round_up, choose_backend,
 )
 

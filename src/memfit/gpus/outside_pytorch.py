@@ -40,7 +40,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from memfit.gpus import GpuSpec
+from memfit.gpus.catalog import GpuSpec
 from memfit.units import KiB, MiB
 
 __all__ = ["NonPytorchEstimate", "non_pytorch_bytes", "measure_non_pytorch_bytes", "cublas_workspace_bytes",
@@ -97,7 +97,7 @@ def non_pytorch_bytes(gpu: GpuSpec, *, lazy_loading: bool | None = None) -> NonP
         "kernels: lazy loading (CUDA_MODULE_LOADING=LAZY)" if lazy_loading
         else "kernels: eager loading, ~1.3 GB measured in the HF 'Model training anatomy' guide",
         "cuBLAS workspaces are allocated by PyTorch's cache and counted there, not here",
-        "estimate +-150 MiB; measure with memfit.non_pytorch.measure_non_pytorch_bytes() on the GPU",
+        "estimate +-150 MiB; measure with memfit.gpus.outside_pytorch.measure_non_pytorch_bytes() on the GPU",
     ]
     if gpu.name not in _SM_COUNT:
         notes.append(f"SM count of `{gpu.name}` unknown; assumed 108 (A100)")

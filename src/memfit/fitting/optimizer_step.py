@@ -30,7 +30,7 @@ stepped one after the other. Retrying such a step would apply it twice. So `Opti
    - when the state itself does not fit and none exists yet (the first step): the optimizer is
      replaced by one with a smaller state, as `memfit plan`'s optimizer remedy would (8-bit
      AdamW with bitsandbytes on CUDA, else Adafactor), `args.optim` is set to it (saved with
-     every checkpoint, memfit.fit_resume, so a resumed run rebuilds it), and the step is
+     every checkpoint, memfit.fitting.resume, so a resumed run rebuilds it), and the step is
      retried: no step lost, but a different optimizer (`allow_optimizer_switch=False`
      forbids it). Not with a GradScaler (fp16).
    Freeing gradients as they are used would lower the first step's peak but not the steady
@@ -55,8 +55,8 @@ from typing import Any, Callable
 
 import torch
 
-from memfit import fit_distributed as dist_sync
-from memfit.fit_recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
+from memfit.fitting import distributed as dist_sync
+from memfit.fitting.recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
 
 logger = logging.getLogger("memfit.fit")
 

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.alloc_conf import AllocConf, parse_alloc_conf
-from memfit.allocator import AllocatorReport, replay
+from memfit.allocator.conf import AllocConf, parse_alloc_conf
+from memfit.allocator.caching import AllocatorReport, replay
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
 

@@ -12,7 +12,7 @@ backwards) would call those collectives a different number of times than the oth
 they would wait forever. Under `memfit.fit` every micro-step of a DDP model therefore runs
 under `DDP.no_sync()` with buffer broadcasting off (no collective inside a micro-step);
 after the window, `check_peers` exchanges one flag (a rank that failed for good tells the
-others, which stop with an error instead of waiting; memfit.fit_optimizer votes likewise
+others, which stop with an error instead of waiting; memfit.fitting.optimizer_step votes likewise
 after every optimizer step), `average_gradients` all-reduces the gradients in 25 MiB
 buckets (DDP's default bucket size, torch/nn/parallel/distributed.py `bucket_cap_mb`) and divides them by the world size, as DDP does, and rank 0's buffers are
 broadcast. Cost: the gradient all-reduce no longer overlaps the last backward.

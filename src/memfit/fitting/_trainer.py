@@ -32,7 +32,7 @@ import shutil
 import uuid
 from typing import Any, Callable
 
-from memfit.fit_distributed import is_distributed
+from memfit.fitting.distributed import is_distributed
 
 logger = logging.getLogger("memfit.fit")
 

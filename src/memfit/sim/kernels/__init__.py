@@ -1,0 +1,4 @@
+"""Emulations of CUDA kernels whose allocations differ from their CPU counterparts (SDPA backends)."""
+
+from __future__ import annotations
+

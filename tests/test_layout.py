@@ -1,0 +1,97 @@
+"""The package's shape: every module imports on its own, in a fresh interpreter (no import cycle),
+and no module imports from a layer above its own (issue 11)."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import memfit
+
+SRC = Path(memfit.__file__).parent
+
+
+def _modules() -> list[str]:
+    out = ["memfit"]
+    for info in pkgutil.walk_packages([str(SRC)], prefix="memfit."):
+        out.append(info.name)
+    return sorted(out)
+
+
+MODULES = _modules()
+
+
+def test_every_module_is_listed():
+    assert "memfit.allocator.snapshot" in MODULES and "memfit.fitting.run" in MODULES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_each_module_imports_on_its_own(order):
+    """`python -c "import memfit.X"` for every X, each in a fresh interpreter.
+
+    One interpreter runs each import in a subprocess-like isolation by clearing `sys.modules`
+    of memfit between imports (torch stays loaded, which keeps this fast)."""
+    mods = MODULES if order == "forward" else MODULES[::-1]
+    code = (
+        "import importlib, sys\n"
+        f"mods = {mods!r}\n"
+        "bad = []\n"
+        "for m in mods:\n"
+        "    for k in [k for k in sys.modules if k == 'memfit' or k.startswith('memfit.')]:\n"
+        "        del sys.modules[k]\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except Exception as e:\n"
+        "        bad.append(f'{m}: {type(e).__name__}: {e}')\n"
+        "print('\\n'.join(bad))\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# Layers, bottom-up: a module may import from its own layer or any layer below it.
+LAYERS = [
+    {"errors", "units", "trace", "peaks", "train_setup", "oom_text"},
+    {"models", "gpus", "allocator"},
+    {"sim", "remedies"},
+    {"estimator"},
+    {"planner"},
+    {"diagnosis"},
+    {"fitting", "testing"},
+    {"cli", "commands"},
+]
+
+
+def _layer(mod: str) -> int:
+    top = mod.split(".")[1] if mod.count(".") >= 1 else mod
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"module `{mod}` is in no layer of tests/test_layout.py")
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memfit."):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("memfit."))
+    return out
+
+
+@pytest.mark.parametrize("mod", [m for m in MODULES if m != "memfit"])
+def test_no_import_from_a_higher_layer(mod):
+    path = SRC.joinpath(*mod.split(".")[1:])
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    own = _layer(mod)
+    above = sorted(m for m in _imports(path) if _layer(m) > own)
+    assert not above, f"`{mod}` (layer {own}) imports from higher layers: {above}"
