@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from memfit.sim import _torch_adapter as adapter
+from memfit.sim.cuda_patches import patched
 
 __all__ = ["LOWER_PRECISION_OPS", "FP32_OPS", "FP32_SET_OPT_DTYPE_OPS", "PROMOTE_OPS", "cuda_autocast", "cuda_autocast_policy"]
 
@@ -161,14 +162,12 @@ def cuda_autocast_policy(dtype: torch.dtype | None) -> Iterator[_Policy | None]:
         policy.cache.clear()
         plain_clear()
 
-    torch.clear_autocast_cache = clear_autocast_cache
     _ACTIVE = policy
     try:
-        with adapter.override_autocast_cpu(kernels):
+        with patched(torch, "clear_autocast_cache", clear_autocast_cache), adapter.override_autocast_cpu(kernels):
             yield policy
     finally:
         _ACTIVE = None
-        torch.clear_autocast_cache = plain_clear
         policy.cache.clear()
 
 

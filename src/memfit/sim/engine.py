@@ -36,9 +36,10 @@ from memfit.errors import MemfitError
 from memfit.models.build import ModelSpec, build_meta_model, resolve_config
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
+from memfit.sim.cuda_patches import cuda_patches
 from memfit.sim.optimizers import build_optimizer
 from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events, truncate_layers
-from memfit.sim.tracker import StorageTracker
+from memfit.sim.tracker import StorageTracker, TrackedEvent
 from memfit.trace import TraceEvent
 from memfit.train_setup import TrainSetup
 
@@ -264,12 +265,12 @@ class _Runner:
             if action == "alloc":
                 new = tr.new_record_like(rec, rec.module)
                 mapping[rec.id] = new
-                tr.events.append(("alloc", new, phase, tag))
+                tr.events.append(TrackedEvent("alloc", new, phase, tag))
             else:
                 new = mapping.get(rec.id)
                 if new is not None and new.alive:
                     new.alive = False
-                    tr.events.append(("free", new, phase, tag))
+                    tr.events.append(TrackedEvent("free", new, phase, tag))
         for name, p in self.model.named_parameters():
             rec = self.grad_recs.get(name) if self.grad_recs else None
             if rec is None or p.grad is not None:
@@ -426,10 +427,10 @@ class _Runner:
         from transformers import Trainer  # noqa: F401  (build_optimizer)
 
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
-        sdpa = _sdpa_context(s, self.sdpa_backends)
+        patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with mode, self.tracker, sdpa, _cuda_one_hot(), cuda_autocast_policy(self.low):
+            with mode, self.tracker, patches, cuda_autocast_policy(self.low):
                 self._materialize()
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
                 if optimizer_only:
@@ -464,36 +465,6 @@ class _Runner:
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
         )
-
-
-@contextlib.contextmanager
-def _cuda_one_hot():
-    """`F.one_hot` as aten runs it on a CUDA tensor: `zeros(..., num_classes)` then `scatter_`.
-
-    aten/src/ATen/native/Onehot.cpp takes a functional path for FakeTensors (arange, eq, to(long):
-    two temporaries CUDA never allocates) and checks min/max with `.item()` on the CPU. XLNet
-    one-hot encodes its segment matrix in every forward.
-    """
-    plain = torch.nn.functional.one_hot
-
-    def one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
-        if num_classes < 0 or tensor.numel() == 0:
-            return plain(tensor, num_classes)
-        out = torch.zeros(*tensor.shape, num_classes, dtype=tensor.dtype, device=tensor.device)
-        return out.scatter_(-1, tensor.unsqueeze(-1), 1)
-
-    torch.nn.functional.one_hot = one_hot
-    try:
-        yield
-    finally:
-        torch.nn.functional.one_hot = plain
-
-
-def _sdpa_context(setup: TrainSetup, log: list[str]):
-    """Route F.scaled_dot_product_attention to the CUDA-backend emulation (memfit.sim.kernels.sdpa)."""
-    from memfit.sim.kernels.sdpa_mode import cuda_sdpa
-
-    return cuda_sdpa(compute_capability=setup.compute_capability, log=log)
 
 
 def simulate(

@@ -1,4 +1,4 @@
-"""Exploit the repeated layers: simulate 4 blocks per stack, write the trace of all N.
+"""Exploit the repeated layers: simulate 5 blocks per stack, write the trace of all N.
 
 A 24-layer model runs 24 identical blocks. memfit runs the real model code with each
 repeated layer list cut to its first `K = 5` blocks (blocks 0 and 1, one generic block,
@@ -30,7 +30,7 @@ from torch import nn
 
 from memfit.models.blocks import repeated_layer_lists
 from memfit.sim import _torch_adapter as adapter
-from memfit.sim.tracker import Record, StorageTracker
+from memfit.sim.tracker import Record, StorageTracker, TrackedEvent
 
 __all__ = ["K", "GENERIC", "SpliceRefused", "truncate_layers", "LayerTagger", "splice_events", "cut_block"]
 
@@ -226,11 +226,11 @@ def splice_events(
             for action, rec, ph, _ in evs:
                 if action == "alloc":
                     owner[rec.id] = tag
-                    out.append((action, rec, ph, tag))
+                    out.append(TrackedEvent(action, rec, ph, tag))
                     continue
                 src = owner.get(rec.id, "old")
                 if src in ("old", None):
-                    out.append((action, rec, ph, tag))
+                    out.append(TrackedEvent(action, rec, ph, tag))
                     continue
                 if tag is None or src[0] != tag[0]:
                     # outside the blocks: a generic record stands for all its copies
@@ -241,7 +241,7 @@ def splice_events(
                 for t in targets:
                     if t is rec or t.alive:
                         t.alive = False
-                        out.append(("free", t, ph, tag))
+                        out.append(TrackedEvent("free", t, ph, tag))
             continue
         # a generic block: emit one copy per full-model block it stands for
         j, i = tag
@@ -255,20 +255,20 @@ def splice_events(
                     owner[rec.id] = tag
                     new = tracker.new_record_like(rec, module_for(rec, j, n))
                     copies.setdefault(rec.id, {})[n] = new
-                    out.append(("alloc", new, ph, (j, n)))
+                    out.append(TrackedEvent("alloc", new, ph, (j, n)))
                     continue
                 src = owner.get(rec.id, "old")
                 if src in ("old", None) or src[0] != j:
                     # allocated outside the blocks: freed once, by the copy at the cut model's index
                     if n == i:
-                        out.append(("free", rec, ph, tag))
+                        out.append(TrackedEvent("free", rec, ph, tag))
                     continue
                 t = resolve(rec, src, i, n, j)
                 if t is rec:
-                    out.append(("free", rec, ph, (j, n)))
+                    out.append(TrackedEvent("free", rec, ph, (j, n)))
                 elif t is not None and t.alive:
                     t.alive = False
-                    out.append(("free", t, ph, (j, n)))
+                    out.append(TrackedEvent("free", t, ph, (j, n)))
         for action, rec, _, _ in evs:
             if action == "alloc":
                 rec.expand_to = [copies[rec.id][n] for n in sorted(copies[rec.id])]

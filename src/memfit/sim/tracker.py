@@ -14,13 +14,14 @@ the CUDA emulation where they matter (SDPA backward workspaces, see sim/sdpa.py)
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from memfit.sim import _torch_adapter as adapter
 from memfit.trace import TraceEvent
 
-__all__ = ["StorageTracker", "Record"]
+__all__ = ["StorageTracker", "Record", "TrackedEvent"]
 
 
 class Record:
@@ -40,14 +41,23 @@ class Record:
         self.expand_to: list[Record] | None = None
 
 
+class TrackedEvent(NamedTuple):
+    """One event of the tracker's program-order log (frozen into a TraceEvent by `trace()`)."""
+
+    action: str  #: "alloc" or "free"
+    record: Record  #: the storage
+    phase: str  #: the tracker's phase when it happened
+    tag: object  #: layer tag of the code running then (None outside repeated layers; see sim/splice.py)
+
+
 class StorageTracker(adapter.TorchDispatchMode):
     """Records alloc/free events of storages produced by aten ops."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[Record] = []
-        #: (action, record, phase) in program order; action is "alloc" or "free".
-        self.events: list[tuple[str, Record, str]] = []
+        #: every alloc / free in program order
+        self.events: list[TrackedEvent] = []
         self._ids = adapter.WeakIdKeyDictionary()
         self._finalizers: dict[int, weakref.finalize] = {}
         self.phase = "setup"
@@ -64,7 +74,7 @@ class StorageTracker(adapter.TorchDispatchMode):
                      self.module or adapter.current_autograd_node_name(), tag)
         self.records.append(rec)
         self._ids[storage] = rec
-        self.events.append(("alloc", rec, self.phase, tag))
+        self.events.append(TrackedEvent("alloc", rec, self.phase, tag))
         self._finalizers[id(storage)] = weakref.finalize(storage, self._free, rec)
         return rec
 
@@ -72,7 +82,7 @@ class StorageTracker(adapter.TorchDispatchMode):
         """An allocation the simulation does not run but knows the size of (e.g. eval buffers)."""
         rec = Record(len(self.records), int(size_bytes), category, self.phase, self.module, None)
         self.records.append(rec)
-        self.events.append(("alloc", rec, self.phase, None))
+        self.events.append(TrackedEvent("alloc", rec, self.phase, None))
         return rec
 
     def new_record_like(self, orig: Record, module: str) -> Record:
@@ -116,9 +126,9 @@ class StorageTracker(adapter.TorchDispatchMode):
             for other in rec.expand_to:
                 if other.alive:
                     other.alive = False
-                    self.events.append(("free", other, self.phase, tag))
+                    self.events.append(TrackedEvent("free", other, self.phase, tag))
             return
-        self.events.append(("free", rec, self.phase, self.tag_fn()))
+        self.events.append(TrackedEvent("free", rec, self.phase, self.tag_fn()))
 
     def register(self, tensor: torch.Tensor, category: str) -> Record:
         """Record `tensor`'s storage as allocated now (e.g. weights moved to the GPU)."""
