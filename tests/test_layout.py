@@ -95,3 +95,14 @@ def test_no_import_from_a_higher_layer(mod):
     own = _layer(mod)
     above = sorted(m for m in _imports(path) if _layer(m) > own)
     assert not above, f"`{mod}` (layer {own}) imports from higher layers: {above}"
+
+
+def test_public_face_is_complete_and_lazy():
+    code = ("import sys, memfit\n"
+            "assert 'torch' not in sys.modules, 'import memfit must not import torch'\n"
+            "for name in memfit.__all__:\n"
+            "    assert getattr(memfit, name) is not None, name\n"
+            "from memfit.errors import MemfitError\n"
+            "assert memfit.MemfitError is MemfitError\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,23 +1,51 @@
 """memfit: make Hugging Face fine-tuning fit in GPU memory.
 
     from memfit import TrainSetup, estimate, plan, diagnose, preflight, fit
+
+The four verbs and their results:
+
+* `estimate(setup, gpu=...) -> MemoryReport`: peak memory per phase and category, reserved
+  memory, what `nvidia-smi` and the OOM message would show.
+* `plan(setup, gpu=...) -> PlanResult`: the fastest configuration that fits, with the change.
+* `diagnose(text_or_exception_or_path) -> Diagnosis`: why an OOM happened, what helps.
+* `preflight(trainer) -> PreflightReport` and `fit(trainer) -> FitReport`: check and run a
+  real Trainer, recovering from out-of-memory errors without lost steps.
+
+Bad input raises `MemfitError` everywhere, with the value and the fix in its message.
+Names load lazily (PEP 562), so `import memfit` does not import torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["TrainSetup", "MemoryReport", "estimate", "plan", "diagnose", "preflight", "fit", "MemfitError"]
+if TYPE_CHECKING:
+    from memfit.diagnosis.causes import Diagnosis, diagnose
+    from memfit.errors import MemfitError
+    from memfit.estimator import MemoryReport, estimate
+    from memfit.fitting.preflight import PreflightReport, preflight
+    from memfit.fitting.run import FitReport, fit
+    from memfit.planner.search import PlanResult, plan
+    from memfit.train_setup import TrainSetup
+
+__all__ = [
+    "TrainSetup", "estimate", "plan", "diagnose", "preflight", "fit",
+    "MemoryReport", "PlanResult", "Diagnosis", "PreflightReport", "FitReport", "MemfitError",
+]
 __version__ = "0.1.0"
 
 _LAZY = {
     "TrainSetup": "memfit.train_setup",
     "MemoryReport": "memfit.estimator",
     "estimate": "memfit.estimator",
+    "Diagnosis": "memfit.diagnosis.causes",
     "diagnose": "memfit.diagnosis.causes",
+    "PlanResult": "memfit.planner.search",
     "plan": "memfit.planner.search",
+    "FitReport": "memfit.fitting.run",
     "fit": "memfit.fitting.run",
-    "preflight": "memfit.fitting.run",
+    "PreflightReport": "memfit.fitting.preflight",
+    "preflight": "memfit.fitting.preflight",
     "MemfitError": "memfit.errors",
 }
 
@@ -28,3 +56,7 @@ def __getattr__(name: str) -> Any:  # PEP 562: import torch only when needed
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
