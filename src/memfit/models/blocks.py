@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memfit.errors import MemfitError
+
 __all__ = ["repeated_layer_lists", "enable_checkpointing", "enable_block_checkpointing"]
 
 
@@ -84,5 +86,6 @@ def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> str:
         except ValueError:
             pass  # e.g. XLNet: "does not support activation checkpointing"
     if enable_block_checkpointing(model) == 0:
-        raise ValueError(f"{type(model).__name__} has no repeated layer blocks to checkpoint")
+        raise MemfitError(f"`{type(model).__name__}` has no repeated layer blocks (an nn.ModuleList of 2 or more "
+                          "identical layers) to checkpoint; checkpoint its modules with torch.utils.checkpoint yourself")
     return "memfit"
