@@ -295,8 +295,12 @@ def _kind_outside_catalog(text: str) -> str | None:
 
 
 def _ambiguous_error(text: str, choices: tuple[str, ...]) -> MemfitError:
-    described = [f"{n} ({', '.join(filter(None, (_CHOICE_LABELS.get(n), format_size_torch(CATALOG[n.lower()].total_bytes))))})"
-                 for n in choices]
+    def describe(name: str) -> str:
+        printed = format_size_torch(CATALOG[name.lower()].total_bytes)
+        label = _CHOICE_LABELS.get(name)
+        return f"{name} ({label}, {printed})" if label else f"{name} ({printed})"
+
+    described = [describe(n) for n in choices]
     listed = described[0] if len(described) == 1 else ", ".join(described[:-1]) + " or " + described[-1]
     hint = _AMBIGUOUS_HINTS.get(choices)
     if hint:
