@@ -7,7 +7,7 @@ from memfit.units import KiB, MiB
 
 def test_breakdown_sums_and_scales_with_sms():
     t4 = non_pytorch_bytes(resolve_gpu("T4"), lazy_loading=True)
-    h100 = non_pytorch_bytes(resolve_gpu("h100"), lazy_loading=True)
+    h100 = non_pytorch_bytes(resolve_gpu("H100-80GB"), lazy_loading=True)
     assert t4.total_bytes == sum(t4.breakdown.values())
     # stacks: 40 SMs x 1024 threads x 1 KiB = 40 MiB; 132 x 2048 x 1 KiB = 264 MiB
     assert t4.breakdown["thread_stacks"] == 40 * MiB
@@ -17,7 +17,7 @@ def test_breakdown_sums_and_scales_with_sms():
 
 
 def test_eager_loading_costs_about_a_gigabyte_more():
-    v100 = resolve_gpu("v100")
+    v100 = resolve_gpu("V100-16GB")
     eager = non_pytorch_bytes(v100, lazy_loading=False).total_bytes
     lazy = non_pytorch_bytes(v100, lazy_loading=True).total_bytes
     assert eager - lazy > 700 * MiB
@@ -31,10 +31,10 @@ def test_generic_gpu_is_handled():
 
 def test_cublas_workspace_sizes():
     # parseChosenWorkspaceSize: sm_90 -> 4096 KiB x 8, else 4096 KiB x 2 + 16 KiB x 8
-    assert cublas_workspace_bytes(resolve_gpu("h100"), {}) == 32 * MiB
-    assert cublas_workspace_bytes(resolve_gpu("a100"), {}) == 8 * MiB + 128 * KiB
-    assert cublas_workspace_bytes(resolve_gpu("a100"), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * MiB
-    assert cublas_workspace_bytes(resolve_gpu("a100"), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 128 * KiB
+    assert cublas_workspace_bytes(resolve_gpu("H100-80GB"), {}) == 32 * MiB
+    assert cublas_workspace_bytes(resolve_gpu("A100-80GB"), {}) == 8 * MiB + 128 * KiB
+    assert cublas_workspace_bytes(resolve_gpu("A100-80GB"), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * MiB
+    assert cublas_workspace_bytes(resolve_gpu("A100-80GB"), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 128 * KiB
 
 
 def test_measure_without_gpu_returns_none():
