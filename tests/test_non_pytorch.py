@@ -39,3 +39,19 @@ def test_cublas_workspace_sizes():
 
 def test_measure_without_gpu_returns_none():
     assert measure_non_pytorch_bytes() is None
+
+
+def test_cublas_workspace_follows_torch_for_new_architectures():
+    # CublasHandlePool.cpp parseChosenWorkspaceSize: 32 MiB for major 9/10/11/12; ROCm 32 MiB, 128 MiB on gfx942
+    assert cublas_workspace_bytes(resolve_gpu("B200"), {}) == 32 * MiB
+    assert cublas_workspace_bytes(resolve_gpu("RTX-5090"), {}) == 32 * MiB
+    assert cublas_workspace_bytes(resolve_gpu("L40S"), {}) == 8 * MiB + 128 * KiB
+    assert cublas_workspace_bytes(resolve_gpu("MI300X"), {}) == 128 * MiB
+    assert cublas_workspace_bytes(resolve_gpu("MI250X"), {}) == 32 * MiB
+    assert cublas_workspace_bytes(resolve_gpu("MI250X"), {"HIPBLAS_WORKSPACE_CONFIG": ":1024:2"}) == 2 * MiB
+
+
+def test_thread_stacks_use_the_catalog_sm_count():
+    est = non_pytorch_bytes(resolve_gpu("RTX-5090"), lazy_loading=True)
+    assert est.breakdown["thread_stacks"] == 170 * 1536 * KiB
+    assert not any("unknown" in n for n in est.notes)

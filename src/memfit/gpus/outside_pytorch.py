@@ -51,14 +51,11 @@ _LAZY_KERNELS_BYTES = 200 * MiB  # estimate: kernels touched by a fine-tuning st
 _EAGER_KERNELS_BYTES = 1024 * MiB  # HF "Model training anatomy": ~1.3 GB total with eager loading
 _STACK_PER_THREAD_BYTES = 1 * KiB  # cudaLimitStackSize default
 
-#: SM counts from NVIDIA datasheets / whitepapers (SXM parts where there is a choice).
-_SM_COUNT = {
-    "V100-16GB": 80, "V100-32GB": 80, "T4": 40, "P100-16GB": 56, "RTX-2080Ti": 68,
-    "RTX-3090": 82, "RTX-4090": 128, "A10": 72, "A10G": 80, "L4": 58, "A100-40GB": 108,
-    "A100-80GB": 108, "H100-80GB": 132, "H200": 132,
-}
-#: "Maximum number of resident threads per SM" (CUDA C Programming Guide, compute capabilities table).
+#: "Maximum number of resident threads per SM" (CUDA C Programming Guide, table "Technical
+#: Specifications per Compute Capability"); 2048 for the others (6.x, 7.0, 8.0, 9.0, 10.0) and for
+#: AMD CDNA compute units (32 waves of 64, an assumption: ROCm's context is not modelled from source).
 _THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 0): 1536}
+_DEFAULT_SM_COUNT = 108  # A100, for a generic GPU whose SM count is unknown
 
 
 @dataclass(frozen=True)
@@ -69,16 +66,27 @@ class NonPytorchEstimate:
 
 
 def cublas_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = None) -> int:
-    """One cuBLAS workspace as torch sizes it (`parseChosenWorkspaceSize`); it lives in the cache."""
+    """One cuBLAS (hipBLAS) workspace as torch sizes it; it lives in PyTorch's cache.
+
+    aten/src/ATen/cuda/CublasHandlePool.cpp `parseChosenWorkspaceSize` (pytorch main, 2026):
+    `CUBLAS_WORKSPACE_CONFIG` (`:SIZE_KiB:COUNT` pairs, summed) when set; else on CUDA
+    `:4096:2:16:8` (8 MiB + 128 KiB), or 32 MiB for compute capability major 9, 10, 11 and 12
+    (Hopper, Blackwell); on ROCm `HIPBLAS_WORKSPACE_CONFIG` / `ROCBLAS_WORKSPACE_CONFIG` are read
+    too, and the default is 32 MiB, 128 MiB on gfx942 / gfx950 (MI300 / MI350: (9, 4), (9, 5)).
+    """
     env = os.environ if environ is None else environ
-    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    names = ("CUBLAS_WORKSPACE_CONFIG",) + (("HIPBLAS_WORKSPACE_CONFIG", "ROCBLAS_WORKSPACE_CONFIG")
+                                             if gpu.vendor == "amd" else ())
+    config = next((env[n] for n in names if env.get(n)), None)
     if config:
         import re
 
         pairs = re.findall(r":([0-9]+):([0-9]+)", config)
         if pairs:
             return sum(int(size) * KiB * int(count) for size, count in pairs)
-    if gpu.compute_capability == (9, 0):
+    if gpu.vendor == "amd":
+        return 128 * MiB if tuple(gpu.compute_capability) in ((9, 4), (9, 5)) else 32 * MiB
+    if gpu.compute_capability[0] in (9, 10, 11, 12):
         return 4096 * KiB * 8
     return 4096 * KiB * 2 + 16 * KiB * 8
 
@@ -87,7 +95,7 @@ def non_pytorch_bytes(gpu: GpuSpec, *, lazy_loading: bool | None = None) -> NonP
     """Estimate the CUDA context and library memory of one training process on `gpu`."""
     if lazy_loading is None:
         lazy_loading = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER"
-    sms = _SM_COUNT.get(gpu.name, 108)
+    sms = gpu.sm_count or _DEFAULT_SM_COUNT
     threads = _THREADS_PER_SM.get(gpu.compute_capability, 2048)
     stack = sms * threads * _STACK_PER_THREAD_BYTES
     kernels = _LAZY_KERNELS_BYTES if lazy_loading else _EAGER_KERNELS_BYTES
@@ -99,8 +107,10 @@ def non_pytorch_bytes(gpu: GpuSpec, *, lazy_loading: bool | None = None) -> NonP
         "cuBLAS workspaces are allocated by PyTorch's cache and counted there, not here",
         "estimate +-150 MiB; measure with memfit.gpus.outside_pytorch.measure_non_pytorch_bytes() on the GPU",
     ]
-    if gpu.name not in _SM_COUNT:
-        notes.append(f"SM count of `{gpu.name}` unknown; assumed 108 (A100)")
+    if not gpu.sm_count:
+        notes.append(f"SM count of `{gpu.name}` unknown; assumed {_DEFAULT_SM_COUNT} (A100)")
+    if gpu.vendor == "amd":
+        notes.append("ROCm: the HIP context is estimated with CUDA's figures (not measured on AMD GPUs)")
     return NonPytorchEstimate(sum(breakdown.values()), breakdown, tuple(notes))
 
 
