@@ -804,12 +804,16 @@ class AllocatorModel:
         for pool in (self.large, self.small):
             for b in list(pool.blocks.values()):
                 if b.seg is not None and b.ptr <= ptr < b.ptr + b.size:
+                    seg = b.seg
+                    begin = -(-(b.ptr - seg.base) // seg.page)
+                    end = (b.ptr + b.size - seg.base) // seg.page
+                    if seg.base + begin * seg.page != ptr or (end - begin) * seg.page != size:
+                        break
                     self.unmap_block(b)
-                    if b.ptr == ptr and b.size == size and not b.mapped:
-                        if b.prev is None and b.next is None:
-                            pool.remove_unmapped(b)  # release_expandable_segment
-                            self.segments -= 1
-                        return
+                    if b.prev is None and b.next is None:
+                        pool.remove_unmapped(b)  # release_expandable_segment
+                        self.segments -= 1
+                    return
         raise MemfitError(f"the recording unmaps `{ptr:#x}` ({size} B) outside any cached expandable block; "
                           "the snapshot's trace and segments disagree")
 
