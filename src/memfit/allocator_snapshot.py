@@ -32,8 +32,11 @@ Known limitations (each reported per file when it applies):
   OOM-retry path of that malloc; it is told apart by the frames (`emptyCache`) when they
   were recorded, else by whether the model still finds a cached block first;
 * CUDA-graph private pools (`segment_pool_id` other than (0, 0)) are not modelled;
-* for expandable segments, the reserved address range of each segment is not in the
-  snapshot; one segment per (stream, pool) starting at its lowest recorded address is assumed.
+* expandable segments: the snapshot records neither where a segment's address range
+  starts nor its size (1 1/8 of the GPU's memory, `ExpandableSegment`); one segment per
+  (stream, pool) is assumed, starting at the lowest page mapped at the start or mapped /
+  unmapped later within one range below it, sized from `device_memory_bytes` (else 1 TiB).
+  Best fit counts the unmapped tail, so the GPU's memory size matters for exactness.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any
 
 from memfit.alloc_conf import ROUNDUP_INTERVALS, AllocConf, parse_alloc_conf
 from memfit.allocator import (
-    K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorModel, AllocatorReport, Block, Driver, replay,
+    _DEFAULT_VA_BYTES as _DEFAULT_VA, K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorModel, AllocatorReport, Block, Driver, replay,
     round_size,
 )
 from memfit.errors import MemfitError
@@ -65,7 +68,6 @@ _RELEASES = frozenset(("segment_free", "segment_unmap"))
 _GROWS = frozenset(("segment_alloc", "segment_map"))
 _IGNORED_ACTIONS = frozenset(("snapshot", "user_defined"))
 _KNOWN_ACTIONS = _SEGMENT_ACTIONS | _IGNORED_ACTIONS | {"alloc", "free_requested", "free_completed", "oom"}
-_SIZE_MAX = (1 << 64) - 1
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -250,14 +252,23 @@ def _final_segments(snapshot: Mapping[str, Any], device: int) -> list[Mapping[st
     return out
 
 
-def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf | None = None) -> StartState:
-    """Undo the device trace from the final `segments` back to its first entry."""
+def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf | None = None,
+                device_memory_bytes: int | None = None) -> StartState:
+    """Undo the device trace from the final `segments` back to its first entry.
+
+    Args:
+        snapshot: the snapshot dict.
+        device: which device.
+        conf: the allocator settings (default: the recorded ones); they set block sizes.
+        device_memory_bytes: the GPU's memory, which sets an expandable segment's address range.
+    """
     conf = conf if conf is not None else conf_from_snapshot(snapshot)
     entries = _entries(snapshot, device)
     notes: list[str] = []
     segs: dict[int, _Seg] = {}
     live: dict[int, list[Any]] = {}  # addr -> [size | None, requested, stream, state]
     pages: dict[tuple[int, bool], set[int]] = {}  # expandable: (stream, small) -> mapped page addresses
+    seen_at: dict[tuple[int, bool], list[int]] = {}  # expandable: addresses the trace maps / unmaps
     pool_ids = set()
     for s in _final_segments(snapshot, device):
         try:
@@ -317,6 +328,7 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
             small = next_alloc_small[e.index] if a == "segment_map" else _unmap_pool(pages, e)
             page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
             got = pages.setdefault((e.stream, small), set())
+            seen_at.setdefault((e.stream, small), []).append(e.addr)
             rng = set(range(e.addr, e.addr + e.size, page))
             if a == "segment_map":
                 got -= rng
@@ -369,7 +381,12 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
                 ranges[-1] = (ranges[-1][0], ranges[-1][1] + page)
             else:
                 ranges.append((p, page))
-        expandable.append((min(got), stream, small, tuple(ranges)))
+        # the segment starts at or below its lowest page: a lower page the trace maps or
+        # unmaps within one address range of the pages is in the same segment
+        span = _va_bytes(device_memory_bytes) or _DEFAULT_VA
+        top = max(got) + page
+        base = min([min(got)] + [a for a in seen_at.get((stream, small), []) if top - span <= a < min(got)])
+        expandable.append((base, stream, small, tuple(ranges)))
     reserved = sum(s.size for s in seg_list) + sum(r[1] for x in expandable for r in x[3])
     allocated = sum(b[1] for b in blocks if b[2] == "allocated")
     return StartState(
@@ -520,24 +537,32 @@ def _runs(entries: Sequence[_Entry]) -> list[tuple[int, int]]:
     return out
 
 
-def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf | None = None) -> SnapshotReplay:
+def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf | None = None,
+                    device_memory_bytes: int | None = None) -> SnapshotReplay:
     """Replay a recorded device trace exactly and compare it with what the real allocator did.
 
     Args:
         snapshot: the dict `torch.cuda.memory._snapshot()` returns (see `load_snapshot`).
         device: which device's trace and segments.
         conf: the allocator settings; default: those recorded in the snapshot.
+        device_memory_bytes: the GPU's total memory. Only expandable segments depend on it
+            (their address space is 1 1/8 of it, `ExpandableSegment`; best fit counts the
+            unmapped tail); the snapshot does not record it (default: 1 TiB of address space).
     """
     check_snapshot(snapshot)
     conf = conf if conf is not None else conf_from_snapshot(snapshot)
     entries = _entries(snapshot, device)
-    st = start_state(snapshot, device=device, conf=conf)
+    st = start_state(snapshot, device=device, conf=conf, device_memory_bytes=device_memory_bytes)
     notes = list(conf.notes) + list(st.notes)
+    va = _va_bytes(device_memory_bytes)
+    if device_memory_bytes is None and (st.expandable or any(e.action == "segment_map" for e in entries)):
+        notes.append("expandable segments: the GPU's memory size is not in the snapshot and sets the address "
+                     "space best fit sees; give it (--gpu) for an exact replay")
     max_addr = max([e.addr for e in entries if e.action != "oom"] + [s[0] + s[1] for s in st.segments] + [1 << 32])
     fresh_from = (max_addr + (1 << 40)) & ~((1 << 21) - 1)
 
     # the recording, replayed at its own addresses: reserved and allocated after every entry
-    rec = AllocatorModel(conf, Driver(None, fresh_from))
+    rec = AllocatorModel(conf, Driver(None, fresh_from), va_bytes=va)
     rec_live = _seed(rec, st)
     rec_reserved: list[int] = []
     rec_peak_alloc, rec_peak_res = rec.allocated, rec.reserved
@@ -576,13 +601,14 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
         if action in _SEGMENT_ACTIONS:
             model_ops.append((action, ptr, size))
 
-    m = AllocatorModel(conf, drv, on_event=on_event)
+    m = AllocatorModel(conf, drv, on_event=on_event, va_bytes=va)
     live = _seed(m, st)
     peak_alloc, peak_res = m.allocated, m.reserved
     res_at_peak_alloc, alloc_at_peak_res, segs_at_peak = m.reserved, m.allocated, m.segments
     mismatches = 0
     first_div: Divergence | None = None
     reserved_equal = True
+    oomed: _Entry | None = None  # the recorded alloc the model could not place (the replay stops there)
     run_end = {s: t for s, t in _runs(entries)}
     n = len(entries)
     i = 0
@@ -608,7 +634,11 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
                     drv.queue = [x for x in run if x.action not in _RELEASES]
                 else:
                     drv.queue = list(run)  # the OOM-retry path: cudaMalloc failed until these were freed
-                mismatches += _alloc_call(m, live, nxt)
+                got = _alloc_call(m, live, nxt)
+                if got is None:
+                    oomed = nxt
+                    break
+                mismatches += got
                 call_end = j + 1
             else:
                 drv.queue = list(run)
@@ -616,7 +646,11 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
                 call_end = j
         elif e.action == "alloc":
             drv.queue = []
-            mismatches += _alloc_call(m, live, e)
+            got = _alloc_call(m, live, e)
+            if got is None:
+                oomed = e
+                break
+            mismatches += got
         elif e.action == "oom":
             drv.queue = []
             first_div = _oom_call(m, live, e, drv, first_div) or first_div
@@ -640,8 +674,12 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
             peak_res, alloc_at_peak_res, segs_at_peak = m.reserved, m.allocated, m.segments
         if m.reserved != rec_reserved[call_end - 1]:
             reserved_equal = False
+    if oomed is not None:
+        reserved_equal = False
+        first_div = first_div or Divergence(oomed.index, f"alloc {oomed.size} B", "out of memory (replay stopped)")
+        rec_ops = [op for op in rec_ops if op[0] < oomed.index]
     # compare the two sequences of segment operations
-    seq_equal = len(model_ops) == len(rec_ops)
+    seq_equal = oomed is None and len(model_ops) == len(rec_ops)
     for k in range(max(len(model_ops), len(rec_ops))):
         mo = model_ops[k] if k < len(model_ops) else None
         ro = rec_ops[k][1] if k < len(rec_ops) else None
@@ -672,6 +710,11 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
     )
 
 
+def _va_bytes(device_memory_bytes: int | None) -> int | None:
+    # ExpandableSegment: address space for totalGlobalMem + totalGlobalMem / 8
+    return device_memory_bytes + device_memory_bytes // 8 if device_memory_bytes else None
+
+
 def _small_after(entries: Sequence[_Entry], index: int, conf: AllocConf) -> bool:
     for e in entries[index + 1:]:
         if e.action == "alloc":
@@ -681,11 +724,12 @@ def _small_after(entries: Sequence[_Entry], index: int, conf: AllocConf) -> bool
     return False
 
 
-def _alloc_call(m: AllocatorModel, live: dict[int, Block], e: _Entry) -> int:
-    """One recorded `alloc`: the model's malloc; 1 when it chose another address."""
+def _alloc_call(m: AllocatorModel, live: dict[int, Block], e: _Entry) -> int | None:
+    """One recorded `alloc`: the model's malloc; 1 when it chose another address, None when it
+    ran out of memory (the recorded driver failed it: the model released less than the recording)."""
     block, _ = m.malloc(e.size, e.stream)
-    if block is None:  # cannot happen with the recorded driver; keep the replay going
-        raise MemfitError(f"the model ran out of memory at trace entry {e.index} where the recording did not")
+    if block is None:
+        return None
     live[e.addr] = block
     return int(block.ptr != e.addr)
 
@@ -723,7 +767,8 @@ class WhatIf:
     final_reserved_bytes: int
 
 
-def what_if(snapshot: Mapping[str, Any], settings: str | AllocConf | None, *, device: int = 0) -> WhatIf:
+def what_if(snapshot: Mapping[str, Any], settings: str | AllocConf | None, *, device: int = 0,
+            device_memory_bytes: int | None = None) -> WhatIf:
     """Replay the recorded calls under `settings` (None: those recorded).
 
     The cache's history before the recording is unknown, so each run starts with the
@@ -750,7 +795,7 @@ def what_if(snapshot: Mapping[str, Any], settings: str | AllocConf | None, *, de
         label = settings
     entries = _entries(snapshot, device)
     st = start_state(snapshot, device=device, conf=base)
-    m = AllocatorModel(conf, Driver(None))
+    m = AllocatorModel(conf, Driver(None), va_bytes=_va_bytes(device_memory_bytes))
     live: dict[int, Block] = {}
     stream_of = {s[0]: s[2] for s in st.segments}
     starts = sorted(stream_of)
