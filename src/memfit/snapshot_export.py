@@ -25,17 +25,16 @@ from memfit.allocator import AllocatorModel, Block, Driver
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
 
-__all__ = ["export_snapshot", "write_snapshot"]
+__all__ = ["export_snapshot", "write_snapshot", "write_run_snapshot", "check_snapshot_path"]
 
 
 def _frames(ev: TraceEvent) -> list[dict[str, Any]]:
-    # innermost first, as torch writes them; the viewer prints `filename:line:name`
-    module = ev.module or "(no module)"
+    # innermost first, as torch writes them; the viewers print `basename(filename):line:name`,
+    # so this stack reads `phase:0:forward` / `module:0:<module>` / `category:0:activations`
     return [
-        {"name": f"{ev.category} in {module}", "filename": f"memfit/phase/{ev.phase}", "line": 0},
-        {"name": module, "filename": "memfit/module", "line": 0},
-        {"name": ev.category, "filename": "memfit/category", "line": 0},
-        {"name": ev.phase, "filename": "memfit/phase", "line": 0},
+        {"name": ev.category, "filename": "category", "line": 0},
+        {"name": ev.module or "(no module)", "filename": "module", "line": 0},
+        {"name": ev.phase, "filename": "phase", "line": 0},
     ]
 
 
@@ -109,16 +108,35 @@ def export_snapshot(
     return {"segments": segments, "device_traces": [entries], "allocator_settings": _settings(conf)}
 
 
-def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
-    """Write `snapshot` where `torch.cuda.memory._dump_snapshot` would (a pickle of plain data)."""
+def check_snapshot_path(path: str | Path) -> Path:
+    """A clear error unless a snapshot can be written at `path`."""
     p = Path(path)
     if p.is_dir():
         raise MemfitError(f"snapshot path `{p}` is a directory; give a file name such as `{p}/memfit-snapshot.pickle`")
     if not p.parent.exists():
         raise MemfitError(f"the directory of snapshot path `{p}` does not exist; create `{p.parent}` first")
+    return p
+
+
+def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
+    """Write `snapshot` where `torch.cuda.memory._dump_snapshot` would (a pickle of plain data)."""
+    p = check_snapshot_path(path)
     try:
         with open(p, "wb") as fh:
             pickle.dump(snapshot, fh, protocol=4)
     except OSError as err:
         raise MemfitError(f"cannot write snapshot `{p}` ({err.strerror}); choose a writable path") from err
     return p
+
+
+def write_run_snapshot(events: Iterable[TraceEvent], path: str | Path, *, alloc_conf: str | None = None) -> Path:
+    """`memfit estimate --snapshot`: export `events` under the settings `estimate` used.
+
+    `alloc_conf` as `estimate` takes it: PYTORCH_CUDA_ALLOC_CONF text, None for the environment's.
+    """
+    import os
+
+    from memfit.alloc_conf import alloc_conf_from_env, parse_alloc_conf
+
+    conf = parse_alloc_conf(alloc_conf) if alloc_conf is not None else alloc_conf_from_env(os.environ)
+    return write_snapshot(export_snapshot(events, conf=conf), path)

@@ -40,6 +40,9 @@ def replay_command_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="the max_split_size_mb to try on the trace (default 128)")
     p.add_argument("--what-if", action="append", default=[], metavar="CONF",
                    help="other PYTORCH_CUDA_ALLOC_CONF settings to try (repeatable)")
+    p.add_argument("--gpu", default=None,
+                   help="the GPU it was recorded on (e.g. A100-80GB): its memory sizes expandable segments' "
+                        "address space; only expandable-segment traces need it")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=replay_command)
     return p
@@ -139,10 +142,15 @@ def replay_command(args: argparse.Namespace) -> int:
                           "(kLargeBuffer); use e.g. `--max-split-size-mb 128`")
     if args.device < 0:
         raise MemfitError(f"--device `{args.device}` is negative; give the CUDA device index, e.g. `--device 0`")
+    memory = None
+    if args.gpu is not None:
+        from memfit.gpus import resolve_gpu
+
+        memory = resolve_gpu(args.gpu).total_bytes
     snapshot = load_snapshot(args.snapshot)
-    r = replay_snapshot(snapshot, device=args.device)
+    r = replay_snapshot(snapshot, device=args.device, device_memory_bytes=memory)
     tries = [None, "expandable_segments:True", f"max_split_size_mb:{args.max_split_size_mb}", *args.what_if]
-    variants = [what_if(snapshot, t, device=args.device) for t in tries]
+    variants = [what_if(snapshot, t, device=args.device, device_memory_bytes=memory) for t in tries]
     if args.json:
         print(json.dumps(to_json(args.snapshot, args.device, r, variants), indent=2))
     else:
