@@ -45,14 +45,14 @@ import io
 import pickle
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.alloc_conf import ROUNDUP_INTERVALS, AllocConf, parse_alloc_conf
+from memfit.allocator import _DEFAULT_VA_BYTES as _DEFAULT_VA
 from memfit.allocator import (
-    _DEFAULT_VA_BYTES as _DEFAULT_VA, K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorModel, AllocatorReport, Block, Driver, replay,
-    round_size,
+    K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorModel, AllocatorReport, Block, Driver, round_size,
 )
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
@@ -559,23 +559,58 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
         notes.append("expandable segments: the GPU's memory size is not in the snapshot and sets the address "
                      "space best fit sees; give it (--gpu) for an exact replay")
     max_addr = max([e.addr for e in entries if e.action != "oom"] + [s[0] + s[1] for s in st.segments] + [1 << 32])
-    fresh_from = (max_addr + (1 << 40)) & ~((1 << 21) - 1)
+    fresh_from = (max_addr + (1 << 40)) & ~((1 << 21) - 1)  # addresses no recorded segment uses
+    recorded, rec_reserved, rec_ops = _recorded_run(conf, st, entries, fresh_from, va)
+    run = _model_run(conf, st, entries, fresh_from, va, rec_reserved)
+    if run.stopped_at is not None:
+        rec_ops = [op for op in rec_ops if op[0] < run.stopped_at]
+    seq_div = _first_sequence_divergence(run.ops, rec_ops, len(entries))
+    candidates = [d for d in (seq_div, run.first_divergence) if d is not None]
+    first_div = min(candidates, key=lambda d: d.event_index) if candidates else None
+    if first_div is None and not run.reserved_equal:
+        first_div = Divergence(len(entries), "reserved memory differs", "reserved memory differs")
+    m = run.model
+    modelled = ReplaySide(run.peak_reserved, run.peak_allocated, sum(o[0] in _GROWS for o in run.ops),
+                          sum(o[0] in _RELEASES for o in run.ops), m.reserved, m.allocated)
+    report = AllocatorReport(
+        peak_allocated_bytes=run.peak_allocated, peak_reserved_bytes=run.peak_reserved,
+        reserved_at_peak_allocated_bytes=run.reserved_at_peak_allocated,
+        fragmentation_at_peak_bytes=run.peak_reserved - run.allocated_at_peak_reserved,
+        num_segments_at_peak=run.segments_at_peak, num_cudamalloc=m.n_malloc, num_cudafree=m.n_free,
+        num_alloc_retries=m.n_retries, final_allocated_bytes=m.allocated, final_reserved_bytes=m.reserved,
+        num_events=len(entries), oom=None,
+    )
+    return SnapshotReplay(
+        recorded=recorded, modelled=modelled,
+        segment_sequence_equal=seq_div is None and run.stopped_at is None,
+        reserved_equal_after_every_event=run.reserved_equal, first_divergence=first_div,
+        address_mismatches=run.address_mismatches,
+        final_state_equal=_layout(m.state()) == _layout(_final_segments(snapshot, device)),
+        start=st, conf=conf, num_entries=len(entries), report=report, notes=tuple(notes),
+    )
 
-    # the recording, replayed at its own addresses: reserved and allocated after every entry
+
+def _recorded_run(conf: AllocConf, st: StartState, entries: Sequence[_Entry], fresh_from: int, va: int | None,
+                  ) -> tuple[ReplaySide, list[int], list[tuple[int, tuple[str, int, int]]]]:
+    """The recording replayed at its own addresses: its figures, reserved after every entry, its segment ops.
+
+    Blocks are placed where the trace says; only `should_split` (how big each block is) is
+    the model's, which is what gives the recorded `allocated` (the trace has requested sizes).
+    """
     rec = AllocatorModel(conf, Driver(None, fresh_from), va_bytes=va)
-    rec_live = _seed(rec, st)
-    rec_reserved: list[int] = []
-    rec_peak_alloc, rec_peak_res = rec.allocated, rec.reserved
-    rec_ops: list[tuple[int, tuple[str, int, int]]] = []
+    live = _seed(rec, st)
+    reserved: list[int] = []
+    peak_alloc, peak_res = rec.allocated, rec.reserved
+    ops: list[tuple[int, tuple[str, int, int]]] = []
     for e in entries:
         a = e.action
         if a == "alloc":
-            rec_live[e.addr] = rec.malloc_at(e.size, e.stream, e.addr)
-            rec_peak_alloc = max(rec_peak_alloc, rec.allocated)
+            live[e.addr] = rec.malloc_at(e.size, e.stream, e.addr)
+            peak_alloc = max(peak_alloc, rec.allocated)
         elif a == "free_requested":
-            rec.free_requested(rec_live[e.addr])
+            rec.free_requested(live[e.addr])
         elif a == "free_completed":
-            rec.free_completed(rec_live.pop(e.addr))
+            rec.free_completed(live.pop(e.addr))
         elif a == "segment_alloc":
             rec.segment_alloc_at(e.addr, e.size, e.stream)
         elif a == "segment_free":
@@ -588,126 +623,133 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
         elif a == "segment_unmap":
             rec.segment_unmap_at(e.addr, e.size)
         if a in _SEGMENT_ACTIONS:
-            rec_ops.append((e.index, (a, e.addr, e.size)))
-        rec_peak_res = max(rec_peak_res, rec.reserved)
-        rec_reserved.append(rec.reserved)
-    recorded = ReplaySide(rec_peak_res, rec_peak_alloc, sum(op[1][0] in _GROWS for op in rec_ops),
-                          sum(op[1][0] in _RELEASES for op in rec_ops), rec.reserved, rec.allocated)
+            ops.append((e.index, (a, e.addr, e.size)))
+        peak_res = max(peak_res, rec.reserved)
+        reserved.append(rec.reserved)
+    side = ReplaySide(peak_res, peak_alloc, sum(op[1][0] in _GROWS for op in ops),
+                      sum(op[1][0] in _RELEASES for op in ops), rec.reserved, rec.allocated)
+    return side, reserved, ops
 
-    # the model: its own choices, the driver's as recorded
+
+@dataclass
+class _ModelRun:
+    model: AllocatorModel
+    ops: list[tuple[str, int, int]]
+    peak_reserved: int = 0
+    peak_allocated: int = 0
+    reserved_at_peak_allocated: int = 0
+    allocated_at_peak_reserved: int = 0
+    segments_at_peak: int = 0
+    address_mismatches: int = 0
+    reserved_equal: bool = True
+    first_divergence: Divergence | None = None  #: the first block placed elsewhere, or an OOM mismatch
+    stopped_at: int | None = None  #: the entry where the model ran out of memory and the replay stopped
+
+    def diverged(self, d: Divergence) -> None:
+        if self.first_divergence is None:
+            self.first_divergence = d
+
+
+def _model_run(conf: AllocConf, st: StartState, entries: Sequence[_Entry], fresh_from: int, va: int | None,
+               rec_reserved: Sequence[int]) -> _ModelRun:
+    """memfit's model on the recorded calls: its own choices, the driver's as recorded.
+
+    Each allocator call of the recording (a malloc with the segment operations it caused, a
+    free, an `empty_cache()`, an `oom`) is one call of the model; reserved memory is compared
+    after each.
+    """
     drv = _RecordedDriver(fresh_from)
-    model_ops: list[tuple[str, int, int]] = []
+    ops: list[tuple[str, int, int]] = []
+
     def on_event(action: str, ptr: int, size: int, stream: int) -> None:
         if action in _SEGMENT_ACTIONS:
-            model_ops.append((action, ptr, size))
+            ops.append((action, ptr, size))
 
     m = AllocatorModel(conf, drv, on_event=on_event, va_bytes=va)
+    run = _ModelRun(m, ops, m.reserved, m.allocated, m.reserved, m.allocated, m.segments)
     live = _seed(m, st)
-    peak_alloc, peak_res = m.allocated, m.reserved
-    res_at_peak_alloc, alloc_at_peak_res, segs_at_peak = m.reserved, m.allocated, m.segments
-    mismatches = 0
-    first_div: Divergence | None = None
-    reserved_equal = True
-    oomed: _Entry | None = None  # the recorded alloc the model could not place (the replay stops there)
-    run_end = {s: t for s, t in _runs(entries)}
-    n = len(entries)
-    i = 0
+    run.peak_reserved, run.peak_allocated = m.reserved, m.allocated
+    run_end = dict(_runs(entries))
+    n, i = len(entries), 0
     while i < n:
         e = entries[i]
         call_end = i + 1
+        alloc: _Entry | None = None
+        ops_before = len(ops)
         if e.action in _SEGMENT_ACTIONS:
             j = run_end[i]
-            run = entries[i:j]
+            seg_run = entries[i:j]
             nxt = entries[j] if j < n else None
-            grows = any(x.action in _GROWS for x in run)
-            explicit_empty = any(x.empty_cache_frame for x in run)
+            grows = any(x.action in _GROWS for x in seg_run)
+            explicit_empty = any(x.empty_cache_frame for x in seg_run)
             if nxt is not None and nxt.action == "oom" and not explicit_empty:
-                drv.queue = list(run)  # the failed malloc's own release path
+                drv.queue = list(seg_run)  # the failed malloc's own release path
+                _oom_call(m, nxt, drv, run)
                 call_end = j + 1
-                first_div = _oom_call(m, live, nxt, drv, first_div) or first_div
             elif nxt is not None and nxt.action == "alloc" and grows:
-                releases = [x for x in run if x.action in _RELEASES]
+                releases = [x for x in seg_run if x.action in _RELEASES]
                 size = round_size(nxt.size, conf)
                 if releases and (explicit_empty or m.find_free_block(m.pool_for(size), nxt.stream, size) is not None):
                     drv.queue = releases  # torch.cuda.empty_cache(), then the malloc
                     m.empty_cache()
-                    drv.queue = [x for x in run if x.action not in _RELEASES]
+                    drv.queue = [x for x in seg_run if x.action not in _RELEASES]
                 else:
-                    drv.queue = list(run)  # the OOM-retry path: cudaMalloc failed until these were freed
-                got = _alloc_call(m, live, nxt)
-                if got is None:
-                    oomed = nxt
-                    break
-                mismatches += got
-                call_end = j + 1
+                    drv.queue = list(seg_run)  # the OOM-retry path: cudaMalloc failed until these were freed
+                alloc, call_end = nxt, j + 1
             else:
-                drv.queue = list(run)
+                drv.queue = list(seg_run)  # torch.cuda.empty_cache()
                 m.empty_cache()
                 call_end = j
         elif e.action == "alloc":
             drv.queue = []
-            got = _alloc_call(m, live, e)
-            if got is None:
-                oomed = e
-                break
-            mismatches += got
+            alloc = e
         elif e.action == "oom":
             drv.queue = []
-            first_div = _oom_call(m, live, e, drv, first_div) or first_div
+            _oom_call(m, e, drv, run)
         elif e.action == "free_requested":
-            b = live[e.addr]
             if i + 1 < n and entries[i + 1].action == "free_completed" and entries[i + 1].addr == e.addr:
-                m.free(live.pop(e.addr))
+                m.free(live.pop(e.addr))  # no other stream used it: free_block at once
                 call_end = i + 2
             else:
-                m.free_requested(b)
+                m.free_requested(live[e.addr])
         elif e.action == "free_completed":
             b = live.pop(e.addr)
             if not b.available():  # else synchronize_and_free_events returned it already
                 m.free_completed(b)
-        drv.queue = []
-        drv.fail_all = False
+        if alloc is not None:
+            block, _ = m.malloc(alloc.size, alloc.stream)
+            if block is None:  # the recorded driver failed it: the model released less than the recording
+                run.diverged(Divergence(alloc.index, f"alloc {alloc.size} B", "out of memory (replay stopped)"))
+                run.stopped_at, run.reserved_equal = alloc.index, False
+                break
+            live[alloc.addr] = block
+            if block.ptr != alloc.addr:
+                run.address_mismatches += 1
+                recorded_ops = [_describe((x.action, x.addr, x.size)) for x in entries[i:call_end - 1]]
+                model_ops = [_describe(op) for op in ops[ops_before:]]
+                run.diverged(Divergence(
+                    alloc.index, ", ".join(recorded_ops + [f"alloc {alloc.size} B at {alloc.addr:#x}"]),
+                    ", ".join(model_ops + [f"alloc {alloc.size} B at {block.ptr:#x}"])))
+        drv.queue, drv.fail_all = [], False
         i = call_end
-        if m.allocated > peak_alloc:
-            peak_alloc, res_at_peak_alloc = m.allocated, m.reserved
-        if m.reserved > peak_res:
-            peak_res, alloc_at_peak_res, segs_at_peak = m.reserved, m.allocated, m.segments
+        if m.allocated > run.peak_allocated:
+            run.peak_allocated, run.reserved_at_peak_allocated = m.allocated, m.reserved
+        if m.reserved > run.peak_reserved:
+            run.peak_reserved, run.allocated_at_peak_reserved, run.segments_at_peak = m.reserved, m.allocated, m.segments
         if m.reserved != rec_reserved[call_end - 1]:
-            reserved_equal = False
-    if oomed is not None:
-        reserved_equal = False
-        first_div = first_div or Divergence(oomed.index, f"alloc {oomed.size} B", "out of memory (replay stopped)")
-        rec_ops = [op for op in rec_ops if op[0] < oomed.index]
-    # compare the two sequences of segment operations
-    seq_equal = oomed is None and len(model_ops) == len(rec_ops)
+            run.reserved_equal = False
+    return run
+
+
+def _first_sequence_divergence(model_ops: Sequence[tuple[str, int, int]],
+                               rec_ops: Sequence[tuple[int, tuple[str, int, int]]], n: int) -> Divergence | None:
+    """The first segment operation (kind and size) that differs, at the recorded entry's index."""
     for k in range(max(len(model_ops), len(rec_ops))):
         mo = model_ops[k] if k < len(model_ops) else None
         ro = rec_ops[k][1] if k < len(rec_ops) else None
         if mo is None or ro is None or (mo[0], mo[2]) != (ro[0], ro[2]):
-            seq_equal = False
-            idx = rec_ops[k][0] if k < len(rec_ops) else n
-            div = Divergence(idx, _describe(ro), _describe(mo))
-            if first_div is None or idx < first_div.event_index:
-                first_div = div
-            break
-    if first_div is None and not reserved_equal:
-        first_div = Divergence(n, "reserved memory differs", "reserved memory differs")
-    modelled = ReplaySide(peak_res, peak_alloc, sum(o[0] in _GROWS for o in model_ops),
-                          sum(o[0] in _RELEASES for o in model_ops), m.reserved, m.allocated)
-    final_equal = _layout(m.state()) == _layout(_final_segments(snapshot, device))
-    report = AllocatorReport(
-        peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
-        reserved_at_peak_allocated_bytes=res_at_peak_alloc,
-        fragmentation_at_peak_bytes=peak_res - alloc_at_peak_res, num_segments_at_peak=segs_at_peak,
-        num_cudamalloc=m.n_malloc, num_cudafree=m.n_free, num_alloc_retries=m.n_retries,
-        final_allocated_bytes=m.allocated, final_reserved_bytes=m.reserved, num_events=n, oom=None,
-    )
-    return SnapshotReplay(
-        recorded=recorded, modelled=modelled, segment_sequence_equal=seq_equal,
-        reserved_equal_after_every_event=reserved_equal, first_divergence=first_div,
-        address_mismatches=mismatches, final_state_equal=final_equal, start=st, conf=conf,
-        num_entries=n, report=report, notes=tuple(notes),
-    )
+            return Divergence(rec_ops[k][0] if k < len(rec_ops) else n, _describe(ro), _describe(mo))
+    return None
 
 
 def _va_bytes(device_memory_bytes: int | None) -> int | None:
@@ -724,27 +766,14 @@ def _small_after(entries: Sequence[_Entry], index: int, conf: AllocConf) -> bool
     return False
 
 
-def _alloc_call(m: AllocatorModel, live: dict[int, Block], e: _Entry) -> int | None:
-    """One recorded `alloc`: the model's malloc; 1 when it chose another address, None when it
-    ran out of memory (the recorded driver failed it: the model released less than the recording)."""
-    block, _ = m.malloc(e.size, e.stream)
-    if block is None:
-        return None
-    live[e.addr] = block
-    return int(block.ptr != e.addr)
-
-
-def _oom_call(m: AllocatorModel, live: dict[int, Block], e: _Entry, drv: _RecordedDriver,
-              first_div: Divergence | None) -> Divergence | None:
+def _oom_call(m: AllocatorModel, e: _Entry, drv: _RecordedDriver, run: _ModelRun) -> None:
     """One recorded `oom`: the model's malloc must fail too (every cudaMalloc fails)."""
     drv.fail_all = True
     block, _ = m.malloc(e.size, e.stream)
     drv.fail_all = False
     if block is not None:
-        m.free(block)
-        return first_div or Divergence(e.index, f"oom for {e.size} B",
-                                       f"a cached block of {block.size} B at {block.ptr:#x}")
-    return None
+        m.free(block)  # the recording got nothing here: undo it and go on
+        run.diverged(Divergence(e.index, f"oom for {e.size} B", f"a cached block of {block.size} B at {block.ptr:#x}"))
 
 
 def _layout(segments: Sequence[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
@@ -877,6 +906,3 @@ def replay_torch_snapshot(
     del capacity_bytes
     return replay_snapshot(snapshot, device=device, conf=conf)
 
-
-# `replay` stays importable from here for callers that replay `events_from_torch_snapshot`
-_ = replay
