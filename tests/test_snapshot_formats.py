@@ -190,3 +190,19 @@ def test_what_if_changes_only_the_settings():
     exp = what_if(snap, "expandable_segments:True")
     assert exp.peak_reserved_bytes != base.peak_reserved_bytes
     assert exp.peak_allocated_bytes <= base.peak_allocated_bytes  # blocks are split to the request
+
+
+def test_cli_gpu_sets_the_expandable_address_space(tmp_path, capsys):
+    import pickle
+
+    from memfit.cli import main
+
+    conf = AllocConf(expandable_segments=True)
+    snap, _ = record(conf, seed=10, n=4000, capacity=1024 * MiB, streams=(0, 3), big=True, free_p=0.5,
+                     settings={"max_split_size": -1, "expandable_segments": True})
+    path = tmp_path / "exp.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["replay", str(path)]) == 1
+    assert "give it (--gpu)" in capsys.readouterr().out
+    assert main(["replay", str(path), "--gpu", "1GiB"]) == 0
+    assert "exact: the same" in capsys.readouterr().out
