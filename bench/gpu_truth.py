@@ -506,10 +506,9 @@ def _pct(x: float | None) -> str:
 
 # -- snapshot replay -----------------------------------------------------------------------------
 def replay_snapshot(path: str, measured_peak_reserved: int | None = None) -> dict[str, Any]:
-    from memfit.allocator.snapshot import replay_torch_snapshot
+    from memfit.allocator.snapshot import load_snapshot, replay_torch_snapshot
 
-    with open(path, "rb") as fh:
-        snap = pickle.load(fh)
+    snap = load_snapshot(path)  # refuses every global: a pickle can run code
     rep = replay_torch_snapshot(snap)
     model = rep.report.peak_reserved_bytes
     observed = rep.observed_peak_reserved_bytes

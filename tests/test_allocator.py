@@ -7,7 +7,8 @@ import pytest
 
 from memfit.allocator.conf import AllocConf
 from memfit.allocator import (
-    events_from_torch_snapshot, get_allocation_size, replay, replay_torch_snapshot, round_size,
+    AllocatorModel, Driver, events_from_torch_snapshot, get_allocation_size, replay, replay_torch_snapshot,
+    round_size,
 )
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
@@ -197,28 +198,137 @@ def test_zero_byte_and_bad_traces():
         replay([A(1, 10), A(1, 10)])
 
 
+def _toy_snapshot():
+    # P: 1000 B allocated before recording in small segment S; B: a 20 MiB segment made,
+    # used and emptied during recording; A: 12 MiB allocated at the end
+    S, B, A = 0x10000000, 0x20000000, 0x30000000
+    trace = [
+        {"action": "segment_alloc", "addr": B, "size": 20 * MiB},
+        {"action": "alloc", "addr": B, "size": 5 * MiB},
+        {"action": "free_requested", "addr": B, "size": 5 * MiB},
+        {"action": "free_completed", "addr": B, "size": 5 * MiB},
+        {"action": "segment_free", "addr": B, "size": 20 * MiB,  # torch.cuda.empty_cache()
+         "frames": [{"name": "NativeCachingAllocator::emptyCache()", "filename": "", "line": 0}]},
+        {"action": "free_requested", "addr": S, "size": 1000},
+        {"action": "free_completed", "addr": S, "size": 1000},
+        {"action": "segment_alloc", "addr": A, "size": 12 * MiB},
+        {"action": "alloc", "addr": A, "size": 12 * MiB},
+    ]
+    segments = [
+        {"device": 0, "address": S, "total_size": 2 * MiB, "stream": 0, "segment_type": "small",
+         "blocks": [{"address": S, "size": 2 * MiB, "requested_size": 1000, "state": "inactive"}]},
+        {"device": 0, "address": A, "total_size": 12 * MiB, "stream": 0, "segment_type": "large",
+         "blocks": [{"address": A, "size": 12 * MiB, "requested_size": 12 * MiB, "state": "active_allocated"}]},
+    ]
+    return {"device_traces": [trace], "segments": segments}
+
+
 def test_snapshot_conversion():
-    snap = {
-        "device_traces": [[
-            {"action": "segment_alloc", "addr": 100, "size": 20 * MiB},
-            {"action": "alloc", "addr": 100, "size": 5 * MiB},
-            {"action": "free_requested", "addr": 100, "size": 5 * MiB},
-            {"action": "free_completed", "addr": 100, "size": 5 * MiB},
-            {"action": "free_completed", "addr": 999, "size": 7},  # allocated before recording
-            {"action": "segment_free", "addr": 100, "size": 20 * MiB},
-            {"action": "alloc", "addr": 200, "size": 12 * MiB},
-        ]],
-        "segments": [{"device": 0, "total_size": 12 * MiB}],
-    }
-    ev = events_from_torch_snapshot(snap)
+    snap = _toy_snapshot()
+    ev = events_from_torch_snapshot(snap)  # the older single-stream view: P's free is dropped
     assert [e.action for e in ev] == ["alloc", "free", "empty_cache", "alloc"]
     assert ev[1].id == ev[0].id
-    out = replay_torch_snapshot(snap)  # no segment_alloc for the 12 MiB in this toy trace
-    assert out.report.peak_reserved_bytes == 20 * MiB
-    assert out.report.final_reserved_bytes == 12 * MiB
-    assert out.observed_num_cudamalloc == 1
+    out = replay_torch_snapshot(snap)  # the exact replay from the reconstructed start state
+    assert out.start.blocks == ((0x10000000, 1024, "allocated", 1000),)  # round_size(1000), before recording
+    assert out.start.reserved_bytes == 2 * MiB
+    assert out.report.peak_reserved_bytes == 22 * MiB  # S + B
+    assert out.report.final_reserved_bytes == 14 * MiB  # S + A
+    assert out.observed_peak_reserved_bytes == 22 * MiB
+    assert out.observed_num_cudamalloc == 2 and out.report.num_cudamalloc == 2
+    assert out.exact
     with pytest.raises(MemfitError):
         events_from_torch_snapshot({"device_traces": []})
+
+
+def test_import_snapshot_module_first():
+    # allocator_snapshot imports allocator; the old names stay importable from memfit.allocator
+    import subprocess
+    import sys
+
+    code = ("import memfit.allocator.snapshot as s; import memfit.allocator as a; "
+            "assert a.replay_torch_snapshot is s.replay_torch_snapshot; assert a.SnapshotReplay is s.SnapshotReplay")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ})
+
+
+def test_blocks_are_reused_only_on_their_stream():
+    # BlockComparatorSize compares the stream first: a block freed on stream 1 is not found
+    # by a request on stream 0, which cudaMallocs its own 20 MiB segment
+    m = AllocatorModel()
+    b1, _ = m.malloc(5 * MiB, stream=1)
+    base1 = b1.ptr
+    m.free(b1)
+    b0, _ = m.malloc(5 * MiB, stream=0)
+    assert (m.n_malloc, m.reserved) == (2, 40 * MiB)
+    b2, _ = m.malloc(5 * MiB, stream=1)
+    assert b2.ptr == base1 and m.n_malloc == 2  # stream 1 gets its cached segment back
+    assert b0.stream == 0 and b2.stream == 1
+
+
+def test_block_waiting_for_stream_events_is_not_reused_or_merged():
+    # free() of a block used on another stream (record_stream): allocated drops at once,
+    # the block returns to the pool only at free_completed (process_events)
+    m = AllocatorModel()
+    a, _ = m.malloc(5 * MiB)
+    base = a.ptr
+    m.free_requested(a)
+    assert (m.allocated, m.reserved) == (0, 20 * MiB)
+    b, _ = m.malloc(5 * MiB)
+    assert b.ptr == base + 5 * MiB  # the 15 MiB remainder, not a's memory
+    m.free(b)  # b merges with the 10 MiB remainder after it, not with a (still pending)
+    assert sorted(x.size for x in m.large.blocks.values()) == [15 * MiB]
+    m.free_completed(a)
+    assert sorted(x.size for x in m.large.blocks.values()) == [20 * MiB]  # whole again
+
+
+def test_empty_cache_waits_for_stream_events():
+    # release_cached_blocks -> synchronize_and_free_events first: the pending block returns
+    # to the pool and its (now whole) segment is cudaFree'd
+    m = AllocatorModel()
+    a, _ = m.malloc(30 * MiB)
+    m.free_requested(a)
+    m.empty_cache()
+    assert (m.reserved, m.n_free, m.pending) == (0, 1, {})
+
+
+class _DownDriver(Driver):
+    """cudaMalloc hands out decreasing addresses: the later segment is the lower one."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.next_ptr = 1 << 40
+
+    def cuda_malloc(self, size, reserved):
+        self.next_ptr -= size
+        return self.next_ptr
+
+
+def test_best_fit_ties_are_broken_by_address_not_age():
+    # two cached 12 MiB segments: get_free_block's lower_bound takes the lower address
+    m = AllocatorModel(driver=_DownDriver())
+    first, _ = m.malloc(12 * MiB)
+    second, _ = m.malloc(12 * MiB)
+    assert second.ptr < first.ptr
+    low = second.ptr
+    m.free(second)
+    m.free(first)
+    again, _ = m.malloc(12 * MiB)
+    assert again.ptr == low
+
+
+def test_model_reports_trace_entries_as_torch_records_them():
+    seen = []
+    m = AllocatorModel(driver=Driver(30 * MiB), on_event=lambda *e: seen.append(e))
+    b, _ = m.malloc(12 * MiB)
+    m.free(b)
+    assert m.malloc(40 * MiB)[0] is None
+    base = b.ptr
+    assert seen == [
+        ("segment_alloc", base, 12 * MiB, 0), ("alloc", base, 12 * MiB, 0),
+        ("free_requested", base, 12 * MiB, 0), ("free_completed", base, 12 * MiB, 0),
+        # the OOM path: cudaMalloc fails, release_cached_blocks frees the cached segment,
+        # the retry fails too; `oom` carries the free device bytes and the rounded size
+        ("segment_free", base, 12 * MiB, 0), ("oom", 30 * MiB, 40 * MiB, 0),
+    ]
 
 
 def test_replays_200k_events_fast():

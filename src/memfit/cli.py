@@ -14,7 +14,7 @@ from memfit.errors import MemfitError
 
 __all__ = ["main"]
 
-VERBS = ("estimate", "plan", "diagnose", "train")
+VERBS = ("estimate", "plan", "diagnose", "train", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:

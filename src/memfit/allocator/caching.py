@@ -8,34 +8,45 @@ read at pytorch/pytorch main, 2025); each rule names the C++ function it mirrors
 * `get_pool`: rounded size <= 1 MiB (`kSmallSize`) -> small pool, else large pool.
 * `get_allocation_size`: small -> 2 MiB segment (`kSmallBuffer`); < 10 MiB
   (`kMinLargeAlloc`) -> 20 MiB segment (`kLargeBuffer`); else rounded up to 2 MiB.
-* `get_free_block`: best fit by (size, address) among cached free blocks of the pool;
-  a request < max_split_size never takes a block >= max_split_size; a request
-  >= max_split_size only takes a block < size + max_non_split_rounding (20 MiB).
+* `BlockPool` / `BlockComparatorSize`: free blocks are ordered by (stream, size,
+  address); a block is only reused on the stream it was allocated on.
+* `get_free_block`: `lower_bound` of (stream, size, 0): the smallest adequate block of the
+  stream, the lowest address among equal sizes; a request < max_split_size never takes a
+  block >= max_split_size; a request >= max_split_size only takes a block
+  < size + max_non_split_rounding (20 MiB, `kLargeBuffer`).
 * `should_split`: small pool (or expandable segments): remainder >= 512 B; large pool:
-  request < max_split_size and remainder > 1 MiB.
-* `free_block` / `try_merge_blocks`: a freed block merges with free neighbours.
+  request < max_split_size and remainder > 1 MiB. The allocation takes the start of the
+  free block, the remainder stays cached after it (`alloc_found_block`).
+* `free` / `free_block` / `try_merge_blocks`: `free` lowers `allocated` at once (the trace's
+  `free_requested`); a block used on other streams (`record_stream`) returns to the pool
+  only when its events complete (`free_completed`, `process_events`), and merges with free
+  neighbours then. Blocks waiting for events never merge.
 * `malloc` miss path: `get_free_block` -> `garbage_collect_cached_blocks` (only with a
   memory fraction set) -> `alloc_block` (cudaMalloc) -> `release_available_cached_blocks`
   + `alloc_block` -> `release_cached_blocks` + `alloc_block` -> OOM.
-* `emptyCache` -> `release_cached_blocks`: cudaFree every unsplit cached segment, unmap
-  every fully free page of expandable segments.
-* expandable segments (`ExpandableSegment`, `try_allocate_expandable_block`,
-  `map_block`, `unmap_block`): one growing segment per pool whose pages are 2 MiB
-  (small pool) or 20 MiB (large pool); a miss maps just enough pages after the lowest
-  free address; pages are only unmapped by `release_cached_blocks`.
+* `emptyCache` -> `release_cached_blocks`: `synchronize_and_free_events`, then
+  `release_blocks` of the large pool, then the small pool: cudaFree every unsplit cached
+  block in (stream, size, address) order, unmap every fully free page of expandable
+  segments.
+* expandable segments (`ExpandableSegment`, `find_expandable_block`,
+  `try_allocate_expandable_block`, `map_block`, `unmap_block`): one growing segment per
+  (stream, pool) whose pages are 2 MiB (small pool) or 20 MiB (large pool); a miss maps
+  just enough pages after the lowest free address; pages are only unmapped by
+  `release_cached_blocks`.
 
-Stats mirror `torch.cuda.memory_allocated` (sum of rounded block sizes) and
+What the CUDA driver decides (whether cudaMalloc / cuMemCreate succeeds and at which
+address it returns memory) is a `Driver`: by default a capacity check and fresh,
+increasing addresses; `memfit.allocator.snapshot` replaces it with the addresses a real
+trace recorded, which is what makes best-fit ties (broken by address) exact.
+
+Stats mirror `torch.cuda.memory_allocated` (sum of block sizes, lowered at `free`) and
 `memory_reserved` (sum of segments / mapped pages).
 
 Known limitations:
 
-* One stream; no cross-stream `record_stream` events, no CUDA graph private pools.
-* Addresses are synthetic (fresh, increasing): ties between equal-size free blocks are
-  broken by creation order, whereas the driver may reuse lower addresses.
+* No CUDA graph private pools.
 * `capacity_bytes` is a hard limit on reserved bytes; the real driver can also fail
   through its own fragmentation of physical memory, which is not modelled.
-* Real traces (memfit.allocator.snapshot) cannot show allocations made before recording
-  started.
 * With expandable segments, `release_available_cached_blocks` is skipped (torch would
   assert on an expandable block there).
 """
@@ -43,17 +54,18 @@ Known limitations:
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from memfit.allocator.conf import AllocConf
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
 
 __all__ = [
-    "AllocatorReport", "OomEvent", "replay", "round_size",
-    "get_allocation_size",
+    "AllocatorReport", "OomEvent", "replay", "round_size", "get_allocation_size", "AllocatorModel", "Driver", "Block",
 ]
+# the snapshot helpers (read, replay, export) live in memfit.allocator.snapshot
 
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 B
 K_SMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
@@ -61,9 +73,8 @@ K_SMALL_BUFFER = 2097152  # kSmallBuffer: small allocations are packed in 2 MiB 
 K_LARGE_BUFFER = 20971520  # kLargeBuffer: 1..10 MiB allocations are packed in 20 MiB segments
 K_MIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: from 10 MiB a segment is sized to the request
 K_ROUND_LARGE = 2097152  # kRoundLarge: large segments are rounded up to 2 MiB
-_SHIFT = 52  # sort key = size << 52 | address (addresses stay < 2**52)
-_MASK = (1 << _SHIFT) - 1
 _DEFAULT_VA_BYTES = 1 << 40  # expandable segment address space when no capacity is given
+_FIRST_PTR = 1 << 32  # first synthetic address the default driver hands out
 
 
 def _pow2_next_division(size: int, divisions: int) -> int:
@@ -132,121 +143,245 @@ class AllocatorReport:
     peak_allocated_by_phase: dict[str, int] = field(default_factory=dict)
 
 
+class Driver:
+    """What the CUDA driver decides: cudaMalloc success and addresses, page mapping.
+
+    The default is a device of `capacity_bytes` (None: unlimited) that hands out fresh,
+    increasing addresses. `AllocatorModel` calls it; subclasses replay a recording.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, first_ptr: int = _FIRST_PTR) -> None:
+        self.capacity = capacity_bytes
+        self.next_ptr = first_ptr
+
+    def fresh(self, size: int) -> int:
+        ptr = self.next_ptr
+        self.next_ptr += size
+        return ptr
+
+    def cuda_malloc(self, size: int, reserved: int) -> int | None:
+        """The address of a new `size`-byte segment, or None (cudaErrorMemoryAllocation)."""
+        if self.capacity is not None and reserved + size > self.capacity:
+            return None
+        return self.fresh(size)
+
+    def cuda_free(self, ptr: int, size: int) -> None:
+        """A segment was returned with cudaFree."""
+
+    def reserve_address_space(self, size: int, page: int) -> int:
+        """`cuMemAddressReserve`: the base of a new expandable segment's address range."""
+        return self.fresh(size)
+
+    def map_pages(self, ptr: int, size: int, reserved: int) -> bool:
+        """`cuMemCreate` of `size` bytes of pages at `ptr`; False is CUDA_ERROR_OUT_OF_MEMORY."""
+        return self.capacity is None or reserved + size <= self.capacity
+
+    def unmap_pages(self, ptr: int, size: int) -> None:
+        """`cuMemUnmap` + `cuMemRelease` of the pages at `ptr`."""
+
+
 class _Seg:
-    __slots__ = ("base", "page")
+    """`ExpandableSegment`: a reserved address range mapped in pages."""
 
-    def __init__(self, base: int, page: int) -> None:
-        self.base, self.page = base, page
+    __slots__ = ("base", "page", "size")
+
+    def __init__(self, base: int, page: int, size: int) -> None:
+        self.base, self.page, self.size = base, page, size
 
 
-class _Block:
-    __slots__ = ("size", "ptr", "pool", "allocated", "prev", "next", "mapped", "seg", "gc_base")
+class Block:
+    """`Block`: a piece of a segment, allocated, free (cached) or waiting for stream events."""
 
-    def __init__(self, size: int, ptr: int, pool: _Pool, seg: _Seg | None = None) -> None:
-        self.size, self.ptr, self.pool, self.seg = size, ptr, pool, seg
+    __slots__ = ("size", "ptr", "stream", "pool", "allocated", "pending", "prev", "next",
+                 "mapped", "seg", "gc_base", "requested")
+
+    def __init__(self, size: int, ptr: int, stream: int, pool: _Pool, seg: _Seg | None = None) -> None:
+        self.size, self.ptr, self.stream, self.pool, self.seg = size, ptr, stream, pool, seg
         self.allocated = False
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
+        self.pending = False  #: freed by the program, waiting for events on other streams
+        self.prev: Block | None = None
+        self.next: Block | None = None
         self.mapped = True
         self.gc_base = 0
+        self.requested = 0
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def available(self) -> bool:
+        """Neither allocated nor waiting for events (`try_merge_blocks`' test)."""
+        return not self.allocated and not self.pending
+
+
+def _key(b: Block) -> int:
+    # BlockComparatorSize: (stream, size, address) as one integer
+    return (b.stream << 128) | (b.size << 64) | b.ptr
+
+
+def _addr_key(b: Block) -> int:
+    # BlockComparatorAddress: (stream, address)
+    return (b.stream << 64) | b.ptr
 
 
 class _Pool:
-    """`BlockPool`: free blocks sorted by (size, address), unmapped ones by address."""
+    """`BlockPool`: free blocks sorted by (stream, size, address), unmapped ones by (stream, address)."""
 
-    __slots__ = ("small", "keys", "blocks", "unmapped", "gc_calls")
+    __slots__ = ("small", "keys", "blocks", "unmapped", "unmapped_blocks", "gc_calls", "free_at")
 
-    def __init__(self, small: bool) -> None:
+    def __init__(self, small: bool, free_at: dict[int, Block]) -> None:
         self.small = small
         self.keys: list[int] = []
-        self.blocks: dict[int, _Block] = {}
-        self.unmapped: list[int] = []  # sorted addresses
+        self.blocks: dict[int, Block] = {}
+        self.unmapped: list[int] = []
+        self.unmapped_blocks: dict[int, Block] = {}
         self.gc_calls = 0  # get_free_blocks_call_count
+        self.free_at = free_at  # the model's address -> cached (or unmapped) block index
 
-    def insert(self, b: _Block) -> None:  # insert_into_blocks
+    def insert(self, b: Block) -> None:  # insert_into_blocks
         b.gc_base = self.gc_calls
-        key = (b.size << _SHIFT) | b.ptr
+        key = _key(b)
         insort(self.keys, key)
         self.blocks[key] = b
+        self.free_at[b.ptr] = b
 
-    def remove(self, b: _Block) -> None:
-        key = (b.size << _SHIFT) | b.ptr
+    def remove(self, b: Block) -> None:
+        key = _key(b)
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
+        if self.free_at.get(b.ptr) is b:
+            del self.free_at[b.ptr]
 
-    def insert_unmapped(self, b: _Block) -> None:
-        insort(self.unmapped, b.ptr)
-        self.blocks[-b.ptr - 1] = b
+    def insert_unmapped(self, b: Block) -> None:
+        key = _addr_key(b)
+        insort(self.unmapped, key)
+        self.unmapped_blocks[key] = b
+        self.free_at[b.ptr] = b
 
-    def remove_unmapped(self, b: _Block) -> None:
-        del self.unmapped[bisect_left(self.unmapped, b.ptr)]
-        del self.blocks[-b.ptr - 1]
+    def remove_unmapped(self, b: Block) -> None:
+        key = _addr_key(b)
+        del self.unmapped[bisect_left(self.unmapped, key)]
+        del self.unmapped_blocks[key]
+        if self.free_at.get(b.ptr) is b:
+            del self.free_at[b.ptr]
 
 
-class _Model:
-    def __init__(self, conf: AllocConf, capacity: int | None, allowed: int | None) -> None:
+#: one segment operation: ("segment_alloc" | "segment_free" | "segment_map" | "segment_unmap", address, bytes)
+SegmentOp = tuple[str, int, int]
+
+
+class AllocatorModel:
+    """`DeviceCachingAllocator` for one device, driven by malloc / free / empty_cache calls.
+
+    Args:
+        conf: the allocator settings (`PYTORCH_CUDA_ALLOC_CONF`).
+        driver: what the CUDA driver does (default: unlimited device, fresh addresses).
+        allowed_bytes: `set_per_process_memory_fraction` * total memory, or None (no fraction set).
+        va_bytes: address space of one expandable segment (torch: 1 1/8 of the device memory).
+        on_event: called as `record_trace` is, with (action, address, bytes, stream) of every
+            `alloc`, `free_requested`, `free_completed`, `segment_alloc`, `segment_free`,
+            `segment_map`, `segment_unmap` and `oom`, in order (torch's `TraceEntry`).
+    """
+
+    def __init__(
+        self, conf: AllocConf = AllocConf(), driver: Driver | None = None, *, allowed_bytes: int | None = None,
+        va_bytes: int | None = None, on_event: Callable[[str, int, int, int], None] | None = None,
+    ) -> None:
         self.conf = conf
-        self.capacity = capacity
-        self.allowed = allowed  # set_per_process_memory_fraction * total, or None
+        self.driver = driver if driver is not None else Driver()
+        self.allowed = allowed_bytes
         self.max_split = conf.max_split_size_effective
-        self.small, self.large = _Pool(True), _Pool(False)
+        self.unlimited_split = conf.max_split_size_bytes is None
+        self.free_at: dict[int, Block] = {}
+        self.small, self.large = _Pool(True, self.free_at), _Pool(False, self.free_at)
         self.reserved = self.allocated = self.segments = 0
         self.n_malloc = self.n_free = self.n_retries = 0
-        self.next_ptr = 1 << 32
-        self.gc_on = allowed is not None and bool(conf.garbage_collection_threshold)
-        self.va_bytes = capacity + capacity // 8 if capacity else _DEFAULT_VA_BYTES
+        self.pending: dict[int, Block] = {}  # blocks waiting for stream events, by address
+        self.live: dict[int, Block] = {}  # allocated blocks, by address
+        self.gc_on = allowed_bytes is not None and bool(conf.garbage_collection_threshold)
+        cap = self.driver.capacity
+        self.va_bytes = va_bytes or (cap + cap // 8 if cap else _DEFAULT_VA_BYTES)
+        self.on_event = on_event
+
+    def _log(self, action: str, ptr: int, size: int, stream: int) -> None:
+        if self.on_event is not None:
+            self.on_event(action, ptr, size, stream)
+
+    def pool_for(self, size: int) -> _Pool:
+        return self.small if size <= K_SMALL_SIZE else self.large  # get_pool
 
     # -- malloc -----------------------------------------------------------------
-    def malloc(self, orig: int) -> tuple[_Block | None, int]:
+    def malloc(self, orig: int, stream: int = 0) -> tuple[Block | None, int]:
+        """`malloc`: the block for `orig` requested bytes on `stream` (None: OOM) and the segment size."""
         size = round_size(orig, self.conf)
-        pool = self.small if size <= K_SMALL_SIZE else self.large  # get_pool
+        pool = self.pool_for(size)
         alloc_size = get_allocation_size(size)
-        block = self.get_free_block(pool, size)
+        block = self.get_free_block(pool, stream, size)
         if block is None:
             if self.gc_on:
                 self.garbage_collect()
             block = (
-                self.alloc_block(pool, size, alloc_size)
-                or (self.release_available_cached_blocks(pool, size) and self.alloc_block(pool, size, alloc_size))
-                or (self.release_cached_blocks() and self.alloc_block(pool, size, alloc_size, retry=True))
+                self.alloc_block(pool, stream, size, alloc_size)
+                or (self.release_available_cached_blocks(pool, stream, size)
+                    and self.alloc_block(pool, stream, size, alloc_size))
+                or (self.release_cached_blocks() and self.alloc_block(pool, stream, size, alloc_size, retry=True))
             ) or None
             if block is None:
+                cap = self.driver.capacity
+                self._log("oom", max(cap - self.reserved, 0) if cap is not None else 0, size, stream)
                 return None, alloc_size
-        return self.alloc_found_block(block, size), alloc_size
+        return self.alloc_found_block(block, size, orig), alloc_size
 
-    def get_free_block(self, pool: _Pool, size: int) -> _Block | None:
-        if self.gc_on:
-            pool.gc_calls += 1
+    def find_free_block(self, pool: _Pool, stream: int, size: int) -> int | None:
+        """The index in `pool.keys` `get_free_block` would take, without taking it."""
         keys = pool.keys
-        i = bisect_left(keys, size << _SHIFT)
+        i = bisect_left(keys, (stream << 128) | (size << 64))
         if i == len(keys):
             return None
         b = pool.blocks[keys[i]]
-        if b.seg is not None:  # best fit counts the unmapped tail an expandable block can grow into
-            def exp_size(x: _Block) -> int:
-                return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
-            while b.seg is not None and i + 1 < len(keys):
-                nb = pool.blocks[keys[i + 1]]
-                if exp_size(nb) >= exp_size(b):
-                    break
-                i, b = i + 1, nb
+        if b.stream != stream:
+            return None
+        if b.seg is not None:
+            if self.conf.expandable_segments:
+                # best fit counts the unmapped tail an expandable block can grow into
+                def exp_size(x: Block) -> int:
+                    return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
+                while b.seg is not None and i + 1 < len(keys):
+                    nb = pool.blocks[keys[i + 1]]
+                    if nb.stream != stream or exp_size(nb) >= exp_size(b):
+                        break
+                    i, b = i + 1, nb
+            else:  # expandable segments turned off: only non-expandable blocks qualify
+                i += 1
+                while i < len(keys) and pool.blocks[keys[i]].seg is not None and pool.blocks[keys[i]].stream == stream:
+                    i += 1
+                if i == len(keys) or pool.blocks[keys[i]].stream != stream:
+                    return None
+                b = pool.blocks[keys[i]]
         if size < self.max_split and b.size >= self.max_split:
             return None  # do not return an oversized block for a smaller request
         if size >= self.max_split and b.size >= size + self.conf.max_non_split_rounding_bytes:
             return None  # oversized blocks may be rounded up only within a limit
-        del keys[i]
-        del pool.blocks[(b.size << _SHIFT) | b.ptr]
+        return i
+
+    def get_free_block(self, pool: _Pool, stream: int, size: int) -> Block | None:
+        if self.gc_on:
+            pool.gc_calls += 1
+        i = self.find_free_block(pool, stream, size)
+        if i is None:
+            return None
+        b = pool.blocks[pool.keys[i]]
+        pool.remove(b)
         return b
 
-    def should_split(self, b: _Block, size: int) -> bool:
+    def should_split(self, b: Block, size: int) -> bool:
         remaining = b.size - size
         if b.pool.small or self.conf.expandable_segments:
             return remaining >= K_MIN_BLOCK_SIZE
         return size < self.max_split and remaining > K_SMALL_SIZE
 
-    def alloc_found_block(self, b: _Block, size: int) -> _Block:
+    def alloc_found_block(self, b: Block, size: int, orig: int) -> Block:
         if self.should_split(b, size):
-            new = _Block(size, b.ptr, b.pool, b.seg)
+            new = Block(size, b.ptr, b.stream, b.pool, b.seg)
             new.prev, new.next = b.prev, b
             if b.prev is not None:
                 b.prev.next = new
@@ -256,32 +391,52 @@ class _Model:
             b.pool.insert(b)
             b = new
         b.allocated = True
+        b.requested = orig
         self.allocated += b.size
+        self.live[b.ptr] = b
+        self._log("alloc", b.ptr, orig, b.stream)
         return b
 
-    def alloc_block(self, pool: _Pool, size: int, alloc_size: int, retry: bool = False) -> _Block | None:
+    def alloc_block(self, pool: _Pool, stream: int, size: int, alloc_size: int, retry: bool = False) -> Block | None:
         if retry:
             self.n_retries += 1
         if self.allowed is not None and self.reserved + alloc_size > self.allowed:
             return None
         if self.conf.expandable_segments:
-            return self.try_allocate_expandable_block(pool, size)
-        if self.capacity is not None and self.reserved + alloc_size > self.capacity:
+            return self.try_allocate_expandable_block(pool, stream, size)
+        ptr = self.driver.cuda_malloc(alloc_size, self.reserved)
+        if ptr is None:
             return None  # cudaMalloc -> cudaErrorMemoryAllocation
-        b = _Block(alloc_size, self.next_ptr, pool)
-        self.next_ptr += alloc_size
+        b = Block(alloc_size, ptr, stream, pool)
         self.reserved += alloc_size
         self.segments += 1
         self.n_malloc += 1
+        self._log("segment_alloc", ptr, alloc_size, stream)
         return b
 
     # -- expandable segments ------------------------------------------------------
-    def find_expandable_block(self, pool: _Pool, size: int) -> _Block:
-        def allocatable(x: _Block | None) -> bool:
-            return x is not None and not x.allocated
+    def new_expandable_segment(self, pool: _Pool, stream: int, base: int | None = None) -> Block:
+        """A fresh `ExpandableSegment` (one unmapped block spanning its address space)."""
+        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
+        n_pages = -(-self.va_bytes // page)
+        if base is None:
+            base = self.driver.reserve_address_space(n_pages * page, page)
+        seg = _Seg(base, page, n_pages * page)
+        b = Block(n_pages * page, seg.base, stream, pool, seg)
+        b.mapped = False
+        pool.insert_unmapped(b)
+        self.segments += 1
+        return b
 
-        for ptr in pool.unmapped:
-            c = pool.blocks[-ptr - 1]
+    def find_expandable_block(self, pool: _Pool, stream: int, size: int) -> Block:
+        def allocatable(x: Block | None) -> bool:
+            return x is not None and x.available()
+
+        i = bisect_left(pool.unmapped, stream << 64)
+        while i < len(pool.unmapped):
+            c = pool.unmapped_blocks[pool.unmapped[i]]
+            if c.stream != stream:
+                break
             if allocatable(c.prev):
                 c = c.prev  # type: ignore[assignment]
             total, x = 0, c
@@ -290,29 +445,23 @@ class _Model:
                 x = x.next  # type: ignore[union-attr]
             if total >= size:
                 return c
-        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
-        n_pages = -(-self.va_bytes // page)
-        seg = _Seg(self.next_ptr, page)
-        self.next_ptr += n_pages * page
-        b = _Block(n_pages * page, seg.base, pool, seg)
-        b.mapped = False
-        pool.insert_unmapped(b)
-        self.segments += 1
-        return b
+            i += 1
+        return self.new_expandable_segment(pool, stream)
 
-    def map_block(self, b: _Block, size: int) -> bool:
+    def map_block(self, b: Block, size: int) -> bool:
         seg = b.seg
         assert seg is not None
         begin = (b.ptr - seg.base) // seg.page
         end = -(-(b.ptr + size - seg.base) // seg.page)
         mapped = (end - begin) * seg.page
-        if self.capacity is not None and self.reserved + mapped > self.capacity:
+        if mapped == 0 or not self.driver.map_pages(b.ptr, mapped, self.reserved):
             return False  # cuMemCreate -> CUDA_ERROR_OUT_OF_MEMORY
         pool = b.pool
         pool.remove_unmapped(b)
         b.mapped = True
+        mapped_ptr = b.ptr
         if mapped < b.size:
-            rest = _Block(b.size - mapped, b.ptr + mapped, pool, seg)
+            rest = Block(b.size - mapped, b.ptr + mapped, b.stream, pool, seg)
             rest.mapped = False
             rest.prev, rest.next = b, b.next
             if b.next is not None:
@@ -325,10 +474,11 @@ class _Model:
         pool.insert(b)
         self.reserved += mapped
         self.n_malloc += 1
+        self._log("segment_map", mapped_ptr, mapped, b.stream)
         return True
 
-    def try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
-        c = self.find_expandable_block(pool, size)
+    def try_allocate_expandable_block(self, pool: _Pool, stream: int, size: int) -> Block | None:
+        c = self.find_expandable_block(pool, stream, size)
         if not c.mapped and not self.map_block(c, min(c.size, size)):
             return None
         while c.size < size:
@@ -340,7 +490,7 @@ class _Model:
         pool.remove(c)
         return c
 
-    def unmap_block(self, b: _Block) -> None:
+    def unmap_block(self, b: Block) -> None:
         seg = b.seg
         assert seg is not None
         begin = -(-(b.ptr - seg.base) // seg.page)
@@ -352,14 +502,14 @@ class _Model:
         start, length = seg.base + begin * seg.page, (end - begin) * seg.page
         before, after = start - b.ptr, b.size - (start - b.ptr) - length
         if before > 0:
-            bf = _Block(before, b.ptr, pool, seg)
+            bf = Block(before, b.ptr, b.stream, pool, seg)
             bf.prev, bf.next = b.prev, b
             if b.prev is not None:
                 b.prev.next = bf
             b.prev = bf
             pool.insert(bf)
         if after > 0:
-            af = _Block(after, start + length, pool, seg)
+            af = Block(after, start + length, b.stream, pool, seg)
             af.prev, af.next = b, b.next
             if b.next is not None:
                 b.next.prev = af
@@ -371,10 +521,12 @@ class _Model:
         pool.insert_unmapped(b)
         self.reserved -= length
         self.n_free += 1
+        self.driver.unmap_pages(start, length)
+        self._log("segment_unmap", start, length, b.stream)
 
     # -- free / merge / release ----------------------------------------------------
-    def try_merge(self, dst: _Block, src: _Block | None) -> None:
-        if src is None or src.allocated or src.mapped != dst.mapped:
+    def try_merge(self, dst: Block, src: Block | None) -> None:
+        if src is None or not src.available() or src.mapped != dst.mapped:
             return
         if src.mapped:
             src.pool.remove(src)
@@ -390,28 +542,58 @@ class _Model:
                 dst.next.prev = dst
         dst.size += src.size
 
-    def free(self, b: _Block) -> None:  # free -> free_block
+    def free_requested(self, b: Block) -> None:
+        """`free` of a block used on other streams: `allocated` drops, the block waits for events."""
         b.allocated = False
+        b.pending = True
         self.allocated -= b.size
+        del self.live[b.ptr]
+        self.pending[b.ptr] = b
+        self._log("free_requested", b.ptr, b.requested, b.stream)
+
+    def free_completed(self, b: Block) -> None:
+        """`free_block`: the block returns to its pool and merges with free neighbours."""
+        if b.allocated:
+            self.allocated -= b.size
+            b.allocated = False
+            del self.live[b.ptr]
+            self._log("free_requested", b.ptr, b.requested, b.stream)
+        if b.pending:
+            b.pending = False
+            del self.pending[b.ptr]
+        self._log("free_completed", b.ptr, b.requested, b.stream)
         self.try_merge(b, b.prev)
         self.try_merge(b, b.next)
         b.pool.insert(b)
 
-    def release_block(self, b: _Block) -> None:
+    def free(self, b: Block) -> None:  # free -> free_block (no other stream used the block)
+        b.allocated = False
+        self.allocated -= b.size
+        del self.live[b.ptr]
+        if self.on_event is not None:
+            self.on_event("free_requested", b.ptr, b.requested, b.stream)
+            self.on_event("free_completed", b.ptr, b.requested, b.stream)
+        self.try_merge(b, b.prev)
+        self.try_merge(b, b.next)
+        b.pool.insert(b)
+
+    def release_block(self, b: Block) -> None:
         b.pool.remove(b)
         self.reserved -= b.size
         self.segments -= 1
         self.n_free += 1
+        self.driver.cuda_free(b.ptr, b.size)
+        self._log("segment_free", b.ptr, b.size, b.stream)
 
-    def release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
-        if self.conf.max_split_size_bytes is None or self.conf.expandable_segments:
+    def release_available_cached_blocks(self, pool: _Pool, stream: int, size: int) -> bool:
+        if self.unlimited_split or self.conf.expandable_segments:
             return False
         key_size = max(size, self.max_split)
         keys = pool.keys
-        i = bisect_left(keys, key_size << _SHIFT)
-        if i < len(keys):
+        i = bisect_left(keys, (stream << 128) | (key_size << 64))
+        if i < len(keys) and pool.blocks[keys[i]].stream == stream:
             b = pool.blocks[keys[i]]
-            if b.prev is None and b.next is None:
+            if not b.is_split():
                 self.release_block(b)
             return True
         if i == 0:
@@ -419,7 +601,7 @@ class _Model:
         released, i = 0, i - 1  # no single block suffices: free oversize blocks, largest first
         while released < key_size and i >= 0:
             b = pool.blocks[keys[i]]
-            if b.size < self.max_split or b.prev is not None or b.next is not None:
+            if b.size < self.max_split or b.stream != stream or b.is_split():
                 break
             released += b.size
             self.release_block(b)
@@ -440,10 +622,18 @@ class _Model:
                 pool.remove_unmapped(b)  # release_expandable_segment
                 self.segments -= 1
 
+    def synchronize_and_free_events(self) -> None:
+        for b in list(self.pending.values()):
+            self.free_completed(b)
+
     def release_cached_blocks(self) -> bool:
+        self.synchronize_and_free_events()
         self.release_blocks(self.large)
         self.release_blocks(self.small)
         return True
+
+    def empty_cache(self) -> None:  # emptyCache
+        self.release_cached_blocks()
 
     def garbage_collect(self) -> None:  # garbage_collect_cached_blocks
         threshold = int(self.conf.garbage_collection_threshold * self.allowed)  # type: ignore[operator]
@@ -451,8 +641,7 @@ class _Model:
             return
         target, reclaimed = self.reserved - threshold, 0
         pool = self.large
-        ages = [pool.gc_calls - b.gc_base for b in pool.blocks.values()
-                if b.mapped and b.prev is None and b.next is None]
+        ages = [pool.gc_calls - b.gc_base for b in pool.blocks.values() if not b.is_split()]
         total_age, count = sum(ages), len(ages)
         freed = True
         while reclaimed < target and freed and count > 0:
@@ -460,12 +649,207 @@ class _Model:
             for key in list(pool.keys):
                 b = pool.blocks[key]
                 age = pool.gc_calls - b.gc_base
-                if b.prev is None and b.next is None and age >= age_threshold:
+                if not b.is_split() and age >= age_threshold:
                     freed = True
                     reclaimed += b.size
                     total_age -= age
                     count -= 1
                     self.release_block(b)
+
+    # -- a recorded layout: state seeding and allocation at given addresses -------------
+    def add_segment(self, ptr: int, size: int, stream: int, small: bool,
+                    blocks: Iterable[tuple[int, int, str, int]] = ()) -> list[Block]:
+        """Seed a cudaMalloc'd segment that exists already.
+
+        Args:
+            ptr: its address; size: its bytes; stream: the stream it belongs to.
+            small: whether it is a small-pool segment.
+            blocks: (address, bytes, state, requested bytes) of its allocated or pending
+                blocks, state `allocated` or `pending`; the gaps between them are cached.
+        """
+        pool = self.small if small else self.large
+        out: list[Block] = []
+        cursor, prev = ptr, None
+
+        def link(b: Block) -> None:
+            nonlocal prev
+            b.prev = prev
+            if prev is not None:
+                prev.next = b
+            prev = b
+
+        free_blocks = []
+        for bptr, bsize, state, requested in sorted(blocks):
+            if bptr < cursor or bptr + bsize > ptr + size:
+                raise MemfitError(
+                    f"block at `{bptr:#x}` ({bsize} B) does not fit segment `{ptr:#x}` ({size} B) "
+                    "after the blocks before it; the snapshot's segments are inconsistent")
+            if bptr > cursor:
+                gap = Block(bptr - cursor, cursor, stream, pool)
+                link(gap)
+                free_blocks.append(gap)
+            b = Block(bsize, bptr, stream, pool)
+            b.requested = requested
+            if state == "allocated":
+                b.allocated = True
+                self.allocated += bsize
+                self.live[bptr] = b
+            else:
+                b.pending = True
+                self.pending[bptr] = b
+            link(b)
+            out.append(b)
+            cursor = bptr + bsize
+        if cursor < ptr + size:
+            gap = Block(ptr + size - cursor, cursor, stream, pool)
+            link(gap)
+            free_blocks.append(gap)
+        for b in free_blocks:
+            pool.insert(b)
+        self.reserved += size
+        self.segments += 1
+        return out
+
+    def add_expandable_segment(self, base: int, stream: int, small: bool,
+                               ranges: Iterable[tuple[int, int, list[tuple[int, int, str, int]]]]) -> list[Block]:
+        """Seed an expandable segment at `base` with its mapped `ranges` (address, bytes, blocks)."""
+        pool = self.small if small else self.large
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        n_pages = -(-self.va_bytes // page)
+        seg = _Seg(base, page, n_pages * page)
+        out: list[Block] = []
+        chain: list[Block] = []
+        cursor = base
+        for rptr, rsize, blocks in sorted(ranges):
+            if rptr < cursor or (rptr - base) % page or rsize % page:
+                raise MemfitError(f"expandable range at `{rptr:#x}` ({rsize} B) is not page-aligned "
+                                  f"after `{cursor:#x}`; the snapshot's segments are inconsistent")
+            if rptr > cursor:
+                un = Block(rptr - cursor, cursor, stream, pool, seg)
+                un.mapped = False
+                chain.append(un)
+            pos = rptr
+            for bptr, bsize, state, requested in sorted(blocks):
+                if bptr > pos:
+                    chain.append(Block(bptr - pos, pos, stream, pool, seg))
+                b = Block(bsize, bptr, stream, pool, seg)
+                b.requested = requested
+                if state == "allocated":
+                    b.allocated = True
+                    self.allocated += bsize
+                    self.live[bptr] = b
+                else:
+                    b.pending = True
+                    self.pending[bptr] = b
+                chain.append(b)
+                out.append(b)
+                pos = bptr + bsize
+            if pos < rptr + rsize:
+                chain.append(Block(rptr + rsize - pos, pos, stream, pool, seg))
+            self.reserved += rsize
+            cursor = rptr + rsize
+        if cursor < base + seg.size:
+            un = Block(base + seg.size - cursor, cursor, stream, pool, seg)
+            un.mapped = False
+            chain.append(un)
+        for a, b in zip(chain, chain[1:]):
+            a.next, b.prev = b, a
+        for b in chain:
+            if not b.mapped:
+                pool.insert_unmapped(b)
+            elif b.available():
+                pool.insert(b)
+        self.segments += 1
+        return out
+
+    def malloc_at(self, orig: int, stream: int, ptr: int) -> Block:
+        """Allocate `orig` bytes at the recorded address `ptr` (the start of a cached block)."""
+        size = round_size(orig, self.conf)
+        b = self.free_at.get(ptr)
+        if b is None or not b.mapped or b.stream != stream or b.size < size or b.pool is not self.pool_for(size):
+            raise MemfitError(
+                f"the recording allocates {orig} B at `{ptr:#x}` where the reconstructed state has no cached "
+                "block of that size on that stream; the snapshot's trace and segments disagree")
+        b.pool.remove(b)
+        return self.alloc_found_block(b, size, orig)
+
+    def segment_alloc_at(self, ptr: int, size: int, stream: int) -> None:
+        """A recorded cudaMalloc: a new, entirely cached segment (the next alloc takes from it)."""
+        b = Block(size, ptr, stream, self.small if size == K_SMALL_BUFFER else self.large)
+        b.pool.insert(b)
+        self.reserved += size
+        self.segments += 1
+        self.n_malloc += 1
+
+    def segment_free_at(self, ptr: int, size: int) -> None:
+        """A recorded cudaFree of the cached, unsplit segment at `ptr`."""
+        b = self.free_at.get(ptr)
+        if b is None or not b.mapped or b.size != size or b.is_split() or b.seg is not None:
+            raise MemfitError(f"the recording frees segment `{ptr:#x}` ({size} B) that the reconstructed state "
+                              "does not hold as one cached block; the snapshot's trace and segments disagree")
+        self.release_block(b)
+
+    def segment_map_at(self, ptr: int, size: int) -> None:
+        """A recorded `segment_map` of `size` bytes at the start of the unmapped block at `ptr`."""
+        b = self.free_at.get(ptr)
+        if b is None or b.mapped or b.seg is None or not self.map_block(b, size):
+            raise MemfitError(f"the recording maps `{ptr:#x}` ({size} B) where the reconstructed state has no "
+                              "unmapped expandable block; the snapshot's trace and segments disagree")
+
+    def segment_unmap_at(self, ptr: int, size: int) -> None:
+        """A recorded `segment_unmap`: the pages [ptr, ptr + size) of a cached expandable block."""
+        for pool in (self.large, self.small):
+            for b in list(pool.blocks.values()):
+                if b.seg is not None and b.ptr <= ptr < b.ptr + b.size:
+                    seg = b.seg
+                    begin = -(-(b.ptr - seg.base) // seg.page)
+                    end = (b.ptr + b.size - seg.base) // seg.page
+                    if seg.base + begin * seg.page != ptr or (end - begin) * seg.page != size:
+                        break
+                    self.unmap_block(b)
+                    if b.prev is None and b.next is None:
+                        pool.remove_unmapped(b)  # release_expandable_segment
+                        self.segments -= 1
+                    return
+        raise MemfitError(f"the recording unmaps `{ptr:#x}` ({size} B) outside any cached expandable block; "
+                          "the snapshot's trace and segments disagree")
+
+    def state(self) -> list[dict[str, Any]]:
+        """The segments now, as `torch.cuda.memory._snapshot()['segments']` lists them (`snapshot`)."""
+        starts = list(self.live.values()) + list(self.pending.values())
+        for pool in (self.small, self.large):
+            starts += list(pool.blocks.values()) + list(pool.unmapped_blocks.values())
+        heads: dict[int, Block] = {}
+        for s in starts:
+            x = s
+            while x.prev is not None:
+                x = x.prev
+            heads[id(x)] = x
+        out = []
+        for head in heads.values():
+            x: Block | None = head
+            while x is not None:
+                if not x.mapped:  # expandable: one segment per contiguous mapped range
+                    x = x.next
+                    continue
+                first, blocks = x, []
+                while x is not None and x.mapped:
+                    state = ("active_allocated" if x.allocated else
+                             "active_pending_free" if x.pending else "inactive")
+                    blocks.append({"address": x.ptr, "size": x.size, "requested_size": x.requested,
+                                   "state": state, "frames": []})
+                    x = x.next
+                active = [bl for bl in blocks if bl["state"] != "inactive"]
+                out.append({
+                    "device": 0, "address": first.ptr, "total_size": sum(bl["size"] for bl in blocks),
+                    "stream": first.stream, "segment_type": "small" if first.pool.small else "large",
+                    "segment_pool_id": (0, 0), "is_expandable": first.seg is not None,
+                    "allocated_size": sum(bl["size"] for bl in blocks if bl["state"] == "active_allocated"),
+                    "active_size": sum(bl["size"] for bl in active),
+                    "requested_size": sum(bl["requested_size"] for bl in active),
+                    "blocks": blocks, "frames": [],
+                })
+        return sorted(out, key=lambda s: s["address"])
 
 
 def replay(
@@ -482,8 +866,8 @@ def replay(
     the cap from `torch.cuda.set_per_process_memory_fraction` (also what enables
     `garbage_collection_threshold`, as in PyTorch). The replay stops at the first OOM.
     """
-    m = _Model(conf, capacity_bytes, allowed_bytes)
-    live: dict[int, _Block] = {}
+    m = AllocatorModel(conf, Driver(capacity_bytes), allowed_bytes=allowed_bytes)
+    live: dict[int, Block] = {}
     zero_ids: set[int] = set()
     peak_alloc = peak_res = res_at_peak_alloc = alloc_at_peak_res = segs_at_peak = 0
     by_phase_res: dict[str, int] = {}

@@ -35,6 +35,8 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_setup_arguments(p)
     p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
+    p.add_argument("--snapshot", default=None, metavar="FILE.pickle",
+                   help="also write the simulated run as a torch.cuda.memory snapshot (open it at pytorch.org/memory_viz)")
     p.set_defaults(func=estimate_command)
     return p
 
@@ -142,8 +144,18 @@ def estimate_command(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise MemfitError(f"`--{flag.replace('_', '-')}` must be a positive integer; got `{value}`")
+    if args.snapshot is not None:
+        from memfit.allocator.export import check_snapshot_path
+
+        check_snapshot_path(args.snapshot)  # fail before the simulation, not after it
     setup, gpu, is_seed = build_setup(args)
     report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf)
+    if args.snapshot is not None:
+        from memfit.allocator.export import write_run_snapshot
+
+        write_run_snapshot(report.trace, args.snapshot, alloc_conf=args.alloc_conf)
+        print(f"memfit estimate: snapshot of the simulated run written to {args.snapshot} "
+              "(open it at https://pytorch.org/memory_viz)", file=sys.stderr)
     if args.json:
         json.dump(report.to_json(), sys.stdout, indent=2)
         print()
