@@ -241,12 +241,13 @@ MESSAGES: dict[str, dict[str, str]] = {
         "如果它在当前已分配的 {allocated} 之外还需要超过 {unalloc} + {free}，之后的某次分配仍会失败。",
     },
     "cause.shortfall.headroom": {
-        "en": "True shortfall: {free} free is only {margin} more than the {tried} request, less than the {headroom} "
-        "of headroom one allocation needs (cudaMalloc hands out whole 2 MiB pages, and the free figure includes "
-        "memory the driver keeps for itself). Live tensors occupy {allocated} of {total} ({share}).",
-        "zh": "显存确实不够：空闲的 {free} 只比 {tried} 的请求多 {margin}，少于一次分配所需的 {headroom} 余量"
-        "（cudaMalloc 以完整的 2 MiB 页分配，而空闲数字里包含驱动自留的显存）。存活张量占用了 {total} 中的 "
-        "{allocated}（{share}）。",
+        "en": "No headroom: {free} free is only {margin} more than the {tried} request, less than the {headroom} one "
+        "allocation needs to spare (cudaMalloc hands out whole 2 MiB pages, and the free figure includes memory the "
+        "driver keeps for itself), so the memory is used up in practice. Live tensors occupy {allocated} of {total} "
+        "({share}).",
+        "zh": "没有余量：空闲的 {free} 只比 {tried} 的请求多 {margin}，少于一次分配所需的 {headroom} 余量"
+        "（cudaMalloc 以完整的 2 MiB 页分配，而空闲数字里包含驱动自留的显存），所以实际上显存已经用完。"
+        "存活张量占用了 {total} 中的 {allocated}（{share}）。",
     },
     "cause.shortfall.exceeds_total": {
         "en": "The single {tried} request is larger than the whole GPU ({total}): no memory setting makes it fit. "
