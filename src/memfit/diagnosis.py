@@ -326,13 +326,15 @@ def _allocator_causes(m: OomMessage, lang: str, log_text: str) -> tuple[list[Cau
     self_sure = False
     if P is None and R and others:
         used = C - F_ok if C is not None and F_ok is not None else None
-        for pid, b in sorted(others, key=lambda pb: abs(pb[1] - R)):
-            if b + _print_tol(b, R) < R:
-                continue  # holds less than this process's cache: another process
-            sure = used is not None and b + R > used + _print_tol(b, R, C, F_ok)
-            if sure or b - R <= SELF_PID_SLACK_BYTES:
-                self_pid, self_sure = (pid, b), sure
-                break
+        # A process holding less than this process's cache is another process. One whose memory and this
+        # process's cache cannot both fit in what is in use is this process (sure); else the one closest
+        # above the cache by at most a context's worth is taken to be it (likely).
+        candidates = [(pid, b) for pid, b in others if b + _print_tol(b, R) >= R]
+        sure = [pb for pb in candidates if used is not None and pb[1] + R > used + _print_tol(pb[1], R, C, F_ok)]
+        likely = [pb for pb in candidates if pb[1] - R <= SELF_PID_SLACK_BYTES]
+        if sure or likely:
+            self_sure = bool(sure)
+            self_pid = min(sure or likely, key=lambda pb: abs(pb[1] - R))
         if self_pid:
             others.remove(self_pid)
             P = self_pid[1]
