@@ -227,7 +227,7 @@ def test_unprinted_figures_are_unknown_not_zero():
     d = diagnose(old_xpu)
     assert d.message.free_bytes is None and d.non_pytorch_bytes is None
     assert d.causes[0].kind == "unknown_free"
-    assert "15.56 GiB (15.56 GiB total" not in _text(d)  # the old "outside PyTorch" figure
+    assert "0 B free" not in _text(d)  # before: "About 15.39 GiB (15.56 GiB total − 0 B free − ...) outside"
     outside = next(c for c in d.causes if c.kind == "non_pytorch")
     assert outside.bytes is None and "unknown" in outside.text
     assert "cannot be told" in d.causes[0].text
