@@ -361,3 +361,11 @@ def test_chinese_output_for_the_new_verdicts(cid, capsys):
     assert sum("\u4e00" <= ch <= "\u9fff" for ch in out) > 40
     for key, row in MESSAGES.items():
         assert set(row) == set(LANGS), key
+
+
+def test_chinese_strings_use_the_same_figures_as_english():
+    import string
+
+    fields = lambda text: {name for _, name, _, _ in string.Formatter().parse(text) if name}  # noqa: E731
+    for key, row in MESSAGES.items():
+        assert fields(row["zh"]) == fields(row["en"]), key

@@ -71,12 +71,12 @@ MESSAGES: dict[str, dict[str, str]] = {
         "allocated, {share_unalloc} of the cache) and {free} is free on the device: together at least the {tried} "
         "request, yet no single piece was that large. PyTorch searches its cache before it asks the driver, and "
         "when it gives up every whole free segment has already gone back to the driver, so the unused cache lies "
-        "in pieces of partly used segments, each smaller than the request, and the device could give at most "
-        "{free}. Without fragmentation this allocation would have fit.",
+        "in pieces of partly used segments, none of them large enough for this request, and the device could give "
+        "at most {free}. Without fragmentation this allocation would have fit.",
         "zh": "碎片化：PyTorch 缓存中有 {unalloc} 未被使用（保留 {reserved} − 已分配 {allocated}，占缓存的 "
         "{share_unalloc}），设备上还有 {free} 空闲：两者合计不少于 {tried} 的请求，却没有一块足够大。PyTorch "
         "先在缓存中查找，再向驱动申请；放弃时所有完整的空闲段都已归还驱动，所以剩下的未用缓存分散在部分占用的段中，"
-        "每块都小于请求，而设备最多只能给出 {free}。如果没有碎片，这次分配本可以成功。",
+        "没有一块足以满足这次请求，而设备最多只能给出 {free}。如果没有碎片，这次分配本可以成功。",
     },
     "cause.fragmentation.fits_cache": {
         "en": "Fragmentation: {unalloc} sits unused in PyTorch's cache ({reserved} reserved − {allocated} allocated), "

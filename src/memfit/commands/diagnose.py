@@ -1,7 +1,11 @@
-"""`memfit diagnose [LOGFILE|-] [--text ...] [--lang en|zh] [--json]`.
+"""`memfit diagnose [LOGFILE|-] [--text ...] [--lang en|zh] [--json] [--plan PLAN.json]`.
+
+The log (a file or stdin) is read in any encoding `memfit.oom_text.decode_log` reads: UTF-8,
+and the UTF-16 with BOM that Windows PowerShell 5 writes with ``>``.
 
 Exit codes: 0 an out-of-memory error was found and explained; 1 none found; 2 user error
-(missing or unreadable file), raised as MemfitError and printed by memfit.cli.
+(missing or unreadable file, a plan file that is not a memfit plan), raised as MemfitError
+and printed by memfit.cli as one line.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ def diagnose_command_parser(subparsers: argparse._SubParsersAction) -> argparse.
         description="Find the last out-of-memory error in a training log or traceback and explain "
         "where it happened, why, and what helps.",
     )
-    parser.add_argument("logfile", nargs="?", help="log or traceback file; `-` reads stdin")
+    parser.add_argument("logfile", nargs="?", help="log or traceback file (UTF-8 or UTF-16); `-` reads stdin")
     parser.add_argument("--text", help="the error text itself instead of a file")
     parser.add_argument("--lang", choices=LANGS, default="en", help="output language (default: en)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
