@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from memfit.cli import main
 from memfit.diagnosis import (
     ALLOCATION_HEADROOM_MIN_BYTES,
+    CAUSE_KINDS,
     ALLOCATION_HEADROOM_SHARE,
     XPU_MAX_SINGLE_ALLOCATION_BYTES,
     detect_phase,
@@ -66,6 +67,7 @@ def check_invariants(m, d) -> None:
     T, C, F = m.tried_to_allocate_bytes, m.total_bytes, m.free_bytes
     U, R = m.reserved_unallocated_bytes, m.reserved_bytes
     assert len(_primary(d)) == 1, [c.kind for c in d.causes]
+    assert all(c.kind in CAUSE_KINDS for c in d.causes)
     primary = _primary(d)[0].kind
     frag = [c for c in d.causes if c.kind == "fragmentation"]
     frag_text = frag[0].text if frag else ""

@@ -106,7 +106,7 @@ import codecs
 import re
 from dataclasses import dataclass
 
-from memfit.units import GiB, KiB, MiB, format_size_torch, parse_size
+from memfit.units import GiB, format_size_torch, parse_size
 
 __all__ = [
     "OomMessage",
