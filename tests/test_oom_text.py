@@ -9,7 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.oom_text import FORMATS, find_ooms, format_oom_message, normalize_log, parse_oom
+from memfit.oom_text import (
+    BACKENDS,
+    FORMATS,
+    OOM_FRAGMENTS,
+    decode_log,
+    find_ooms,
+    format_oom_message,
+    is_oom_text,
+    normalize_log,
+    parse_oom,
+)
 from memfit.units import GiB, KiB, MiB, parse_size
 
 DATA = Path(__file__).parent / "data" / "oom"
@@ -55,7 +65,12 @@ def test_corpus_message_parses_to_its_printed_numbers(case):
     elif "unalloc" in e and m.allocated_bytes is not None:  # current: reserved derived
         assert m.reserved_bytes == m.allocated_bytes + private + _b(e["unalloc"])
     assert m.other_processes == tuple((pid, _b(s)) for pid, s in e.get("others", []))
+    assert m.backend == e["backend"] and (m.backend is None or m.backend in BACKENDS)
+    if "mps_allocated" in e:
+        assert m.reserved_bytes == _b(e["mps_allocated"]) and m.allocated_bytes is None
+    assert m.other_allocations_bytes == (_b(e["other_allocations"]) if "other_allocations" in e else None)
     assert len(find_ooms(case["text"])) == 1
+    assert "\n" not in m.raw and "[rank" not in m.raw
 
 
 def test_seed_message_numbers():
@@ -189,3 +204,63 @@ def test_arbitrary_text_never_crashes(text):
 def test_fragments_of_messages_never_crash(parts):
     for m in find_ooms("".join(parts)):
         assert m.format in FORMATS
+
+
+# ------------------------------------------------------------------ backends, launchers, encodings
+
+
+def test_mps_sizes_before_torch_2_2_are_binary():
+    m = parse_oom("RuntimeError: MPS backend out of memory (MPS allocated: 5.56 GB, other allocations: 1.10 GB, "
+                  "max allowed: 6.80 GB). Tried to allocate 768.00 MB on private pool. Use "
+                  "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0")  # Comfy-Org/ComfyUI#2489
+    assert (m.format, m.backend) == ("mps", "mps")
+    assert m.tried_to_allocate_bytes == 768 * MiB and m.reserved_bytes == _b("5.56GiB")
+    assert m.total_bytes is None and m.free_bytes is None  # not printed: unknown
+    assert m.raw.endswith("on private pool.")
+
+
+def test_mps_without_the_watermark_has_no_allowed_figure():
+    m = parse_oom("MPS backend out of memory (MPS allocated: 1.00 GiB, other allocations: 2.00 MiB). Tried to "
+                  "allocate 3.00 GiB on shared pool.")  # MPSAllocator.mm, PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0
+    assert m.allowed_bytes is None and m.other_allocations_bytes == 2 * MiB and m.tried_to_allocate_bytes == 3 * GiB
+
+
+def test_xpu_hint_is_kept_out_of_the_figures():
+    m = parse_oom("torch.OutOfMemoryError: XPU out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity "
+                  "of 11.93 GiB of which 5.62 MiB is free. Of the allocated memory 10.43 GiB is allocated by PyTorch, "
+                  "and 94.57 MiB is reserved by PyTorch but unallocated. Please use `empty_cache` to release all "
+                  "unoccupied cached memory.\nnext log line 1.5 GiB")
+    assert m.format == "xpu" and m.free_bytes == _b("5.62MiB") and m.raw.endswith("cached memory.")
+
+
+def test_launcher_prefixes_are_removed_and_other_ranks_left_out():
+    assert normalize_log("[rank0]: a\n[default3]:b\n[rank12]:  File x") == "a\nb\n File x"
+    log = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total\n"
+           "[rank1]: capacity of 9.00 GiB and so on\n"
+           "[rank0]: capacity of 79.15 GiB of which 1.00 GiB is free. Of the allocated memory 70.00 GiB is allocated\n"
+           "[rank0]: by PyTorch, and 1.00 GiB is reserved by PyTorch but unallocated.")
+    m = parse_oom(log)
+    assert m.total_bytes == _b("79.15GiB") and m.reserved_unallocated_bytes == GiB and "9.00" not in m.raw
+
+
+@pytest.mark.parametrize("encoding, bom", [("utf-16-le", b"\xff\xfe"), ("utf-16-be", b"\xfe\xff"),
+                                           ("utf-8", b"\xef\xbb\xbf"), ("utf-16-le", b""), ("utf-8", b"")])
+def test_decode_log_reads_what_windows_and_linux_write(encoding, bom):
+    text = "Schritt 1 – ok\r\n" + _seed(7) + "\r\n"
+    decoded = decode_log(bom + text.encode(encoding))
+    assert decoded == text
+    assert parse_oom(decoded).tried_to_allocate_bytes == 7 * MiB
+
+
+def test_decode_log_replaces_undecodable_bytes():
+    assert decode_log(b"ok \xc3\x28 tail") == "ok \ufffd( tail"
+    assert decode_log(b"") == ""
+
+
+def test_fragment_table_drives_detection():
+    assert {f.kind for f in OOM_FRAGMENTS} >= {"alloc", "mps", "cuda_error", "cpu", "xpu_runtime"}
+    for f in OOM_FRAGMENTS:
+        sample = f.text if not f.pattern or f.kind != "alloc_bare" else "Tried to allocate 2.00 MiB (GPU 0; 1 GiB"
+        assert is_oom_text("RuntimeError: " + sample) == f.certain, f.text
+        assert find_ooms("RuntimeError: " + sample), f.text
+    assert not is_oom_text("epoch 3: loss 0.1, memory 1.2 GiB")

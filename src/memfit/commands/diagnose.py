@@ -1,7 +1,11 @@
-"""`memfit diagnose [LOGFILE|-] [--text ...] [--lang en|zh] [--json]`.
+"""`memfit diagnose [LOGFILE|-] [--text ...] [--lang en|zh] [--json] [--plan PLAN.json]`.
+
+The log (a file or stdin) is read in any encoding `memfit.oom_text.decode_log` reads: UTF-8,
+and the UTF-16 with BOM that Windows PowerShell 5 writes with ``>``.
 
 Exit codes: 0 an out-of-memory error was found and explained; 1 none found; 2 user error
-(missing or unreadable file), raised as MemfitError and printed by memfit.cli.
+(missing or unreadable file, a plan file that is not a memfit plan), raised as MemfitError
+and printed by memfit.cli as one line.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ import sys
 from pathlib import Path
 
 from memfit.commands.estimate import add_setup_arguments, build_setup
-from memfit.diagnosis.causes import Diagnosis, diagnose
+from memfit.diagnosis.causes import Diagnosis, diagnose, read_log
 from memfit.errors import MemfitError
 from memfit.diagnosis.strings import LANGS, t
+from memfit.oom_text import decode_log
 
 __all__ = ["diagnose_command_parser", "diagnose_command"]
 
@@ -26,7 +31,7 @@ def diagnose_command_parser(subparsers: argparse._SubParsersAction) -> argparse.
         description="Find the last out-of-memory error in a training log or traceback and explain "
         "where it happened, why, and what helps.",
     )
-    parser.add_argument("logfile", nargs="?", help="log or traceback file; `-` reads stdin")
+    parser.add_argument("logfile", nargs="?", help="log or traceback file (UTF-8 or UTF-16); `-` reads stdin")
     parser.add_argument("--text", help="the error text itself instead of a file")
     parser.add_argument("--lang", choices=LANGS, default="en", help="output language (default: en)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -46,16 +51,9 @@ def _read_source(args: argparse.Namespace) -> tuple[str, str]:
     if args.logfile is None:
         raise MemfitError("no input `(none)`; pass a log file, `-` to read stdin, or --text \"<error message>\"")
     if args.logfile == "-":
-        return sys.stdin.read(), "stdin"
-    path = Path(args.logfile)
-    if not path.exists():
-        raise MemfitError(f"log file `{path}` does not exist; pass the path of the training log or traceback")
-    if path.is_dir():
-        raise MemfitError(f"`{path}` is a directory; pass the log file inside it (e.g. `{path}/train.log`)")
-    try:
-        return path.read_text(encoding="utf-8", errors="replace"), str(path)
-    except OSError as err:
-        raise MemfitError(f"cannot read log file `{path}` ({err.strerror}); check its permissions") from err
+        buffer = getattr(sys.stdin, "buffer", None)  # bytes: a UTF-16 pipe from PowerShell decodes too
+        return (decode_log(buffer.read()) if buffer is not None else sys.stdin.read()), "stdin"
+    return read_log(args.logfile), str(Path(args.logfile))
 
 
 def _gpu_processes() -> list[tuple[int, int, int]]:
@@ -71,6 +69,7 @@ def to_json(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> dict:
         "is_oom": d.is_oom,
         "oom_count": d.oom_count,
         "format": m.format if m else None,
+        "backend": m.backend if m else None,
         "device": m.device if m else None,
         "tried_to_allocate_bytes": m.tried_to_allocate_bytes if m else None,
         "total_bytes": m.total_bytes if m else None,
@@ -82,6 +81,7 @@ def to_json(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> dict:
         "process_used_bytes": m.process_used_bytes if m else None,
         "allowed_bytes": m.allowed_bytes if m else None,
         "private_pool_bytes": m.private_pool_bytes if m else 0,
+        "other_allocations_bytes": m.other_allocations_bytes if m else None,
         "other_processes": [{"pid": pid, "bytes": b} for pid, b in (m.other_processes if m else ())],
         "phase": d.phase,
         "phase_frame": d.phase_frame,
@@ -103,7 +103,8 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
     lang, m = d.lang, d.message
     assert m is not None
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-    console.rule(t("title.cpu" if m.format == "cpu_allocator" else "title", lang))
+    title = {"cpu": "title.cpu", "rocm": "title.rocm", "xpu": "title.xpu", "mps": "title.mps"}.get(m.backend or "", "title")
+    console.rule(t(title, lang))
     if d.oom_count > 1:
         console.print(t("count", lang, count=d.oom_count))
     console.print(f"[bold]{t('label.message', lang)}:[/bold] {escape(m.raw)}", markup=True)
@@ -111,16 +112,21 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
     console.print(f"[bold]{t('label.phase', lang)}:[/bold] {t('phase.' + d.phase, lang)}")
     if d.phase_frame:
         console.print(f"[bold]{t('label.frame', lang)}:[/bold] {escape(d.phase_frame)}", markup=True)
+    rows: list[tuple[str, int | None, bool]] = []  # (label, value, shown when unknown)
     if m.has_numbers:
+        rows = [("num.tried", m.tried_to_allocate_bytes, True), ("num.total", m.total_bytes, True),
+                ("num.free", m.free_bytes, True), ("num.allocated", m.allocated_bytes, True),
+                ("num.reserved", m.reserved_bytes, True), ("num.unallocated", m.reserved_unallocated_bytes, True),
+                ("num.non_pytorch", m.non_pytorch_bytes, True), ("num.process", m.process_used_bytes, False),
+                ("num.allowed", m.allowed_bytes, False), ("num.private", m.private_pool_bytes or None, False)]
+    elif m.format == "mps":
+        rows = [("num.tried", m.tried_to_allocate_bytes, True), ("num.mps_allocated", m.reserved_bytes, True),
+                ("num.mps_other", m.other_allocations_bytes, True), ("num.mps_allowed", m.allowed_bytes, True)]
+    if rows:
         table = Table(title=t("label.numbers", lang), show_header=False)
-        rows = [("num.tried", m.tried_to_allocate_bytes), ("num.total", m.total_bytes), ("num.free", m.free_bytes),
-                ("num.allocated", m.allocated_bytes), ("num.reserved", m.reserved_bytes),
-                ("num.unallocated", m.reserved_unallocated_bytes), ("num.non_pytorch", m.non_pytorch_bytes),
-                ("num.process", m.process_used_bytes), ("num.allowed", m.allowed_bytes),
-                ("num.private", m.private_pool_bytes or None)]
-        for key, value in rows:
-            if value is not None:
-                table.add_row(t(key, lang), _fmt(value))
+        for key, value, always in rows:
+            if value is not None or always:
+                table.add_row(t(key, lang), _fmt(value, lang))
         console.print(table)
     console.print(f"[bold]{t('label.causes', lang)}[/bold]")
     for c in d.causes:
@@ -136,13 +142,19 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
 
 
 def _saved_plan(path: str) -> dict:
+    hint = "save one with `memfit plan ... --json > plan.json`"
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except FileNotFoundError as err:
-        raise MemfitError(f"plan file `{path}` does not exist; save one with `memfit plan ... --json > plan.json`") from err
-    except (OSError, json.JSONDecodeError) as err:
-        raise MemfitError(f"cannot read plan file `{path}` ({err}); save one with `memfit plan ... --json`") from err
+        raise MemfitError(f"plan file `{path}` does not exist; {hint}") from err
+    except IsADirectoryError as err:
+        raise MemfitError(f"plan file `{path}` is a directory; {hint}") from err
+    except UnicodeDecodeError as err:
+        raise MemfitError(f"plan file `{path}` is not text (byte {err.start} is not UTF-8); {hint}") from err
+    except json.JSONDecodeError as err:
+        raise MemfitError(f"plan file `{path}` is not JSON ({err.msg} at line {err.lineno}); {hint}") from err
+    except OSError as err:
+        raise MemfitError(f"cannot read plan file `{path}` ({err.strerror}); {hint}") from err
     if not isinstance(data, dict) or data.get("schema") != "memfit.plan/1":
         raise MemfitError(f"`{path}` is not a memfit plan (schema `memfit.plan/1`); save one with `memfit plan --json`")
     return data

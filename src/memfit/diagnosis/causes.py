@@ -1,64 +1,100 @@
 """Explain an out-of-memory error: where it happened, why, and what helps.
 
-`diagnose` is pure: text (or an exception) in, a frozen `Diagnosis` out; the CLI prints it.
+`diagnose` is pure: text, a log file's path or an exception in, a frozen `Diagnosis` out;
+the CLI prints it.
 
 Where: the traceback frames just before the last OOM message are matched against
 transformers 5's Trainer (trainer.py: ``_run_epoch`` -> ``training_step`` ->
 ``compute_loss`` / ``accelerator.backward``; ``optimizer.step`` and ``_clip_grad_norm``;
 ``_maybe_log_save_evaluate`` -> ``_evaluate`` -> ``evaluate`` -> ``evaluation_loop`` ->
 ``prediction_step``; ``_save_checkpoint`` / ``save_model`` / ``_save``;
-``_load_best_model``), torch (``torch/autograd``, ``torch/optim``,
-``torch/utils/data/_utils/collate.py``, ``nn.Module._apply``) and plain PyTorch loops.
-The most specific phase wins, in `_PHASE_ORDER` order (a forward inside evaluation is
-evaluation; recomputation inside backward is backward).
+``_load_best_model``), DeepSpeed (deepspeed/runtime/engine.py ``step`` ->
+``_take_model_step``, zero/stage_1_and_2.py and stage3.py ``step`` / ``_optimizer_step``;
+``backward``, ``allreduce_gradients`` and the ZeRO gradient-reduction hooks), torch
+(``torch/autograd``, ``torch/optim``, ``torch/utils/data/_utils/collate.py``,
+``nn.Module._apply``) and plain PyTorch loops. The most specific phase wins, in
+`_PHASE_ORDER` order (a forward inside evaluation is evaluation; recomputation inside
+backward is backward; accelerate's DeepSpeed wrapper calls ``engine.step()`` from inside
+``backward``, and that is the optimizer step).
 
-Why, with the message's numbers (thresholds are module constants):
+Why, from the message's own arithmetic (T request, F free, U reserved-but-unallocated,
+R reserved, C capacity; a figure the message does not print is unknown, never 0):
 
-* fragmentation = reserved - allocated. Significant when at least
-  `FRAGMENTATION_MIN_BYTES` and `FRAGMENTATION_MIN_SHARE` of PyTorch's cache; the main
-  cause when also ``unallocated + free >= request`` (it would have fit unfragmented).
-* outside PyTorch's cache = total - free - reserved (CUDA context, libraries, other
-  processes). Up to `CUDA_CONTEXT_TYPICAL_BYTES` is normal; more, or other processes
-  holding at least `OTHER_PROCESSES_MIN_BYTES`, is significant; the main cause when
-  freeing it would have made the request fit.
-* memory cap: an ``allowed`` figure and ``free >= request`` but ``reserved + request > allowed``.
-* otherwise a true shortfall of ``request - free``.
+* the caching allocator first searches its cache, then asks the driver for T, and at
+  the moment it raises every whole free segment has already gone back to the driver
+  ("The only remaining cached memory is split from a larger block that is partially
+  in-use", c10/cuda/CUDACachingAllocator.cpp, next to the OOM message). So:
+* T > C: no setting makes one allocation larger than the device fit.
+* F < T <= U + F (and T is a large-pool request): fragmentation decides it; the
+  allocation would have fit had the unused cache been in one piece.
+* F >= T + headroom: the device had the memory; the driver refused for another reason:
+  a per-process memory fraction (``allowed``), a single allocation above a backend
+  limit (Intel GPUs), the HIP allocator (ROCm), the WDDM driver (Windows), a limit
+  PyTorch does not print. It is not a shortfall and not fragmentation.
+* otherwise a shortfall of T - F, unless other processes or memory outside PyTorch
+  (C - F - R) would have made room.
+* "Process N has X in use" without a "this process" line is this very process when
+  X + R exceeds what is in use (C - F), or when X is R plus a context's worth.
+
+MPS messages are read with MPSAllocator.mm's arithmetic: MPS allocated + other
+allocations + T > max allowed is the high-watermark limit; below it Metal itself refused.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
+from memfit.allocator.caching import K_SMALL_BUFFER
 from memfit.errors import MemfitError
 from memfit.diagnosis.strings import t
-from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, find_ooms, normalize_log
-from memfit.units import GiB, MiB, format_bytes
+from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, decode_log, find_ooms, normalize_log
+from memfit.units import GiB, KiB, MiB, format_bytes
 
 __all__ = [
     "Cause",
     "Diagnosis",
     "diagnose",
     "detect_phase",
+    "read_log",
     "PHASES",
     "FRAGMENTATION_MIN_BYTES",
     "FRAGMENTATION_MIN_SHARE",
     "CUDA_CONTEXT_TYPICAL_BYTES",
     "OTHER_PROCESSES_MIN_BYTES",
+    "ALLOCATION_HEADROOM_MIN_BYTES",
+    "ALLOCATION_HEADROOM_SHARE",
+    "XPU_MAX_SINGLE_ALLOCATION_BYTES",
 ]
 
-#: Reserved-but-unallocated memory below this is never called fragmentation.
+#: Unused cache that does not decide the allocation is called a contributing
+#: fragmentation from this size ...
 FRAGMENTATION_MIN_BYTES = 256 * MiB
-#: ... nor below this share of PyTorch's reserved memory (the seed case: 0.47 of 14.78 GiB = 3%).
+#: ... and this share of PyTorch's reserved memory (the seed case: 0.47 of 14.78 GiB = 3%).
 FRAGMENTATION_MIN_SHARE = 0.10
 #: A CUDA context plus cuBLAS/cuDNN workspaces: typically 0.3-1.5 GiB per process.
 CUDA_CONTEXT_TYPICAL_BYTES = int(1.5 * GiB)
 #: Other processes holding less than this together are not worth stopping.
 OTHER_PROCESSES_MIN_BYTES = 256 * MiB
-#: A listed process this close above PyTorch's reserved memory is taken to be this process
-#: seen through a container's PID namespace (PyTorch compares NVML's PID with getpid()).
+#: A listed process at most this far above PyTorch's reserved memory is taken to be this
+#: process seen through a container's PID namespace (PyTorch compares NVML's PID with getpid()).
 SELF_PID_SLACK_BYTES = 2 * GiB
+#: Free memory less than this above the request is no real headroom: cudaMemGetInfo's free
+#: figure is more than one allocation can get (ComputationalRadiationPhysics/cuda_memtest#39
+#: measured the largest possible allocation 33 MiB below the reported free memory of a
+#: 64 GiB GPU, after a 16 MiB allowance proved too small); memfit allows about twice that ...
+ALLOCATION_HEADROOM_MIN_BYTES = 64 * MiB
+#: ... or 1% of the request when that is larger (page tables grow with the allocation).
+ALLOCATION_HEADROOM_SHARE = 0.01
+#: Intel GPUs other than the Data Center GPU Max refuse one allocation above the device's
+#: max_mem_alloc_size, just under 4 GiB on Arc (4294959104 bytes measured on an A770 in
+#: CHIP-SPV/chipStar#1186; intel/compute-runtime#627), even with free memory left
+#: (pytorch/pytorch#176868). UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1 lifts it
+#: (oneapi-src/unified-runtime#1245).
+XPU_MAX_SINGLE_ALLOCATION_BYTES = 4 * GiB - 8 * KiB
 
 PHASES = (
     "forward",
@@ -75,12 +111,19 @@ PHASES = (
 
 @dataclass(frozen=True, slots=True)
 class Cause:
-    """One reason, with the bytes it accounts for (None when the message has no figures)."""
+    """One reason, with the bytes it accounts for (None when the message does not say)."""
 
-    kind: str  #: fragmentation | non_pytorch | other_processes | memory_cap | shortfall | ...
+    kind: str  #: see `CAUSE_KINDS`
     bytes: int | None
     text: str
     primary: bool = False
+
+
+#: Every `Cause.kind` diagnose gives.
+CAUSE_KINDS = ("shortfall", "fragmentation", "memory_cap", "free_exceeds_request", "backend_limit",
+               "non_pytorch", "other_processes", "self_pid", "inconsistent_free", "unknown_free",
+               "mps_watermark", "mps_other_allocations", "mps_system", "cpu_ram", "truncated", "cuda_error",
+               "xpu_runtime_error", "cublas_alloc_failed", "cudnn_alloc_failed", "cudnn_not_supported")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +158,22 @@ _LOAD_FUNCS = {"from_pretrained", "_load_from_checkpoint", "_move_model_to_devic
                "_load_state_dict_into_meta_model", "load_state_dict", "dispatch_model",
                "load_checkpoint_and_dispatch", "load_checkpoint_in_model"}
 _FORWARD_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "compute_loss", "training_step"}
+# DeepSpeed (deepspeedai/DeepSpeed edaa7221): runtime/engine.py DeepSpeedEngine.step -> _take_model_step;
+# zero/stage_1_and_2.py and zero/stage3.py step -> _optimizer_step, unscale_and_clip_grads, update_lp_params,
+# stage3 _pre_step/_post_step; pipe/engine.py _exec_optimizer_step; fp16/fused_optimizer.py and
+# bf16_optimizer.py step; ops/adam etc. step.
+_DEEPSPEED_OPTIMIZER_FUNCS = {"step", "_take_model_step", "_optimizer_step", "_exec_optimizer_step",
+                              "unscale_and_clip_grads", "update_lp_params", "_pre_step", "_post_step",
+                              "scaled_global_norm", "get_grad_norm_direct"}
+# engine.py backward, allreduce_gradients, _backward_prologue/_epilogue; stage_1_and_2.py reduce_gradients,
+# reduce_ipg_grads, average_tensor, reduce_ready_partitions_and_remove_grads,
+# reduce_independent_p_g_buckets_and_remove_grads, grad_handling_hook; stage3.py partition_grads,
+# reduce_partition_and_remove_grads, __reduce_and_partition_ipg_grads (name-mangled); pipe _exec_backward_pass.
+_BACKWARD_FUNCS = {"backward", "_engine_run_backward", "allreduce_gradients", "_backward_prologue",
+                   "_backward_epilogue", "reduce_gradients", "reduce_ipg_grads", "average_tensor",
+                   "reduce_ready_partitions_and_remove_grads", "reduce_independent_p_g_buckets_and_remove_grads",
+                   "grad_handling_hook", "partition_grads", "reduce_partition_and_remove_grads",
+                   "_exec_backward_pass"}
 
 
 def _is_load_best(file: str, func: str, code: str) -> bool:
@@ -139,14 +198,19 @@ def _is_model_load(file: str, func: str, code: str) -> bool:
             or bool(re.search(r"\bmodel\s*\.\s*(?:to|cuda)\(|\.from_pretrained\(", code)))
 
 
+def _is_deepspeed(file: str) -> bool:
+    return "/deepspeed/" in file or file.startswith("deepspeed/")
+
+
 def _is_optimizer(file: str, func: str, code: str) -> bool:
     return ("torch/optim/" in file or "clip_grad" in file or func in {"_clip_grad_norm", "clip_grad_norm_"}
             or ("optim" in file.lower() and func == "step")
+            or (_is_deepspeed(file) and "lr_schedules" not in file and func in _DEEPSPEED_OPTIMIZER_FUNCS)
             or bool(re.search(r"optimizer\.step\(|clip_grad_norm_?\(", code)))
 
 
 def _is_backward(file: str, func: str, code: str) -> bool:
-    return ("torch/autograd/" in file or func in {"backward", "_engine_run_backward"}
+    return ("torch/autograd/" in file or func in _BACKWARD_FUNCS or func.endswith("__reduce_and_partition_ipg_grads")
             or bool(re.search(r"\.backward\(", code)))
 
 
@@ -181,7 +245,7 @@ def _frames(text: str) -> list[tuple[str, str, str, str]]:
 
 def detect_phase(traceback_text: str) -> tuple[str, str]:
     """The training phase a traceback points at, and the deciding frame line (``unknown``, "")."""
-    frames = _frames(traceback_text)
+    frames = _frames(normalize_log(traceback_text))
     for phase, test in _PHASE_ORDER:
         for file, func, code, line in reversed(frames):  # innermost first
             if test(file, func, code):
@@ -203,84 +267,260 @@ def _traceback_for(text: str, oom: OomMessage, previous_end: int, next_start: in
 # --------------------------------------------------------------------------- numbers
 
 
-def _fmt(n: int | None) -> str:
-    """GiB with two decimals from 0.1 GiB up (as the OOM message reads), else binary units."""
+def _fmt(n: int | None, lang: str = "en") -> str:
+    """GiB with two decimals from 0.1 GiB up (as the OOM message reads), else binary units; None is unknown."""
     if n is None:
-        return "?"
+        return t("unknown", lang)
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB / 10 else format_bytes(n)
 
 
-def _pct(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.0f}%" if whole else "?"
+def _pct(part: int | None, whole: int | None, lang: str = "en") -> str:
+    return f"{100 * part / whole:.0f}%" if part is not None and whole else t("unknown", lang)
 
 
-def _allocator_causes(m: OomMessage, lang: str) -> tuple[list[Cause], list[str]]:
-    total, free = m.total_bytes or 0, m.free_bytes or 0
-    reserved, allocated = m.reserved_bytes or 0, m.allocated_bytes or 0
-    unalloc = m.reserved_unallocated_bytes or 0
-    tried = m.tried_to_allocate_bytes or 0
-    f = {"total": _fmt(total), "free": _fmt(free), "reserved": _fmt(reserved), "allocated": _fmt(allocated),
-         "unalloc": _fmt(unalloc), "tried": _fmt(tried), "ctx": _fmt(CUDA_CONTEXT_TYPICAL_BYTES)}
+def _print_tol(*values: int | None) -> int:
+    """How far the true sum of these printed figures can be from the printed one: half a unit
+    of the second decimal each (format_size prints two decimals of KiB / MiB / GiB)."""
+    tol = 0
+    for n in values:
+        if n is None or n <= 1024:
+            continue
+        scale = KiB if n <= MiB else MiB if n <= GiB else GiB
+        tol += int(0.005 * scale) + 1
+    return tol
 
-    # Processes: drop NVML "not available" values (> capacity); spot this process behind a PID namespace.
-    others = [(pid, b) for pid, b in m.other_processes if b <= total]
+
+def _headroom(tried: int) -> int:
+    return max(ALLOCATION_HEADROOM_MIN_BYTES, int(ALLOCATION_HEADROOM_SHARE * tried))
+
+
+_WINDOWS_RE = re.compile(r"(?:^|[\s\"'(])[A-Za-z]:\\[^\s\\]|\bWDDM\b|\bwin32\b|\bPS [A-Za-z]:\\", re.M)
+
+
+def _on_windows(log_text: str) -> bool:
+    """The log shows Windows: drive-letter paths in frames or prompts (``C:\\...``, ``PS C:\\``), or WDDM."""
+    return bool(_WINDOWS_RE.search(log_text))
+
+
+_TOOLS = {"cuda": "nvidia-smi", "rocm": "rocm-smi", "xpu": "xpu-smi", "mps": "Activity Monitor", None: "nvidia-smi"}
+
+
+def _allocator_causes(m: OomMessage, lang: str, log_text: str) -> tuple[list[Cause], list[str]]:
+    """Causes and cause-specific advice ids for a caching-allocator message (CUDA, HIP, XPU)."""
+    T, C, F = m.tried_to_allocate_bytes, m.total_bytes, m.free_bytes
+    A, R, U = m.allocated_bytes, m.reserved_bytes, m.reserved_unallocated_bytes
+    L = m.allowed_bytes
+    backend = m.backend or "cuda"
+    fm = lambda n: _fmt(n, lang)  # noqa: E731
+    f = {"total": fm(C), "free": fm(F), "reserved": fm(R), "allocated": fm(A), "unalloc": fm(U), "tried": fm(T),
+         "ctx": fm(CUDA_CONTEXT_TYPICAL_BYTES), "share": _pct(A, C, lang), "tool": _TOOLS.get(backend, "nvidia-smi")}
+
+    # A free figure above the capacity is no measurement of this device (ROCm APUs count system memory).
+    free_bad = F is not None and C is not None and F > C + _print_tol(F, C)
+    F_ok = None if free_bad else F
+
+    # Processes: drop NVML "not available" values (> capacity); find this process behind a PID namespace.
+    others = [(pid, b) for pid, b in m.other_processes if C is None or b <= C]
+    P = m.process_used_bytes
     self_pid: tuple[int, int] | None = None
-    if not m.process_used_bytes and reserved:
-        for pid, b in others:
-            if reserved <= b <= reserved + SELF_PID_SLACK_BYTES:
-                self_pid = (pid, b)
-                others.remove((pid, b))
-                break
+    self_sure = False
+    if P is None and R and others:
+        used = C - F_ok if C is not None and F_ok is not None else None
+        # A process holding less than this process's cache is another process. One whose memory and this
+        # process's cache cannot both fit in what is in use is this process (sure); else the one closest
+        # above the cache by at most a context's worth is taken to be it (likely).
+        candidates = [(pid, b) for pid, b in others if b + _print_tol(b, R) >= R]
+        sure = [pb for pb in candidates if used is not None and pb[1] + R > used + _print_tol(pb[1], R, C, F_ok)]
+        likely = [pb for pb in candidates if pb[1] - R <= SELF_PID_SLACK_BYTES]
+        if sure or likely:
+            self_sure = bool(sure)
+            self_pid = min(sure or likely, key=lambda pb: abs(pb[1] - R))
+        if self_pid:
+            others.remove(self_pid)
+            P = self_pid[1]
     others_bytes = sum(b for _, b in others)
-    outside = max(0, total - free - reserved)
 
-    frag_significant = unalloc >= FRAGMENTATION_MIN_BYTES and unalloc >= FRAGMENTATION_MIN_SHARE * max(reserved, 1)
-    frag_fits = frag_significant and unalloc + free >= tried
-    outside_significant = outside > CUDA_CONTEXT_TYPICAL_BYTES or others_bytes >= OTHER_PROCESSES_MIN_BYTES
-    outside_fits = outside_significant and free + max(others_bytes, outside - CUDA_CONTEXT_TYPICAL_BYTES) >= tried
-    cap = m.allowed_bytes is not None and free >= tried and reserved + tried > m.allowed_bytes
-    primary = ("memory_cap" if cap else "fragmentation" if frag_fits
-               else ("other_processes" if others_bytes >= OTHER_PROCESSES_MIN_BYTES else "non_pytorch")
-               if outside_fits else "shortfall")
+    # What the message's arithmetic says.
+    exceeds_total = T is not None and C is not None and T > C
+    free_known = F_ok is not None and T is not None
+    headroom = _headroom(T or 0)
+    free_covers = free_known and F_ok >= T + headroom
+    near_full = free_known and T <= F_ok < T + headroom
+    deficit = max(0, T - F_ok) if free_known else None
+    small_pool = T is not None and T <= K_SMALL_BUFFER
+    cap = L is not None and R is not None and T is not None and R + T > L - _print_tol(L, R, T)
+    if U is None or T is None or exceeds_total:
+        frag = "unknown" if U is None or T is None else "small"
+    elif free_covers:
+        frag = "moot"
+    elif free_known and U + F_ok >= T and (F_ok < T or U >= T):
+        # With F >= T (inside the headroom) only a cached piece of T could have spared the driver call.
+        frag = "small_pool" if small_pool else "fits"
+    elif free_known and U + F_ok >= T:
+        frag = "headroom"  # free memory alone covered the request: too little headroom, not the cache, failed it
+    elif not free_known and U >= T:
+        frag = "fits"
+    elif not free_known:
+        frag = "unknown"
+    elif U >= FRAGMENTATION_MIN_BYTES and U >= FRAGMENTATION_MIN_SHARE * max(R or 0, 1):
+        frag = "contributes"
+    else:
+        frag = "small"
+    outside = C - F_ok - R if C is not None and F_ok is not None and R is not None else None
+    own_extra = P - R if P and R is not None and P >= R else None  # this process outside its cache
+    foreign = None if outside is None else max(0, outside - (own_extra or 0))
+    outside_significant = foreign is not None and (foreign > CUDA_CONTEXT_TYPICAL_BYTES
+                                                   or others_bytes >= OTHER_PROCESSES_MIN_BYTES)
+    others_fit = free_known and others_bytes >= OTHER_PROCESSES_MIN_BYTES and F_ok + others_bytes >= T
+    outside_fit = (free_known and foreign is not None and foreign > CUDA_CONTEXT_TYPICAL_BYTES
+                   and F_ok + foreign - CUDA_CONTEXT_TYPICAL_BYTES >= T)
+    xpu_limit = backend == "xpu" and T is not None and T >= XPU_MAX_SINGLE_ALLOCATION_BYTES
+
+    if exceeds_total:
+        primary = "shortfall"
+    elif m.format == "ipex_4gb" or (xpu_limit and (not free_known or F_ok >= T)):
+        primary = "backend_limit"
+    elif cap and (not free_known or F_ok >= T):
+        primary = "memory_cap"
+    elif frag == "fits":
+        primary = "fragmentation"
+    elif free_covers:
+        # Other processes' memory changes while they run; PyTorch reads the free figure after the failure.
+        primary = "other_processes" if others_bytes >= OTHER_PROCESSES_MIN_BYTES else "free_exceeds_request"
+    elif not free_known:
+        primary = "inconsistent_free" if free_bad else "unknown_free"
+    elif others_fit:
+        primary = "other_processes"
+    elif outside_fit:
+        primary = "non_pytorch"
+    else:
+        primary = "shortfall"
 
     causes: list[Cause] = []
+    add = lambda kind, n, key, **kw: causes.append(  # noqa: E731
+        Cause(kind, n, t(key, lang, **{**f, **kw}), primary == kind))
+
+    if free_bad:
+        add("inconsistent_free", F, "cause.inconsistent_free")
+    if m.format == "ipex_4gb":
+        add("backend_limit", T, "cause.backend_limit.ipex")
+    elif xpu_limit and not exceeds_total:
+        add("backend_limit", T, "cause.backend_limit.xpu", limit=fm(XPU_MAX_SINGLE_ALLOCATION_BYTES))
     if cap:
-        causes.append(Cause("memory_cap", m.allowed_bytes, t("cause.memory_cap", lang, allowed=_fmt(m.allowed_bytes),
-                                                              free=f["free"]), True))
-    deficit = max(0, tried - free)
-    key = "cause.shortfall" if deficit > 0 else "cause.shortfall.full"
-    causes.append(Cause("shortfall", deficit, t(key, lang, bytes=_fmt(deficit), share=_pct(allocated, total), **f),
-                        primary == "shortfall"))
-    if frag_significant:
-        fits = t("cause.fragmentation.fits", lang, **f) if frag_fits else ""
-        text = t("cause.fragmentation.significant", lang, share=_pct(unalloc, reserved), fits=fits, **f)
-    else:
-        text = t("cause.fragmentation.small", lang, **f)
-    causes.append(Cause("fragmentation", unalloc, text, primary == "fragmentation"))
-    if reserved > total - free and total:
-        causes.append(Cause("non_pytorch", 0, t("cause.non_pytorch.windows", lang, **f)))
-    else:
-        extra = t("cause.non_pytorch.large" if outside_significant else "cause.non_pytorch.typical", lang, **f)
-        causes.append(Cause("non_pytorch", outside, t("cause.non_pytorch", lang, bytes=_fmt(outside), extra=extra, **f),
-                            primary == "non_pytorch"))
+        add("memory_cap", L, "cause.memory_cap", allowed=fm(L),
+            sum=fm(R + T) if R is not None and T is not None else fm(None))
+    if exceeds_total:
+        add("shortfall", T - C, "cause.shortfall.exceeds_total")
+    elif free_covers:
+        variant = ("explained" if primary in ("memory_cap", "backend_limit")
+                   else "others" if primary == "other_processes" else _free_exceeds_variant(m, log_text, R))
+        add("free_exceeds_request", F_ok - T, f"cause.free_exceeds.{variant}", margin=fm(F_ok - T))
+    elif free_known and frag == "fits":
+        add("shortfall", deficit, "cause.shortfall.fragmented", bytes=fm(deficit))
+    elif near_full:
+        add("shortfall", 0, "cause.shortfall.headroom", margin=fm(F_ok - T), headroom=fm(headroom))
+    elif free_known:
+        add("shortfall", deficit, "cause.shortfall", bytes=fm(deficit))
+    elif not free_bad:
+        add("unknown_free", None, "cause.unknown_free")
+
+    frag_kw = {"share_unalloc": _pct(U, R, lang)}
+    if frag == "fits":
+        add("fragmentation", U, "cause.fragmentation.fits" if free_known else "cause.fragmentation.fits_cache",
+            **frag_kw)
+    elif frag == "small_pool":
+        add("fragmentation", U, "cause.fragmentation.small_pool", **frag_kw)
+    elif frag == "contributes":
+        add("fragmentation", U, "cause.fragmentation.contributes", **frag_kw)
+    elif frag == "headroom":
+        add("fragmentation", U, "cause.fragmentation.headroom", **frag_kw)
+    elif frag == "moot":
+        add("fragmentation", U, "cause.fragmentation.moot", **frag_kw)
+    elif frag == "small" and U is not None:
+        key = "cause.fragmentation.exceeds_total" if exceeds_total else "cause.fragmentation.small"
+        add("fragmentation", U, key, **frag_kw)
+    elif U is not None:
+        add("fragmentation", U, "cause.fragmentation.unknown", **frag_kw)
+
+    if outside is not None and outside < 0:
+        key = "cause.non_pytorch.windows" if backend == "cuda" else "cause.non_pytorch.negative"
+        add("non_pytorch", None, key)
+    elif outside is not None:
+        if own_extra is not None:
+            extra = t("cause.non_pytorch.split", lang, own=fm(own_extra), foreign=fm(foreign),
+                      process=fm(P), reserved=f["reserved"])
+        else:
+            extra = ""
+        verdict = "cause.non_pytorch.large" if outside_significant else (
+            "cause.non_pytorch.own_large" if own_extra is not None and own_extra > CUDA_CONTEXT_TYPICAL_BYTES
+            else "cause.non_pytorch.typical")
+        add("non_pytorch", outside, "cause.non_pytorch", bytes=fm(outside),
+            extra=extra + t(verdict, lang, **f))
+    elif not free_bad and C is not None and R is not None:
+        add("non_pytorch", None, "cause.non_pytorch.unknown")
     if others:
-        listing = ", ".join(f"PID {pid} {_fmt(b)}" for pid, b in others)
-        causes.append(Cause("other_processes", others_bytes,
-                            t("cause.other_processes", lang, bytes=_fmt(others_bytes), processes=listing),
-                            primary == "other_processes"))
+        listing = ", ".join(f"PID {pid} {fm(b)}" for pid, b in others)
+        add("other_processes", others_bytes, "cause.other_processes", bytes=fm(others_bytes), processes=listing)
     if self_pid:
-        causes.append(Cause("self_pid", self_pid[1], t("cause.self_pid", lang, pid=self_pid[0], bytes=_fmt(self_pid[1]))))
+        key = "cause.self_pid.sure" if self_sure else "cause.self_pid"
+        add("self_pid", self_pid[1], key, pid=self_pid[0], bytes=fm(self_pid[1]),
+            used=fm(C - F_ok if C is not None and F_ok is not None else None),
+            sum=fm(self_pid[1] + R), own=fm(self_pid[1] - R))
     causes.sort(key=lambda c: not c.primary)  # stable: primary first, the rest in the order above
 
     first: list[str] = []
-    if cap:
+    if primary == "backend_limit":
+        first.append("split_allocation.ipex" if m.format == "ipex_4gb" else "split_allocation.xpu")
+    if cap and not exceeds_total:
         first.append("raise_cap")
-    if frag_fits:
+    if frag == "fits":
         first.append("expandable_segments")
-    if outside_significant:
+    if primary == "free_exceeds_request":
+        first.append(f"check_driver.{_free_exceeds_variant(m, log_text, R)}")
+    if primary in ("unknown_free", "inconsistent_free"):
+        first.append("check_nvidia_smi")
+    if outside_significant and not exceeds_total and primary != "free_exceeds_request":
         first.append("stop_other_processes" if others else "check_nvidia_smi")
-    if frag_significant and not frag_fits:
+    if frag == "contributes":
         first.append("expandable_segments")  # helps, but after the shortfall remedies
+    return causes, first
+
+
+def _free_exceeds_variant(m: OomMessage, log_text: str, reserved: int | None) -> str:
+    """Which explanation fits free memory above the request: xpu_estimated, xpu, rocm, windows or cuda."""
+    if m.backend == "xpu":
+        if (m.total_bytes is not None and m.free_bytes is not None and reserved is not None
+                and abs(m.total_bytes - reserved - m.free_bytes) <= _print_tol(m.total_bytes, reserved, m.free_bytes)):
+            return "xpu_estimated"
+        return "xpu"
+    if m.backend == "rocm":
+        return "rocm"
+    if _on_windows(log_text):
+        return "windows"
+    return "cuda"
+
+
+def _mps_causes(m: OomMessage, lang: str) -> tuple[list[Cause], list[str]]:
+    """MPSAllocator.mm: the watermark trips when Metal's total for the process + the request > max allowed."""
+    T, R, O, L = m.tried_to_allocate_bytes, m.reserved_bytes, m.other_allocations_bytes, m.allowed_bytes
+    fm = lambda n: _fmt(n, lang)  # noqa: E731
+    used = R + O if R is not None and O is not None else None
+    f = {"tried": fm(T), "mps": fm(R), "other": fm(O), "allowed": fm(L), "used": fm(used),
+         "sum": fm(used + T if used is not None and T is not None else None)}
+    watermark = L is not None and used is not None and T is not None and used + T > L - _print_tol(R, O, T, L)
+    primary = "mps_watermark" if watermark else "mps_system"
+    causes = []
+    if watermark:
+        causes.append(Cause("mps_watermark", L, t("cause.mps_watermark", lang, **f), True))
+    elif L is not None:
+        causes.append(Cause("mps_system", None, t("cause.mps_system.below", lang, **f), True))
+    else:
+        causes.append(Cause("mps_system", None, t("cause.mps_system.no_limit", lang, **f), True))
+    if O is not None:
+        key = "cause.mps_other.large" if R is not None and O >= R else "cause.mps_other"
+        causes.append(Cause("mps_other_allocations", O, t(key, lang, **f)))
+    causes.append(Cause("fragmentation", None, t("cause.fragmentation.mps", lang, **f)))
+    first = ["mps_empty_cache"] + (["mps_watermark"] if watermark else [])
     return causes, first
 
 
@@ -307,60 +547,135 @@ def _rank_advice(first: list[str], phase: str, primary_is_shortfall: bool) -> li
     return list(dict.fromkeys(ids))
 
 
+def _without_hf_checkpointing(log_text: str, setup: object) -> bool:
+    """The model is one transformers 5 gives no gradient checkpointing (XLNet), by the log or the setup."""
+    if re.search(r"modeling_xlnet\.py|does not support (?:gradient|activation) checkpointing", log_text):
+        return True
+    model = getattr(setup, "model", None)
+    if model is None:
+        return False
+    name = model if isinstance(model, str) else (getattr(model, "model_type", "") or type(model).__name__)
+    return "xlnet" in str(name).lower()
+
+
 # --------------------------------------------------------------------------- entry point
 
 
-def diagnose(source: str | BaseException, *, lang: str = "en", setup: object = None) -> Diagnosis:
+def read_log(path: str | os.PathLike[str]) -> str:
+    """The text of a log file in any encoding `memfit.oom_text.decode_log` reads (UTF-8, UTF-16 with BOM, ...)."""
+    p = Path(path)
+    if not p.exists():
+        raise MemfitError(f"log file `{p}` does not exist; pass the path of the training log or traceback")
+    if p.is_dir():
+        raise MemfitError(f"`{p}` is a directory; pass the log file inside it (e.g. `{p}/train.log`)")
+    try:
+        return decode_log(p.read_bytes())
+    except OSError as err:
+        raise MemfitError(f"cannot read log file `{p}` ({err.strerror}); check its permissions") from err
+
+
+def _source_text(source: object) -> str:
+    if isinstance(source, BaseException):
+        return "".join(traceback.format_exception(type(source), source, source.__traceback__))
+    if isinstance(source, os.PathLike):
+        return read_log(source)
+    if isinstance(source, bytes):
+        return decode_log(source)
+    text = str(source)
+    if "\n" not in text and 0 < len(text) < 4096:
+        try:
+            if Path(text).is_file():
+                return read_log(text)
+        except (OSError, ValueError):  # not a usable path (too long, NUL byte): it is text
+            pass
+    return text
+
+
+def diagnose(source: str | os.PathLike[str] | bytes | BaseException, *, lang: str = "en",
+             setup: object = None) -> Diagnosis:
     """Diagnose the last out-of-memory error in a log, a traceback, a message or an exception.
 
-    With `setup` (a TrainSetup: the model and arguments of the run that failed), the diagnosis
-    is handed to the planner (memfit.planner.search) for the GPU the message describes: its total
-    capacity picks the GPU (a catalog entry of that size, else a generic GPU of that size) and
-    the memory it shows outside PyTorch's cache replaces memfit's estimate of it. The result
-    is in `Diagnosis.plan`.
+    Args:
+        source: the text of a log, traceback or message; or the path of a log file (a
+            `str` that names an existing file, or a `pathlib.Path`), read in any encoding a
+            log comes in (UTF-8, UTF-16 with BOM as Windows PowerShell writes it); or the
+            log's bytes; or the exception itself.
+        lang: language of the texts, one of `memfit.diagnosis.strings.LANGS`.
+        setup: a TrainSetup (the model and arguments of the run that failed): the
+            diagnosis is then handed to the planner (memfit.planner.search) for the GPU the message
+            describes. Its total capacity picks the GPU (a catalog entry of that size, else a
+            generic GPU of that size) and the memory it shows outside PyTorch's cache replaces
+            memfit's estimate of it. The result is in `Diagnosis.plan`.
     """
     t("title", lang)  # validates lang
-    if isinstance(source, BaseException):
-        text = "".join(traceback.format_exception(type(source), source, source.__traceback__))
-    else:
-        text = str(source)
-    text = normalize_log(text)
-    ooms = find_ooms(text)
+    raw = _source_text(source)
+    text = normalize_log(raw)
+    ooms = find_ooms(raw)
     if not ooms:
         return Diagnosis(False, None, "unknown", (), (), 0, lang=lang)
     m = ooms[-1]
     prev_end = ooms[-2].offset + 1 if len(ooms) > 1 else 0
     phase, frame = detect_phase(_traceback_for(text, m, prev_end, len(text)))
 
-    tried = _fmt(m.tried_to_allocate_bytes)
+    tried = _fmt(m.tried_to_allocate_bytes, lang)
     first: list[str] = []
     if m.format == "cpu_allocator":
         causes = [Cause("cpu_ram", m.tried_to_allocate_bytes, t("cause.cpu", lang, tried=tried), True)]
         ids = ["cpu_ram"]
+    elif m.format == "mps":
+        causes, first = _mps_causes(m, lang)
+        ids = _rank_advice(first, phase, False)
+    elif m.format == "mps_buffer_size":
+        causes = [Cause("backend_limit", m.tried_to_allocate_bytes, t("cause.backend_limit.mps", lang, tried=tried),
+                        True)]
+        ids = _rank_advice(["split_allocation.mps"], phase, False)
     elif m.has_numbers:
-        causes, first = _allocator_causes(m, lang)
+        causes, first = _allocator_causes(m, lang, raw)
         ids = _rank_advice(first, phase, causes[0].kind == "shortfall")
     else:
-        kind = "truncated" if m.format in ALLOCATOR_FORMATS else m.format  # allocator text cut short
+        kind = "truncated" if m.format in ALLOCATOR_FORMATS + ("truncated",) else m.format
         causes = [Cause(kind, None, t(f"cause.no_numbers.{kind}", lang, tried=tried), True)]
         first = ["cudnn_check"] if m.format == "cudnn_not_supported" else ["check_nvidia_smi"]
-        ids = _rank_advice(first, phase, True) + ["cuda_launch_blocking"]
+        ids = _rank_advice(first, phase, True) + (["cuda_launch_blocking"] if m.backend in ("cuda", None) else [])
     pids = ", ".join(str(pid) for pid, _ in m.other_processes) or "?"
-    advice = tuple(t(f"advice.{a}", lang, pids=pids) for a in ids)
+    no_hf_ckpt = _without_hf_checkpointing(text, setup)
+    advice = tuple(_advice_text(a, lang, pids=pids, tool=_TOOLS.get(m.backend, "nvidia-smi"), no_hf_ckpt=no_hf_ckpt)
+                   for a in ids)
     planned = _plan_for(setup, m) if setup is not None else None
     return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang, planned)
 
 
+def _advice_text(advice_id: str, lang: str, *, pids: str, tool: str, no_hf_ckpt: bool) -> str:
+    text = t(f"advice.{advice_id}", lang, pids=pids, tool=tool)
+    if advice_id == "gradient_checkpointing" and no_hf_ckpt:
+        text += t("advice.gradient_checkpointing.memfit", lang)
+    return text
+
+
 def gpu_from_message(m: OomMessage):
-    """The GPU an OOM message describes: the catalog entry of that total capacity, else a generic one."""
+    """The GPU an OOM message describes: the closest catalog entry of that total capacity (within
+    0.3 %), with the message's exact capacity; else a generic GPU of that size.
+
+    Several cards share a capacity (L40 / L40S / RTX 6000 Ada, H100 SXM / PCIe): the closest one is
+    taken and the others are named in the spec's notes, since their speeds differ.
+    """
+    import dataclasses
+
     from memfit.gpus.catalog import CATALOG, resolve_gpu
 
     if not m.total_bytes:
         raise MemfitError("the message has no total capacity; pass the GPU to `memfit plan --gpu` instead")
-    for g in CATALOG.values():
-        if abs(g.total_bytes - m.total_bytes) <= 0.003 * g.total_bytes:
-            return g
-    return resolve_gpu(f"{m.total_bytes}B")
+    near = sorted((abs(g.total_bytes - m.total_bytes), i, g) for i, g in enumerate(CATALOG.values())
+                  if abs(g.total_bytes - m.total_bytes) <= 0.003 * g.total_bytes)
+    if not near:
+        return resolve_gpu(f"{m.total_bytes}B")
+    best = near[0][2]
+    notes = best.notes
+    if len(near) > 1:
+        others = ", ".join(g.name for _, _, g in near[1:])
+        notes += (f"the message's {format_bytes(m.total_bytes)} also fits {others}; {best.name} assumed "
+                  "(pass --gpu to choose)",)
+    return dataclasses.replace(best, total_bytes=m.total_bytes, notes=notes)
 
 
 def _plan_for(setup, m: OomMessage):

@@ -17,6 +17,10 @@ MESSAGES: dict[str, dict[str, str]] = {
     # ------------------------------------------------------------------ headings
     "title": {"en": "CUDA out-of-memory diagnosis", "zh": "CUDA 显存不足（OOM）诊断"},
     "title.cpu": {"en": "Host memory (RAM) out-of-memory diagnosis", "zh": "主机内存（RAM）不足诊断"},
+    "title.rocm": {"en": "ROCm (HIP) out-of-memory diagnosis", "zh": "ROCm（HIP）显存不足诊断"},
+    "title.xpu": {"en": "Intel XPU out-of-memory diagnosis", "zh": "英特尔 XPU 显存不足诊断"},
+    "title.mps": {"en": "Apple MPS out-of-memory diagnosis", "zh": "Apple MPS 内存不足诊断"},
+    "unknown": {"en": "unknown (not in the message)", "zh": "未知（信息中没有）"},
     "label.message": {"en": "Message", "zh": "错误信息"},
     "label.format": {"en": "Format", "zh": "格式"},
     "label.phase": {"en": "Where", "zh": "发生位置"},
@@ -36,15 +40,20 @@ MESSAGES: dict[str, dict[str, str]] = {
     "num.process": {"en": "this process (incl. non-PyTorch)", "zh": "本进程（含非 PyTorch）"},
     "num.allowed": {"en": "allowed (memory fraction)", "zh": "允许上限（memory fraction）"},
     "num.private": {"en": "in private pools (CUDA Graphs)", "zh": "私有内存池（CUDA Graphs）"},
+    "num.mps_allocated": {"en": "MPS allocated (PyTorch's heaps)", "zh": "MPS 已分配（PyTorch 的堆）"},
+    "num.mps_other": {"en": "other Metal allocations of this process", "zh": "本进程的其他 Metal 分配"},
+    "num.mps_allowed": {"en": "max allowed (high watermark)", "zh": "允许上限（high watermark）"},
     "count": {
         "en": "{count} out-of-memory errors in the input; this is the last one.",
         "zh": "输入中共有 {count} 个显存不足错误；以下分析最后一个。",
     },
     "no_oom": {
         "en": "No out-of-memory error found in {source}. memfit looks for `CUDA out of memory`, "
-        "`CUDA error: out of memory`, CUBLAS/cuDNN allocation failures and `DefaultCPUAllocator`.",
-        "zh": "在 {source} 中没有找到显存不足错误。memfit 会查找 `CUDA out of memory`、"
-        "`CUDA error: out of memory`、CUBLAS/cuDNN 分配失败以及 `DefaultCPUAllocator`。",
+        "`HIP out of memory`, `XPU out of memory`, `MPS backend out of memory`, `CUDA error: out of memory`, "
+        "CUBLAS/cuDNN allocation failures and `DefaultCPUAllocator`.",
+        "zh": "在 {source} 中没有找到显存不足错误。memfit 会查找 `CUDA out of memory`、`HIP out of memory`、"
+        "`XPU out of memory`、`MPS backend out of memory`、`CUDA error: out of memory`、"
+        "CUBLAS/cuDNN 分配失败以及 `DefaultCPUAllocator`。",
     },
     # ------------------------------------------------------------------ phases
     "phase.forward": {"en": "forward pass", "zh": "前向传播"},
@@ -57,28 +66,87 @@ MESSAGES: dict[str, dict[str, str]] = {
     "phase.model_loading": {"en": "loading the model / moving it to the GPU", "zh": "加载模型 / 移动到 GPU"},
     "phase.unknown": {"en": "unknown (no traceback frames)", "zh": "未知（没有调用栈信息）"},
     # ------------------------------------------------------------------ causes
-    "cause.fragmentation.significant": {
-        "en": "Fragmentation: {unalloc} is reserved by PyTorch but unallocated ({reserved} reserved − "
-        "{allocated} allocated, {share} of the cache). The free pieces are split across partly used "
-        "segments, so the {tried} request did not fit in any of them.{fits}",
-        "zh": "碎片化：有 {unalloc} 已被 PyTorch 保留但未分配（保留 {reserved} − 已分配 {allocated}，"
-        "占缓存的 {share}）。这些空闲块分散在部分占用的段中，{tried} 的请求放不进任何一个。{fits}",
-    },
     "cause.fragmentation.fits": {
-        "en": " Without fragmentation the request would have fit ({unalloc} + {free} free ≥ {tried}).",
-        "zh": "若没有碎片，本次请求本可以放下（{unalloc} + 空闲 {free} ≥ {tried}）。",
+        "en": "Fragmentation: {unalloc} sits unused in PyTorch's cache ({reserved} reserved − {allocated} "
+        "allocated, {share_unalloc} of the cache) and {free} is free on the device: together at least the {tried} "
+        "request, yet no single piece was that large. PyTorch searches its cache before it asks the driver, and "
+        "when it gives up every whole free segment has already gone back to the driver, so the unused cache lies "
+        "in pieces of partly used segments, none of them large enough for this request, and the device could give "
+        "at most {free}. Without fragmentation this allocation would have fit.",
+        "zh": "碎片化：PyTorch 缓存中有 {unalloc} 未被使用（保留 {reserved} − 已分配 {allocated}，占缓存的 "
+        "{share_unalloc}），设备上还有 {free} 空闲：两者合计不少于 {tried} 的请求，却没有一块足够大。PyTorch "
+        "先在缓存中查找，再向驱动申请；放弃时所有完整的空闲段都已归还驱动，所以剩下的未用缓存分散在部分占用的段中，"
+        "没有一块足以满足这次请求，而设备最多只能给出 {free}。如果没有碎片，这次分配本可以成功。",
+    },
+    "cause.fragmentation.fits_cache": {
+        "en": "Fragmentation: {unalloc} sits unused in PyTorch's cache ({reserved} reserved − {allocated} allocated), "
+        "more than the {tried} request, yet no piece was that large (PyTorch searches its cache first). The message "
+        "does not print the free memory, but the unused cache alone would have covered the request unfragmented.",
+        "zh": "碎片化：PyTorch 缓存中有 {unalloc} 未被使用（保留 {reserved} − 已分配 {allocated}），超过 {tried} "
+        "的请求，却没有一块足够大（PyTorch 先查找缓存）。错误信息没有给出空闲显存，但仅未用缓存本身在没有碎片时"
+        "就足以满足请求。",
+    },
+    "cause.fragmentation.small_pool": {
+        "en": "Fragmentation cannot be told here: the failed request is a small tensor (at most 1 MiB), for which "
+        "PyTorch asked the driver for a new 2 MiB small-pool segment. Small requests are served only from the small "
+        "pool, and none of its free pieces was large enough; the message does not say how much of the {unalloc} "
+        "unused cache ({share_unalloc} of {reserved}) is in the small pool. max_split_size_mb does not apply (it "
+        "only stops large blocks from being split).",
+        "zh": "这里无法判断是否为碎片：失败的请求是一个小张量（最多 1 MiB），PyTorch 为它向驱动申请一个新的 2 MiB "
+        "小内存池段。小请求只从小内存池分配，而小池中没有足够大的空闲块；错误信息没有说明 {unalloc} 未用缓存"
+        "（占 {reserved} 的 {share_unalloc}）中有多少在小池里。max_split_size_mb 不适用（它只阻止大块被切分）。",
+    },
+    "cause.fragmentation.contributes": {
+        "en": "Fragmentation contributes: {unalloc} is reserved by PyTorch but unallocated ({share_unalloc} of "
+        "{reserved}), but even unfragmented the request would not have fit ({unalloc} + {free} free < {tried}).",
+        "zh": "碎片化有一定影响：有 {unalloc} 已被 PyTorch 保留但未分配（占 {reserved} 的 {share_unalloc}），"
+        "但即使没有碎片，请求也放不下（{unalloc} + 空闲 {free} < {tried}）。",
     },
     "cause.fragmentation.small": {
-        "en": "Not fragmentation: only {unalloc} ({reserved} reserved − {allocated} allocated) is reserved "
-        "but unallocated, so max_split_size_mb or expandable_segments are not the fix.",
+        "en": "Not fragmentation: only {unalloc} ({reserved} reserved − {allocated} allocated) is reserved but "
+        "unallocated, and {unalloc} + {free} free < the {tried} request, so max_split_size_mb or "
+        "expandable_segments are not the fix.",
         "zh": "不是碎片问题：只有 {unalloc}（保留 {reserved} − 已分配 {allocated}）是已保留但未分配的，"
-        "所以 max_split_size_mb 或 expandable_segments 解决不了。",
+        "而 {unalloc} + 空闲 {free} < 请求的 {tried}，所以 max_split_size_mb 或 expandable_segments 解决不了。",
+    },
+    "cause.fragmentation.headroom": {
+        "en": "Not fragmentation: the {free} free already covered the {tried} request, only with too little to spare, "
+        "and the {unalloc} unused in PyTorch's cache is less than the request, so no cached piece could have "
+        "served it.",
+        "zh": "不是碎片问题：空闲的 {free} 本已覆盖 {tried} 的请求，只是余量太少；而 PyTorch 缓存中未用的 {unalloc} "
+        "少于请求，没有任何缓存块能满足它。",
+    },
+    "cause.fragmentation.exceeds_total": {
+        "en": "Fragmentation does not matter here: {unalloc} is reserved but unallocated, and no arrangement of "
+        "memory fits a request larger than the whole device.",
+        "zh": "这里与碎片无关：有 {unalloc} 已保留但未分配，但任何内存布局都放不下比整个设备还大的请求。",
+    },
+    "cause.fragmentation.moot": {
+        "en": "Fragmentation does not explain it: {free} free on the device already exceeds the {tried} request, so "
+        "the allocator could have taken a new segment whatever its {unalloc} of unused cache looked like.",
+        "zh": "碎片化解释不了：设备上的 {free} 空闲已超过 {tried} 的请求，无论 {unalloc} 的未用缓存如何分布，"
+        "分配器都可以申请一个新段。",
+    },
+    "cause.fragmentation.unknown": {
+        "en": "Fragmentation cannot be judged: {unalloc} is reserved but unallocated, less than the {tried} request, "
+        "and the message does not print the free memory it would add to.",
+        "zh": "无法判断碎片化：有 {unalloc} 已保留但未分配，少于 {tried} 的请求，而错误信息没有给出可与之相加的空闲显存。",
+    },
+    "cause.fragmentation.mps": {
+        "en": "Fragmentation is unknown: the MPS message does not print how much of the {mps} the allocator holds is "
+        "unused.",
+        "zh": "碎片情况未知：MPS 的错误信息没有给出分配器持有的 {mps} 中有多少未被使用。",
     },
     "cause.non_pytorch": {
         "en": "About {bytes} ({total} total − {free} free − {reserved} reserved) is held outside PyTorch's "
         "cache: the CUDA context and loaded kernels, cuDNN, NCCL buffers, other libraries and processes.{extra}",
         "zh": "约 {bytes}（总量 {total} − 空闲 {free} − 保留 {reserved}）在 PyTorch 缓存之外：CUDA 上下文、"
         "已加载的内核、cuDNN、NCCL 缓冲区、其他库和进程。{extra}",
+    },
+    "cause.non_pytorch.split": {
+        "en": " Of it, {own} is in this process outside its cache (its {process} in use − {reserved} reserved) and "
+        "{foreign} elsewhere.",
+        "zh": "其中 {own} 属于本进程但在其缓存之外（本进程占用 {process} − 保留 {reserved}），{foreign} 在别处。",
     },
     "cause.non_pytorch.typical": {
         "en": " That is the usual size of a CUDA context and libraries (up to {ctx}); it cannot be freed.",
@@ -88,26 +156,75 @@ MESSAGES: dict[str, dict[str, str]] = {
         "en": " That is more than a CUDA context needs (up to {ctx}): something else holds GPU memory.",
         "zh": "这超过了 CUDA 上下文的正常需要（最多约 {ctx}）：还有别的东西占用了显存。",
     },
+    "cause.non_pytorch.own_large": {
+        "en": " This process itself holds more outside its cache than a bare CUDA context (up to {ctx}): NCCL "
+        "buffers, cuBLAS/cuDNN workspaces or another library's allocations.",
+        "zh": "本进程自身在缓存之外占用的显存超过了单纯的 CUDA 上下文（最多约 {ctx}）：NCCL 缓冲区、"
+        "cuBLAS/cuDNN 工作区或其他库的分配。",
+    },
     "cause.non_pytorch.windows": {
         "en": "PyTorch reserved more ({reserved}) than the card has free after the driver ({total} total, "
         "{free} free): on Windows the driver spills into shared system memory, which is slow.",
         "zh": "PyTorch 保留的显存（{reserved}）超过了显卡容量（总量 {total}，空闲 {free}）：Windows 驱动"
         "正在使用共享系统内存，速度很慢。",
     },
+    "cause.non_pytorch.negative": {
+        "en": "The figures do not add up: PyTorch reserved {reserved}, more than the {total} capacity minus the "
+        "{free} free, so the memory outside PyTorch's cache cannot be computed.",
+        "zh": "这些数字对不上：PyTorch 保留了 {reserved}，多于总容量 {total} 减去空闲 {free}，"
+        "因此无法算出 PyTorch 缓存之外的显存。",
+    },
+    "cause.non_pytorch.unknown": {
+        "en": "Memory outside PyTorch's cache is unknown: the message does not print the free memory "
+        "(total − free − reserved needs all three).",
+        "zh": "PyTorch 缓存之外的显存未知：错误信息没有给出空闲显存（总量 − 空闲 − 保留需要三个数字）。",
+    },
     "cause.other_processes": {
         "en": "Other processes hold {bytes} on this GPU: {processes}.",
         "zh": "其他进程在这块 GPU 上占用了 {bytes}：{processes}。",
     },
     "cause.self_pid": {
-        "en": "Process {pid} ({bytes}) is most likely this process itself: inside a container NVML "
-        "reports a different PID, so PyTorch did not recognise it.",
-        "zh": "进程 {pid}（{bytes}）很可能就是本进程：在容器中 NVML 报告的 PID 不同，PyTorch 没能识别。",
+        "en": "Process {pid} ({bytes}) is most likely this process itself: it holds PyTorch's {reserved} plus "
+        "{own}, about what a CUDA context and libraries add. Inside a container NVML reports another PID, so "
+        "PyTorch did not recognise it; it is not another process to stop.",
+        "zh": "进程 {pid}（{bytes}）很可能就是本进程：它占用的是 PyTorch 的 {reserved} 再加 {own}，"
+        "大约相当于 CUDA 上下文和库的开销。在容器中 NVML 报告的 PID 不同，PyTorch 没能识别；它不是需要停止的其他进程。",
+    },
+    "cause.self_pid.sure": {
+        "en": "Process {pid} ({bytes}) is this process itself: its {bytes} and this process's {reserved} reserved "
+        "would add up to {sum}, more than the {used} in use on the device, so they are the same memory (of it, "
+        "{own} outside PyTorch's cache). Inside a container NVML reports another PID, so PyTorch did not recognise "
+        "it; it is not another process to stop.",
+        "zh": "进程 {pid}（{bytes}）就是本进程：它的 {bytes} 加上本进程保留的 {reserved} 合计 {sum}，"
+        "超过设备上已使用的 {used}，所以它们是同一块显存（其中 {own} 在 PyTorch 缓存之外）。在容器中 NVML "
+        "报告的 PID 不同，PyTorch 没能识别；它不是需要停止的其他进程。",
     },
     "cause.memory_cap": {
         "en": "PyTorch is capped at {allowed} (set_per_process_memory_fraction or "
-        "PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction) while {free} is still free on the device.",
+        "PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction): {reserved} reserved + the {tried} request = {sum} "
+        "is over the cap, while {free} is still free on the device.",
         "zh": "PyTorch 被限制在 {allowed}（set_per_process_memory_fraction 或 "
-        "PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction），而设备上仍有 {free} 空闲。",
+        "PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction）：已保留 {reserved} + 请求 {tried} = {sum}，"
+        "超过了上限，而设备上仍有 {free} 空闲。",
+    },
+    "cause.backend_limit.xpu": {
+        "en": "Single allocation above the device's limit: the {tried} request is larger than one allocation may "
+        "be on Intel GPUs other than the Data Center GPU Max (max_mem_alloc_size, {limit} on Arc). Level Zero "
+        "refuses it even with free memory left, and PyTorch reports that as out of memory.",
+        "zh": "单次分配超过设备上限：{tried} 的请求大于英特尔 GPU（Data Center GPU Max 以外）单次分配的上限"
+        "（max_mem_alloc_size，Arc 上为 {limit}）。即使还有空闲显存，Level Zero 也会拒绝，PyTorch 将其报告为显存不足。",
+    },
+    "cause.backend_limit.ipex": {
+        "en": "Single allocation above the device's limit: intel-extension-for-pytorch refuses one block larger "
+        "than 4 GB on this platform, and the {tried} request is one; this is not a lack of device memory.",
+        "zh": "单次分配超过设备上限：intel-extension-for-pytorch 在此平台上拒绝大于 4 GB 的单个内存块，"
+        "而 {tried} 的请求正是如此；这并不是设备显存不足。",
+    },
+    "cause.backend_limit.mps": {
+        "en": "Single buffer above Metal's limit: the {tried} buffer is larger than the device's maxBufferLength "
+        "(MPSAllocator.mm), however much memory is free.",
+        "zh": "单个缓冲区超过 Metal 的上限：{tried} 的缓冲区大于设备的 maxBufferLength（MPSAllocator.mm），"
+        "与空闲内存多少无关。",
     },
     "cause.shortfall": {
         "en": "True shortfall: the step needed at least {bytes} more than the GPU had ({tried} requested, "
@@ -116,12 +233,131 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "显存确实不够：这一步至少还需要 {bytes}（请求 {tried}，空闲 {free}）。存活张量占用了 "
         "{total} 中的 {allocated}（{share}）；这一步的峰值通常比失败的这次请求更大。",
     },
-    "cause.shortfall.full": {
-        "en": "True shortfall: the GPU is full. {tried} was requested with {free} free, too little for a new "
-        "segment (cudaMalloc works in 2 MiB pages, the allocator in 2 MiB / 20 MiB segments). Live "
-        "tensors occupy {allocated} of {total} ({share}).",
-        "zh": "显存确实不够：GPU 已满。请求 {tried}，空闲只有 {free}，不足以分配新的段（cudaMalloc 以 2 MiB "
-        "页为单位，分配器以 2 MiB / 20 MiB 段为单位）。存活张量占用了 {total} 中的 {allocated}（{share}）。",
+    "cause.shortfall.fragmented": {
+        "en": "Free device memory alone ({free}) did not cover the {tried} request with room to spare. Undoing the "
+        "fragmentation gives the step at most {unalloc} more; if it needs more than {unalloc} + {free} beyond the "
+        "{allocated} allocated now, it runs out again at a later allocation.",
+        "zh": "仅设备空闲显存（{free}）不足以宽裕地满足 {tried} 的请求。消除碎片最多能为这一步多提供 {unalloc}；"
+        "如果它在当前已分配的 {allocated} 之外还需要超过 {unalloc} + {free}，之后的某次分配仍会失败。",
+    },
+    "cause.shortfall.headroom": {
+        "en": "No headroom: {free} free is only {margin} more than the {tried} request, less than the {headroom} one "
+        "allocation needs to spare (cudaMalloc hands out whole 2 MiB pages, and the free figure includes memory the "
+        "driver keeps for itself), so the memory is used up in practice. Live tensors occupy {allocated} of {total} "
+        "({share}).",
+        "zh": "没有余量：空闲的 {free} 只比 {tried} 的请求多 {margin}，少于一次分配所需的 {headroom} 余量"
+        "（cudaMalloc 以完整的 2 MiB 页分配，而空闲数字里包含驱动自留的显存），所以实际上显存已经用完。"
+        "存活张量占用了 {total} 中的 {allocated}（{share}）。",
+    },
+    "cause.shortfall.exceeds_total": {
+        "en": "The single {tried} request is larger than the whole GPU ({total}): no memory setting makes it fit. "
+        "The tensor itself must shrink (a smaller batch or shorter sequences), or the operation must be chunked.",
+        "zh": "单次请求 {tried} 比整块 GPU（{total}）还大：任何显存设置都放不下。必须缩小这个张量本身"
+        "（更小的批次或更短的序列），或将该运算分块进行。",
+    },
+    "cause.unknown_free": {
+        "en": "Whether the GPU was full cannot be told: the message does not print the free memory. PyTorch "
+        "reserved {reserved} of {total} ({allocated} allocated) when the {tried} request failed; the rest was "
+        "either free (then the runtime refused the allocation) or held outside PyTorch.",
+        "zh": "无法判断 GPU 是否已满：错误信息没有给出空闲显存。请求 {tried} 失败时，PyTorch 在 {total} 中保留了 "
+        "{reserved}（已分配 {allocated}）；其余部分要么空闲（那么是运行时拒绝了分配），要么被 PyTorch 之外占用。",
+    },
+    "cause.inconsistent_free": {
+        "en": "The message's free figure ({free}) is larger than the device's total capacity ({total}), so it is not "
+        "free memory of this device: on ROCm APUs and unified-memory systems the runtime counts system memory as "
+        "free. memfit does not use it.",
+        "zh": "错误信息中的空闲数字（{free}）大于设备总容量（{total}），因此它不是这块设备的空闲显存：在 ROCm APU "
+        "和统一内存系统上，运行时把系统内存也算作空闲。memfit 不使用这个数字。",
+    },
+    "cause.free_exceeds.explained": {
+        "en": "Not a lack of free memory: {free} was free, {margin} more than the {tried} request; the limit above "
+        "refused the allocation.",
+        "zh": "并非空闲显存不足：空闲 {free}，比 {tried} 的请求多 {margin}；是上述限制拒绝了这次分配。",
+    },
+    "cause.free_exceeds.others": {
+        "en": "The free figure ({free}, {margin} more than the {tried} request) was read after the failure; other "
+        "processes on this GPU allocate and free while they run, so at the moment of the request less was free.",
+        "zh": "空闲数字（{free}，比 {tried} 的请求多 {margin}）是在分配失败之后读取的；这块 GPU 上的其他进程在运行中"
+        "不断分配和释放显存，所以在请求的那一刻空闲的显存更少。",
+    },
+    "cause.free_exceeds.cuda": {
+        "en": "Not a lack of free memory: {free} was free on the device, {margin} more than the {tried} request, yet "
+        "the driver refused it, and the message shows no PyTorch memory cap. What can explain it: a per-process "
+        "limit PyTorch does not print (CUDA MPS's CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, a vGPU or container limit), "
+        "the Windows WDDM driver (which decides residency itself), or memory another process freed between the "
+        "failure and the moment PyTorch read the free figure (it reads it after the failure).",
+        "zh": "并非空闲显存不足：设备上有 {free} 空闲，比 {tried} 的请求多 {margin}，驱动却拒绝了分配，而错误信息中"
+        "没有 PyTorch 的显存上限。可能的原因：PyTorch 不显示的进程级限制（CUDA MPS 的 "
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT、vGPU 或容器限制）、Windows 的 WDDM 驱动（它自行决定显存驻留），"
+        "或在分配失败与 PyTorch 读取空闲数字之间有其他进程释放了显存（PyTorch 在失败之后才读取）。",
+    },
+    "cause.free_exceeds.windows": {
+        "en": "Not a lack of free memory: {free} was free, {margin} more than the {tried} request, and the log is "
+        "from Windows. There the WDDM driver, not CUDA, decides what stays in GPU memory: the free figure is its "
+        "estimate and allocations can fail below it, above all when other applications (the desktop, a browser) "
+        "use the GPU.",
+        "zh": "并非空闲显存不足：空闲 {free}，比 {tried} 的请求多 {margin}，且日志来自 Windows。在 Windows 上由 "
+        "WDDM 驱动而不是 CUDA 决定哪些内容留在显存中：空闲数字只是它的估计，分配可能在低于该值时就失败，"
+        "尤其是在其他应用程序（桌面、浏览器）也使用 GPU 时。",
+    },
+    "cause.free_exceeds.rocm": {
+        "en": "Not a lack of free memory: {free} was free, {margin} more than the {tried} request, yet hipMalloc "
+        "refused it. On ROCm the HIP allocator can fail below the free figure: on APUs and MI300A it may hand out "
+        "only part of the memory (96 of 128 GiB by default on MI300A), and the runtime's free figure counts memory "
+        "a device allocation cannot use.",
+        "zh": "并非空闲显存不足：空闲 {free}，比 {tried} 的请求多 {margin}，hipMalloc 却拒绝了分配。在 ROCm 上，"
+        "HIP 分配器可能在低于空闲数字时失败：在 APU 和 MI300A 上它可能只分配部分内存（MI300A 默认 128 GiB 中只有 "
+        "96 GiB），而运行时的空闲数字包含设备分配无法使用的内存。",
+    },
+    "cause.free_exceeds.xpu": {
+        "en": "Not a lack of free memory: {free} was free, {margin} more than the {tried} request, yet Level Zero "
+        "refused it: another process or the driver may hold memory the free figure does not show, or the device's "
+        "single-allocation limit is lower than the request.",
+        "zh": "并非空闲显存不足：空闲 {free}，比 {tried} 的请求多 {margin}，Level Zero 却拒绝了分配：可能有其他进程"
+        "或驱动占用了空闲数字未反映的显存，或者设备的单次分配上限低于该请求。",
+    },
+    "cause.free_exceeds.xpu_estimated": {
+        "en": "The free figure ({free}) is no measurement: it equals the total capacity minus PyTorch's reserved "
+        "memory, the estimate PyTorch prints when the SYCL runtime cannot report free memory "
+        "(XPUCachingAllocator.cpp). What other processes and the driver hold is unknown, so the {tried} request "
+        "may well not have fit.",
+        "zh": "空闲数字（{free}）并非实测：它等于总容量减去 PyTorch 保留的显存，这是 SYCL 运行时无法报告空闲显存时 "
+        "PyTorch 打印的估计值（XPUCachingAllocator.cpp）。其他进程和驱动占用了多少未知，所以 {tried} 的请求很可能"
+        "确实放不下。",
+    },
+    "cause.mps_watermark": {
+        "en": "PyTorch's MPS memory limit: the {mps} its allocator holds + {other} of other Metal allocations in "
+        "this process + the {tried} request = {sum}, over the {allowed} allowed (PYTORCH_MPS_HIGH_WATERMARK_RATIO "
+        "× the device's recommended working set, 1.7 by default).",
+        "zh": "PyTorch 的 MPS 内存上限：分配器持有的 {mps} + 本进程其他 Metal 分配 {other} + 请求 {tried} = {sum}，"
+        "超过了允许的 {allowed}（PYTORCH_MPS_HIGH_WATERMARK_RATIO × 设备建议的工作集大小，默认 1.7）。",
+    },
+    "cause.mps_system.below": {
+        "en": "Metal itself refused the allocation: {mps} + {other} + the {tried} request = {sum} is within the "
+        "{allowed} allowed, so the system (unified memory shared with the CPU and other applications) had no "
+        "memory left to give.",
+        "zh": "是 Metal 自身拒绝了分配：{mps} + {other} + 请求 {tried} = {sum} 在允许的 {allowed} 之内，"
+        "所以是系统（与 CPU 和其他应用共享的统一内存）已经没有可分配的内存。",
+    },
+    "cause.mps_system.no_limit": {
+        "en": "Metal itself refused the allocation: PyTorch's MPS limit is off (PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0), "
+        "and with {mps} + {other} in use the system had no memory left for the {tried} request.",
+        "zh": "是 Metal 自身拒绝了分配：PyTorch 的 MPS 上限已关闭（PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0），"
+        "在已使用 {mps} + {other} 的情况下，系统没有内存满足 {tried} 的请求。",
+    },
+    "cause.mps_other": {
+        "en": "Other allocations: {other} is Metal memory of this process outside PyTorch's allocator (MPS/MPSGraph "
+        "internals, buffers still held by running command buffers).",
+        "zh": "其他分配：{other} 是本进程在 PyTorch 分配器之外的 Metal 内存（MPS/MPSGraph 内部、仍被运行中的命令缓冲区"
+        "持有的缓冲区）。",
+    },
+    "cause.mps_other.large": {
+        "en": "Other allocations: {other}, more than the {mps} PyTorch's allocator holds, is Metal memory of this "
+        "process outside it (MPS/MPSGraph internals, buffers still held by running command buffers, other "
+        "frameworks in the process); freeing it gains more than shrinking PyTorch's own memory.",
+        "zh": "其他分配：{other}，比 PyTorch 分配器持有的 {mps} 还多，是本进程在分配器之外的 Metal 内存"
+        "（MPS/MPSGraph 内部、仍被运行中的命令缓冲区持有的缓冲区、进程中的其他框架）；释放它比缩减 PyTorch "
+        "自身的内存收益更大。",
     },
     "cause.no_numbers.cuda_error": {
         "en": "`CUDA error: out of memory` comes from a CUDA call outside PyTorch's caching allocator "
@@ -151,6 +387,12 @@ MESSAGES: dict[str, dict[str, str]] = {
         "truncated it); only the request size {tried} is known.",
         "zh": "错误信息在数字之前被截断（日志、界面或 pytorch#123984 设备编号问题导致）；只知道请求大小 {tried}。",
     },
+    "cause.no_numbers.xpu_runtime_error": {
+        "en": "The Level Zero runtime ran out of device memory outside PyTorch's caching allocator "
+        "(UR_RESULT_ERROR_OUT_OF_DEVICE_MEMORY), so the message has no figures; the device was already full.",
+        "zh": "Level Zero 运行时在 PyTorch 缓存分配器之外耗尽了设备显存（UR_RESULT_ERROR_OUT_OF_DEVICE_MEMORY），"
+        "因此没有具体数字；设备当时已满。",
+    },
     "cause.cpu": {
         "en": "Host RAM ran out, not GPU memory: a {tried} allocation on the CPU failed.",
         "zh": "耗尽的是主机内存（RAM），不是显存：CPU 上 {tried} 的分配失败了。",
@@ -169,10 +411,71 @@ MESSAGES: dict[str, dict[str, str]] = {
         "`nvidia-smi --query-compute-apps=pid,used_memory --format=csv` 查看。",
     },
     "advice.check_nvidia_smi": {
-        "en": "Check `nvidia-smi` for other processes (a second run, a notebook kernel, DataLoader workers "
-        "that touch CUDA) and stop them; do not create CUDA tensors in DataLoader workers.",
-        "zh": "用 `nvidia-smi` 检查其他进程（另一个训练、Notebook 内核、使用 CUDA 的 DataLoader worker）"
-        "并停止它们；不要在 DataLoader worker 中创建 CUDA 张量。",
+        "en": "Check `{tool}` for other processes (a second run, a notebook kernel, DataLoader workers "
+        "that touch the GPU) and stop them; do not create GPU tensors in DataLoader workers.",
+        "zh": "用 `{tool}` 检查其他进程（另一个训练、Notebook 内核、使用 GPU 的 DataLoader worker）"
+        "并停止它们；不要在 DataLoader worker 中创建 GPU 张量。",
+    },
+    "advice.check_driver.cuda": {
+        "en": "Compare `nvidia-smi` with the message: look for a per-process limit (CUDA MPS's "
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, a vGPU or container limit) and for processes that come and go; the "
+        "remedies below shrink the request in any case.",
+        "zh": "将 `nvidia-smi` 与错误信息对比：检查是否有进程级限制（CUDA MPS 的 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT、"
+        "vGPU 或容器限制）以及时有时无的进程；无论如何，下面的办法都能缩小请求。",
+    },
+    "advice.check_driver.windows": {
+        "en": "On Windows close other applications that use the GPU (browsers, games, video), watch \"Dedicated GPU "
+        "memory\" in Task Manager, and keep the run's memory well below the card's size; WSL2 or Linux gives the "
+        "whole card to CUDA.",
+        "zh": "在 Windows 上关闭其他使用 GPU 的应用程序（浏览器、游戏、视频），在任务管理器中查看“专用 GPU 内存”，"
+        "并让训练的显存占用明显低于显卡容量；WSL2 或 Linux 可以把整块显卡交给 CUDA。",
+    },
+    "advice.check_driver.rocm": {
+        "en": "Check `rocm-smi --showmeminfo vram` against the message; on APUs and MI300A raise the memory the GPU "
+        "may allocate (the amdttm/ttm pages_limit kernel parameters) or keep the run below the allocatable part.",
+        "zh": "用 `rocm-smi --showmeminfo vram` 与错误信息对比；在 APU 和 MI300A 上提高 GPU 可分配的内存"
+        "（amdttm/ttm 的 pages_limit 内核参数），或让训练保持在可分配部分以内。",
+    },
+    "advice.check_driver.xpu": {
+        "en": "Check `xpu-smi stats` for memory held outside this process; set UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1 "
+        "if one tensor is larger than the device's single-allocation limit.",
+        "zh": "用 `xpu-smi stats` 检查本进程之外占用的显存；如果单个张量超过设备的单次分配上限，设置 "
+        "UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1。",
+    },
+    "advice.check_driver.xpu_estimated": {
+        "en": "The runtime cannot report free memory: check `xpu-smi stats` for what is really in use.",
+        "zh": "运行时无法报告空闲显存：用 `xpu-smi stats` 查看实际使用情况。",
+    },
+    "advice.split_allocation.xpu": {
+        "en": "Make the largest single tensor smaller than the device's single-allocation limit (a smaller batch or "
+        "shorter sequences shrink activations and logits), or set UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1 before "
+        "Python starts to allow larger allocations (slower on some Intel GPUs).",
+        "zh": "让最大的单个张量小于设备的单次分配上限（更小的批次或更短的序列会缩小激活值和 logits），或在启动 "
+        "Python 之前设置 UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1 以允许更大的分配（在某些英特尔 GPU 上更慢）。",
+    },
+    "advice.split_allocation.ipex": {
+        "en": "Keep each tensor under 4 GB (a smaller batch or shorter sequences), or move to the upstream PyTorch "
+        "XPU build with UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1.",
+        "zh": "让每个张量小于 4 GB（更小的批次或更短的序列），或改用上游 PyTorch 的 XPU 版本并设置 "
+        "UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1。",
+    },
+    "advice.split_allocation.mps": {
+        "en": "Make the largest single tensor smaller (a smaller batch or shorter sequences; for logits, "
+        "a smaller vocabulary slice per step): no setting raises Metal's buffer limit.",
+        "zh": "缩小最大的单个张量（更小的批次或更短的序列；对于 logits，每步只取更小的词表切片）："
+        "没有任何设置可以提高 Metal 的缓冲区上限。",
+    },
+    "advice.mps_empty_cache": {
+        "en": "Free what this process holds outside live tensors: call torch.mps.empty_cache() (and gc.collect()) "
+        "between phases, and close other applications that use unified memory.",
+        "zh": "释放本进程在存活张量之外占用的内存：在各阶段之间调用 torch.mps.empty_cache()（以及 gc.collect()），"
+        "并关闭其他占用统一内存的应用程序。",
+    },
+    "advice.mps_watermark": {
+        "en": "PYTORCH_MPS_HIGH_WATERMARK_RATIO raises the limit (0.0 removes it), but beyond the recommended working "
+        "set macOS swaps and may freeze; lower the memory the run needs instead where you can.",
+        "zh": "PYTORCH_MPS_HIGH_WATERMARK_RATIO 可以提高上限（0.0 表示取消），但超过建议的工作集后 macOS "
+        "会使用交换内存甚至卡死；能减少训练所需内存时优先这样做。",
     },
     "advice.raise_cap": {
         "en": "Raise or remove the memory cap (torch.cuda.set_per_process_memory_fraction or "
@@ -189,10 +492,15 @@ MESSAGES: dict[str, dict[str, str]] = {
     "advice.gradient_checkpointing": {
         "en": "Turn on gradient checkpointing (TrainingArguments(gradient_checkpointing=True) or "
         "model.gradient_checkpointing_enable()): activations are recomputed in the backward pass for "
-        "about 30% more compute. XLNet has none in transformers 5; memfit provides it.",
+        "about 30% more compute.",
         "zh": "开启梯度检查点（TrainingArguments(gradient_checkpointing=True) 或 "
-        "model.gradient_checkpointing_enable()）：反向传播时重新计算激活值，约多 30% 计算量。"
-        "transformers 5 中 XLNet 不支持，memfit 提供了实现。",
+        "model.gradient_checkpointing_enable()）：反向传播时重新计算激活值，约多 30% 计算量。",
+    },
+    "advice.gradient_checkpointing.memfit": {
+        "en": " This model's transformers 5 class has none (XLNet among them): memfit.models.blocks.enable_checkpointing "
+        "provides it, and memfit train applies it.",
+        "zh": "该模型在 transformers 5 中的类不支持梯度检查点（XLNet 即是如此）："
+        "memfit.models.blocks.enable_checkpointing 提供了实现，memfit train 会自动使用。",
     },
     "advice.micro_batch": {
         "en": "Halve per_device_train_batch_size and double gradient_accumulation_steps: the effective batch "

@@ -33,28 +33,25 @@ import torch
 
 from memfit.fitting import _trainer as adapter
 from memfit.fitting import distributed as dist_sync
+from memfit import oom_text
 
 logger = logging.getLogger("memfit.fit")
 
 __all__ = ["is_oom_error", "OOM_FRAGMENTS", "Meter", "ChunkedTrainingStep", "guard_evaluation", "free_memory",
            "Recovery", "oom_cause"]
 
-#: Message fragments of out-of-memory errors raised as other types (RuntimeError, AcceleratorError, ...).
-OOM_FRAGMENTS = (
-    "CUDA out of memory", "HIP out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED", "DefaultCPUAllocator: can't allocate memory", "XPU out of memory",
-    "MPS backend out of memory",
-)
+#: The texts of out-of-memory errors raised as other types (RuntimeError, AcceleratorError, ...): the one
+#: table memfit.oom_text keeps for detection and parsing alike; recovery acts on its `certain` entries.
+OOM_FRAGMENTS = oom_text.OOM_FRAGMENTS
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """True for an out-of-memory error: `torch.OutOfMemoryError` first, then known message fragments."""
+    """True for an out-of-memory error: `torch.OutOfMemoryError` first, then `oom_text.is_oom_text`."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     if not isinstance(exc, (RuntimeError, MemoryError)):
         return False
-    text = str(exc)
-    return any(f in text for f in OOM_FRAGMENTS)
+    return oom_text.is_oom_text(str(exc))
 
 
 def free_memory() -> None:
