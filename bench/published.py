@@ -75,8 +75,8 @@ _PLAIN_LORA = re.compile(r"^lora/llama-3\.2-3B-rank(\d+)(-target-mlp|-rslora)?$"
 _LORA_VARIANTS = {
     "dora": "DoRA (use_dora: a magnitude vector and the weight-norm activations) not modelled",
     "lorafa": "LoRA-FA (frozen A, peft.optimizers.create_lorafa_optimizer) not modelled",
-    "mica": "LoRA variant `mica` (its own initialisation and trainable subset) not modelled",
-    "bdlora": "block-diagonal LoRA (bdlora) not modelled",
+    "mica": "LoRA with init_lora_weights `mica` (adapter_config.json) trains a subset of the adapter; not modelled",
+    "bdlora": "block-diagonal LoRA (adapter_config.json `use_bdlora`, 2 blocks) not modelled",
 }
 
 
