@@ -365,4 +365,4 @@ def _task_of_config(config: Any) -> tuple[str, str]:
     encoder = model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type in _BIDIRECTIONAL_LM_TYPES
     if (arch or "").endswith("ForCausalLM") or (causal_class is not None and not encoder and arch in (None, causal_class)):
         return "causal-lm", f"task `causal-lm` chosen from {said}: a decoder-only language model{why}"
-    return "seq-cls", f"task `seq-cls` (sequence classification) chosen from {said}: an encoder{why}"
+    return "seq-cls", f"task `seq-cls` chosen from {said}: an encoder, fine-tuned with a classification head{why}"
