@@ -150,3 +150,11 @@ def test_t5_takes_long_sequences(capsys):
     assert main(["estimate", "t5-small", "--max-length", "1024", "--target-length", "64", "--batch-size", "1",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["task"] == "seq2seq-lm"
+
+
+def test_building_does_not_change_the_callers_config():
+    """preflight passes a live model's config: the head settings memfit makes must not leak into it."""
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32)
+    assert config.pad_token_id is None
+    build_meta_model(TrainSetup(model=config, task="seq-cls", num_labels=3, max_length=16))
+    assert config.pad_token_id is None and config.num_labels == 2 and config.problem_type is None

@@ -209,3 +209,22 @@ def test_module_estimate_counts_the_users_trainable_parameters():
     assert r.task == "causal-lm"  # the module's own head
     assert r.params == _unique(user)
     assert r.trainable_params == sum(p.numel() for p in user.parameters() if p.requires_grad)
+
+
+def test_meta_init_moves_legacy_cpu_weights_and_keeps_them_shared():
+    """XLNet makes weights with torch.FloatTensor(...), which ignores the default device."""
+    from memfit.models import _meta_init
+
+    class Legacy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = nn.Parameter(torch.FloatTensor(4, 4))
+            self.x = shared  # a cpu parameter registered twice
+            self.y = shared
+            self.z = nn.Linear(4, 4)
+            self.z.weight = self.x
+
+    with _meta_init():
+        m = Legacy()
+    assert all(p.is_meta for p in m.parameters())
+    assert shared_parameter_names(m) == {"y": "x", "z.weight": "x"}

@@ -115,16 +115,20 @@ def _meta_init() -> Iterator[None]:
     embedding matrix. Here a parameter already on meta is registered as it is, and a CPU one is
     replaced by the same meta twin every time it is registered.
     """
+    import weakref
+
     original = nn.Module.register_parameter
-    twins: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(cpu param) -> (meta twin, cpu param)
+    # id(cpu param) -> (meta twin, weak reference to that cpu param): the cpu memory is freed as soon as
+    # the model drops it, and a later tensor that reuses the id is not mistaken for it
+    twins: dict[int, tuple[nn.Parameter, weakref.ref]] = {}
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
             entry = twins.get(id(param))
-            if entry is None:
+            if entry is None or entry[1]() is not param:
                 twin = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
                 twin.__dict__.update(param.__dict__)  # e.g. transformers' `_is_hf_initialized`
-                entry = twins[id(param)] = (twin, param)  # the cpu param is kept alive: its id stays unique
+                entry = twins[id(param)] = (twin, weakref.ref(param))
             param = entry[0]
         original(module, name, param)
 
@@ -279,7 +283,9 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
     spec = spec or resolve_config(setup.model)
     if isinstance(setup.model, nn.Module):
         return _meta_copy(setup.model)
-    config = spec.config
+    import copy
+
+    config = copy.deepcopy(spec.config)  # the head settings below must not reach a caller's (or a live model's) config
     if setup.task in ("seq-cls", "token-cls"):
         config.num_labels = setup.num_labels
         if setup.task == "seq-cls" and setup.num_labels > 1 and getattr(config, "problem_type", None) is None:
