@@ -9,7 +9,6 @@ slow tests build the full-size models the issue names on real tensors.
 from __future__ import annotations
 
 import copy
-import tempfile
 import warnings
 
 import pytest
