@@ -3,12 +3,14 @@
 The full-size models do not fit a fast test on real tensors, so each bundled config is shrunk to
 one block per stack and a small vocabulary (tying flags, widths and heads unchanged), built by memfit
 on meta and by transformers on the CPU, and compared parameter for parameter (count and ties). The
-slow tests build the full-size models the issue names on real tensors.
+slow tests build the full-size models the issue names on real tensors; they run only with
+`MEMFIT_SLOW=1` (about 2 minutes and 3 GB: `MEMFIT_SLOW=1 pytest -m slow tests/test_models_params.py`).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -19,6 +21,9 @@ from torch import nn
 from memfit.model_catalog import bundled_model_ids, load_bundled_config
 from memfit.models import build_meta_model, shared_parameter_names
 from memfit.train_setup import TASKS, TrainSetup
+
+#: `slow`, and skipped unless asked for: the default run (`pytest -q`) selects no marker.
+SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("MEMFIT_SLOW") != "1", reason="slow: set MEMFIT_SLOW=1")]
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
 #: Widths of 2560 and more: their one-block real builds take seconds each; the default run skips them.
@@ -59,13 +64,16 @@ def _unique(model) -> int:
 
 def _compare(hub_id: str, task: str) -> None:
     config = _shrunk(hub_id)
+    setup = TrainSetup(model=config, task=task, max_length=16)
+    if task in ("seq-cls", "token-cls"):
+        config.num_labels = setup.num_labels  # what the user's from_pretrained(..., num_labels=2) gives
     try:
-        meta = build_meta_model(TrainSetup(model=config, task=task, max_length=16))
+        meta = build_meta_model(setup)
     except ValueError:  # MemfitError: no such head; the real build must refuse it too
         with pytest.raises(ValueError):
-            _real(TASKS[task], copy.deepcopy(config))
+            _real(TASKS[task], config)
         return
-    real = _real(TASKS[task], copy.deepcopy(config))  # the config as memfit set it up (num_labels, ...)
+    real = _real(TASKS[task], config)
     expected, ties = _unique(real), shared_parameter_names(real)
     if task == "seq2seq-lm" and _t5_head_as_loaded(config):
         expected += real.lm_head.weight.numel()
@@ -90,7 +98,7 @@ def _cases():
         default = TrainSetup(model=hub_id).task
         for task in TASKS:
             fast = narrow and (task == default or hub_id in _ALL_TASKS_FAST)
-            out.append(pytest.param(hub_id, task, id=f"{hub_id}-{task}", marks=[] if fast else [pytest.mark.slow]))
+            out.append(pytest.param(hub_id, task, id=f"{hub_id}-{task}", marks=[] if fast else SLOW))
     return out
 
 
@@ -141,8 +149,8 @@ FULL_SIZE = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("hub_id", "task", "count"), FULL_SIZE, ids=[c[0] for c in FULL_SIZE])
+@pytest.mark.parametrize(("hub_id", "task", "count"),
+                         [pytest.param(*c, id=c[0], marks=SLOW) for c in FULL_SIZE])
 def test_full_size_params_equal_a_real_build(hub_id, task, count, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     real = _real(TASKS[task], load_bundled_config(hub_id))
@@ -152,7 +160,8 @@ def test_full_size_params_equal_a_real_build(hub_id, task, count, monkeypatch):
     assert shared_parameter_names(meta) == shared_parameter_names(real)
 
 
-@pytest.mark.slow
+@SLOW[0]
+@SLOW[1]
 def test_llama_3_1_8b_params_from_real_builds_of_one_and_two_blocks(monkeypatch):
     """8B on real tensors is 16 GB even in bf16: blocks are identical, so count(N) = c1 + (N - 1) (c2 - c1)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
