@@ -1,29 +1,41 @@
-"""Every bundled model estimates offline, with the head its family is fine-tuned with."""
+"""Every bundled model estimates offline with its default task, the head its family is fine-tuned with."""
 
 import pytest
 
 from memfit import TrainSetup, estimate
+from memfit.cli import main
 from memfit.models.catalog import bundled_model_ids
 
-_LM = ("llama", "mistral", "qwen", "phi", "gpt2")
-_S2S = ("t5", "bart")
-
-
-def _task(model_id: str) -> str:
-    low = model_id.lower()
-    if any(k in low for k in _LM):
-        return "causal-lm"
-    if any(k in low for k in _S2S):
-        return "seq2seq-lm"
-    return "seq-cls"
+#: Expected default task by model type, written out here (not derived from memfit's rule):
+#: decoder-only LMs -> causal-lm, encoder-decoders -> seq2seq-lm, encoders (and XLNet) -> seq-cls.
+_EXPECTED = {
+    "llama": "causal-lm", "mistral": "causal-lm", "qwen2": "causal-lm", "phi": "causal-lm", "phi3": "causal-lm",
+    "gpt2": "causal-lm", "t5": "seq2seq-lm", "bart": "seq2seq-lm",
+    "bert": "seq-cls", "roberta": "seq-cls", "xlm-roberta": "seq-cls", "distilbert": "seq-cls", "albert": "seq-cls",
+    "electra": "seq-cls", "deberta-v2": "seq-cls", "xlnet": "seq-cls",
+}
 
 
 @pytest.mark.parametrize("model_id", bundled_model_ids())
-def test_bundled_model_estimates(model_id, monkeypatch):
+def test_bundled_model_estimates_with_its_default_task(model_id, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    r = estimate(TrainSetup(model=model_id, task=_task(model_id), per_device_train_batch_size=1, max_length=64,
-                            precision="bf16"), gpu="A100-80GB")
+    r = estimate(TrainSetup(model=model_id, per_device_train_batch_size=1, max_length=64, precision="bf16"),
+                 gpu="A100-80GB")
+    assert r.task == _EXPECTED[r.model_type], model_id
+    assert any(n.startswith(f"task `{r.task}` chosen from") for n in r.notes)
     assert r.params > 1_000_000
     assert r.breakdown["weights"] > 0
     assert r.phase_breakdowns["optimizer"]["gradients"] > 0 and r.phase_breakdowns["optimizer"]["optimizer_state"] > 0
     assert r.device_used_bytes >= r.peak_reserved_bytes >= r.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("model_id", ["t5-small", "facebook/bart-base"])
+def test_seq2seq_models_run_from_the_command_line_with_no_task(model_id, capsys, monkeypatch):
+    """`memfit estimate t5-small` used to end in a DynamicOutputShapeException traceback (seq-cls head)."""
+    import json
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["estimate", model_id, "--batch-size", "1", "--max-length", "32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["task"] == "seq2seq-lm"
+    assert any("`seq2seq-lm` chosen from the config's architectures" in n for n in data["notes"])

@@ -51,23 +51,14 @@ def _raw(hub_id: str) -> dict:
     return json.loads(resources.files("memfit.models.configs").joinpath(name).read_text(encoding="utf-8"))
 
 
-def _count_params(model, raw: dict) -> int:
-    """Count unique parameters of ``model`` as it exists once hub weights are loaded.
+#: params_class -> the memfit task that builds that class (AutoModel / AutoModelForPreTraining have none).
+_TASK_OF_CLASS = {"AutoModelForCausalLM": "causal-lm", "AutoModelForSeq2SeqLM": "seq2seq-lm",
+                  "AutoModelForMaskedLM": "mlm"}
 
-    ``model.parameters()`` already de-duplicates tied tensors.  One correction:
-    transformers 5 forces ``tie_word_embeddings=True`` for T5 configs (it keeps
-    the hub's ``False`` only as ``scale_decoder_outputs``), so ``from_config``
-    ties the LM head of T5 v1.1 / Flan-T5; ``from_pretrained`` unties it again
-    because the checkpoint stores a distinct ``lm_head.weight``.  Add that head
-    back when the hub config says untied but the built model is tied.
-    """
-    n = sum(p.numel() for p in model.parameters())
-    if raw.get("tie_word_embeddings", True) is False:
-        out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        in_emb = model.get_input_embeddings()
-        if out_emb is not None and out_emb.weight is in_emb.weight:
-            n += out_emb.weight.numel()
-    return n
+
+def _count_params(model) -> int:
+    """Unique parameters: `parameters()` yields a tied tensor once."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def test_catalog_covers_requested_models():
@@ -113,31 +104,50 @@ def test_config_loads(hub_id, monkeypatch):
 
 @pytest.mark.parametrize("hub_id", IDS)
 def test_param_count_matches_published(hub_id):
+    """The published count, of the model memfit simulates where memfit builds that class.
+
+    Built through `memfit.models.build_meta_model` (the estimate's own path: tied weights, T5 v1.1's
+    untied head as `from_pretrained` loads it); a bare `AutoModel` / `AutoModelForPreTraining`, which
+    memfit never builds, with transformers on the meta device.
+    """
+    from memfit.models.build import build_meta_model
+    from memfit.train_setup import TrainSetup
+
     info = bundled_info(hub_id)
     raw = _raw(hub_id)
-    cfg = load_bundled_config(hub_id)
-    auto_cls = getattr(transformers, info["params_class"])
+    task = _TASK_OF_CLASS.get(info["params_class"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with torch.device("meta"):
-            model = auto_cls.from_config(cfg)
-    # XLNet creates its q/k/v/o/r projections and biases with torch.FloatTensor(...),
-    # which ignores the default-device context: those land on CPU (real memory).
-    if raw["model_type"] != "xlnet":
+        if task is not None:
+            model = build_meta_model(TrainSetup(model=hub_id, task=task, max_length=16))
+        else:
+            with torch.device("meta"):
+                model = getattr(transformers, info["params_class"]).from_config(load_bundled_config(hub_id))
+    if raw["model_type"] != "xlnet" or task is not None:  # transformers alone puts XLNet's FloatTensor weights on CPU
         assert all(p.device.type == "meta" for p in model.parameters())
-    n = _count_params(model, raw)
+    n = _count_params(model)
     tol = info.get("params_rel_tol", 0.01)
     rel = abs(n - info["params"]) / info["params"]
     assert rel <= tol, f"{hub_id}: built {n:,} vs published {info['params']:,} ({rel:.2%})"
 
 
-def test_t5_untied_head_quirk_is_handled():
-    """Flan-T5 has an untied LM head on the hub (248M params, not 223M)."""
-    raw = _raw("google/flan-t5-base")
-    assert raw["tie_word_embeddings"] is False
-    with torch.device("meta"):
-        model = transformers.AutoModelForSeq2SeqLM.from_config(load_bundled_config("google/flan-t5-base"))
-    assert _count_params(model, raw) == 247_577_856
+@pytest.mark.parametrize(("hub_id", "count"), [
+    ("google/flan-t5-base", 247_577_856),  # untied LM head on the hub (248M, not 223M)
+    ("google/flan-t5-large", 783_150_080),  # the model card's 783M
+    ("google-t5/t5-small", 60_506_624),  # tied: the original T5
+    ("meta-llama/Llama-3.2-1B", 1_235_814_400),  # tied
+    ("Qwen/Qwen2.5-0.5B", 494_032_768),  # tied
+    ("openai-community/gpt2", 124_439_808),  # tied
+    ("facebook/bart-base", 139_420_416),  # shared encoder/decoder/LM-head embedding
+])
+def test_memfit_counts_of_tied_and_untied_heads(hub_id, count):
+    """Exact counts of memfit's build: the real CPU builds of tests/test_models_params.py (full size for
+    gpt2, t5-small, bart-base, Qwen2.5-0.5B, Llama-3.2-1B; one block for the rest) give the same."""
+    from memfit.models.build import build_meta_model
+    from memfit.train_setup import TrainSetup
+
+    model = build_meta_model(TrainSetup(model=hub_id, max_length=16))
+    assert _count_params(model) == count
 
 
 def test_loads_in_fresh_offline_process():

@@ -146,15 +146,7 @@ def _closed_forms(model: str, task: str, weights_dtype: str, optim: str, max_gra
             "params": sum(p.numel() for p in params)}
 
 
-_TIED_XFAIL = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="tied weights are untied: accelerate.init_empty_weights in memfit/models/build.py "
-           "`build_meta_model` registers a new parameter per module, and nn.Module.to_empty in "
-           "memfit/sim/engine.py `_Runner._materialize` makes one per owning module again; the fix "
-           "is in progress (issue 10, scope 6): un-xfail on merge")
-
-
-@pytest.mark.parametrize("model", FAST + [pytest.param(m, marks=_TIED_XFAIL) for m in TIED],
+@pytest.mark.parametrize("model", FAST + TIED,
                          ids=lambda m: f"{m[0]}:{m[1]}")
 @settings(max_examples=4, deadline=None, derandomize=True, database=None, phases=NO_SHRINK,
           suppress_health_check=[HealthCheck.too_slow])

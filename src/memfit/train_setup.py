@@ -70,8 +70,10 @@ class TrainSetup:
 
     model: Any = "xlnet-large-cased"
     """Hub id (bundled configs work offline), a directory with config.json, a PretrainedConfig, or an nn.Module."""
-    task: str = "seq-cls"
-    """One of seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm."""
+    task: str | None = None
+    """One of seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm; None: the model's own, from its config's
+    architectures (`memfit.models.default_task`: causal-lm for GPT-2/Llama, seq2seq-lm for T5/BART,
+    seq-cls for encoders), said in `notes`."""
     num_labels: int = 2
     """Labels of a classification head."""
     per_device_train_batch_size: int = 8
@@ -126,10 +128,11 @@ class TrainSetup:
     """What memfit changed or assumed while reading the inputs (legacy names, ...)."""
 
     def __post_init__(self) -> None:
-        task = _TASK_ALIASES.get(str(self.task).lower(), str(self.task).lower())
-        if task not in TASKS:
-            raise MemfitError(f"unknown task `{self.task}`; use one of {', '.join(TASKS)}")
-        self.task = task
+        if self.task is not None:
+            task = _TASK_ALIASES.get(str(self.task).lower(), str(self.task).lower())
+            if task not in TASKS:
+                raise MemfitError(f"unknown task `{self.task}`; use one of {', '.join(TASKS)}")
+            self.task = task
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "max_length", "num_labels"):
             _positive_int(name, getattr(self, name))
@@ -170,6 +173,11 @@ class TrainSetup:
             _positive_int("lora_r", self.lora_r)
         if not isinstance(self.freeze_layers, int) or isinstance(self.freeze_layers, bool) or self.freeze_layers < 0:
             raise MemfitError(f"`freeze_layers` must be 0 or a positive number of blocks; got `{self.freeze_layers!r}`")
+        if self.task is None:  # last: it reads the model's config (a clear MemfitError when there is none)
+            from memfit.models.build import default_task  # memfit.models imports this module
+
+            self.task, why = default_task(self.model)
+            self.notes = [*self.notes, why]
 
     # -- derived ---------------------------------------------------------------------------
     @property

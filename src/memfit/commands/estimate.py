@@ -48,7 +48,8 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
         p.add_argument("--model", default=None, help=model_help + " of the run that failed")
     else:
         p.add_argument("model", nargs="?", help=model_help)
-    p.add_argument("--task", default=None, help="seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm (default seq-cls)")
+    p.add_argument("--task", default=None, help="seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm (default: from the "
+                   "config's architectures: causal-lm for GPT-2/Llama, seq2seq-lm for T5/BART, seq-cls for encoders)")
     p.add_argument("--num-labels", type=int, default=None, help="labels of a classification head (default 2)")
     p.add_argument("--batch-size", type=int, default=None, help="per_device_train_batch_size (default 8)")
     p.add_argument("--eval-batch-size", type=int, default=None, help="per_device_eval_batch_size (default 8)")

@@ -2,7 +2,9 @@
 
 A model is a hub id (bundled configs work offline; others are fetched with `AutoConfig`
 when online), a local directory holding `config.json`, a `PretrainedConfig`, or an
-`nn.Module`. Weights are never loaded: `from_config` runs under `torch.device("meta")`.
+`nn.Module`. Weights are never loaded: `from_config` runs under `torch.device("meta")`, and
+parameters the model ties (embeddings shared with the LM head) stay one parameter, as in the
+model `from_pretrained` loads. `default_task` picks the head from the config's architectures.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -19,7 +21,8 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.train_setup import TASKS, TrainSetup
 
-__all__ = ["ModelSpec", "resolve_config", "build_meta_model"]
+__all__ = ["ModelSpec", "resolve_config", "build_meta_model", "to_empty_tied", "shared_parameter_names",
+           "default_task"]
 
 _WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -92,36 +95,197 @@ def _quiet_hub():
         hub_logger.setLevel(level)
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A meta-device twin of the user's module; the user's weights are never touched.
+# -- building on the meta device with shared parameters kept shared ----------------------------
 
-    A Hugging Face model is rebuilt from its config (same class, no weights); any other module
-    is deep-copied and moved to meta (its memory is briefly duplicated on the host).
+
+@contextlib.contextmanager
+def _meta_init() -> Iterator[None]:
+    """Build modules on the meta device; a parameter registered twice stays one parameter.
+
+    `torch.device("meta")` puts every tensor a constructor creates on meta. A few models create
+    weights with the legacy `torch.FloatTensor(...)` constructor, which ignores the default device
+    (XLNet's q/k/v/o/r, `XLNetRelativeAttention.__init__`); those are moved to meta as they are
+    registered, as `accelerate.init_empty_weights` does.
+
+    Why not `accelerate.init_empty_weights`: its `register_empty_parameter`
+    (accelerate/big_modeling.py, `init_on_device`) wraps *every* registered parameter in a new
+    `Parameter`, also when `PreTrainedModel.tie_weights` (transformers/modeling_utils.py) ties the
+    output embedding by `setattr(parent, name, source_param)` at the end of `post_init`. The
+    tie is lost: GPT-2, Llama 3.2, Qwen2.5, T5 and BART were counted with an extra copy of their
+    embedding matrix. Here a parameter already on meta is registered as it is, and a CPU one is
+    replaced by the same meta twin every time it is registered.
+    """
+    import weakref
+
+    original = nn.Module.register_parameter
+    # id(cpu param) -> (meta twin, weak reference to that cpu param): the cpu memory is freed as soon as
+    # the model drops it, and a later tensor that reuses the id is not mistaken for it
+    twins: dict[int, tuple[nn.Parameter, weakref.ref]] = {}
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            entry = twins.get(id(param))
+            if entry is None or entry[1]() is not param:
+                twin = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+                twin.__dict__.update(param.__dict__)  # e.g. transformers' `_is_hf_initialized`
+                entry = twins[id(param)] = (twin, weakref.ref(param))
+            param = entry[0]
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def shared_parameter_names(module: nn.Module) -> dict[str, str]:
+    """`{alias: first name}` for every parameter reachable under more than one name (tied weights).
+
+    The first name is the one `named_parameters()` (which removes duplicates) reports.
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    parent._parameters[attr] = param  # not via register_parameter: no patch may rewrap it
+
+
+def _retie(module: nn.Module, aliases: dict[str, str]) -> None:
+    for alias, source in aliases.items():
+        _set_parameter(module, alias, module.get_parameter(source))
+
+
+def to_empty_tied(module: nn.Module, *, device: str | torch.device) -> nn.Module:
+    """`module.to_empty(device=...)` that keeps tied parameters tied.
+
+    `nn.Module._apply` gives each module's own `_parameters` entry a new `Parameter` when the
+    device changes (meta -> cpu, or a FakeTensor: `compute_should_use_set_data` is False), so a
+    parameter shared by two modules becomes two. The aliases are put back afterwards.
+    """
+    aliases = shared_parameter_names(module)
+    module.to_empty(device=device)
+    _retie(module, aliases)
+    return module
+
+
+def _to_meta_tied(module: nn.Module) -> nn.Module:
+    aliases = shared_parameter_names(module)
+    module.to("meta")
+    _retie(module, aliases)
+    return module
+
+
+def _same_layout(a: nn.Module, b: nn.Module) -> bool:
+    shapes_a = [(n, tuple(p.shape), p.dtype) for n, p in a.named_parameters(remove_duplicate=False)]
+    shapes_b = [(n, tuple(p.shape), p.dtype) for n, p in b.named_parameters(remove_duplicate=False)]
+    return sorted(shapes_a, key=lambda t: t[0]) == sorted(shapes_b, key=lambda t: t[0])
+
+
+def _match_parameters(user: nn.Module, twin: nn.Module) -> None:
+    """Give `twin` the user's sharing and `requires_grad`, name by name.
+
+    Both are walked with `named_parameters(remove_duplicate=False)`, so a tied parameter
+    (one object under two names) cannot shift the pairing, and a head the user untied (or tied)
+    is untied (or tied) in the twin too.
+    """
+    chosen: dict[int, nn.Parameter] = {}  # id(user param) -> twin param
+    used: set[int] = set()
+    for name, p in user.named_parameters(remove_duplicate=False):
+        twin_p = chosen.get(id(p))
+        if twin_p is None:
+            twin_p = twin.get_parameter(name)
+            if id(twin_p) in used:  # tied in the twin, separate in the user's module
+                twin_p = nn.Parameter(torch.empty_like(twin_p), requires_grad=p.requires_grad)
+            twin_p.requires_grad_(p.requires_grad)
+            chosen[id(p)] = twin_p
+            used.add(id(twin_p))
+        _set_parameter(twin, name, twin_p)
+
+
+def _meta_deepcopy(module: nn.Module) -> nn.Module:
+    """A deep copy whose parameters and buffers are fresh meta tensors; no weight is copied.
+
+    `copy.deepcopy` takes each parameter and buffer from the memo, so a tensor shared by two
+    modules is one meta tensor in the copy, as in the original.
     """
     import copy
 
-    from accelerate import init_empty_weights
+    memo: dict[int, Any] = {}
+    keep_alive = []
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        keep_alive.append(p)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+        keep_alive.append(b)
+    return copy.deepcopy(module, memo)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A meta-device twin of the user's module; the user's weights are never touched or copied.
+
+    A Hugging Face model is rebuilt from its config (same class, no weights) and given the
+    user's tying and `requires_grad` name by name; when its parameters differ from the user's
+    (a resized or added layer) or for any other module, the module is deep-copied with every
+    parameter and buffer replaced by a meta tensor.
+    """
+    import copy
 
     config = getattr(module, "config", None)
     from_config = getattr(type(module), "_from_config", None)
     if config is not None and from_config is not None:
         dtype = next((p.dtype for p in module.parameters()), None)
-        with init_empty_weights(), torch.device("meta"):
+        with _meta_init():
             twin = from_config(copy.deepcopy(config), **({"dtype": dtype} if dtype is not None else {}))
-        for p_user, p_twin in zip(module.parameters(), twin.parameters()):
-            p_twin.requires_grad_(p_user.requires_grad)
-        return twin
-    return copy.deepcopy(module).to("meta")
+        if _same_layout(module, twin):
+            _match_parameters(module, twin)
+            return twin
+    return _meta_deepcopy(module)
+
+
+def _untie_as_loaded(model: nn.Module, config: Any) -> None:
+    """Untie the LM head of a T5 v1.1 / Flan-T5 model, as `from_pretrained` leaves it.
+
+    transformers 5 forces `tie_word_embeddings=True` on T5 configs and keeps the hub's `False`
+    only as `scale_decoder_outputs` (`T5Config.__post_init__`, also UMT5/LongT5), so
+    `from_config` ties `lm_head.weight` to `shared.weight`. These checkpoints store a distinct
+    `lm_head.weight`; `PreTrainedModel.tie_weights(missing_keys=...)` finds both present with
+    different values and does not tie them ("we will NOT tie them"). The loaded model has its own
+    head (Flan-T5-base: 247,577,856 parameters, not 222,903,552).
+    """
+    if getattr(config, "scale_decoder_outputs", True) is not False:
+        return
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if out is None or inp is None or out.weight is not inp.weight:
+        return
+    out.weight = nn.Parameter(torch.empty_like(out.weight, device="meta"), requires_grad=out.weight.requires_grad)
 
 
 def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Module:
-    """Build the task model of `setup` on the meta device (no weights, no memory)."""
+    """Build the task model of `setup` on the meta device (no weights, no memory).
+
+    Tied parameters are one parameter, as in the model `from_pretrained` loads.
+    """
     import transformers
 
     spec = spec or resolve_config(setup.model)
     if isinstance(setup.model, nn.Module):
         return _meta_copy(setup.model)
-    config = spec.config
+    import copy
+
+    config = copy.deepcopy(spec.config)  # the head settings below must not reach a caller's (or a live model's) config
     if setup.task in ("seq-cls", "token-cls"):
         config.num_labels = setup.num_labels
         if setup.task == "seq-cls" and setup.num_labels > 1 and getattr(config, "problem_type", None) is None:
@@ -133,8 +297,6 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
     if getattr(config, "pad_token_id", None) is None and setup.task == "seq-cls":
         # Trainer users must set it for batch > 1 (GPT-2/Llama seq-cls); it does not change memory.
         config.pad_token_id = 0
-    from accelerate import init_empty_weights
-
     auto = getattr(transformers, TASKS[setup.task])
     dtype = _WEIGHT_DTYPES.get(setup.weights_dtype)
     if setup.weights_dtype == "auto":
@@ -142,15 +304,71 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, torch.float32)
     try:
-        # accelerate's init_empty_weights puts parameters on the meta device as they are
-        # registered, even those a model creates with torch.FloatTensor(...) (XLNet)
-        with init_empty_weights(), torch.device("meta"):
+        with _meta_init():
             model = auto.from_config(config, dtype=dtype)
-        if any(not p.is_meta for p in model.parameters()):
-            model = model.to("meta")  # e.g. XLNet creates some weights with torch.FloatTensor(...) on the CPU
     except ValueError as err:
         raise MemfitError(
             f"`{spec.name}` ({config.model_type}) has no `{setup.task}` head in transformers "
             f"{transformers.__version__}: {str(err).splitlines()[0][:160]}. Choose another --task"
         ) from err
+    if any(not p.is_meta for p in model.parameters()):
+        _to_meta_tied(model)  # a parameter made outside both the device context and register_parameter
+    _untie_as_loaded(model, config)
     return model
+
+
+# -- the task a model is fine-tuned for when none is given --------------------------------------
+
+#: Class-name endings of a head -> the task of that head (a module, or a checkpoint already
+#: fine-tuned with it). Order matters: `ForConditionalGeneration` before `LMHeadModel`.
+_HEAD_SUFFIXES = (
+    ("ForSequenceClassification", "seq-cls"), ("ForTokenClassification", "token-cls"),
+    ("ForQuestionAnswering", "qa"), ("ForMaskedLM", "mlm"), ("ForCausalLM", "causal-lm"),
+    ("ForConditionalGeneration", "seq2seq-lm"), ("ForSeq2SeqLM", "seq2seq-lm"), ("LMHeadModel", "causal-lm"),
+)
+#: Fine-tuned checkpoints keep their head: a config whose architecture is one of these keeps its task.
+_FINE_TUNED_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+#: Pretrained with bidirectional context (permutation LM, XLNet paper sec. 2.2) though its head class
+#: is `XLNetLMHeadModel`: fine-tuned like BERT, for classification (the paper's GLUE/RACE results).
+_BIDIRECTIONAL_LM_TYPES = frozenset({"xlnet"})
+
+
+def default_task(model: Any) -> tuple[str, str]:
+    """The task memfit simulates when none is given, and why (a sentence for the report's notes).
+
+    An `nn.Module` has its head: its class decides (`GPT2LMHeadModel` -> causal-lm). For a config
+    (hub id, directory, `PretrainedConfig`), the fine-tuning people do with that model:
+    an encoder-decoder (`is_encoder_decoder`: T5, BART) -> seq2seq-lm; a decoder-only language
+    model (architecture `*ForCausalLM`, or the causal-LM class of a model type that has no
+    masked-LM head: GPT-2's `GPT2LMHeadModel`) -> causal-lm; a checkpoint already fine-tuned for
+    classification, tokens or QA keeps that head; encoders (`*ForMaskedLM`, `*ForPreTraining`,
+    XLNet, a bare `*Model`) -> seq-cls, the usual fine-tuning of an encoder.
+    """
+    if isinstance(model, nn.Module):
+        name = type(getattr(model, "module", model)).__name__
+        for suffix, task in _HEAD_SUFFIXES:
+            if suffix in name:
+                return task, f"task `{task}` is the head of the model class `{name}`"
+        return "seq-cls", f"task `seq-cls` assumed: the head of model class `{name}` is not one memfit knows"
+    config = resolve_config(model).config
+    return _task_of_config(config)
+
+
+def _task_of_config(config: Any) -> tuple[str, str]:
+    from transformers.models.auto import modeling_auto
+
+    model_type = getattr(config, "model_type", "")
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = archs[0] if archs else None
+    said = f"the config's architectures (`{arch}`)" if arch else f"its model type (`{model_type}`, no architectures)"
+    why = "; pass --task to choose another"
+    if arch and arch.endswith(_FINE_TUNED_SUFFIXES):
+        task = next(t for s, t in _HEAD_SUFFIXES if arch.endswith(s))
+        return task, f"task `{task}` chosen from {said}{why}"
+    if getattr(config, "is_encoder_decoder", False) and model_type in modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "seq2seq-lm", f"task `seq2seq-lm` chosen from {said}: an encoder-decoder{why}"
+    causal_class = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    encoder = model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type in _BIDIRECTIONAL_LM_TYPES
+    if (arch or "").endswith("ForCausalLM") or (causal_class is not None and not encoder and arch in (None, causal_class)):
+        return "causal-lm", f"task `causal-lm` chosen from {said}: a decoder-only language model{why}"
+    return "seq-cls", f"task `seq-cls` chosen from {said}: an encoder, fine-tuned with a classification head{why}"

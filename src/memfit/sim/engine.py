@@ -33,7 +33,8 @@ from torch import nn
 
 from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.errors import MemfitError
-from memfit.models.build import ModelSpec, build_meta_model, resolve_config
+from memfit.models.limits import check_sequence_lengths
+from memfit.models.build import ModelSpec, build_meta_model, resolve_config, to_empty_tied
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.cuda_patches import cuda_patches
@@ -110,6 +111,7 @@ class _Runner:
         self.notes: list[str] = []
         self.spec = spec or resolve_config(setup.model)
         model = build_meta_model(setup, self.spec)
+        self.notes += check_sequence_lengths(model, setup, self.spec.name, self.spec.config)
         if setup.lora_r is not None:
             model = self._apply_lora(model)
         if setup.freeze_embeddings:
@@ -176,9 +178,9 @@ class _Runner:
         tr = self.tracker
         tr.phase = "setup"
         tr.paused = True
-        self.model.to_empty(device="cpu")
+        to_empty_tied(self.model, device="cpu")  # plain to_empty unties shared weights
         if self.cut is not None:
-            self.cut.to_empty(device="cpu")
+            to_empty_tied(self.cut, device="cpu")
         if not self.fake:
             # to_empty leaves garbage in real storages; a garbage `position_ids` buffer indexes out
             # of range. Zeros keep every real run well defined (values never change the trace).
