@@ -398,6 +398,9 @@ def train_command(args: argparse.Namespace) -> int:
 
     trainer.remove_callback(PrinterCallback)
     import memfit.fitting.run as mf
+    from memfit.fitting.resume import resolve_checkpoint
+
+    resolve_checkpoint(trainer, args.resume)  # a damaged or missing checkpoint: a clear error before any estimate
     from memfit.fitting.interrupt import FitInterrupted
 
     head = "built-in default: " if is_default else ""

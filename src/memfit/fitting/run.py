@@ -392,15 +392,16 @@ def failure_record(exc: BaseException, *, phase: str, step: int, checkpoints: li
 
     Args:
         exc: the exception that ended the run.
-        phase: where `fit` was ("train": inside `trainer.train`, "final_eval": the evaluation after it);
-            refined from the traceback's Trainer frames (save, eval, optimizer, resume, load_best) or,
-            for an out-of-memory error, from memfit's diagnosis.
+        phase: where the caller was ("train": inside `trainer.train`, then refined from the traceback's
+            Trainer frames (save, eval, optimizer, resume, load_best) or, for an out-of-memory error,
+            from memfit's diagnosis; "final_eval": the evaluation after it; "final_save": `memfit train`'s
+            save of the model).
         step: optimizer steps completed (`trainer.state.global_step`).
         checkpoints: the checkpoints this run wrote (the newest is where a resume starts).
     """
     message = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
-    where = _phase_of(exc) or phase
-    if is_oom_error(exc):
+    where = (_phase_of(exc) or phase) if phase == "train" else phase
+    if is_oom_error(exc) and phase == "train":
         with contextlib.suppress(Exception):
             from memfit.diagnosis.causes import diagnose
 
