@@ -15,7 +15,9 @@ once (Python's `KeyboardInterrupt`, or SIGTERM's default action).
 Handlers are installed only in the main thread (`signal.signal` works nowhere else) and only
 where the previous one is Python's default (`signal.default_int_handler` for SIGINT,
 `SIG_DFL` for SIGTERM): a handler of the caller's own, or an ignored signal, is left alone.
-The previous handlers are restored on exit.
+The previous handlers are restored on exit. With several processes (torchrun forwards the
+signal to every rank, not necessarily at the same step) the ranks agree on the signal at every
+step end (one `all_reduce` of a flag), so that all stop and save at the same step.
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ def stop_callback(stop: SignalStop):
             self.stopping = False
 
         def on_step_end(self, args, state, control, **kwargs):
+            from memfit.fitting.distributed import agree_max
+
+            # every rank stops at the same step (a save has collectives), whichever rank got the signal
+            received = agree_max(stop.received or 0)
+            if received and stop.received is None:
+                stop.received = received
             if stop.received is not None and not self.stopping:
                 self.stopping = True
                 control.should_save = True  # even with save_strategy="no": the steps would be lost otherwise
