@@ -88,6 +88,7 @@ class _At(TrainerCallback):
             self.action()
 
 
+@pytest.mark.slow
 def test_earlier_checkpoints_and_results_are_kept_and_the_limit_is_said(tmp_path, tiny, data, capsys):
     out = tmp_path / "y"
     (out / "checkpoint-8").mkdir(parents=True)
@@ -107,6 +108,15 @@ def test_earlier_checkpoints_and_results_are_kept_and_the_limit_is_said(tmp_path
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out / "earlier-run-1"))
     assert (out / "earlier-checkpoint-2" / "trainer_state.json").exists() and (out / "checkpoint-2").exists()
     assert "moved to" in " ".join(res.out.split())
+
+
+def test_num_labels_other_than_the_trained_head_gets_a_new_head(tmp_path, tiny, data, capsys):
+    # transformers raises "You set `ignore_mismatched_sizes` to `False`" for a head of another shape
+    code, res = _run([tiny, "--data", data, "--num-labels", "3", "--max-steps", "1", "--output-dir",
+                      tmp_path / "out"], capsys)
+    assert code == 0, res.err
+    assert "head has 2 labels; --num-labels 3 replaces it" in " ".join(res.out.split())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["id2label"].keys() == {"0", "1", "2"}
 
 
 def _damaged_model(tmp_path, tiny, how):

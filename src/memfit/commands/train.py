@@ -379,8 +379,12 @@ def train_command(args: argparse.Namespace) -> int:
     enc = tokenizer(texts, truncation=True, max_length=max_length)
     eval_enc = tokenizer(eval_texts, truncation=True, max_length=max_length)
     torch.manual_seed(targs.seed)
+    new_head = not head_trained or num_labels != config.num_labels
+    if head_trained and new_head:  # from_pretrained raises on the head's shape unless told to re-create it
+        notes.append(f"the model's classification head has {config.num_labels} labels; --num-labels {num_labels} "
+                     "replaces it by a new, randomly initialised head")
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_dir, num_labels=num_labels, ignore_mismatched_sizes=not head_trained)
+        model_dir, num_labels=num_labels, ignore_mismatched_sizes=new_head)
     from memfit.fitting.preflight import check_budget_covers_model
 
     check_budget_covers_model(model, budget_bytes)

@@ -23,7 +23,13 @@
 4. Measured per-phase peaks (torch.cuda's, or the memory_budget's) are reported next to the
    prediction.
 5. Each checkpoint carries the memory settings memfit changed; a resumed run re-applies them
-   (memfit.fitting.resume).
+   (memfit.fitting.resume), from the newest intact checkpoint (damaged ones are skipped and named).
+6. Nothing of earlier runs is deleted: `save_total_limit` counts only this run's checkpoints, an
+   earlier checkpoint of the same step is renamed `earlier-checkpoint-N` (memfit.fitting._trainer).
+7. A run that fails part-way still writes its report (`status`, `error`: type, message, phase,
+   steps completed, last checkpoint) before the error propagates; SIGINT / SIGTERM finish the
+   optimizer step, save a checkpoint, write the report and raise `FitInterrupted` (exit status
+   130 / 143; memfit.fitting.interrupt).
 
 Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
 optimizer step; with DDP, gradients are averaged by memfit after each accumulation window so
@@ -190,9 +196,13 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
     (first step, and the first after an evaluation or a recovery), "always" or "never".
     `allow_optimizer_switch`: when the optimizer state does not fit at the first step, replace
     the optimizer by one with a smaller state (8-bit AdamW / Adafactor) instead of stopping.
-    `resume_from_checkpoint`: a checkpoint folder, or True for the last one in output_dir;
+    `resume_from_checkpoint`: a checkpoint folder, or True for the newest intact one in output_dir;
     passed to `trainer.train`, after the memory settings memfit saved with that checkpoint
     (memfit.fitting.resume) are applied to the trainer.
+
+    Raises `FitInterrupted` (a SystemExit: 130 / 143) after SIGINT / SIGTERM, once the checkpoint
+    and the report are written; any other error after training started is re-raised after the
+    report is written, with the report as `error.memfit_report`.
     """
     import torch
 
@@ -349,7 +359,10 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
              finished=finished)
     report = make_report()
     if report_path:
-        write_report(report, report_path)
+        try:
+            write_report(report, report_path)
+        except OSError as exc:  # the run itself succeeded: say so instead of losing its result
+            note(f"the report could not be written to {report_path} ({exc}); it is returned only")
     if signals.received is not None:
         written = adapter.run_checkpoints(trainer)
         raise interrupt.FitInterrupted(signals.signal_name, signals.received, report, written[-1] if written else None)
@@ -438,9 +451,14 @@ def _phase_of(exc: BaseException) -> str | None:
 def write_report(report: "FitReport", path: str) -> None:
     """Write the report as JSON (temporary file + rename: never half-written, never a torn earlier report)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(report.to_json(), fh, indent=2, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(report.to_json(), fh, indent=2, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # memfit's own temporary file
+        raise
 
 
 def _report(trainer: Any, *, pre: Any, meter: Meter, budget: Any, recoveries: list, step: Any,
