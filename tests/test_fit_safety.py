@@ -170,6 +170,7 @@ def _run_with_checkpoints(out):
     mf.fit(_trainer(out, save_strategy="steps", save_steps=1, max_steps=4), plan=False)
 
 
+@pytest.mark.slow
 def test_resume_skips_damaged_checkpoints_and_says_why(tmp_path, uninterrupted):
     _run_with_checkpoints(tmp_path)
     safetensors = tmp_path / "checkpoint-4" / "model.safetensors"

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -597,7 +598,11 @@ def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, repo
             pass
         return _failure_line(report, report_path)
     finally:
-        adapter.clean_staging(output_dir)
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)  # this save's own staging folder only
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(staging))  # the staging root, when nothing else is in it
 
 
 def _summary(console, report, output_dir: str, report_path: str, elapsed: float) -> None:

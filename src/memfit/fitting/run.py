@@ -394,10 +394,12 @@ def _note_checkpoint_policy(trainer: Any, note: Any) -> None:
     earlier = _numbered_checkpoints(out) if os.path.isdir(out) else []
     limit = adapter.begin_checkpoint_run(trainer)
     saves = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)) != "no"
+    names = ", ".join(os.path.basename(e) for e in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
     if limit is not None and limit > 0 and saves:
         note(f"save_total_limit={limit}: only the newest {limit} checkpoint(s) this run writes are kept"
-             + (f"; the {len(earlier)} checkpoint(s) already in `{out}` ({', '.join(os.path.basename(e) for e in earlier[:3])}"
-                f"{', ...' if len(earlier) > 3 else ''}) are never deleted" if earlier else ""))
+             + (f"; the {len(earlier)} checkpoint(s) already in `{out}` ({names}) are never deleted" if earlier else ""))
+    elif earlier and saves:
+        note(f"`{out}` already holds {len(earlier)} checkpoint(s) ({names}); they are kept")
 
 
 def failure_record(exc: BaseException, *, phase: str, step: int, checkpoints: list[str]) -> dict[str, Any]:
