@@ -454,7 +454,7 @@ def train_command(args: argparse.Namespace) -> int:
         report = stop.report
         saved = ""
         if report.steps_completed >= report.steps_expected and _save_final(trainer, tokenizer, output_dir, report,
-                                                                             report_path, model_dir) is None:
+                                                                             report_path) is None:
             saved = f"; training had finished: the model is in {output_dir}"
         print(f"memfit train: {stop}{saved}; report: {report_path}"
               + ("; continue with --resume" if report.steps_completed < report.steps_expected else ""),
@@ -462,14 +462,14 @@ def train_command(args: argparse.Namespace) -> int:
         return int(stop.code)
     except Exception as err:  # noqa: BLE001 - a failure after training started: one line, the report is written
         failed = getattr(err, "memfit_report", None)
-        if failed is None or isinstance(err, MemfitError) and failed.error is None:
+        if failed is None:  # raised before training started: a MemfitError (one line) or a bug (traceback)
             raise
         print(f"memfit train: error: {_failure_line(failed, report_path)}", file=sys.stderr)
         return 1
     finally:
         fit_logger.removeHandler(handler)
         fit_logger.propagate = True
-    problem = _save_final(trainer, tokenizer, output_dir, report, report_path, model_dir)
+    problem = _save_final(trainer, tokenizer, output_dir, report, report_path)
     if problem:
         print(f"memfit train: error: {problem}", file=sys.stderr)
         return 1
@@ -565,8 +565,7 @@ def set_aside_results(output_dir: str, names: set[str]) -> str | None:
     return target
 
 
-def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, report_path: str,
-                model_dir: str) -> str | None:
+def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, report_path: str) -> str | None:
     """Save the fine-tuned model and tokenizer into `output_dir` atomically. Returns None, or a one-line problem.
 
     Written into a marked staging folder (memfit.fitting._trainer) and moved into place file by file,

@@ -26,7 +26,7 @@ from typing import Any
 from memfit.errors import MemfitError
 
 __all__ = ["STATE_FILE", "SCHEMA", "run_state", "write_state", "read_state", "changes_to_apply",
-           "resolve_checkpoint", "ResumeChoice", "checkpoint_problems"]
+           "resolve_checkpoint", "ResumeChoice", "checkpoint_problems", "numbered_checkpoints"]
 
 STATE_FILE = "memfit-state.json"
 SCHEMA = "memfit.fit-state/1"
@@ -101,7 +101,7 @@ class ResumeChoice:
     notes: tuple[str, ...] = ()  #: state that is not restored (e.g. no RNG file)
 
 
-def _numbered_checkpoints(folder: str) -> list[str]:
+def numbered_checkpoints(folder: str) -> list[str]:
     """checkpoint-N folders of `folder`, newest (largest N) first, as `get_last_checkpoint` names them."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -143,7 +143,7 @@ def resolve_checkpoint(trainer: Any, resume_from_checkpoint: Any) -> ResumeChoic
         return None
     if resume_from_checkpoint is True:
         out = trainer.args.output_dir
-        candidates = _numbered_checkpoints(out) if os.path.isdir(out) else []
+        candidates = numbered_checkpoints(out) if os.path.isdir(out) else []
         if not candidates:
             raise MemfitError(f"resume_from_checkpoint=True but output_dir `{out}` holds no checkpoint-N folder; "
                               "pass the checkpoint's path, or start without resuming")

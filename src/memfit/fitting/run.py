@@ -346,17 +346,19 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
                          d.causes[0].text if d.causes else exc)
         error = failure_record(exc, phase=phase, step=int(trainer.state.global_step),
                                checkpoints=adapter.run_checkpoints(trainer))
-        _cleanup(trainer, step, optimizer_guard, undo_eval, undo_save, undo_state_file, callback, stop, progress,
-                 finished=False)
-        with contextlib.suppress(Exception):  # the report must never hide the error itself
+        with contextlib.suppress(Exception):  # neither the cleanup nor the report may hide the error itself
+            _cleanup(trainer, step, optimizer_guard, undo_eval, undo_save, undo_state_file, callback, stop,
+                     progress, finished=False)
+        with contextlib.suppress(Exception):
             report = make_report(error)
             if report_path:
                 write_report(report, report_path)
                 exc.add_note(f"memfit: the report of this run ({report.status}) is in {report_path}")
             exc.memfit_report = report  # type: ignore[attr-defined]  (read by `memfit train`)
         raise
+    # after a signal the newest checkpoint is where the run resumes: not removed by the save_total_limit=1 rule
     _cleanup(trainer, step, optimizer_guard, undo_eval, undo_save, undo_state_file, callback, stop, progress,
-             finished=finished)
+             finished=finished and signals.received is None)
     report = make_report()
     if report_path:
         try:
@@ -371,7 +373,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
 
 def _cleanup(trainer: Any, step: Any, optimizer_guard: Any, undo_eval: Any, undo_save: Any, undo_state_file: Any,
              callback: Any, stop: Any, progress: Any, *, finished: bool) -> None:
-    """Undo everything `fit` installed on the trainer (idempotent parts only once)."""
+    """Undo everything `fit` installed on the trainer; give `save_total_limit` back (`end_checkpoint_run`)."""
     from memfit.fitting import _trainer as adapter
 
     step.uninstall()
@@ -388,10 +390,10 @@ def _cleanup(trainer: Any, step: Any, optimizer_guard: Any, undo_eval: Any, undo
 def _note_checkpoint_policy(trainer: Any, note: Any) -> None:
     """Take save_total_limit over from Trainer (this run's checkpoints only) and say what is kept."""
     from memfit.fitting import _trainer as adapter
-    from memfit.fitting.resume import _numbered_checkpoints
+    from memfit.fitting.resume import numbered_checkpoints
 
     out = trainer.args.output_dir
-    earlier = _numbered_checkpoints(out) if os.path.isdir(out) else []
+    earlier = numbered_checkpoints(out) if os.path.isdir(out) else []
     limit = adapter.begin_checkpoint_run(trainer)
     saves = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)) != "no"
     names = ", ".join(os.path.basename(e) for e in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
