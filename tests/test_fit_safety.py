@@ -264,3 +264,15 @@ def test_a_second_ctrl_c_stops_at_once():
             assert stop.signal_name == "SIGINT"
             signal.raise_signal(signal.SIGINT)  # the previous handler: Python's KeyboardInterrupt
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_checkpoint_a_signal_saved_survives_save_total_limit_1_with_a_best_model(tmp_path):
+    # Trainer's rule for save_total_limit=1 keeps only the best checkpoint at the end of train()
+    t = _trainer(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                 load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=0.05,
+                 save_total_limit=1)
+    t.add_callback(_At(2, _send(signal.SIGTERM, signal.SIG_DFL)))
+    with pytest.raises(FitInterrupted) as info:
+        mf.fit(t, plan=False)
+    assert t.state.best_model_checkpoint != info.value.checkpoint, "the test needs a best checkpoint before the last"
+    assert os.path.isdir(info.value.checkpoint) and info.value.checkpoint.endswith("checkpoint-3")
