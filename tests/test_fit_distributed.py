@@ -49,6 +49,8 @@ def _ddp_worker(rank, world, port, out, mode):
                               optim="adafactor" if mode == "plain-adafactor" else "adamw_torch_fused")
     elif mode == "save":  # both ranks write into one output_dir, as in a real run
         t = test_fit._trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="steps", save_steps=1)
+    elif mode == "sigterm":  # one output_dir, no checkpoint but the one the signal asks for
+        t = test_fit._trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="no")
     else:
         t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2)
     result = "ok"
@@ -83,12 +85,25 @@ def _ddp_worker(rank, world, port, out, mode):
                         t.optimizer.optimizer.step = step  # the torch optimizer under accelerate's wrapper
 
                 t.add_callback(_Failing())
+            if rank == 1 and mode == "sigterm":  # only rank 1 gets the signal, during optimizer step 2
+                import signal
+
+                from transformers import TrainerCallback
+
+                class _Term(TrainerCallback):
+                    def on_step_begin(self, args, state, control, **kwargs):
+                        if state.global_step == 1:
+                            os.kill(os.getpid(), signal.SIGTERM)
+
+                t.add_callback(_Term())
             report = mf.fit(t, plan=False, max_recoveries=2)
             result = f"ok {report.steps_completed} {len(report.oom_recoveries)} {type(t.model_wrapped).__name__}"
             if mode == "switch":
                 result += f" {type(t.optimizer.optimizer).__name__}"
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
         result = f"error {type(exc).__name__}"
+    except SystemExit as exc:  # memfit.fitting.interrupt.FitInterrupted
+        result = f"stopped {exc.code} {exc.report.steps_completed} {exc.checkpoint}"
     torch.save([p.detach() for p in t.model.parameters()], os.path.join(out, f"w{rank}.pt"))
     with open(os.path.join(out, f"{rank}.txt"), "w") as fh:
         fh.write(result)
@@ -159,3 +174,12 @@ def test_ddp_checkpoints_hold_every_rank_s_files():
         names = set(os.listdir(os.path.join(run, f"checkpoint-{i}")))
         assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "memfit-state.json",
                 "rng_state_0.pth", "rng_state_1.pth"} <= names, (i, names)
+
+
+def test_ddp_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint():
+    results, _, d = _ddp_run("sigterm", 29618)
+    run = os.path.join(d, "run")
+    assert results == [f"stopped 143 2 {os.path.join(run, 'checkpoint-2')}", "stopped 143 2 None"]
+    assert sorted(os.listdir(run)) == ["checkpoint-2"]
+    assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"} <= set(
+        os.listdir(os.path.join(run, "checkpoint-2")))

@@ -32,7 +32,7 @@ from memfit.allocator.caching import round_size  # the caching allocator's 512-b
 from memfit.oom_text import format_oom_message
 from memfit.sim._torch_adapter import TorchDispatchMode, WeakIdKeyDictionary
 
-__all__ = ["memory_budget", "MemoryBudget", "round_size"]
+__all__ = ["memory_budget", "MemoryBudget", "round_size", "counted_bytes"]
 
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
     """Parameters, buffers and gradients of a module; state of an optimizer; tensors themselves."""
@@ -56,6 +56,17 @@ def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors_of(item)
     elif obj is not None:
         raise TypeError(f"memory_budget cannot count `{type(obj).__name__}`; pass modules, optimizers or tensors")
+
+
+def counted_bytes(*objs: Any) -> int:
+    """The bytes `memory_budget(..., count=objs)` counts as live from the start: each distinct storage of
+    their tensors, rounded as the caching allocator rounds (`round_size`); meta tensors count nothing."""
+    seen: dict[int, Any] = {}  # id -> storage (held, so that ids stay unique), as MemoryBudget._track
+    for t in _tensors_of(list(objs)):
+        storage = t.untyped_storage()
+        if storage.device.type != "meta":
+            seen.setdefault(id(storage), storage)
+    return sum(round_size(s.nbytes()) for s in seen.values())
 
 
 class MemoryBudget(TorchDispatchMode):

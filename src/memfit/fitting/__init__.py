@@ -1,6 +1,7 @@
 """`memfit.fit` / `memfit.preflight`: wrap a real Trainer run. run (the orchestrator), preflight,
-recovery (OOM in a micro-step or evaluation), optimizer_step, saving, resume, distributed,
-and _trainer (every Trainer / accelerate internal memfit touches)."""
+recovery (OOM in a micro-step or evaluation), optimizer_step, saving, resume (with checkpoint_files:
+is a checkpoint intact), interrupt (SIGINT / SIGTERM), distributed, and _trainer (every Trainer /
+accelerate internal memfit touches)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ if TYPE_CHECKING:
     from memfit.fitting.run import fit, FitReport, apply_plan
     from memfit.fitting.preflight import preflight, PreflightReport, PreflightFlag
     from memfit.fitting.recovery import is_oom_error
+    from memfit.fitting.interrupt import FitInterrupted
 
-__all__ = ["fit", "FitReport", "apply_plan", "preflight", "PreflightReport", "PreflightFlag", "is_oom_error"]
+__all__ = ["fit", "FitReport", "apply_plan", "preflight", "PreflightReport", "PreflightFlag", "is_oom_error",
+           "FitInterrupted"]
 
-_LAZY = {"fit": "run", "FitReport": "run", "apply_plan": "run", "preflight": "preflight", "PreflightReport": "preflight", "PreflightFlag": "preflight", "is_oom_error": "recovery"}
+_LAZY = {"fit": "run", "FitReport": "run", "apply_plan": "run", "preflight": "preflight", "PreflightReport": "preflight", "PreflightFlag": "preflight", "is_oom_error": "recovery",
+         "FitInterrupted": "interrupt"}
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: submodules (and torch) load on first use

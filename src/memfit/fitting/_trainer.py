@@ -20,6 +20,13 @@ only this module changes:
 - `Trainer._eval_dataloaders`: cached eval dataloaders, dropped after the eval batch size changes.
 - `Trainer.create_accelerator_and_postprocess()`: rebuilds the Accelerator after a change of
   mixed precision (fp16/bf16) before training starts.
+- `args.save_total_limit`: set to None while memfit trains, so that Trainer's own rotation
+  (`rotate_checkpoints` in `_save_checkpoint`, and the end-of-training removal of every
+  checkpoint but the best when the limit is 1, in `_inner_training_loop`) never deletes
+  checkpoints of earlier runs; memfit applies the limit to this run's checkpoints
+  (`begin_checkpoint_run`, `rotate_run_checkpoints`, `end_checkpoint_run`).
+- `Trainer.is_deepspeed_enabled` / `is_fsdp_enabled`: checkpoints in another layout
+  (`uses_sharded_checkpoints`).
 """
 
 from __future__ import annotations
@@ -38,10 +45,18 @@ logger = logging.getLogger("memfit.fit")
 
 __all__ = ["set_train_batch_size", "install_atomic_checkpoints", "loss_uses_num_items", "rebuild_accelerator",
            "STAGING_DIR", "clean_staging", "preserve_accelerator_state", "reset_eval_dataloaders",
-           "wrap_checkpoint_save", "wrap_load_best_model", "best_model_checkpoint", "add_checkpoint_file"]
+           "wrap_checkpoint_save", "wrap_load_best_model", "best_model_checkpoint", "add_checkpoint_file",
+           "STAGING_MARKER", "begin_checkpoint_run", "end_checkpoint_run", "run_checkpoints", "rotate_run_checkpoints",
+           "set_aside_checkpoints", "uses_sharded_checkpoints"]
 
 #: Folder inside output_dir where checkpoints are written before the rename into place.
 STAGING_DIR = ".memfit-staging"
+
+
+def uses_sharded_checkpoints(trainer: Any) -> bool:
+    """True when DeepSpeed or FSDP writes the checkpoints (`Trainer.is_deepspeed_enabled` / `is_fsdp_enabled`):
+    their weights and optimizer state are not the single-process files `resume.check_checkpoint` reads."""
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
 
 
 def set_train_batch_size(trainer: Any, per_device: int) -> None:
@@ -105,11 +120,123 @@ def loss_uses_num_items(trainer: Any, model: Any, num_items_in_batch: Any) -> bo
     return "loss_function" in source
 
 
-def clean_staging(run_dir: str) -> None:
-    """Remove checkpoints a crashed save left half-written in the staging folder."""
+#: File memfit writes into every staging folder it creates; `clean_staging` removes only folders holding it.
+STAGING_MARKER = ".memfit-owned"
+
+
+def _make_staging(path: str) -> None:
+    """Create a staging folder and mark it as memfit's (see `clean_staging`)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, STAGING_MARKER), "a", encoding="utf-8"):
+        pass
+
+
+def clean_staging(run_dir: str) -> list[str]:
+    """Remove staging folders a crashed save of memfit left half-written. Returns what was removed.
+
+    Only folders under `run_dir/.memfit-staging/` that hold memfit's marker file are removed;
+    anything else there (not written by memfit) is left alone, and so is the staging folder
+    itself unless it is empty.
+    """
     staging = os.path.join(run_dir, STAGING_DIR)
-    if os.path.isdir(staging):
-        shutil.rmtree(staging, ignore_errors=True)
+    removed: list[str] = []
+    if not os.path.isdir(staging):
+        return removed
+    for name in sorted(os.listdir(staging)):
+        folder = os.path.join(staging, name)
+        if os.path.isdir(folder) and not os.path.islink(folder) and os.path.isfile(os.path.join(folder, STAGING_MARKER)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    try:
+        os.rmdir(staging)  # only when empty
+    except OSError:
+        pass
+    return removed
+
+
+def _set_aside(path: str) -> str:
+    """Rename a folder memfit must not delete to `earlier-<name>` (a name `get_last_checkpoint` and the
+    rotation's `checkpoint-*` glob ignore). Returns the new path."""
+    parent, name = os.path.split(path)
+    target = os.path.join(parent, f"earlier-{name}")
+    n = 2
+    while os.path.exists(target):
+        target = os.path.join(parent, f"earlier-{name}-{n}")
+        n += 1
+    os.replace(path, target)
+    return target
+
+
+def begin_checkpoint_run(trainer: Any) -> int | None:
+    """Start a run's own checkpoint bookkeeping; take `save_total_limit` over from Trainer. Returns the limit.
+
+    Trainer's rotation deletes the oldest `checkpoint-*` folders of output_dir, whoever wrote
+    them: `rotate_checkpoints` in `Trainer._save_checkpoint`, and at the end of `train()` (with
+    `save_total_limit == 1` and a best checkpoint) every checkpoint but the best
+    (`Trainer._inner_training_loop`, transformers 5.24). memfit sets `args.save_total_limit` to
+    None while training (`end_checkpoint_run` restores it) and applies the limit itself, to the
+    checkpoints written in this run only (`rotate_run_checkpoints`).
+    """
+    limit = trainer.args.save_total_limit
+    trainer.__dict__["_memfit_run"] = {"written": [], "limit": limit, "set_aside": []}
+    trainer.args.save_total_limit = None
+    return limit
+
+
+def end_checkpoint_run(trainer: Any, *, finished: bool) -> None:
+    """Restore `args.save_total_limit`; after a finished `train()`, Trainer's end-of-training rule on this run's
+    checkpoints: with `save_total_limit == 1` and a best checkpoint, only the best one is kept."""
+    run = trainer.__dict__.get("_memfit_run")
+    if run is None:
+        return
+    trainer.args.save_total_limit = run["limit"]
+    best = trainer.state.best_model_checkpoint
+    if finished and run["limit"] == 1 and best is not None and trainer.args.should_save:
+        for folder in list(run["written"]):
+            if os.path.isdir(folder) and os.path.abspath(folder) != os.path.abspath(best):
+                shutil.rmtree(folder, ignore_errors=True)
+                run["written"].remove(folder)
+
+
+def run_checkpoints(trainer: Any) -> list[str]:
+    """The checkpoint folders written in this run (oldest first) that still exist."""
+    run = trainer.__dict__.get("_memfit_run") or {"written": []}
+    return [f for f in run["written"] if os.path.isdir(f)]
+
+
+def set_aside_checkpoints(trainer: Any) -> list[tuple[str, str]]:
+    """(old path, new path) of earlier checkpoints renamed because this run wrote a checkpoint of the same step."""
+    run = trainer.__dict__.get("_memfit_run") or {"set_aside": []}
+    return list(run["set_aside"])
+
+
+def rotate_run_checkpoints(trainer: Any) -> list[str]:
+    """`save_total_limit` applied to the checkpoints written in this run; returns the removed folders.
+
+    As transformers' `rotate_checkpoints` (trainer_utils.py): the newest and the best checkpoint
+    are kept, then the oldest are removed until `save_total_limit` are left. Checkpoints of
+    earlier runs are never counted nor removed.
+    """
+    run = trainer.__dict__.get("_memfit_run")
+    if run is None:
+        return []
+    limit = run["limit"]
+    written = [f for f in run["written"] if os.path.isdir(f)]
+    run["written"] = written
+    if limit is None or limit <= 0 or len(written) <= limit:
+        return []
+    best = trainer.state.best_model_checkpoint
+    protected = {os.path.abspath(written[-1])} | ({os.path.abspath(best)} if best else set())
+    keep = max(limit, len([w for w in written if os.path.abspath(w) in protected]))
+    removed = []
+    for folder in list(written):
+        if len(written) - len(removed) <= keep:
+            break
+        if os.path.abspath(folder) not in protected:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    run["written"] = [w for w in written if w not in removed]
+    return removed
 
 
 def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> None:
@@ -121,8 +248,11 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
     the whole checkpoint is written under the staging folder (a name `get_last_checkpoint`
     ignores) and moved into place with one `os.replace` once complete; a failure removes the
     partial folder, restores `state.best_model_checkpoint` (Trainer may have pointed it at the
-    staged folder) and re-raises. Rotation (`save_total_limit`) runs on the real folder after
-    the rename.
+    staged folder) and re-raises. A `checkpoint-N` that exists already is replaced only when
+    this run wrote it; one of an earlier run is renamed `earlier-checkpoint-N`, never deleted.
+    `save_total_limit` is applied after the rename, to this run's checkpoints only
+    (`rotate_run_checkpoints`). Staging folders carry a marker file (`STAGING_MARKER`) so that
+    `clean_staging` removes only what memfit created.
 
     Multi-process runs: every rank writes its part (its `rng_state_<rank>.pth`; the main
     process the rest) into one staging folder named after the step; after a barrier, only the
@@ -143,10 +273,11 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
         staging_root = os.path.join(run_dir, STAGING_DIR, tag)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
         final = os.path.join(run_dir, folder)
-        os.makedirs(staging_root, exist_ok=True)
+        _make_staging(staging_root)
         trainer._get_output_dir = lambda trial=None: staging_root
         saved_limit = trainer.args.save_total_limit
-        trainer.args.save_total_limit = None  # rotate on the real folder, after the rename
+        trainer.args.save_total_limit = None  # rotation: memfit's own, after the rename (rotate_run_checkpoints)
+        run = trainer.__dict__.setdefault("_memfit_run", {"written": [], "limit": saved_limit, "set_aside": []})
         best_before = trainer.state.best_model_checkpoint
         try:
             original_save(model, trial, *args, **kwargs)
@@ -166,13 +297,19 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
                 for write in getattr(trainer, "_memfit_checkpoint_extras", ()):
                     write(staged)  # inside the staging folder: published with the checkpoint, atomically
             if os.path.isdir(staged) and (publisher or not distributed):
-                if os.path.isdir(final):  # a checkpoint of the same step (resumed run): replace it
-                    old = os.path.join(run_dir, STAGING_DIR, f"old-{uuid.uuid4().hex[:8]}")
-                    os.replace(final, old)
-                    os.replace(staged, final)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(staged, final)
+                if os.path.lexists(final):
+                    if final in run["written"]:  # this run's own checkpoint of the same step: replace it
+                        old = os.path.join(staging_root, f"old-{folder}")
+                        os.replace(final, old)  # removed with the staging folder below
+                        run["written"].remove(final)
+                    else:  # an earlier run's (or a damaged one a resume skipped): never deleted, set aside
+                        aside = _set_aside(final)
+                        run["set_aside"].append((final, aside))
+                        logger.warning("memfit: %s already existed (not written by this run): renamed to %s, "
+                                       "and the new checkpoint of step %s written in its place", final, aside,
+                                       trainer.state.global_step)
+                os.replace(staged, final)
+                run["written"].append(final)
         except BaseException:
             trainer.state.best_model_checkpoint = best_before  # not the staging folder about to be removed
             logger.warning("memfit: checkpoint save of step %s failed; the partial checkpoint was removed, "
@@ -188,10 +325,9 @@ def install_atomic_checkpoints(trainer: Any, log: list[str] | None = None) -> No
                 except OSError:
                     pass
         if trainer.args.should_save:
-            from transformers.trainer_utils import rotate_checkpoints
-
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=saved_limit,
-                               best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+            if run.get("limit") is None and saved_limit is not None:  # installed without begin_checkpoint_run
+                run["limit"] = saved_limit
+            rotate_run_checkpoints(trainer)
         if log is not None:
             log.append(f"checkpoint {final} written atomically")
 

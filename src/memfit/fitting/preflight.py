@@ -9,6 +9,7 @@ batch is the longest example; with padding="max_length" it is the collator's max
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,10 @@ from memfit.gpus.catalog import as_gpu_spec
 from memfit.train_setup import TrainSetup
 from memfit.units import parse_size
 
-__all__ = ["PreflightFlag", "PreflightReport", "preflight", "setup_from_trainer", "task_of_model", "budget_spec"]
+__all__ = ["PreflightFlag", "PreflightReport", "preflight", "setup_from_trainer", "task_of_model", "budget_spec",
+           "check_budget", "check_budget_covers_model"]
+
+_UNITLESS = re.compile(r"^\s*[0-9]*\.?[0-9]+\s*$")
 
 _LM_TASKS = ("causal-lm", "mlm", "seq2seq-lm")
 
@@ -152,11 +156,39 @@ def check_budget(budget_bytes: Any) -> int | None:
     if budget_bytes is None:
         return None
     if isinstance(budget_bytes, str):
+        if _UNITLESS.match(budget_bytes):  # "300" is 300 bytes to parse_size: never what a budget means
+            raise MemfitError(f"memory budget `{budget_bytes}` has no unit; write it with one, e.g. "
+                              f"`{budget_bytes.strip()}MiB` or `{budget_bytes.strip()}GiB`")
         budget_bytes = parse_size(budget_bytes, what="memory budget")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise MemfitError(f"budget_bytes `{budget_bytes!r}` is not a positive number of bytes; pass e.g. "
                           "800 * 2**20 or '800MiB'")
     return budget_bytes
+
+
+def check_budget_covers_model(model: Any, budget_bytes: int | None) -> None:
+    """A clear error when an emulated budget cannot hold the model's weights and gradients.
+
+    Below weights + gradients (each storage as `memory_budget` counts it) nothing memfit can
+    apply trains: the plan changes batches, precision of the computation, checkpointing and the
+    optimizer, never the weights (LoRA / freezing are opt-ins of `memfit plan --allow`).
+    """
+    if budget_bytes is None:
+        return
+    from memfit.testing import counted_bytes
+    from memfit.units import format_bytes
+
+    base = getattr(model, "module", model)
+    weights = counted_bytes(base)
+    grads = counted_bytes([p for p in base.parameters() if p.requires_grad])
+    if budget_bytes >= weights + grads:
+        return
+    lead = (f"is less than the model's weights alone ({format_bytes(weights)})" if budget_bytes < weights else
+            f"holds the model's weights ({format_bytes(weights)}) but not their gradients ({format_bytes(grads)})")
+    raise MemfitError(f"memory budget `{format_bytes(budget_bytes)}` {lead}; no setup trains in less than "
+                      f"{format_bytes(weights + grads)} (weights + gradients, before activations and optimizer "
+                      f"state), so the smallest budget that could work is above that: give a larger one "
+                      "(`memfit plan` gives what this setup needs)")
 
 
 def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None = None,

@@ -9,18 +9,24 @@ before `trainer.train(resume_from_checkpoint=...)`, so Trainer rebuilds the opti
 checkpoint's `optimizer.pt` belongs to (Adafactor's state does not load into AdamW), the
 dataloader skips the right number of batches, and the first window after the resume does not
 run out of memory again. A checkpoint without the file resumes with the trainer's arguments.
+
+Which checkpoint (`resolve_checkpoint`): only an intact one (memfit.fitting.checkpoint_files);
+with `resume_from_checkpoint=True` the newest intact `checkpoint-N`, the newer damaged ones
+skipped and named with the reason, never a silent resume with lost optimizer state.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import MemfitError
 
 __all__ = ["STATE_FILE", "SCHEMA", "run_state", "write_state", "read_state", "changes_to_apply",
-           "resolve_checkpoint"]
+           "resolve_checkpoint", "ResumeChoice", "checkpoint_problems", "numbered_checkpoints"]
 
 STATE_FILE = "memfit-state.json"
 SCHEMA = "memfit.fit-state/1"
@@ -86,21 +92,78 @@ def changes_to_apply(trainer: Any, state: dict[str, Any]) -> dict[str, Any]:
     return changes
 
 
-def resolve_checkpoint(trainer: Any, resume_from_checkpoint: Any) -> str | None:
-    """The checkpoint folder `trainer.train(resume_from_checkpoint=...)` will resume from, checked."""
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a run resumes from, and the newer ones skipped because they are damaged."""
+
+    path: str
+    skipped: tuple[tuple[str, str], ...] = ()  #: (checkpoint folder, why it was skipped), newest first
+    notes: tuple[str, ...] = ()  #: state that is not restored (e.g. no RNG file)
+
+
+def numbered_checkpoints(folder: str) -> list[str]:
+    """checkpoint-N folders of `folder`, newest (largest N) first, as `get_last_checkpoint` names them."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # trainer_utils._re_checkpoint
+    found = [(int(m.group(1)), name) for name in os.listdir(folder)
+             if (m := pattern.match(name)) and os.path.isdir(os.path.join(folder, name))]
+    return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
+
+
+def checkpoint_problems(trainer: Any, folder: str) -> tuple[list[str], list[str]]:
+    """(problems, notes) of resuming `trainer` from `folder`: its Trainer files and memfit's state file."""
+    from memfit.fitting import _trainer as adapter
+    from memfit.fitting.checkpoint_files import RNG_STATE_NAME, checkpoint_problems as file_problems
+
+    world = int(getattr(trainer.args, "world_size", 1) or 1)
+    rng = f"rng_state_{trainer.args.process_index}.pth" if world > 1 else RNG_STATE_NAME
+    problems, notes = file_problems(folder, optimizer_state=not adapter.uses_sharded_checkpoints(trainer),
+                                    rng_file=rng)
+    if problems == ["empty folder"]:
+        return problems, notes
+    try:
+        read_state(folder)
+    except MemfitError as exc:
+        problems.append(str(exc).split(";")[0].replace("the checkpoint's memfit state", STATE_FILE))
+    return problems, notes
+
+
+def resolve_checkpoint(trainer: Any, resume_from_checkpoint: Any) -> ResumeChoice | None:
+    """The checkpoint `trainer.train(resume_from_checkpoint=...)` will resume from, checked.
+
+    True: the newest intact `checkpoint-N` of output_dir; newer damaged ones are skipped and
+    listed (`ResumeChoice.skipped`). A folder: that checkpoint, or a clear error when it is
+    damaged. A checkpoint is damaged when resuming from it would fail or lose state
+    (memfit.fitting.checkpoint_files): no or unreadable trainer_state.json, truncated weights,
+    a missing optimizer.pt or scheduler.pt (Trainer would silently restart the optimizer), an
+    unreadable memfit-state.json.
+    """
     if resume_from_checkpoint in (None, False):
         return None
     if resume_from_checkpoint is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
         out = trainer.args.output_dir
-        last = get_last_checkpoint(out) if os.path.isdir(out) else None
-        if last is None:
+        candidates = numbered_checkpoints(out) if os.path.isdir(out) else []
+        if not candidates:
             raise MemfitError(f"resume_from_checkpoint=True but output_dir `{out}` holds no checkpoint-N folder; "
                               "pass the checkpoint's path, or start without resuming")
-        return last
+        skipped: list[tuple[str, str]] = []
+        for folder in candidates:
+            problems, notes = checkpoint_problems(trainer, folder)
+            if not problems:
+                return ResumeChoice(folder, tuple(skipped), tuple(notes))
+            skipped.append((folder, ", ".join(problems)))
+        listed = "; ".join(f"{os.path.basename(f)}: {why}" for f, why in skipped)
+        hint = (" (save_only_model=True checkpoints hold no optimizer state)"
+                if getattr(trainer.args, "save_only_model", False) else "")
+        raise MemfitError(f"no intact checkpoint to resume from in `{out}` ({listed}){hint}; start without "
+                          "resuming, or pass a checkpoint folder explicitly")
     path = os.fspath(resume_from_checkpoint)
     if not os.path.isdir(path):
         raise MemfitError(f"resume_from_checkpoint `{path}` is not a folder; pass a checkpoint-N folder of an "
                           "earlier run (or True for the last one in output_dir)")
-    return path
+    problems, notes = checkpoint_problems(trainer, path)
+    if problems:
+        raise MemfitError(f"checkpoint `{path}` cannot be resumed without losing state: {', '.join(problems)}; "
+                          "pass another checkpoint, or resume_from_checkpoint=True for the newest intact one")
+    return ResumeChoice(path, (), tuple(notes))

@@ -23,7 +23,13 @@
 4. Measured per-phase peaks (torch.cuda's, or the memory_budget's) are reported next to the
    prediction.
 5. Each checkpoint carries the memory settings memfit changed; a resumed run re-applies them
-   (memfit.fitting.resume).
+   (memfit.fitting.resume), from the newest intact checkpoint (damaged ones are skipped and named).
+6. Nothing of earlier runs is deleted: `save_total_limit` counts only this run's checkpoints, an
+   earlier checkpoint of the same step is renamed `earlier-checkpoint-N` (memfit.fitting._trainer).
+7. A run that fails part-way still writes its report (`status`, `error`: type, message, phase,
+   steps completed, last checkpoint) before the error propagates; SIGINT / SIGTERM finish the
+   optimizer step, save a checkpoint, write the report and raise `FitInterrupted` (exit status
+   130 / 143; memfit.fitting.interrupt).
 
 Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
 optimizer step; with DDP, gradients are averaged by memfit after each accumulation window so
@@ -39,12 +45,14 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.fitting.preflight import PreflightFlag, PreflightReport, check_budget, check_trainer, preflight
+from memfit.fitting.preflight import (PreflightFlag, PreflightReport, check_budget, check_budget_covers_model,
+                                     check_trainer, preflight)
 from memfit.gpus.catalog import as_gpu_spec
 from memfit.fitting.recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
 from memfit.fitting.saving import guard_saving
@@ -52,7 +60,7 @@ from memfit.fitting.saving import guard_saving
 logger = logging.getLogger("memfit.fit")
 
 __all__ = ["fit", "FitReport", "preflight", "PreflightReport", "PreflightFlag", "is_oom_error", "OOM_FRAGMENTS",
-           "apply_plan", "steps_expected"]
+           "apply_plan", "steps_expected", "write_report", "failure_record"]
 
 
 @dataclass
@@ -76,6 +84,14 @@ class FitReport:
     prediction_error: dict[str, float] = field(default_factory=dict)
     #: safety margin for the next plan of this run: max(margin, worst under-prediction + 2%)
     suggested_margin: float | None = None
+    #: "completed", "failed" (see `error`) or "interrupted" (SIGINT / SIGTERM: see `interrupted`)
+    status: str = "completed"
+    #: a failed run: {"type", "message", "phase", "steps_completed", "last_checkpoint"} (`failure_record`)
+    error: dict[str, Any] | None = None
+    #: the signal that stopped the run after saving a checkpoint ("SIGINT", "SIGTERM"), else None
+    interrupted: str | None = None
+    #: the checkpoint folders this run wrote and kept, oldest first
+    checkpoints: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -180,9 +196,13 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
     (first step, and the first after an evaluation or a recovery), "always" or "never".
     `allow_optimizer_switch`: when the optimizer state does not fit at the first step, replace
     the optimizer by one with a smaller state (8-bit AdamW / Adafactor) instead of stopping.
-    `resume_from_checkpoint`: a checkpoint folder, or True for the last one in output_dir;
+    `resume_from_checkpoint`: a checkpoint folder, or True for the newest intact one in output_dir;
     passed to `trainer.train`, after the memory settings memfit saved with that checkpoint
     (memfit.fitting.resume) are applied to the trainer.
+
+    Raises `FitInterrupted` (a SystemExit: 130 / 143) after SIGINT / SIGTERM, once the checkpoint
+    and the report are written; any other error after training started is re-raised after the
+    report is written, with the report as `error.memfit_report`.
     """
     import torch
 
@@ -196,6 +216,7 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
                                  resume_from_checkpoint=resume_from_checkpoint)
     check_trainer(trainer)
     as_gpu_spec(gpu)  # a clear error for a bad gpu before anything runs
+    check_budget_covers_model(trainer.model, budget_bytes)
     started = time.perf_counter()
     changes: list[str] = []
     notes: list[str] = []
@@ -204,11 +225,21 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
         logger.warning("memfit: %s", text)
         changes.append(text)
 
+    def note(text: str) -> None:
+        logger.warning("memfit: %s", text)
+        notes.append(text)
+
     if gpu is None and budget_bytes is None and torch.cuda.is_available():
         gpu = "auto"
     from memfit.fitting import resume as fit_resume
 
-    resume_dir = fit_resume.resolve_checkpoint(trainer, resume_from_checkpoint)
+    choice = fit_resume.resolve_checkpoint(trainer, resume_from_checkpoint)
+    resume_dir = choice.path if choice else None
+    if choice:
+        for folder, why in choice.skipped:
+            note(f"resume: {folder} skipped ({why}); resuming from {resume_dir}, the newest intact checkpoint")
+        for line in choice.notes:
+            note(f"resume: {line}")
     saved = fit_resume.read_state(resume_dir) if resume_dir else None
     memfit_checkpointing = False
     if saved:
@@ -267,8 +298,10 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
                                          allow_optimizer_switch=allow_optimizer_switch)
     undo_eval = guard_evaluation(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
                                  on_change=on_change)
-    adapter.clean_staging(trainer.args.output_dir)
+    for folder in adapter.clean_staging(trainer.args.output_dir):
+        note(f"removed {folder}, a half-written checkpoint memfit's staging left behind")
     adapter.install_atomic_checkpoints(trainer)
+    _note_checkpoint_policy(trainer, note)
     if saved:
         step.chunks = max(1, int(saved.get("micro_batch_chunks", 1)))
         if saved.get("optimizer_step_mode") in MODES:
@@ -277,36 +310,168 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
         folder, fit_resume.run_state(trainer, micro_batch_chunks=step.chunks, optimizer_step_mode=optimizer_guard.mode,
                                      memfit_checkpointing=memfit_checkpointing)))
     undo_save = guard_saving(trainer, meter=meter, recoveries=recoveries, on_change=on_change)
+    from memfit.fitting import interrupt
+
     callback = _make_callback(meter, step, optimizer_guard)
-    trainer.add_callback(callback)
-    if progress is not None:
-        trainer.add_callback(progress)
+    signals = interrupt.stop_on_signals()
+    stop = interrupt.stop_callback(signals)
+    for cb in (callback, stop) + ((progress,) if progress is not None else ()):
+        trainer.add_callback(cb)
     final_metrics: dict[str, Any] = {}
     train_metrics: dict[str, Any] = {}
+    phase = "train"
+    finished = False
+
+    def make_report(error: dict[str, Any] | None = None) -> FitReport:
+        return _report(trainer, pre=pre, meter=meter, budget=budget, recoveries=recoveries, step=step,
+                       plan_applied=plan_applied, changes=changes, notes=notes, train_metrics=train_metrics,
+                       final_metrics=final_metrics, expected=expected, effective=effective, margin=margin,
+                       started=started, report_path=report_path, error=error,
+                       interrupted=signals.signal_name)
+
     try:
-        with (budget if budget is not None else contextlib.nullcontext()):
+        with signals, (budget if budget is not None else contextlib.nullcontext()):
             out = trainer.train(resume_from_checkpoint=resume_dir)
+            finished = True
             train_metrics = dict(out.metrics)
-            if trainer.eval_dataset is not None:
+            phase = "final_eval"
+            if trainer.eval_dataset is not None and signals.received is None:
                 final_metrics = dict(trainer.evaluate())
-    except Exception as exc:
+    except BaseException as exc:
         if is_oom_error(exc):
             from memfit.diagnosis.causes import diagnose
 
             d = diagnose(exc)
             logger.error("memfit: unrecoverable out-of-memory error in the %s phase: %s", d.phase,
                          d.causes[0].text if d.causes else exc)
+        error = failure_record(exc, phase=phase, step=int(trainer.state.global_step),
+                               checkpoints=adapter.run_checkpoints(trainer))
+        with contextlib.suppress(Exception):  # neither the cleanup nor the report may hide the error itself
+            _cleanup(trainer, step, optimizer_guard, undo_eval, undo_save, undo_state_file, callback, stop,
+                     progress, finished=False)
+        with contextlib.suppress(Exception):
+            report = make_report(error)
+            if report_path:
+                write_report(report, report_path)
+                exc.add_note(f"memfit: the report of this run ({report.status}) is in {report_path}")
+            exc.memfit_report = report  # type: ignore[attr-defined]  (read by `memfit train`)
         raise
-    finally:
-        step.uninstall()
-        optimizer_guard.uninstall()
-        undo_eval()
-        undo_save()
-        undo_state_file()
-        trainer.remove_callback(callback)
-        if progress is not None:
-            trainer.remove_callback(progress)
+    # after a signal the newest checkpoint is where the run resumes: not removed by the save_total_limit=1 rule
+    _cleanup(trainer, step, optimizer_guard, undo_eval, undo_save, undo_state_file, callback, stop, progress,
+             finished=finished and signals.received is None)
+    report = make_report()
+    if report_path:
+        try:
+            write_report(report, report_path)
+        except OSError as exc:  # the run itself succeeded: say so instead of losing its result
+            note(f"the report could not be written to {report_path} ({exc}); it is returned only")
+    if signals.received is not None:
+        written = adapter.run_checkpoints(trainer)
+        raise interrupt.FitInterrupted(signals.signal_name, signals.received, report, written[-1] if written else None)
+    return report
+
+
+def _cleanup(trainer: Any, step: Any, optimizer_guard: Any, undo_eval: Any, undo_save: Any, undo_state_file: Any,
+             callback: Any, stop: Any, progress: Any, *, finished: bool) -> None:
+    """Undo everything `fit` installed on the trainer; give `save_total_limit` back (`end_checkpoint_run`)."""
+    from memfit.fitting import _trainer as adapter
+
+    step.uninstall()
+    optimizer_guard.uninstall()
+    undo_eval()
+    undo_save()
+    undo_state_file()
+    adapter.end_checkpoint_run(trainer, finished=finished)
+    for cb in (callback, stop, progress):
+        if cb is not None:
+            trainer.remove_callback(cb)
+
+
+def _note_checkpoint_policy(trainer: Any, note: Any) -> None:
+    """Take save_total_limit over from Trainer (this run's checkpoints only) and say what is kept."""
+    from memfit.fitting import _trainer as adapter
+    from memfit.fitting.resume import numbered_checkpoints
+
+    out = trainer.args.output_dir
+    earlier = numbered_checkpoints(out) if os.path.isdir(out) else []
+    limit = adapter.begin_checkpoint_run(trainer)
+    saves = str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)) != "no"
+    names = ", ".join(os.path.basename(e) for e in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+    if limit is not None and limit > 0 and saves:
+        note(f"save_total_limit={limit}: only the newest {limit} checkpoint(s) this run writes are kept"
+             + (f"; the {len(earlier)} checkpoint(s) already in `{out}` ({names}) are never deleted" if earlier else ""))
+    elif earlier and saves:
+        note(f"`{out}` already holds {len(earlier)} checkpoint(s) ({names}); they are kept")
+
+
+def failure_record(exc: BaseException, *, phase: str, step: int, checkpoints: list[str]) -> dict[str, Any]:
+    """What the report says about a run that failed: error type and first line, phase, steps completed.
+
+    Args:
+        exc: the exception that ended the run.
+        phase: where the caller was ("train": inside `trainer.train`, then refined from the traceback's
+            Trainer frames (save, eval, optimizer, resume, load_best) or, for an out-of-memory error,
+            from memfit's diagnosis; "final_eval": the evaluation after it; "final_save": `memfit train`'s
+            save of the model).
+        step: optimizer steps completed (`trainer.state.global_step`).
+        checkpoints: the checkpoints this run wrote (the newest is where a resume starts).
+    """
+    message = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
+    where = (_phase_of(exc) or phase) if phase == "train" else phase
+    if is_oom_error(exc) and phase == "train":
+        with contextlib.suppress(Exception):
+            from memfit.diagnosis.causes import diagnose
+
+            diagnosed = diagnose(exc).phase
+            where = diagnosed if diagnosed and diagnosed != "unknown" else where
+    return {"type": type(exc).__name__, "message": message, "phase": where, "steps_completed": step,
+            "last_checkpoint": checkpoints[-1] if checkpoints else None}
+
+
+#: Trainer (transformers 5.24 trainer.py) and memfit functions that name the phase a traceback failed in,
+#: innermost first wins.
+_PHASE_FRAMES = (
+    ("_save_checkpoint", "save"), ("save_model", "save"), ("_load_best_model", "load_best"),
+    ("_load_from_checkpoint", "resume"), ("_load_optimizer_and_scheduler", "resume"), ("_load_rng_state", "resume"),
+    ("evaluation_loop", "eval"), ("evaluate", "eval"), ("prediction_step", "eval"),
+    ("optimizer_step", "optimizer"), ("_optimizer_step", "optimizer"),
+    ("training_step", "train"), ("compute_loss", "train"),
+)
+
+
+def _phase_of(exc: BaseException) -> str | None:
+    tb = exc.__traceback__
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    table = dict(_PHASE_FRAMES)
+    for name in reversed(names):
+        if name in table:
+            return table[name]
+    return None
+
+
+def write_report(report: "FitReport", path: str) -> None:
+    """Write the report as JSON (temporary file + rename: never half-written, never a torn earlier report)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(report.to_json(), fh, indent=2, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # memfit's own temporary file
+        raise
+
+
+def _report(trainer: Any, *, pre: Any, meter: Meter, budget: Any, recoveries: list, step: Any,
+            plan_applied: Any, changes: list[str], notes: list[str], train_metrics: dict, final_metrics: dict,
+            expected: int, effective: int, margin: float | None, started: float, report_path: str | None,
+            error: dict[str, Any] | None, interrupted: str | None) -> "FitReport":
+    """The FitReport of a run, finished or not."""
     effective_after = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+    notes = list(notes)
     if effective_after != effective:  # never expected: recovery keeps the effective batch size
         notes.append(f"effective batch size changed from {effective} to {effective_after}")
     predicted = dict(pre.estimate.phases)
@@ -329,18 +494,21 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
               if v.get("measured_bytes") and v.get("predicted_bytes")}
     under = max([e for e in errors.values() if e > 0], default=0.0)
     suggested = round(min(0.45, max(DEFAULT_MARGIN if margin is None else margin, under + 0.02)), 3)
-    report = FitReport(
+    from memfit.fitting import _trainer as adapter
+
+    for old, aside in adapter.set_aside_checkpoints(trainer):
+        notes.append(f"{old} (written before this run) was renamed to {aside}: this run wrote a checkpoint "
+                     "of the same step")
+    return FitReport(
         prediction_error=errors, suggested_margin=suggested,
         steps_completed=int(trainer.state.global_step), steps_expected=expected, effective_batch_size=effective_after,
         oom_recoveries=[dataclasses.asdict(r) for r in recoveries], plan_applied=plan_applied, changes=changes,
         phases=phases, train_metrics=train_metrics, final_metrics=final_metrics, preflight=pre.to_json(),
         micro_batch_chunks=step.chunks, elapsed_s=round(time.perf_counter() - started, 2),
         measured_with="memory_budget" if budget is not None else ("cuda" if meter.cuda else None),
-        report_path=report_path, notes=notes)
-    if report_path:
-        with open(report_path, "w", encoding="utf-8") as fh:
-            json.dump(report.to_json(), fh, indent=2, default=str)
-    return report
+        report_path=report_path, notes=notes, error=error, interrupted=interrupted,
+        status="failed" if error else ("interrupted" if interrupted else "completed"),
+        checkpoints=adapter.run_checkpoints(trainer))
 
 
 def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimizer_snapshot: Any, plan: Any,
