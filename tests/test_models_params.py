@@ -3,14 +3,13 @@
 The full-size models do not fit a fast test on real tensors, so each bundled config is shrunk to
 one block per stack and a small vocabulary (tying flags, widths and heads unchanged), built by memfit
 on meta and by transformers on the CPU, and compared parameter for parameter (count and ties). The
-slow tests build the full-size models the issue names on real tensors; they run only with
-`MEMFIT_SLOW=1` (about 2 minutes and 3 GB: `MEMFIT_SLOW=1 pytest -m slow tests/test_models_params.py`).
+slow tests build the full-size models the issue names on real tensors (about 2 minutes and 3 GB;
+`pytest -m "not slow"` leaves them out).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import pytest
@@ -23,7 +22,7 @@ from memfit.models.build import build_meta_model, shared_parameter_names
 from memfit.train_setup import TASKS, TrainSetup
 
 #: `slow`, and skipped unless asked for: the default run (`pytest -q`) selects no marker.
-SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("MEMFIT_SLOW") != "1", reason="slow: set MEMFIT_SLOW=1")]
+SLOW = [pytest.mark.slow]
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
 #: Widths of 2560 and more: their one-block real builds take seconds each; the default run skips them.
