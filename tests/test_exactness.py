@@ -23,50 +23,12 @@ import contextlib
 import pytest
 import torch
 import transformers.masking_utils as masking_utils
-from transformers import (
-    BertConfig,
-    DistilBertConfig,
-    GPT2Config,
-    LlamaConfig,
-    RobertaConfig,
-    T5Config,
-    XLNetConfig,
-)
-
+from helpers import B, SEQ, TINY_TASK as TASK, tiny_config as _config
 from memfit.peaks import peaks
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
 
-H, V, SEQ, B = 32, 100, 16, 2
 
-
-def _config(arch: str, layers: int = 2):
-    if arch == "bert":
-        return BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=layers, num_attention_heads=2,
-                          intermediate_size=2 * H, max_position_embeddings=64)
-    if arch == "roberta":
-        return RobertaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=layers, num_attention_heads=2,
-                             intermediate_size=2 * H, max_position_embeddings=64, pad_token_id=1)
-    if arch == "distilbert":
-        return DistilBertConfig(vocab_size=V, dim=H, n_layers=layers, n_heads=2, hidden_dim=2 * H,
-                                max_position_embeddings=64)
-    if arch == "gpt2":
-        return GPT2Config(vocab_size=V, n_embd=H, n_layer=layers, n_head=2, n_positions=64,
-                          bos_token_id=0, eos_token_id=0)
-    if arch == "llama":
-        return LlamaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=layers, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=2 * H, max_position_embeddings=64,
-                           bos_token_id=0, eos_token_id=0)
-    if arch == "t5":
-        return T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=2 * H, num_layers=layers, num_heads=4,
-                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    if arch == "xlnet":
-        return XLNetConfig(vocab_size=V, d_model=H, n_layer=layers, n_head=2, d_inner=2 * H)
-    raise AssertionError(arch)
-
-
-TASK = {"bert": "seq-cls", "roberta": "mlm", "distilbert": "token-cls", "gpt2": "causal-lm",
-        "llama": "causal-lm", "t5": "seq2seq-lm", "xlnet": "seq-cls"}
 
 
 def _setup(arch: str, **kw) -> TrainSetup:

@@ -10,65 +10,9 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import memfit.fitting.run as mf  # noqa: E402
-from memfit.oom_text import format_oom_message  # noqa: E402
 
-CFG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2, max_position_embeddings=64)
-
-
-class _DS(torch.utils.data.Dataset):
-    def __init__(self, n=64, seed=1):
-        g = torch.Generator().manual_seed(seed)
-        self.items = []
-        for i in range(n):
-            length = int(torch.randint(4, 40, (1,), generator=g))
-            self.items.append({"input_ids": torch.randint(1, 100, (length,), generator=g).tolist(), "labels": i % 2})
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
-def _collate(batch):
-    n = max(len(x["input_ids"]) for x in batch)
-    ids = torch.tensor([x["input_ids"] + [0] * (n - len(x["input_ids"])) for x in batch])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([x["labels"] for x in batch])}
-
-
-def _trainer(out, *, bs=8, ga=2, **kw):
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(**CFG))
-    kw.setdefault("save_strategy", "no")
-    args = TrainingArguments(str(out), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
-                             num_train_epochs=1, report_to="none", logging_strategy="no", use_cpu=True, seed=0,
-                             disable_tqdm=True, **kw)
-    return Trainer(model=model, args=args, train_dataset=_DS(), eval_dataset=_DS(16, seed=2), data_collator=_collate)
-
-
-def _weights(trainer):
-    return [p.detach().clone() for p in trainer.model.parameters()]
-
-
-def _oom(n=2 << 20):
-    return torch.OutOfMemoryError(format_oom_message(
-        device=0, tried_to_allocate_bytes=n, total_bytes=16 << 30, free_bytes=1 << 20, process_used_bytes=15 << 30,
-        allocated_bytes=14 << 30, reserved_unallocated_bytes=1 << 28))
-
-
-def _inject_train_oom(trainer, at_call, min_batch):
-    """Raise a real-format CUDA OOM in the forward of the `at_call`-th micro-step while micro-batches are large."""
-    original = trainer.compute_loss
-    calls = {"n": 0}
-
-    def compute_loss(model, inputs, *a, **k):
-        calls["n"] += model.training
-        if model.training and calls["n"] >= at_call and inputs["input_ids"].shape[0] >= min_batch:
-            raise _oom()
-        return original(model, inputs, *a, **k)
-
-    trainer.compute_loss = compute_loss
+from helpers import CFG, TinyDataset as _DS, collate as _collate, inject_train_oom as _inject_train_oom  # noqa: E402
+from helpers import oom_error as _oom, tiny_trainer as _trainer, weights_of as _weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -42,31 +42,31 @@ def _ddp_worker(rank, world, port, out, mode):
     import torch
 
     import memfit.fitting.run as mf
-    import test_fit
+    import helpers
 
     if mode in ("plain-adafactor", "switch"):
-        t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2,
+        t = helpers.tiny_trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2,
                               optim="adafactor" if mode == "plain-adafactor" else "adamw_torch_fused")
     elif mode == "save":  # both ranks write into one output_dir, as in a real run
-        t = test_fit._trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="steps", save_steps=1)
+        t = helpers.tiny_trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="steps", save_steps=1)
     elif mode == "sigterm":  # one output_dir, no checkpoint but the one the signal asks for
-        t = test_fit._trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="no")
+        t = helpers.tiny_trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="no")
     else:
-        t = test_fit._trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2)
+        t = helpers.tiny_trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2)
     result = "ok"
     try:
         if mode in ("plain", "plain-adafactor"):  # DDP's own gradient all-reduce, no memfit
             t.train()
         else:
             if rank == 1 and mode == "oom":  # 2nd micro-step = the synchronising one of the 1st window
-                test_fit._inject_train_oom(t, at_call=2, min_batch=4)
+                helpers.inject_train_oom(t, at_call=2, min_batch=4)
             if rank == 1 and mode == "fatal":
-                test_fit._inject_train_oom(t, at_call=1, min_batch=1)
+                helpers.inject_train_oom(t, at_call=1, min_batch=1)
             if rank == 1 and mode == "switch":  # AdamW's state does not fit on rank 1; Adafactor's does
                 from transformers import TrainerCallback
 
                 def adamw_step(*a, **k):
-                    raise test_fit._oom()
+                    raise helpers.oom_error()
 
                 class _AdamWFails(TrainerCallback):
                     def on_step_begin(self, args, state, control, **kwargs):
@@ -78,7 +78,7 @@ def _ddp_worker(rank, world, port, out, mode):
                 from transformers import TrainerCallback
 
                 def step(*a, **k):
-                    raise test_fit._oom()
+                    raise helpers.oom_error()
 
                 class _Failing(TrainerCallback):
                     def on_step_begin(self, args, state, control, **kwargs):
@@ -114,7 +114,7 @@ def _ddp_run(mode, port):
 
     import torch
 
-    sys.path.insert(0, os.path.dirname(__file__))  # the spawned ranks import test_fit (spawn copies sys.path)
+    sys.path.insert(0, os.path.dirname(__file__))  # the spawned ranks import helpers (spawn copies sys.path)
     d = tempfile.mkdtemp()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, d, mode)) for r in range(2)]

@@ -112,16 +112,7 @@ def test_state_that_does_not_fit_raises_with_the_state_put_back():
 
 # -- a real Trainer: the first step cannot create AdamW's state --------------------------------------------
 
-def _bigger_trainer(out, optim, **kw):
-    import test_fit
-
-    saved = dict(test_fit.CFG)
-    test_fit.CFG.update(vocab_size=1000, hidden_size=128, intermediate_size=512)  # weights >> activations
-    try:
-        return test_fit._trainer(out, bs=2, ga=1, optim=optim, **kw)
-    finally:
-        test_fit.CFG.clear()
-        test_fit.CFG.update(saved)
+from helpers import bigger_trainer as _bigger_trainer  # noqa: E402
 
 
 def test_trainer_switches_to_a_smaller_optimizer_before_any_state_exists(tmp_path):

@@ -9,7 +9,7 @@ import torch
 import memfit.fitting.run as mf
 from memfit.errors import MemfitError
 from memfit.fitting.resume import STATE_FILE
-from test_fit_optimizer import _bigger_trainer
+from helpers import bigger_trainer as _bigger_trainer
 
 STEPS = dict(max_steps=6, save_strategy="steps", save_steps=2)
 

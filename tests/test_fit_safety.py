@@ -19,7 +19,7 @@ from memfit.fitting.interrupt import FitInterrupted, stop_on_signals  # noqa: E4
 from memfit.fitting.preflight import check_budget  # noqa: E402
 from memfit.testing import counted_bytes  # noqa: E402
 from memfit.units import format_bytes  # noqa: E402
-from test_fit import _trainer  # noqa: E402  (tests/ is on sys.path under pytest)
+from helpers import tiny_trainer as _trainer  # noqa: E402
 
 
 def _earlier(out, name, content="not memfit's"):

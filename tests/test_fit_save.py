@@ -11,7 +11,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import memfit.fitting.run as mf  # noqa: E402
-from test_fit import _oom, _trainer  # noqa: E402  (tests/ is on sys.path under pytest)
+from helpers import oom_error as _oom, tiny_trainer as _trainer  # noqa: E402
 
 CHECKPOINT_FILES = ("trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth")
 

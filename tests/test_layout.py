@@ -106,3 +106,16 @@ def test_public_face_is_complete_and_lazy():
             "assert memfit.MemfitError is MemfitError\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_no_test_file_imports_another():
+    """Shared test code lives in tests/helpers.py and tests/conftest.py, never in a test_*.py."""
+    tests = Path(__file__).parent
+    bad = []
+    for path in sorted(tests.glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            bad += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not bad, bad

@@ -15,7 +15,7 @@ from transformers import AlbertConfig
 from memfit.peaks import peaks
 from memfit.sim import engine
 from memfit.train_setup import TrainSetup
-from test_exactness import TASK, _config  # noqa: E402  (tests/ is on sys.path under pytest)
+from helpers import TINY_TASK as TASK, tiny_config as _config  # noqa: E402
 
 
 @pytest.fixture

@@ -1,0 +1,116 @@
+"""Helpers shared by several test files (a module, so that no test file imports another).
+
+Tiny real models and Trainers for memfit.fit, a CUDA-format OOM error, and the small configs of
+the exactness and splice tests. The spawned DDP ranks of tests/test_fit_distributed.py import
+this module too (tests/ is on their sys.path).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    BertConfig, BertForSequenceClassification, DistilBertConfig, GPT2Config, LlamaConfig, RobertaConfig, T5Config,
+    Trainer, TrainingArguments, XLNetConfig,
+)
+
+from memfit.oom_text import format_oom_message
+
+CFG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2, max_position_embeddings=64)
+
+
+class TinyDataset(torch.utils.data.Dataset):
+    def __init__(self, n=64, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for i in range(n):
+            length = int(torch.randint(4, 40, (1,), generator=g))
+            self.items.append({"input_ids": torch.randint(1, 100, (length,), generator=g).tolist(), "labels": i % 2})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def collate(batch):
+    n = max(len(x["input_ids"]) for x in batch)
+    ids = torch.tensor([x["input_ids"] + [0] * (n - len(x["input_ids"])) for x in batch])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([x["labels"] for x in batch])}
+
+
+def tiny_trainer(out, *, bs=8, ga=2, cfg=None, **kw):
+    """A Trainer of a 2-layer BERT (CFG, updated by `cfg`) on TinyDataset, on the CPU, seeded."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**{**CFG, **(cfg or {})}))
+    kw.setdefault("save_strategy", "no")
+    args = TrainingArguments(str(out), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+                             num_train_epochs=1, report_to="none", logging_strategy="no", use_cpu=True, seed=0,
+                             disable_tqdm=True, **kw)
+    return Trainer(model=model, args=args, train_dataset=TinyDataset(), eval_dataset=TinyDataset(16, seed=2),
+                   data_collator=collate)
+
+
+def weights_of(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def oom_error(n=2 << 20):
+    return torch.OutOfMemoryError(format_oom_message(
+        device=0, tried_to_allocate_bytes=n, total_bytes=16 << 30, free_bytes=1 << 20, process_used_bytes=15 << 30,
+        allocated_bytes=14 << 30, reserved_unallocated_bytes=1 << 28))
+
+
+def inject_train_oom(trainer, at_call, min_batch):
+    """Raise a real-format CUDA OOM in the forward of the `at_call`-th micro-step while micro-batches are large."""
+    original = trainer.compute_loss
+    calls = {"n": 0}
+
+    def compute_loss(model, inputs, *a, **k):
+        calls["n"] += model.training
+        if model.training and calls["n"] >= at_call and inputs["input_ids"].shape[0] >= min_batch:
+            raise oom_error()
+        return original(model, inputs, *a, **k)
+
+    trainer.compute_loss = compute_loss
+
+
+def bigger_trainer(out, optim, **kw):
+    """tiny_trainer with weights much larger than activations (the optimizer state decides the fit)."""
+    return tiny_trainer(out, bs=2, ga=1, optim=optim, cfg=dict(vocab_size=1000, hidden_size=128,
+                                                              intermediate_size=512), **kw)
+
+
+# -- small configs of every architecture the exactness and splice tests run ----------------------------
+
+H, V, SEQ, B = 32, 100, 16, 2
+
+
+def tiny_config(arch: str, layers: int = 2):
+    if arch == "bert":
+        return BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=layers, num_attention_heads=2,
+                          intermediate_size=2 * H, max_position_embeddings=64)
+    if arch == "roberta":
+        return RobertaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=layers, num_attention_heads=2,
+                             intermediate_size=2 * H, max_position_embeddings=64, pad_token_id=1)
+    if arch == "distilbert":
+        return DistilBertConfig(vocab_size=V, dim=H, n_layers=layers, n_heads=2, hidden_dim=2 * H,
+                                max_position_embeddings=64)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=V, n_embd=H, n_layer=layers, n_head=2, n_positions=64,
+                          bos_token_id=0, eos_token_id=0)
+    if arch == "llama":
+        return LlamaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=2 * H, max_position_embeddings=64,
+                           bos_token_id=0, eos_token_id=0)
+    if arch == "t5":
+        return T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=2 * H, num_layers=layers, num_heads=4,
+                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    if arch == "xlnet":
+        return XLNetConfig(vocab_size=V, d_model=H, n_layer=layers, n_head=2, d_inner=2 * H)
+    raise AssertionError(arch)
+
+
+TINY_TASK = {"bert": "seq-cls", "roberta": "mlm", "distilbert": "token-cls", "gpt2": "causal-lm",
+        "llama": "causal-lm", "t5": "seq2seq-lm", "xlnet": "seq-cls"}
