@@ -75,9 +75,9 @@ def test_seed_message_is_a_true_shortfall_not_fragmentation():
     (TRAIN + [(TF, "_maybe_log_save_evaluate", "self._save_checkpoint(model, trial)"),
               (TF, "_save_checkpoint", "self.save_model(output_dir, _internal_call=True)"),
               ("/x/safetensors/torch.py", "save_file", "serialize_file(_flatten(tensors), filename)")],
-     "checkpoint_save"),
+     "save"),
     (TRAIN + [(TF, "_finalize_training", "self._load_best_model()"), (TF, "_load_best_model", "model.load_state_dict(state_dict)")],
-     "load_best_model"),
+     "load_best"),
     (TRAIN + [(TF, "get_batch_samples", "batch_samples.append(next(epoch_iterator))"),
               ("/x/torch/utils/data/_utils/fetch.py", "fetch", "return self.collate_fn(data)"),
               ("/x/transformers/data/data_collator.py", "__call__", "batch = pad_without_fast_tokenizer_warning(")],
@@ -96,7 +96,7 @@ def test_phase_from_traceback(frames, phase):
 
 def test_evaluation_log_file_phase_and_advice():
     d = diagnose((DATA / "trainer_eval.log").read_text(encoding="utf-8"))
-    assert d.phase == "evaluation" and "prediction_step" in d.phase_frame
+    assert d.phase == "eval" and "prediction_step" in d.phase_frame
     assert d.advice_ids[:3] == ("eval_batch_size", "eval_accumulation_steps", "preprocess_logits")
     assert "expandable_segments" in d.advice_ids  # 2.30 of 21.2 GiB unallocated (11%): contributes
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["TraceEvent", "CATEGORIES", "PHASES"]
+__all__ = ["TraceEvent", "CATEGORIES", "PHASES", "TRAIN_PHASES", "REPORT_PHASES", "RUN_PHASES", "DIAGNOSED_PHASES"]
 
 #: Memory categories, after torch.distributed._tools.mem_tracker's `_MemRefType`,
 #: split further where a user can act on it.
@@ -25,7 +25,15 @@ CATEGORIES = (
     "inputs",           # the batch itself (input_ids, attention_mask, labels)
 )
 
+#: The one vocabulary of phases. The simulator records PHASES; an estimate reports REPORT_PHASES;
+#: memfit.fit measures (and predicts) RUN_PHASES, which add checkpoint saving and loading the best
+#: model; diagnose places an OOM in one of DIAGNOSED_PHASES, which add what a traceback can show
+#: outside the training loop.
 PHASES = ("setup", "forward", "backward", "optimizer", "eval")
+TRAIN_PHASES = ("forward", "backward", "optimizer")
+REPORT_PHASES = TRAIN_PHASES + ("eval",)
+RUN_PHASES = REPORT_PHASES + ("save", "load_best")
+DIAGNOSED_PHASES = RUN_PHASES + ("data_collation", "model_loading", "unknown")
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ from memfit.allocator.caching import K_SMALL_BUFFER
 from memfit.errors import MemfitError
 from memfit.diagnosis.strings import t
 from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, decode_log, find_ooms, normalize_log
+from memfit.trace import DIAGNOSED_PHASES
 from memfit.units import GiB, KiB, MiB, format_bytes
 
 __all__ = [
@@ -96,17 +97,7 @@ ALLOCATION_HEADROOM_SHARE = 0.01
 #: (oneapi-src/unified-runtime#1245).
 XPU_MAX_SINGLE_ALLOCATION_BYTES = 4 * GiB - 8 * KiB
 
-PHASES = (
-    "forward",
-    "backward",
-    "optimizer",
-    "evaluation",
-    "checkpoint_save",
-    "load_best_model",
-    "data_collation",
-    "model_loading",
-    "unknown",
-)
+PHASES = DIAGNOSED_PHASES  # memfit.trace: one vocabulary for every part of memfit
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,10 +211,10 @@ def _is_forward(file: str, func: str, code: str) -> bool:
 
 
 _PHASE_ORDER = (
-    ("load_best_model", _is_load_best),
-    ("checkpoint_save", _is_save),
+    ("load_best", _is_load_best),
+    ("save", _is_save),
     ("data_collation", _is_collate),
-    ("evaluation", _is_eval),
+    ("eval", _is_eval),
     ("model_loading", _is_model_load),
     ("optimizer", _is_optimizer),
     ("backward", _is_backward),
@@ -530,9 +521,9 @@ _PHASE_ADVICE = {
     "forward": ("shorter_sequences", "micro_batch", "gradient_checkpointing", "lora"),
     "backward": ("gradient_checkpointing", "micro_batch", "shorter_sequences", "lora"),
     "optimizer": ("optimizer_8bit", "lora"),
-    "evaluation": ("eval_batch_size", "eval_accumulation_steps", "preprocess_logits"),
-    "checkpoint_save": ("save_only_model",),
-    "load_best_model": ("load_best_fresh",),
+    "eval": ("eval_batch_size", "eval_accumulation_steps", "preprocess_logits"),
+    "save": ("save_only_model",),
+    "load_best": ("load_best_fresh",),
     "data_collation": ("collator_cpu", "shorter_sequences", "micro_batch"),
     "model_loading": ("smaller_model_load", "lora"),
     "unknown": ("micro_batch", "shorter_sequences", "gradient_checkpointing", "optimizer_8bit"),

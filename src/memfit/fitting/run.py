@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.trace import RUN_PHASES
 from memfit.fitting.preflight import (PreflightFlag, PreflightReport, check_budget, check_budget_covers_model,
                                      check_trainer, preflight)
 from memfit.gpus.catalog import as_gpu_spec
@@ -486,7 +487,7 @@ def _report(trainer: Any, *, pre: Any, meter: Meter, budget: Any, recoveries: li
             predicted["load_best"] = resident
     phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
                   "measured_bytes": meter.peaks.get(p)}
-              for p in ("forward", "backward", "optimizer", "eval", "save", "load_best")}
+              for p in RUN_PHASES}
     from memfit.planner.search import DEFAULT_MARGIN
 
     # measured / predicted - 1 per phase; the worst under-prediction becomes the next run's margin
