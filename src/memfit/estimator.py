@@ -51,8 +51,8 @@ class OomPrediction:
     reserved_bytes: int
     message: str
     step: int | None = None
-    """Optimizer step that fails when it is a later one than the two simulated (the steady
-    state); None when the OOM is in the simulated trace."""
+    """Optimizer step that runs out of memory: 1 or 2 (simulated), or a later one (the steady
+    state, memfit.reserved); None in the setup or the evaluation."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,9 @@ def estimate(
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise MemfitError(f"capacity_bytes `{capacity_bytes!r}` must be a positive number of bytes")
         capacity = capacity_bytes
+    short_of = capacity  # a GPU smaller than the memory outside PyTorch leaves nothing (and is short of that too)
+    if capacity is not None:
+        capacity = max(0, capacity)
     bounded = bounded_reserved(trace, conf=conf, capacity_bytes=capacity, lower_bytes=tp.overall.bytes)
     alloc = bounded.report
     oom = None
@@ -248,7 +251,7 @@ def estimate(
                             o.reserved_bytes, message, bounded.oom_step)
     peak_reserved = alloc.peak_reserved_bytes
     required = bounded.required_bytes
-    shortfall = required - capacity if (capacity is not None and required is not None) else None
+    shortfall = required - short_of if (short_of is not None and required is not None) else None
     if spec is None:
         notes.append("no --gpu given: reserved memory is replayed on a GPU that leaves exactly the required "
                      "memory to PyTorch; `fits` is unknown and memory outside PyTorch (CUDA context, "
@@ -275,7 +278,7 @@ def estimate(
         phases=phases, breakdown={k: tp.overall.breakdown.get(k, 0) for k in BREAKDOWN_KEYS + ("workspaces",)},
         phase_breakdowns={p: dict(tp.by_phase[p].breakdown) for p in phases if p in tp.by_phase},
         peak_reserved_bytes=peak_reserved,
-        reserved_by_phase=_reserved_by_phase(alloc, setup.does_eval, oom is not None and oom.step is None),
+        reserved_by_phase=_reserved_by_phase(alloc, setup.does_eval, capacity is not None and alloc.oom is not None),
         fragmentation_at_peak_bytes=alloc.fragmentation_at_peak_bytes,
         non_pytorch_bytes=outside,
         device_used_bytes=peak_reserved + outside,

@@ -274,6 +274,15 @@ def _relabel(ev: TraceEvent, new_id: int, step: int) -> TraceEvent:
     return TraceEvent(ev.action, new_id, ev.size_bytes, ev.category, f"{step}{_SEP}{ev.phase}", ev.module)
 
 
+def _step_of(trace: Sequence[TraceEvent], index: int) -> int | None:
+    """The optimizer step (1 or 2) of trace[index]; None in the setup or the evaluation."""
+    bounds = _step_bounds(trace)
+    if bounds is None:
+        return None
+    first, a, b = bounds
+    return None if index < first or index >= b else (1 if index < a else 2)
+
+
 def steady_trace(trace: Sequence[TraceEvent], steps: int) -> list[TraceEvent] | None:
     """The trace of `steps` optimizer steps: setup and the two simulated steps, then the second one repeated.
 
@@ -299,7 +308,7 @@ class SteadyState:
     steps_replayed: int
     step_reserved_bytes: tuple[int, ...]  #: peak reserved within each optimizer step, from step 1
     capacity_bytes: int | None  #: memory available to PyTorch in this replay (None: unlimited)
-    oom_step: int | None = None  #: the optimizer step that runs out of memory, if one does
+    oom_step: int | None = None  #: the optimizer step that runs out of memory, if one does (0: the setup)
     oom: OomEvent | None = None  #: that OOM, with the phase of the step (forward/backward/optimizer)
 
     def to_json(self) -> dict:
@@ -335,8 +344,8 @@ def _steady_from(r: AllocatorReport, steps: int, capacity: int | None) -> Steady
             setup = max(setup, res)
     oom_step = oom = None
     if r.oom is not None:
-        step, _, phase = r.oom.phase.partition(_SEP)
-        oom_step, oom = int(step), replace(r.oom, phase=phase)
+        step, sep, phase = r.oom.phase.partition(_SEP)
+        oom_step, oom = (int(step), replace(r.oom, phase=phase)) if sep else (0, r.oom)
         per_step = per_step[:oom_step]
     return SteadyState(
         reserved_bytes=max([setup] + per_step), two_step_reserved_bytes=max([setup] + per_step[:2]),
@@ -386,7 +395,7 @@ class BoundedReserved:
     without a capacity, at `required_bytes`."""
     capacity_bytes: int | None
     oom: OomEvent | None  #: the first OOM at `capacity_bytes`: in the trace, or in a later optimizer step
-    oom_step: int | None  #: that later optimizer step (None: the OOM is in the simulated trace)
+    oom_step: int | None  #: the optimizer step of that OOM (None: in the setup or the evaluation)
     required_bytes: int | None
     """Smallest capacity at which the trace and `MAX_STEADY_STEPS` training steps complete; None
     when `capacity_bytes` was given and is enough (then not searched)."""
@@ -428,8 +437,10 @@ def bounded_reserved(
         main = replay(trace, conf=conf, capacity_bytes=capacity_bytes)
         st = _steady(run, conf, capacity_bytes, MAX_STEADY_STEPS) if steady else None
         oom = main.oom
-        if oom is None and st is not None and st.oom is not None:
-            oom, oom_step = st.oom, st.oom_step
+        if oom is not None:
+            oom_step = _step_of(trace, oom.event_index)
+        elif st is not None and st.oom is not None:
+            oom, oom_step = st.oom, st.oom_step or None
         if oom is None or not search:
             return BoundedReserved(main, capacity_bytes, oom, oom_step, None, False, uncapped, st)
         need_trace = main.oom is not None
