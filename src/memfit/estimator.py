@@ -260,8 +260,8 @@ def estimate(
     if growth:
         notes.append(growth)
     if required is not None and not bounded.required_exact:
-        notes.append(f"the smallest capacity was not narrowed to {RESOLUTION_BYTES // 2**20} MiB within the bound on "
-                     "allocator replays; `required_bytes` is one at which the run completes")
+        notes.append(f"the smallest capacity was not narrowed to {RESOLUTION_BYTES // 2**20} MiB (or 1/256) within the "
+                     "bound on allocator replays; `required_bytes` is one at which the run completes")
     if setup.weights_dtype == "auto" and sim.weights_dtype != "float32":
         notes.append(f"weights are {sim.weights_dtype}, the dtype transformers 5 `from_pretrained` loads this "
                      "checkpoint in by default (dtype='auto'); pass --weights-dtype fp32 if you load in fp32")

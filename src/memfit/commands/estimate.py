@@ -162,7 +162,7 @@ def reserved_lines(report) -> list[str]:
                    f"{until}): {format_bytes(report.peak_reserved_bytes)}  {frag}")
     else:
         out.append(f"needs {format_bytes(report.required_bytes)} available to PyTorch (the smallest memory at which "
-                   "the allocator replay completes, to 2 MiB); peak reserved there: "
+                   "the allocator replay completes, to 2 MiB or 1/256); peak reserved there: "
                    f"{format_bytes(report.peak_reserved_bytes)}  {frag}")
     st = report.steady_state
     if st is not None:
