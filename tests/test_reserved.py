@@ -252,6 +252,18 @@ def test_an_oom_in_training_leaves_later_phases_unreached():
     assert r.steady_state.oom_step == r.oom.step
 
 
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"capacity_bytes": 2**30}, "needs a GPU"),
+    ({"capacity_bytes": -5, "gpu": "T4"}, "`-5`"),
+    ({"capacity_bytes": "1GiB", "gpu": "T4"}, "`'1GiB'`"),
+])
+def test_capacity_bytes_is_checked(kwargs, fragment):
+    from memfit.errors import MemfitError
+
+    with pytest.raises(MemfitError, match=fragment):
+        estimate(TrainSetup(model=_bert(), per_device_train_batch_size=2, max_length=16), **kwargs)
+
+
 @pytest.mark.slow
 def test_flan_t5_large_on_an_l4_is_bounded_and_short_by_what_it_needs():
     """The case of issue 10: 769.42 GiB "reserved" and "short by 747.64 GiB" before."""

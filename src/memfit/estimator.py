@@ -98,11 +98,13 @@ class MemoryReport:
     outside PyTorch; None without a GPU."""
     required_bytes: int | None = None
     """Smallest memory available to PyTorch at which the replay of the run (the simulated
-    steps, the evaluation and `MAX_STEADY_STEPS` training steps) completes, in steps of
-    `RESOLUTION_BYTES` (exact at that resolution). Searched without a GPU or when the run runs
-    out of memory on it; None when the run fits the GPU (then `headroom_bytes` says how much is spare)."""
+    steps, the evaluation and `MAX_STEADY_STEPS` training steps) completes, to 2 MiB or 1/256 of
+    it, whichever is larger (memfit.reserved.smallest_capacity). Searched without a GPU or when
+    the run runs out of memory on it; None when the run fits the GPU (then `headroom_bytes` says
+    how much is spare)."""
     shortfall_bytes: int | None = None
-    """`required_bytes - capacity_bytes` when the run runs out of memory on the GPU, else None."""
+    """`required_bytes - capacity_bytes` when the run runs out of memory on the GPU, else None
+    (on a GPU smaller than the memory outside PyTorch, that memory counts too)."""
     uncapped_peak_reserved_bytes: int = 0
     """Peak reserved by a replay without any memory limit: cached blocks are never released,
     so this grows without bound when requests keep growing (evaluation buffers). Not what any
@@ -200,6 +202,11 @@ def estimate(
     elif fields:
         setup = setup.replace(**fields)
     spec = as_gpu_spec(gpu)
+    if capacity_bytes is not None:
+        if spec is None:
+            raise MemfitError(f"capacity_bytes `{capacity_bytes}` needs a GPU: pass gpu=... as well")
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise MemfitError(f"capacity_bytes `{capacity_bytes!r}` must be a positive number of bytes")
     if spec is not None and tuple(setup.compute_capability) != tuple(spec.compute_capability):
         setup = setup.replace(compute_capability=tuple(spec.compute_capability))
     if alloc_conf is None:
@@ -226,10 +233,6 @@ def estimate(
     outside = np_est.total_bytes if np_est is not None else (non_pytorch_bytes or 0)
     capacity = spec.total_bytes - outside if spec is not None else None
     if capacity_bytes is not None:
-        if spec is None:
-            raise MemfitError(f"capacity_bytes `{capacity_bytes}` needs a GPU: pass gpu=... as well")
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise MemfitError(f"capacity_bytes `{capacity_bytes!r}` must be a positive number of bytes")
         capacity = capacity_bytes
     short_of = capacity  # a GPU smaller than the memory outside PyTorch leaves nothing (and is short of that too)
     if capacity is not None:
@@ -306,9 +309,14 @@ def _reserved_by_phase(alloc, does_eval: bool, stopped: bool) -> dict[str, int |
     return out
 
 
+#: The note on uncapped growth is shown when the uncapped replay reserves this much more than the
+#: bounded figure (a display threshold: below it the two differ by ordinary fragmentation).
+_GROWTH_NOTE_RATIO = 1.25
+
+
 def _uncapped_growth_note(uncapped, bound: int | None) -> str | None:
     """A note when the replay without a memory limit grows far past what a GPU reaches."""
-    if bound is None or uncapped.peak_reserved_bytes <= bound * 1.25:
+    if bound is None or uncapped.peak_reserved_bytes <= bound * _GROWTH_NOTE_RATIO:
         return None
     by_phase = uncapped.peak_reserved_by_phase
     phase = next((p for p in by_phase if by_phase[p] == uncapped.peak_reserved_bytes), "the run")

@@ -165,7 +165,8 @@ def reserved_lines(report) -> list[str]:
                    "the allocator replay completes, to 2 MiB or 1/256); peak reserved there: "
                    f"{format_bytes(report.peak_reserved_bytes)}  {frag}")
     st = report.steady_state
-    if st is not None:
+    in_trace = report.oom is not None and st is not None and st.oom_step is not None and st.oom_step <= 2
+    if st is not None and not in_trace:  # an OOM in the two simulated steps is reported below
         if st.oom_step is not None:
             out.append(f"steady state (long run): optimizer step {st.oom_step} runs out of memory "
                        f"(reserved up to then {format_bytes(st.reserved_bytes)})")
