@@ -450,7 +450,8 @@ def plan(
     miss = None
     suggestions: list[str] = []
     if chosen is None and not baseline.fits:
-        closest = max([baseline] + plans, key=lambda p: p.headroom_bytes)
+        # a fitted plan that "fits" but was not verified says nothing about how far the others miss
+        closest = max([p for p in [baseline] + plans if p.verified or not p.fits], key=lambda p: p.headroom_bytes)
         miss = -closest.headroom_bytes
         for name, r in REGISTRY.items():
             if r.opt_in and r.opt_in not in allow and verdicts[name].applies:
