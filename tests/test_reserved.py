@@ -305,3 +305,10 @@ def test_plan_fits_iff_the_replay_with_the_budget_completes(no_gpu):
             assert p.fits == (r.oom is None)
         if not p.fits:
             assert p.headroom_bytes < 0
+
+
+def test_plan_on_a_gpu_smaller_than_its_context_is_a_clear_error():
+    from memfit.errors import MemfitError
+
+    with pytest.raises(MemfitError, match="leaves no memory to PyTorch"):
+        plan(TrainSetup(model=_bert(), per_device_train_batch_size=2, max_length=16), gpu="300MiB")

@@ -270,7 +270,8 @@ def plan(
     capacity = budget - outside  # what PyTorch's allocator may use within the budget
     if capacity <= 0:
         raise MemfitError(f"gpu `{spec.name}` leaves no memory to PyTorch: its budget with margin {margin} is "
-                          f"{budget} bytes and {outside} bytes are outside PyTorch; use a larger GPU or a smaller margin")
+                          f"{budget} bytes and {outside} bytes are outside PyTorch; use a larger GPU or a "
+                          "smaller margin")
     base_report = estimate(setup, gpu=spec, alloc_conf=alloc_conf, non_pytorch_bytes=outside, capacity_bytes=capacity)
     sims += 1
     # what the run needs over what it allocates (the fitted plans' reserved memory scales by it)

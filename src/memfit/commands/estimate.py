@@ -231,8 +231,8 @@ def render(report, *, is_seed: bool = False) -> None:
             console.print(f"[green]fits[/green], headroom {format_bytes(report.headroom_bytes)}")
         else:
             if report.shortfall_bytes is not None:
-                console.print(f"[red]does not fit[/red]: short by {format_bytes(report.shortfall_bytes)} (the run needs "
-                              f"{format_bytes(report.required_bytes)} available to PyTorch, "
+                console.print(f"[red]does not fit[/red]: short by {format_bytes(report.shortfall_bytes)} "
+                              f"(the run needs {format_bytes(report.required_bytes)} available to PyTorch, "
                               f"{format_bytes(report.required_bytes + report.non_pytorch_bytes)} of GPU memory)")
             else:
                 console.print("[red]does not fit[/red]")
