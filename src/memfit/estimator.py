@@ -2,8 +2,15 @@
 
 Simulates the run (memfit.sim.engine), reduces the trace to peaks per phase and the
 breakdown at the peak (memfit.peaks), replays it through the caching-allocator model
-(memfit.allocator.caching) and adds memory held outside PyTorch (memfit.gpus.outside_pytorch) to say what
-`nvidia-smi` would show and whether the run fits the GPU.
+(memfit.allocator) with the memory the GPU leaves to PyTorch, so that free-and-retry and
+out-of-memory are modelled (memfit.allocator.bounded), and adds memory held outside PyTorch
+(memfit.gpus.outside_pytorch) to say what `nvidia-smi` would show and whether the run fits the GPU.
+
+Reserved memory is always a figure some GPU's allocator reaches: on the given GPU, or,
+without one, on a GPU that leaves exactly `required_bytes` to PyTorch, the smallest memory
+at which the run completes. The replay without any limit (`uncapped_peak_reserved_bytes`)
+can grow without bound (the evaluation's growing prediction buffers) and is kept only to
+explain that growth.
 
     from memfit import TrainSetup, estimate
     report = estimate(TrainSetup(model="xlnet-large-cased", per_device_train_batch_size=1), gpu="V100-16GB")
@@ -18,19 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.allocator.conf import AllocConf, alloc_conf_from_env, parse_alloc_conf
-from memfit.allocator.caching import replay
 from memfit.errors import MemfitError
 from memfit.gpus.catalog import GpuSpec, as_gpu_spec
 from memfit.gpus.outside_pytorch import cublas_workspace_bytes
 from memfit.gpus.outside_pytorch import non_pytorch_bytes as _non_pytorch_table
 from memfit.peaks import BREAKDOWN_KEYS, peaks
+from memfit.allocator.bounded import RESOLUTION_BYTES, SteadyState, bounded_reserved
 from memfit.sim.engine import simulate
-from memfit.trace import TraceEvent
+from memfit.trace import REPORT_PHASES, TraceEvent
 from memfit.train_setup import TrainSetup
 
 __all__ = ["MemoryReport", "OomPrediction", "estimate", "REPORT_PHASES"]
 
-REPORT_PHASES = ("forward", "backward", "optimizer", "eval")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class OomPrediction:
     allocated_bytes: int
     reserved_bytes: int
     message: str
+    step: int | None = None
+    """Optimizer step that runs out of memory: 1 or 2 (simulated), or a later one (the steady
+    state, memfit.allocator.bounded); None in the setup or the evaluation."""
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,12 @@ class MemoryReport:
     """Bytes by category at the overall allocated peak."""
     phase_breakdowns: dict[str, dict[str, int]]
     peak_reserved_bytes: int
-    """`torch.cuda.max_memory_reserved()` by the caching-allocator model."""
-    reserved_by_phase: dict[str, int]
+    """`torch.cuda.max_memory_reserved()` by the caching-allocator model, replayed with the memory
+    the GPU leaves to PyTorch (`capacity_bytes`): never above it; when the run runs out of memory,
+    the figure when it does. Without a GPU: on a GPU that leaves exactly `required_bytes`."""
+    reserved_by_phase: dict[str, int | None]
+    """Peak reserved within each phase, from the same replay; None for a phase the run never
+    reaches because it runs out of memory before."""
     fragmentation_at_peak_bytes: int
     non_pytorch_bytes: int
     """CUDA context, kernels and libraries (estimate; measured by NVML on a GPU)."""
@@ -79,16 +92,41 @@ class MemoryReport:
     notes: list[str]
     setup: dict[str, Any]
     elapsed_s: float
+    capacity_bytes: int | None = None
+    """Memory available to PyTorch's allocator in the replay: the GPU's total minus memory
+    outside PyTorch; None without a GPU."""
+    required_bytes: int | None = None
+    """Smallest memory available to PyTorch at which the replay of the run (the simulated
+    steps, the evaluation and `MAX_STEADY_STEPS` training steps) completes, to 2 MiB or 1/256 of
+    it, whichever is larger (memfit.allocator.bounded.smallest_capacity). Searched without a GPU or when
+    the run runs out of memory on it; None when the run fits the GPU (then `headroom_bytes` says
+    how much is spare)."""
+    shortfall_bytes: int | None = None
+    """`required_bytes - capacity_bytes` when the run runs out of memory on the GPU, else None
+    (on a GPU smaller than the memory outside PyTorch, that memory counts too)."""
+    uncapped_peak_reserved_bytes: int = 0
+    """Peak reserved by a replay without any memory limit: cached blocks are never released,
+    so this grows without bound when requests keep growing (evaluation buffers). Not what any
+    GPU reaches when above its memory; kept to show that growth."""
+    steady_state: SteadyState | None = None
+    """Reserved memory over many optimizer steps (memfit.allocator.bounded.steady_state), replayed with
+    `capacity_bytes` (without a GPU: `required_bytes`); None without two optimizer steps."""
     trace: list[TraceEvent] = field(repr=False, compare=False, default_factory=list)
 
     @property
     def headroom_bytes(self) -> int | None:
-        return None if self.gpu is None else self.gpu["total_bytes"] - self.device_used_bytes
+        """GPU memory left at the peak; negative: how much more the run needs (`-shortfall_bytes`)."""
+        if self.gpu is None:
+            return None
+        if self.shortfall_bytes is not None:
+            return -self.shortfall_bytes
+        return self.gpu["total_bytes"] - self.device_used_bytes
 
     def to_json(self) -> dict[str, Any]:
         """The stable `--json` schema (documented in README.md, "JSON output")."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "trace"}
         out["oom"] = None if self.oom is None else dataclasses.asdict(self.oom)
+        out["steady_state"] = None if self.steady_state is None else self.steady_state.to_json()
         out["headroom_bytes"] = self.headroom_bytes
         out["schema"] = "memfit.estimate/1"
         return out
@@ -134,15 +172,23 @@ def estimate(
     gpu: str | GpuSpec | None = None,
     alloc_conf: str | AllocConf | None = None,
     non_pytorch_bytes: int | None = None,
+    capacity_bytes: int | None = None,
     **fields: Any,
 ) -> MemoryReport:
     """Simulate `setup` (or `TrainSetup(**fields)`, or `TrainSetup(model=setup, **fields)` for a
     model id) and report its peak memory.
 
-    `gpu`: a catalog name (`V100-16GB`), a size (`16GiB`), `auto`, or a GpuSpec; None
-    leaves `fits` unknown. `alloc_conf`: PYTORCH_CUDA_ALLOC_CONF text; None reads the
-    environment as PyTorch does. `non_pytorch_bytes`: memory outside PyTorch's cache when it
-    is known (measured, or read from an OOM message) instead of memfit's table.
+    Args:
+        setup: a TrainSetup, a model id, or None (then `fields` make the TrainSetup).
+        gpu: a catalog name (`V100-16GB`), a size (`16GiB`), `auto`, or a GpuSpec; None leaves
+            `fits` unknown and reports `required_bytes`.
+        alloc_conf: PYTORCH_CUDA_ALLOC_CONF text; None reads the environment as PyTorch does.
+        non_pytorch_bytes: memory outside PyTorch's cache when it is known (measured, or read
+            from an OOM message) instead of memfit's table.
+        capacity_bytes: memory PyTorch's allocator may use, instead of the GPU's total minus
+            memory outside PyTorch (the planner passes its budget, which keeps a margin free);
+            needs `gpu`.
+        **fields: TrainSetup fields.
     """
     started = time.perf_counter()
     if setup is None:
@@ -155,6 +201,11 @@ def estimate(
     elif fields:
         setup = setup.replace(**fields)
     spec = as_gpu_spec(gpu)
+    if capacity_bytes is not None:
+        if spec is None:
+            raise MemfitError(f"capacity_bytes `{capacity_bytes}` needs a GPU: pass gpu=... as well")
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise MemfitError(f"capacity_bytes `{capacity_bytes!r}` must be a positive number of bytes")
     if spec is not None and tuple(setup.compute_capability) != tuple(spec.compute_capability):
         setup = setup.replace(compute_capability=tuple(spec.compute_capability))
     if alloc_conf is None:
@@ -180,12 +231,18 @@ def estimate(
     np_est = _non_pytorch_table(spec) if spec is not None and non_pytorch_bytes is None else None
     outside = np_est.total_bytes if np_est is not None else (non_pytorch_bytes or 0)
     capacity = spec.total_bytes - outside if spec is not None else None
-    alloc = replay(trace, conf=conf, capacity_bytes=capacity)
+    if capacity_bytes is not None:
+        capacity = capacity_bytes
+    short_of = capacity  # a GPU smaller than the memory outside PyTorch leaves nothing (and is short of that too)
+    if capacity is not None:
+        capacity = max(0, capacity)
+    bounded = bounded_reserved(trace, conf=conf, capacity_bytes=capacity, lower_bytes=tp.overall.bytes)
+    alloc = bounded.report
     oom = None
-    if alloc.oom is not None and spec is not None:
+    if bounded.oom is not None and spec is not None:
         from memfit.oom_text import format_oom_message
 
-        o = alloc.oom
+        o = bounded.oom
         message = format_oom_message(
             device=0, tried_to_allocate_bytes=o.tried_to_allocate_bytes, total_bytes=spec.total_bytes,
             free_bytes=max(0, spec.total_bytes - outside - o.reserved_bytes),
@@ -193,14 +250,20 @@ def estimate(
             reserved_unallocated_bytes=o.reserved_bytes - o.allocated_bytes,
         )
         oom = OomPrediction(o.phase, o.category, o.tried_to_allocate_bytes, o.allocated_bytes,
-                            o.reserved_bytes, message)
-    if alloc.oom is not None:
-        # the capped replay stops at the OOM; report what the run would need without a cap
-        alloc = dataclasses.replace(replay(trace, conf=conf), oom=alloc.oom)
+                            o.reserved_bytes, message, bounded.oom_step)
     peak_reserved = alloc.peak_reserved_bytes
+    required = bounded.required_bytes
+    shortfall = required - short_of if (short_of is not None and required is not None) else None
     if spec is None:
-        notes.append("no --gpu given: reserved memory is modelled, `fits` is unknown and memory outside "
-                     "PyTorch (CUDA context, ~0.3-1.3 GiB) is not included")
+        notes.append("no --gpu given: reserved memory is replayed on a GPU that leaves exactly the required "
+                     "memory to PyTorch; `fits` is unknown and memory outside PyTorch (CUDA context, "
+                     "~0.3-1.3 GiB) is not included")
+    growth = _uncapped_growth_note(bounded.uncapped, required if required is not None else capacity)
+    if growth:
+        notes.append(growth)
+    if required is not None and not bounded.required_exact:
+        notes.append(f"the smallest capacity was not narrowed to {RESOLUTION_BYTES // 2**20} MiB (or 1/256) within the "
+                     "bound on allocator replays; `required_bytes` is one at which the run completes")
     if setup.weights_dtype == "auto" and sim.weights_dtype != "float32":
         notes.append(f"weights are {sim.weights_dtype}, the dtype transformers 5 `from_pretrained` loads this "
                      "checkpoint in by default (dtype='auto'); pass --weights-dtype fp32 if you load in fp32")
@@ -217,17 +280,51 @@ def estimate(
         phases=phases, breakdown={k: tp.overall.breakdown.get(k, 0) for k in BREAKDOWN_KEYS + ("workspaces",)},
         phase_breakdowns={p: dict(tp.by_phase[p].breakdown) for p in phases if p in tp.by_phase},
         peak_reserved_bytes=peak_reserved,
-        reserved_by_phase={p: alloc.peak_reserved_by_phase.get(p, 0) for p in REPORT_PHASES},
+        reserved_by_phase=_reserved_by_phase(alloc, setup.does_eval, capacity is not None and alloc.oom is not None),
         fragmentation_at_peak_bytes=alloc.fragmentation_at_peak_bytes,
         non_pytorch_bytes=outside,
         device_used_bytes=peak_reserved + outside,
         gpu=None if spec is None else {"name": spec.name, "total_bytes": spec.total_bytes,
                                        "compute_capability": list(spec.compute_capability)},
-        fits=None if spec is None else (alloc.oom is None and peak_reserved + outside <= spec.total_bytes),
+        fits=None if spec is None else bounded.oom is None,
         oom=oom, checkpointing=sim.checkpointing, sdpa_backends=sim.sdpa_backends,
         alloc_conf=_conf_text(conf), notes=notes, setup=_setup_json(setup),
-        elapsed_s=round(time.perf_counter() - started, 3), trace=trace,
+        elapsed_s=round(time.perf_counter() - started, 3), capacity_bytes=capacity, required_bytes=required,
+        shortfall_bytes=shortfall, uncapped_peak_reserved_bytes=bounded.uncapped.peak_reserved_bytes,
+        steady_state=bounded.steady, trace=trace,
     )
+
+
+def _reserved_by_phase(alloc, does_eval: bool, stopped: bool) -> dict[str, int | None]:
+    """Peak reserved per phase; None for a phase an OOM in the trace keeps the run from reaching."""
+    out: dict[str, int | None] = {}
+    for p in REPORT_PHASES:
+        if p in alloc.peak_reserved_by_phase:
+            out[p] = alloc.peak_reserved_by_phase[p]
+        elif p == "eval" and not does_eval:
+            out[p] = 0
+        else:
+            out[p] = None if stopped else 0
+    return out
+
+
+#: The note on uncapped growth is shown when the uncapped replay reserves this much more than the
+#: bounded figure (a display threshold: below it the two differ by ordinary fragmentation).
+_GROWTH_NOTE_RATIO = 1.25
+
+
+def _uncapped_growth_note(uncapped, bound: int | None) -> str | None:
+    """A note when the replay without a memory limit grows far past what a GPU reaches."""
+    if bound is None or uncapped.peak_reserved_bytes <= bound * _GROWTH_NOTE_RATIO:
+        return None
+    by_phase = uncapped.peak_reserved_by_phase
+    phase = next((p for p in by_phase if by_phase[p] == uncapped.peak_reserved_bytes), "the run")
+    from memfit.units import format_bytes
+
+    return (f"without a memory limit the cache would grow to {format_bytes(uncapped.peak_reserved_bytes)} by the "
+            f"{phase} phase (blocks freed there stay cached and are too small for the larger requests that follow); "
+            "a GPU's allocator frees them and retries when cudaMalloc fails, so every reserved figure here is "
+            "replayed with the GPU's memory")
 
 
 def _conf_text(conf: AllocConf) -> str:

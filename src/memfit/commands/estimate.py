@@ -165,6 +165,35 @@ def estimate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def reserved_lines(report) -> list[str]:
+    """The text lines about reserved memory: on the GPU (or the smallest one), the steady state."""
+    out = []
+    frag = f"(reserved but unallocated at that moment: {format_bytes(report.fragmentation_at_peak_bytes)})"
+    if report.gpu is not None:
+        until = ", until the OOM" if report.oom is not None else ""
+        out.append(f"peak reserved (caching allocator, {format_bytes(report.capacity_bytes)} available to PyTorch"
+                   f"{until}): {format_bytes(report.peak_reserved_bytes)}  {frag}")
+    else:
+        out.append(f"needs {format_bytes(report.required_bytes)} available to PyTorch (the smallest memory at which "
+                   "the allocator replay completes, to 2 MiB or 1/256); peak reserved there: "
+                   f"{format_bytes(report.peak_reserved_bytes)}  {frag}")
+    st = report.steady_state
+    in_trace = report.oom is not None and st is not None and st.oom_step is not None and st.oom_step <= 2
+    if st is not None and not in_trace:  # an OOM in the two simulated steps is reported below
+        if st.oom_step is not None:
+            out.append(f"steady state (long run): optimizer step {st.oom_step} runs out of memory "
+                       f"(reserved up to then {format_bytes(st.reserved_bytes)})")
+        elif st.settled_after_steps is not None:
+            out.append(f"steady state (long run): reserved {format_bytes(st.reserved_bytes)}, settled after "
+                       f"{st.settled_after_steps} optimizer steps (the two simulated: "
+                       f"{format_bytes(st.two_step_reserved_bytes)})")
+        else:
+            out.append(f"steady state (long run): reserved {format_bytes(st.reserved_bytes)} after "
+                       f"{st.steps_replayed} optimizer steps, still changing from step to step (the two simulated: "
+                       f"{format_bytes(st.two_step_reserved_bytes)})")
+    return out
+
+
 def render(report, *, is_seed: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -191,8 +220,9 @@ def render(report, *, is_seed: bool = False) -> None:
         if phase == "eval" and not report.phases.get("eval"):
             phases.add_row(phase, "not run", "-")
             continue
+        res = report.reserved_by_phase.get(phase, 0)
         phases.add_row(phase, format_bytes(report.phases.get(phase, 0)),
-                       format_bytes(report.reserved_by_phase.get(phase, 0)))
+                       "not reached (OOM)" if res is None else format_bytes(res))
     console.print(phases)
     cats = Table(title=f"At the peak ({report.peak_phase})", title_justify="left")
     cats.add_column("category")
@@ -204,8 +234,8 @@ def render(report, *, is_seed: bool = False) -> None:
                          f"{100 * v / report.peak_allocated_bytes:.0f}%" if report.peak_allocated_bytes else "-")
     cats.add_row("[bold]allocated[/bold]", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]", "")
     console.print(cats)
-    console.print(f"peak reserved (caching allocator): {format_bytes(report.peak_reserved_bytes)}"
-                  f"  (reserved but unallocated at that moment: {format_bytes(report.fragmentation_at_peak_bytes)})")
+    for line in reserved_lines(report):
+        console.print(line)
     if report.gpu is not None:
         console.print(f"outside PyTorch (CUDA context, kernels): ~{format_bytes(report.non_pytorch_bytes)}")
         console.print(f"nvidia-smi would show: ~{format_bytes(report.device_used_bytes)} of "
@@ -213,10 +243,16 @@ def render(report, *, is_seed: bool = False) -> None:
         if report.fits:
             console.print(f"[green]fits[/green], headroom {format_bytes(report.headroom_bytes)}")
         else:
-            console.print(f"[red]does not fit[/red]: short by {format_bytes(-report.headroom_bytes)}"
-                          if report.headroom_bytes is not None and report.headroom_bytes < 0 else "[red]does not fit[/red]")
+            if report.shortfall_bytes is not None:
+                console.print(f"[red]does not fit[/red]: short by {format_bytes(report.shortfall_bytes)} "
+                              f"(the run needs {format_bytes(report.required_bytes)} available to PyTorch, "
+                              f"{format_bytes(report.required_bytes + report.non_pytorch_bytes)} of GPU memory)")
+            else:
+                console.print("[red]does not fit[/red]")
             if report.oom is not None:
-                console.print(f"PyTorch would fail in the {report.oom.phase} phase with:")
+                where = f"the {report.oom.phase} phase" + (
+                    f" of optimizer step {report.oom.step}" if report.oom.step is not None else "")
+                console.print(f"PyTorch would fail in {where} with:")
                 console.print(f"[dim]{report.oom.message}[/dim]", soft_wrap=True)
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")

@@ -144,7 +144,7 @@ def replay_command(args: argparse.Namespace) -> int:
         raise MemfitError(f"--device `{args.device}` is negative; give the CUDA device index, e.g. `--device 0`")
     memory = None
     if args.gpu is not None:
-        from memfit.gpus import resolve_gpu
+        from memfit.gpus.catalog import resolve_gpu
 
         memory = resolve_gpu(args.gpu).total_bytes
     snapshot = load_snapshot(args.snapshot)

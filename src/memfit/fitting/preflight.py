@@ -256,8 +256,12 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     if fits is False:
         flags.append(PreflightFlag(
             "does_not_fit",
-            f"predicted {report.device_used_bytes / 2**20:,.0f} MiB in use at the peak ({report.peak_phase}) "
-            f"on {spec.name if spec else '?'}",
+            (f"predicted to need {(report.required_bytes + report.non_pytorch_bytes) / 2**20:,.0f} MiB of GPU memory, "
+             f"{report.shortfall_bytes / 2**20:,.0f} MiB more than {spec.name if spec else 'the GPU'} has "
+             f"(out of memory in the {report.oom.phase if report.oom else report.peak_phase} phase)"
+             if report.required_bytes is not None and report.shortfall_bytes is not None else
+             f"predicted {report.device_used_bytes / 2**20:,.0f} MiB in use at the peak ({report.peak_phase}) "
+             f"on {spec.name if spec else '?'}"),
             "let memfit.fit apply the plan, or run `memfit plan` for the changes"))
     return PreflightReport(setup=setup, estimate=report, gpu=None if spec is None else spec.name,
                            budget_bytes=budget_bytes, fits=fits, flags=flags,

@@ -12,13 +12,19 @@ The search never assumes what a remedy saves; every number comes from simulation
 3. Rank every combination (with the micro-batch split keeping the effective batch size
    exactly) that fits by the fitted model with the safety margin, by modelled step time
    (memfit.planner.throughput).
-4. Verify the best with a full simulation and the allocator replay, including the
-   allocator settings of memfit.remedies.allocator; the first verified plan that fits is
-   chosen.
+4. Verify the best with a full simulation and the allocator replay with the budget as the
+   memory available to PyTorch (the GPU's total less the margin and the memory outside
+   PyTorch; free-and-retry, OOM and the steady state of a long run modelled, memfit.allocator.bounded),
+   including the allocator settings of memfit.remedies.allocator: a plan fits iff that
+   replay does not run out of memory. The first verified plan that fits is chosen.
+
+Every reserved figure of a plan is what the GPU's allocator reaches (at most the budget);
+`headroom_bytes` is the budget minus what the plan needs, negative by as much as it is short.
 
 Known limitations: the fit is linear in the micro-batch (exact for activations, which
-dominate); reserved memory of unverified plans is scaled from the baseline's
-reserved/allocated ratio; offload is modelled as "no optimizer state on the GPU".
+dominate); what unverified plans need is scaled from the baseline's ratio of needed
+(smallest capacity that completes, memfit.allocator.bounded.smallest_capacity) to allocated memory;
+offload is modelled as "no optimizer state on the GPU".
 """
 
 from __future__ import annotations
@@ -29,15 +35,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.allocator.caching import replay
 from memfit.allocator.conf import parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
 from memfit.remedies import OPT_IN, REGISTRY
 from memfit.peaks import peaks
+from memfit.allocator.bounded import bounded_reserved
 from memfit.sim.engine import simulate
 from memfit.planner.throughput import StepCost, step_time_s
+from memfit.trace import TRAIN_PHASES
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
@@ -45,7 +52,6 @@ __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
 #: Fraction of the GPU kept free: allocator and library behaviour we do not model
 #: (cuDNN, NCCL, driver differences) and the error of the estimate itself.
 DEFAULT_MARGIN = 0.05
-_TRAIN_PHASES = ("forward", "backward", "optimizer")
 #: TrainSetup fields that change which parameters train (their fits simulate the optimizer too)
 _TRAINABLE_KEYS = ("lora_r", "freeze_embeddings", "freeze_layers")
 #: TrainSetup fields of the opt-in remedies (method changes that rank last)
@@ -71,10 +77,12 @@ class Plan:
     code: list[str]
     peak_allocated_bytes: int
     peak_reserved_bytes: int
-    device_used_bytes: int
-    headroom_bytes: int
+    """What the GPU's allocator reaches with the budget available (until an OOM); fitted plans:
+    the fitted need, at most the budget."""
+    device_used_bytes: int  #: peak_reserved_bytes + memory outside PyTorch
+    headroom_bytes: int  #: budget minus what the plan needs; negative: how much it is short
     relative_step_time: float
-    fits: bool
+    fits: bool  #: verified: the replay with the budget does not run out of memory; fitted: need <= budget
     verified: bool  #: full simulation + allocator replay (else: fitted model)
     notes: list[str] = field(default_factory=list)
 
@@ -176,15 +184,20 @@ def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str
 
 def _plan_from_report(base, changes, report: MemoryReport, rel_time: float, budget: int, *, verified: bool,
                       alloc_conf: str | None = None, reserved: int | None = None) -> Plan:
+    """A verified plan from an estimate replayed with the budget (`reserved`: from a replay with
+    `alloc_conf` that completes)."""
     changes = dict(changes)
     if alloc_conf:
         changes["alloc_conf"] = alloc_conf
     names, args, env, code = _describe(base, changes, report.checkpointing)
+    fits = report.fits is True if reserved is None else True
     reserved = report.peak_reserved_bytes if reserved is None else reserved
     used = reserved + report.non_pytorch_bytes
+    short = report.shortfall_bytes if not fits else None
+    headroom = -short if short is not None else budget - used
     return Plan(names, {k: v for k, v in changes.items() if k != "alloc_conf"}, args, env, code,
-                report.peak_allocated_bytes, reserved, used, budget - used, round(rel_time, 3),
-                used <= budget, verified, list(report.notes))
+                report.peak_allocated_bytes, reserved, used, headroom, round(rel_time, 3),
+                fits, verified, list(report.notes))
 
 
 def _other_processes_bytes(spec: GpuSpec) -> int | None:
@@ -249,10 +262,21 @@ def plan(
 
     if non_pytorch_bytes is None:
         non_pytorch_bytes = _other_processes_bytes(spec)
-    base_report = estimate(setup, gpu=spec, alloc_conf=alloc_conf, non_pytorch_bytes=non_pytorch_bytes)
+    if non_pytorch_bytes is None:
+        from memfit.gpus.outside_pytorch import non_pytorch_bytes as table
+
+        non_pytorch_bytes = table(spec).total_bytes
+    outside = non_pytorch_bytes
+    capacity = budget - outside  # what PyTorch's allocator may use within the budget
+    if capacity <= 0:
+        raise MemfitError(f"gpu `{spec.name}` leaves no memory to PyTorch: its budget with margin {margin} is "
+                          f"{budget} bytes and {outside} bytes are outside PyTorch; use a larger GPU or a "
+                          "smaller margin")
+    base_report = estimate(setup, gpu=spec, alloc_conf=alloc_conf, non_pytorch_bytes=outside, capacity_bytes=capacity)
     sims += 1
-    ratio = max(1.0, base_report.peak_reserved_bytes / max(1, base_report.peak_allocated_bytes))
-    outside = base_report.non_pytorch_bytes
+    # what the run needs over what it allocates (the fitted plans' reserved memory scales by it)
+    need = base_report.required_bytes if base_report.required_bytes is not None else base_report.peak_reserved_bytes
+    ratio = max(1.0, need / max(1, base_report.peak_allocated_bytes))
     n_layer, d_model = _config_dims(setup)
 
     def rel_time(s: TrainSetup, params: int, trainable: int) -> float:
@@ -359,7 +383,7 @@ def plan(
                     by[ph] += state  # the second optimizer step's micro-steps run with the state alive
                 by["optimizer"] = opt_peak
             if offload:
-                for ph in _TRAIN_PHASES:
+                for ph in TRAIN_PHASES:
                     by[ph] -= state
                 state = 0
             eval_changes = {}
@@ -399,26 +423,27 @@ def plan(
         seen.add(key)
         if verified < verify_top and chosen is None:
             report = estimate(setup.replace(**changes), gpu=spec, alloc_conf=alloc_conf,
-                              non_pytorch_bytes=non_pytorch_bytes)
+                              non_pytorch_bytes=outside, capacity_bytes=capacity)
             sims += 1
             verified += 1
             candidate = _plan_from_report(setup, changes, report, t, budget, verified=True)
             if not candidate.fits:
                 for conf_text in ("expandable_segments:True", "max_split_size_mb:128"):
-                    alt = replay(report.trace, conf=parse_alloc_conf(conf_text),
-                                 capacity_bytes=spec.total_bytes - report.non_pytorch_bytes)
-                    if alt.oom is None and alt.peak_reserved_bytes + report.non_pytorch_bytes <= budget:
+                    alt = bounded_reserved(report.trace, conf=parse_alloc_conf(conf_text), capacity_bytes=capacity,
+                                           search=False)
+                    if alt.oom is None:
                         candidate = _plan_from_report(setup, changes, report, t, budget, verified=True,
-                                                      alloc_conf=conf_text, reserved=alt.peak_reserved_bytes)
+                                                      alloc_conf=conf_text, reserved=alt.report.peak_reserved_bytes)
                         break
             plans.append(candidate)
             if candidate.fits and chosen is None:
                 chosen = len(plans) - 1
         elif len(plans) < max_plans:
             names, args, env, code = _describe(setup, changes, base_report.checkpointing)
-            reserved = int(peak * ratio)
-            plans.append(Plan(names, changes, args, env, code, int(peak), reserved, used, budget - used, round(t, 3),
-                              ok, False, ["fitted model, not verified by a full simulation"]))
+            reserved = min(int(peak * ratio), capacity)  # a GPU's allocator stops at the budget
+            plans.append(Plan(names, changes, args, env, code, int(peak), reserved, reserved + outside,
+                              budget - used, round(t, 3), ok, False,
+                              ["fitted model, not verified by a full simulation"]))
         if len(plans) >= max_plans and chosen is not None:
             break
     if baseline.fits and chosen is not None and plans[chosen].relative_step_time >= 1.0:
@@ -426,12 +451,13 @@ def plan(
     miss = None
     suggestions: list[str] = []
     if chosen is None and not baseline.fits:
-        closest = min([baseline] + plans, key=lambda p: p.device_used_bytes)
-        miss = closest.device_used_bytes - budget
+        # a fitted plan that "fits" but was not verified says nothing about how far the others miss
+        closest = max([p for p in [baseline] + plans if p.verified or not p.fits], key=lambda p: p.headroom_bytes)
+        miss = -closest.headroom_bytes
         for name, r in REGISTRY.items():
             if r.opt_in and r.opt_in not in allow and verdicts[name].applies:
                 suggestions.append(f"allow `{r.opt_in}` ({r.title}: saves {r.saves}; costs: {r.costs})")
-        need = closest.device_used_bytes / (1 - margin)
+        need = (budget + miss) / (1 - margin)
         bigger = sorted((g for g in CATALOG.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
         if bigger:
             suggestions.append(f"a GPU with at least {need / 2**30:.1f} GiB, e.g. {bigger[0].name}")
