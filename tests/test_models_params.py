@@ -160,7 +160,6 @@ def test_full_size_params_equal_a_real_build(hub_id, task, count, monkeypatch):
 
 
 @SLOW[0]
-@SLOW[1]
 def test_llama_3_1_8b_params_from_real_builds_of_one_and_two_blocks(monkeypatch):
     """8B on real tensors is 16 GB even in bf16: blocks are identical, so count(N) = c1 + (N - 1) (c2 - c1)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

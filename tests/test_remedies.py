@@ -88,3 +88,77 @@ def test_freeze_layers_out_of_range_is_a_clear_error():
         simulate(TrainSetup(model=XLNET, per_device_train_batch_size=1, max_length=16, freeze_layers=5))
     with pytest.raises(MemfitError, match="freeze_layers"):
         TrainSetup(model=XLNET, freeze_layers=-1)
+
+
+# -- one remedy, one unit (issue 11) ----------------------------------------------------------------------
+
+def test_every_setup_field_a_remedy_changes_has_one_owner():
+    from memfit.remedies import REGISTRY, remedy_for_field
+
+    for r in REGISTRY.values():
+        for f in r.fields:
+            assert remedy_for_field(f) is r, f
+        for v in (r.variants(TrainSetup(model=BERT, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                        max_length=256, eval_strategy="epoch"), None)
+                  if r.name not in ("freeze",) else []):
+            assert set(v) <= set(r.fields), (r.name, v)  # a variant only changes what its remedy owns
+
+
+def test_incompatible_remedies_are_never_combined_in_a_plan():
+    from memfit.remedies import REGISTRY, conflict
+
+    assert conflict(["offload", "optimizer"]) and conflict(["freeze", "lora"])
+    assert conflict(["mixed_precision", "gradient_checkpointing"]) is None
+    for r in REGISTRY.values():
+        assert all(name in REGISTRY for name in r.incompatible), r.name
+
+
+def test_offload_config_names_an_optimizer_deepspeed_accepts():
+    """Without an "optimizer" section DeepSpeed refuses Trainer's AdamW under ZeRO-Offload
+    (zero_force_ds_cpu_optimizer defaults to True)."""
+    from memfit.remedies import REGISTRY
+
+    args, _, _ = REGISTRY["offload"].apply({"offload_optimizer_state": True}, None)
+    ds = args["deepspeed"]
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["optimizer"]["type"] == "AdamW"
+
+
+def test_diagnose_advice_ids_of_remedies_exist_and_are_owned_once():
+    from memfit.diagnosis.strings import MESSAGES
+    from memfit.remedies import REGISTRY
+
+    owners: dict[str, str] = {}
+    for r in REGISTRY.values():
+        for a in r.advice:
+            assert a not in owners, (a, owners.get(a), r.name)
+            owners[a] = r.name
+            assert any(k == f"advice.{a}" or k.startswith(f"advice.{a}.") for k in MESSAGES), a
+
+
+def test_apply_plan_goes_through_the_remedies(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from helpers import tiny_trainer
+
+    from memfit.fitting.run import apply_plan
+
+    t = tiny_trainer(tmp_path, bs=8, ga=2)
+    log: list[str] = []
+    applied = apply_plan(t, {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "lora_r": 8,
+                             "per_device_eval_batch_size": 2}, log)
+    assert applied == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
+                       "per_device_eval_batch_size": 2}
+    assert t.args.per_device_train_batch_size == 4 and t.args.gradient_accumulation_steps == 4
+    assert any("lora_r=8 not applied automatically" in line for line in log)
+
+
+def test_diagnose_names_the_remedies_its_advice_recommends():
+    from memfit.diagnosis.causes import diagnose
+
+    d = diagnose("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity "
+                 "of 15.78 GiB of which 100.00 MiB is free. Of the allocated memory 14.90 GiB is allocated by PyTorch, "
+                 "and 20.00 MiB is reserved by PyTorch but unallocated.")
+    assert d.remedies and all(name in REGISTRY for name in d.remedies)
+    assert "micro_batch" in d.remedies

@@ -88,6 +88,7 @@ def to_json(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> dict:
         "causes": [{"kind": c.kind, "bytes": c.bytes, "text": c.text, "primary": c.primary} for c in d.causes],
         "advice": list(d.advice),
         "advice_ids": list(d.advice_ids),
+        "remedies": list(d.remedies),
         "message": m.raw if m else None,
         "gpu_processes_now": [{"device": g, "pid": pid, "bytes": b} for g, pid, b in gpu_processes],
     }

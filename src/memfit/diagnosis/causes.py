@@ -136,6 +136,13 @@ class Diagnosis:
     def non_pytorch_bytes(self) -> int | None:
         return self.message.non_pytorch_bytes if self.message else None
 
+    @property
+    def remedies(self) -> tuple[str, ...]:
+        """The memfit.remedies the advice recommends, in its order (the names `memfit plan` uses)."""
+        from memfit.remedies import remedy_for_advice
+
+        return tuple(dict.fromkeys(r.name for r in map(remedy_for_advice, self.advice_ids) if r is not None))
+
 
 # --------------------------------------------------------------------------- phase
 

@@ -112,45 +112,22 @@ def steps_expected(trainer: Any) -> int:
 
 
 def apply_plan(trainer: Any, setup_changes: dict[str, Any], log: list[str]) -> dict[str, Any]:
-    """Apply a plan's TrainSetup changes to a Trainer before `train()`. Returns what was applied."""
-    import torch
+    """Apply a plan's TrainSetup changes to a Trainer before `train()`. Returns what was applied.
 
+    Each change goes to the remedy that owns its field (memfit.remedies: `fields`,
+    `apply_to_trainer`); a change whose remedy has no `apply_to_trainer` (it changes the training
+    method, or needs code the user writes) is logged, not applied.
+    """
     from memfit.fitting import _trainer as adapter
+    from memfit.remedies import remedy_for_field
 
-    args = trainer.args
     applied: dict[str, Any] = {}
     for key, value in setup_changes.items():
-        if key == "per_device_train_batch_size":
-            old = args.per_device_train_batch_size
-            adapter.set_train_batch_size(trainer, value)
-            log.append(f"per_device_train_batch_size {old} -> {value}")
-        elif key in ("gradient_accumulation_steps", "per_device_eval_batch_size", "eval_accumulation_steps", "optim"):
-            old = getattr(args, key)
-            setattr(args, key, value)
-            log.append(f"{key} {getattr(old, 'value', old)} -> {value}")
-        elif key == "precision":
-            if not torch.cuda.is_available():
-                log.append(f"precision {value} not applied: mixed precision is only applied on a CUDA GPU")
-                continue
-            args.fp16, args.bf16 = value == "fp16", value == "bf16"
-            adapter.rebuild_accelerator(trainer)
-            log.append(f"mixed precision: {value}")
-        elif key == "gradient_checkpointing":
-            if not value:
-                continue
-            model = trainer.model
-            if getattr(model, "supports_gradient_checkpointing", False):
-                args.gradient_checkpointing = True
-                log.append("gradient_checkpointing True (Hugging Face's)")
-            else:
-                from memfit.models.blocks import enable_checkpointing
-
-                kind = enable_checkpointing(model)
-                log.append(f"gradient checkpointing enabled ({kind}'s per-block wrapper: the model has none)")
-        else:
+        remedy = remedy_for_field(key)
+        if remedy is None or remedy.apply_to_trainer is None:
             log.append(f"{key}={value!r} not applied automatically (changes the training method); see `memfit plan`")
             continue
-        applied[key] = value
+        applied.update(remedy.apply_to_trainer(trainer, {key: value}, log, adapter))
     return applied
 
 

@@ -39,7 +39,7 @@ from memfit.allocator.conf import parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
-from memfit.remedies import OPT_IN, REGISTRY
+from memfit.remedies import OPT_IN, REGISTRY, conflict
 from memfit.peaks import peaks
 from memfit.allocator.bounded import bounded_reserved
 from memfit.sim.engine import simulate
@@ -56,14 +56,6 @@ DEFAULT_MARGIN = 0.05
 _TRAINABLE_KEYS = ("lora_r", "freeze_embeddings", "freeze_layers")
 #: TrainSetup fields of the opt-in remedies (method changes that rank last)
 _OPT_IN_KEYS = ("max_length",) + _TRAINABLE_KEYS + ("offload_optimizer_state",)
-_SETUP_TO_ARG = {
-    "per_device_train_batch_size": "per_device_train_batch_size",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "per_device_eval_batch_size": "per_device_eval_batch_size",
-    "eval_accumulation_steps": "eval_accumulation_steps",
-    "optim": "optim",
-    "gradient_checkpointing": "gradient_checkpointing",
-}
 
 
 @dataclass(frozen=True)
@@ -140,45 +132,24 @@ def _config_dims(setup: TrainSetup) -> tuple[int, int]:
 
 
 def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str | None):
-    """TrainingArguments diff, env and code for a set of TrainSetup changes."""
+    """Remedy names, TrainingArguments diff, env and code for a set of TrainSetup changes.
+
+    Each changed field goes to the remedy that owns it (memfit.remedies, in REGISTRY's order),
+    which says what the user changes (`Remedy.apply`).
+    """
     args: dict[str, Any] = {}
     env: dict[str, str] = {}
     code: list[str] = []
     names: list[str] = []
-    for key, value in changes.items():
-        if key in _SETUP_TO_ARG and getattr(base, key) != value:
-            args[_SETUP_TO_ARG[key]] = value
-    if changes.get("precision", base.precision) != base.precision:
-        names.append("mixed_precision")
-        a, _, _ = REGISTRY["mixed_precision"].apply({"precision": changes["precision"]}, base)
+    for remedy in REGISTRY.values():
+        own = {k: changes[k] for k in remedy.fields if k in changes and changes[k] != getattr(base, k)}
+        if not own:
+            continue
+        names.append(remedy.name)
+        a, e, c = remedy.apply(own, base, kind=checkpointing_kind)
         args.update(a)
-    if changes.get("gradient_checkpointing") and not base.gradient_checkpointing:
-        names.append("gradient_checkpointing")
-        a, _, c = REGISTRY["gradient_checkpointing"].apply({}, base, kind=checkpointing_kind)
-        args.pop("gradient_checkpointing", None)
-        args.update(a)
+        env.update(e)
         code += c
-    if changes.get("optim", base.optim) != base.optim:
-        names.append("optimizer")
-        code += REGISTRY["optimizer"].apply({"optim": changes["optim"]}, base)[2]
-    if changes.get("per_device_train_batch_size", base.per_device_train_batch_size) != base.per_device_train_batch_size:
-        names.append("micro_batch")
-    for key, remedy in (("max_length", "sequence_length"), ("lora_r", "lora"), ("freeze_embeddings", "freeze"),
-                        ("freeze_layers", "freeze"), ("offload_optimizer_state", "offload")):
-        if key in changes and changes[key] != getattr(base, key) and remedy not in names:
-            names.append(remedy)
-            a, e, c = REGISTRY[remedy].apply(changes, base)
-            args.update(a)
-            env.update(e)
-            code += c
-    if any(k in changes for k in ("per_device_eval_batch_size", "eval_accumulation_steps")):
-        names.append("eval_settings")
-        code += REGISTRY["eval_settings"].apply(
-            {k: changes[k] for k in ("per_device_eval_batch_size", "eval_accumulation_steps") if k in changes}, base
-        )[2]
-    if changes.get("alloc_conf"):
-        names.append("allocator")
-        env["PYTORCH_CUDA_ALLOC_CONF"] = changes["alloc_conf"]
     return names, args, env, code
 
 
@@ -421,6 +392,8 @@ def plan(
         if key in seen or not changes:
             continue
         seen.add(key)
+        if conflict(_describe(setup, changes, base_report.checkpointing)[0]):
+            continue  # e.g. ZeRO-Offload with an 8-bit optimizer (memfit.remedies: `incompatible`)
         if verified < verify_top and chosen is None:
             report = estimate(setup.replace(**changes), gpu=spec, alloc_conf=alloc_conf,
                               non_pytorch_bytes=outside, capacity_bytes=capacity)

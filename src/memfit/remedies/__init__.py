@@ -1,9 +1,11 @@
 """Memory remedies, one registered unit per module.
 
 Each remedy says whether it applies to a setup (and if not, why), which variants of the
-setup it proposes (TrainSetup field changes), and what a user changes to apply one: the
-TrainingArguments kwargs, environment variables and code. Its effect is never assumed:
-the planner simulates every variant it proposes (memfit.planner.search).
+setup it proposes (TrainSetup field changes), what a user changes to apply one (the
+TrainingArguments kwargs, environment variables and code), how memfit.fit applies it to a live
+Trainer, under which ids diagnose recommends it, and what it cannot be combined with. Its
+effect is never assumed: the planner simulates every variant it proposes
+(memfit.planner.search). REGISTRY's order is the order a plan lists its remedies in.
 """
 
 from __future__ import annotations
@@ -14,15 +16,38 @@ from memfit.remedies import (
     padding, sequence_length,
 )
 
-__all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN"]
+__all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "remedy_for_field", "remedy_for_advice", "conflict"]
 
 REGISTRY: dict[str, Remedy] = {
     r.name: r
     for r in (
-        checkpointing.REMEDY, mixed_precision.REMEDY, optimizer.REMEDY, micro_batch.REMEDY,
-        sequence_length.REMEDY, padding.REMEDY, eval_settings.REMEDY, allocator.REMEDY,
-        freeze.REMEDY, lora.REMEDY, offload.REMEDY,
+        mixed_precision.REMEDY, checkpointing.REMEDY, optimizer.REMEDY, micro_batch.REMEDY,
+        sequence_length.REMEDY, lora.REMEDY, freeze.REMEDY, offload.REMEDY, eval_settings.REMEDY,
+        allocator.REMEDY, padding.REMEDY,
     )
 }
 #: `--allow` names of the remedies that change the method and need the user's consent.
 OPT_IN = {r.opt_in: r.name for r in REGISTRY.values() if r.opt_in}
+
+_BY_FIELD = {f: r for r in REGISTRY.values() for f in r.fields}
+_BY_ADVICE = {a: r for r in REGISTRY.values() for a in r.advice}
+
+
+def remedy_for_field(name: str) -> Remedy | None:
+    """The remedy whose variants change the TrainSetup field `name` (None: no remedy does)."""
+    return _BY_FIELD.get(name)
+
+
+def remedy_for_advice(advice_id: str) -> Remedy | None:
+    """The remedy a diagnose advice id recommends (None: advice that is not a remedy, e.g. stopping
+    another process)."""
+    return _BY_ADVICE.get(advice_id)
+
+
+def conflict(names: list[str] | tuple[str, ...]) -> str | None:
+    """Why remedies `names` cannot be combined (a remedy's `incompatible` names another), else None."""
+    for a in names:
+        for b in REGISTRY[a].incompatible:
+            if b in names:
+                return f"{a} cannot be combined with {b}"
+    return None

@@ -1,4 +1,4 @@
-"""What a remedy is (see memfit.remedies)."""
+"""What a remedy is (see memfit.remedies): one unit that owns everything memfit knows about it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Remedy", "Applicability"]
+__all__ = ["Remedy", "Applicability", "TrainerAdapter"]
 
 
 @dataclass(frozen=True)
@@ -15,8 +15,21 @@ class Applicability:
     reason: str
 
 
+#: What `apply_to_trainer` gets to change a live Trainer: memfit.fitting._trainer, passed in so
+#: that remedies never import the Trainer wrapper (a layer above them).
+TrainerAdapter = Any
+
+
 @dataclass(frozen=True)
 class Remedy:
+    """One memory remedy.
+
+    The planner asks `check` and `variants` and describes a chosen variant with `apply`;
+    memfit.fit changes a live Trainer with `apply_to_trainer`; diagnose recommends it under the
+    ids in `advice`; `incompatible` names remedies it must never be combined with (the planner
+    skips such combinations).
+    """
+
     name: str
     title: str
     saves: str  #: what memory it saves
@@ -25,7 +38,14 @@ class Remedy:
     check: Callable[..., Applicability]
     #: setup, gpu -> list of TrainSetup field changes to simulate
     variants: Callable[..., list[dict[str, Any]]]
-    #: changes, setup -> (TrainingArguments kwargs, env vars, code lines)
+    #: its own changes, setup -> (TrainingArguments kwargs, env vars, code lines)
     apply: Callable[..., tuple[dict[str, Any], dict[str, str], list[str]]]
+    #: the TrainSetup fields its variants change (the planner and memfit.fit find the remedy by them)
+    fields: tuple[str, ...] = ()
+    #: trainer, its own changes, log, adapter -> the changes applied; None: never applied automatically
+    #: (it changes the training method or needs code the user writes)
+    apply_to_trainer: Callable[[Any, dict[str, Any], list[str], TrainerAdapter], dict[str, Any]] | None = None
+    #: ids of memfit.diagnosis's advice that recommend this remedy
+    advice: tuple[str, ...] = ()
     opt_in: str | None = None  #: `--allow` name when the remedy changes the method
     incompatible: tuple[str, ...] = field(default_factory=tuple)

@@ -23,8 +23,24 @@ def _apply(changes, setup, *, kind: str | None = None):
     return {"gradient_checkpointing": True}, {}, []
 
 
+def _apply_to_trainer(trainer, changes, log, adapter):
+    if not changes.get("gradient_checkpointing"):
+        return {}
+    model = trainer.model
+    if getattr(model, "supports_gradient_checkpointing", False):
+        trainer.args.gradient_checkpointing = True
+        log.append("gradient_checkpointing True (Hugging Face's)")
+    else:
+        from memfit.models.blocks import enable_checkpointing
+
+        kind = enable_checkpointing(model)
+        log.append(f"gradient checkpointing enabled ({kind}'s per-block wrapper: the model has none)")
+    return {"gradient_checkpointing": True}
+
+
 REMEDY = Remedy(
     name="gradient_checkpointing", title="gradient checkpointing",
     saves="activations of every block but the one being recomputed", costs="~33% more compute per step",
     check=_check, variants=lambda setup, gpu: [{"gradient_checkpointing": True}], apply=_apply,
+    fields=("gradient_checkpointing",), apply_to_trainer=_apply_to_trainer, advice=("gradient_checkpointing",),
 )

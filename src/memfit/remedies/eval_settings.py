@@ -32,8 +32,18 @@ def _apply(changes, setup, **_):
     return dict(changes), {}, code
 
 
+def _apply_to_trainer(trainer, changes, log, adapter):
+    for key, value in changes.items():
+        old = getattr(trainer.args, key)
+        setattr(trainer.args, key, value)
+        log.append(f"{key} {getattr(old, 'value', old)} -> {value}")
+    return dict(changes)
+
+
 REMEDY = Remedy(
     name="eval_settings", title="evaluation settings",
     saves="evaluation activations and accumulated predictions", costs="evaluation a little slower",
     check=_check, variants=_variants, apply=_apply,
+    fields=("per_device_eval_batch_size", "eval_accumulation_steps"), apply_to_trainer=_apply_to_trainer,
+    advice=("eval_batch_size", "eval_accumulation_steps", "preprocess_logits"),
 )

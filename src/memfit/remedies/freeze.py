@@ -40,4 +40,6 @@ REMEDY = Remedy(
     name="freeze", title="freeze embeddings", opt_in="freeze",
     saves="gradients and optimizer state of the embeddings", costs="embeddings are not fine-tuned",
     check=_check, variants=_variants, apply=_apply,
+    fields=("freeze_embeddings", "freeze_layers"),
+    incompatible=("lora",),  # LoRA freezes the whole base model already: freezing parts of it adds nothing
 )

@@ -24,4 +24,5 @@ REMEDY = Remedy(
     name="lora", title="LoRA", opt_in="lora",
     saves="gradients and optimizer state of the base model", costs="a different method (adapters, not full fine-tuning)",
     check=_check, variants=lambda setup, gpu: [{"lora_r": 16}], apply=_apply,
+    fields=("lora_r",), advice=("lora",),
 )

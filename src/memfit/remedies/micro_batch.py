@@ -30,8 +30,25 @@ def _apply(changes, setup, **_):
     return dict(changes), {}, []
 
 
+def _apply_to_trainer(trainer, changes, log, adapter):
+    applied = {}
+    for key, value in changes.items():
+        if key == "per_device_train_batch_size":
+            old = trainer.args.per_device_train_batch_size
+            adapter.set_train_batch_size(trainer, value)
+            log.append(f"per_device_train_batch_size {old} -> {value}")
+        else:
+            old = getattr(trainer.args, key)
+            setattr(trainer.args, key, value)
+            log.append(f"{key} {getattr(old, 'value', old)} -> {value}")
+        applied[key] = value
+    return applied
+
+
 REMEDY = Remedy(
     name="micro_batch", title="micro-batch x accumulation",
     saves="activations, in proportion to the micro-batch", costs="smaller micro-batches use the GPU less well",
     check=_check, variants=_variants, apply=_apply,
+    fields=("per_device_train_batch_size", "gradient_accumulation_steps"), apply_to_trainer=_apply_to_trainer,
+    advice=("micro_batch",),
 )

@@ -24,9 +24,23 @@ def _apply(changes, setup, **_):
     return {changes["precision"]: True}, {}, []
 
 
+def _apply_to_trainer(trainer, changes, log, adapter):
+    import torch
+
+    value = changes["precision"]
+    if not torch.cuda.is_available():
+        log.append(f"precision {value} not applied: mixed precision is only applied on a CUDA GPU")
+        return {}
+    trainer.args.fp16, trainer.args.bf16 = value == "fp16", value == "bf16"
+    adapter.rebuild_accelerator(trainer)
+    log.append(f"mixed precision: {value}")
+    return {"precision": value}
+
+
 REMEDY = Remedy(
     name="mixed_precision", title="mixed precision",
     saves="half-size saved activations (weights, grads, optimizer state stay fp32)",
     costs="none on tensor-core GPUs (faster); fp16 needs loss scaling",
     check=_check, variants=_variants, apply=_apply,
+    fields=("precision",), apply_to_trainer=_apply_to_trainer,
 )

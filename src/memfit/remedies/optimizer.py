@@ -24,9 +24,17 @@ def _apply(changes, setup, **_):
     return {"optim": changes["optim"]}, {}, code
 
 
+def _apply_to_trainer(trainer, changes, log, adapter):
+    old = trainer.args.optim
+    trainer.args.optim = changes["optim"]
+    log.append(f"optim {getattr(old, 'value', old)} -> {changes['optim']}")
+    return {"optim": changes["optim"]}
+
+
 REMEDY = Remedy(
     name="optimizer", title="smaller optimizer state",
     saves="optimizer state (8-bit AdamW: ~6 of 8 bytes/param; Adafactor: most of it)",
     costs="a different optimizer; 8-bit AdamW needs bitsandbytes and a CUDA GPU",
     check=_check, variants=_variants, apply=_apply,
+    fields=("optim",), apply_to_trainer=_apply_to_trainer, advice=("optimizer_8bit",),
 )

@@ -37,4 +37,5 @@ REMEDY = Remedy(
     name="sequence_length", title="shorter sequences", opt_in="truncation",
     saves="activations (quadratic part: attention)", costs="cuts the text of long examples",
     check=_check, variants=_variants, apply=_apply,
+    fields=("max_length", "truncation"), advice=("shorter_sequences",),
 )
