@@ -43,7 +43,7 @@ from memfit.fitting.distributed import is_distributed
 
 logger = logging.getLogger("memfit.fit")
 
-__all__ = ["set_train_batch_size", "install_atomic_checkpoints", "loss_uses_num_items", "rebuild_accelerator",
+__all__ = ["inner_optimizer", "replace_inner_optimizer", "set_train_batch_size", "install_atomic_checkpoints", "loss_uses_num_items", "rebuild_accelerator",
            "STAGING_DIR", "clean_staging", "preserve_accelerator_state", "reset_eval_dataloaders",
            "wrap_checkpoint_save", "wrap_load_best_model", "best_model_checkpoint", "add_checkpoint_file",
            "STAGING_MARKER", "begin_checkpoint_run", "end_checkpoint_run", "run_checkpoints", "rotate_run_checkpoints",
@@ -418,3 +418,26 @@ def add_checkpoint_file(trainer: Any, write: Callable[[str], None]) -> Callable[
             extras.remove(write)
 
     return undo
+
+
+# -- the optimizer under accelerate's wrapper ---------------------------------------------------------------
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under accelerate's `AcceleratedOptimizer` (an Optimizer subclass whose
+    `.optimizer` is the real one; accelerate/optimizer.py)."""
+    import torch
+
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def replace_inner_optimizer(trainer: Any, wrapped: Any, old: Any, new: Any) -> None:
+    """Put `new` in place of `old` under accelerate's wrapper `wrapped` (its step, state and
+    param_groups read `.optimizer`) and under the Trainer's LR scheduler (accelerate's
+    `AcceleratedScheduler.scheduler.optimizer`), so both step the new optimizer."""
+    wrapped.optimizer = new
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    inner_scheduler = getattr(scheduler, "scheduler", scheduler)
+    if getattr(inner_scheduler, "optimizer", None) is old:
+        inner_scheduler.optimizer = new

@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 import torch
 
+from memfit.fitting import _trainer as adapter
 from memfit.fitting import distributed as dist_sync
 from memfit.fitting.recovery import Meter, Recovery, free_memory, is_oom_error, oom_cause
 
@@ -67,13 +68,6 @@ MODES = ("as built", "per-parameter")
 SNAPSHOT_POLICIES = ("auto", "always", "never")
 #: Host copies larger than this share of the available host memory are not made.
 SNAPSHOT_HOST_SHARE = 0.5
-
-
-def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's AcceleratedOptimizer (an Optimizer subclass; `.optimizer`)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -265,7 +259,7 @@ class OptimizerStepGuard:
             return self._step(*args, **kwargs)
 
         outer.step = step
-        self._hook(_inner(outer))
+        self._hook(adapter.inner_optimizer(outer))
 
     def _hook(self, inner: torch.optim.Optimizer) -> None:
         for h in self._hooks:
@@ -352,7 +346,7 @@ class OptimizerStepGuard:
                 raise torch.OutOfMemoryError(f"memfit: out of memory in the optimizer step at step {step}: the "
                                              f"optimizer state does not fit, and {text}. Last error: {need.cause}")
             raise dist_sync.PeerFailed(f"memfit: {text}; this process stops too")
-        opt = _inner(self._wrapped)
+        opt = adapter.inner_optimizer(self._wrapped)
         if need is None:  # this rank's step succeeded: put it back so that all ranks switch from the same point
             _restore(opt, self._last_before)
             _drop_new_state(opt, self._last_before)
@@ -364,7 +358,7 @@ class OptimizerStepGuard:
         self._apply_switch(opt, cause, tried)
 
     def _guarded_step(self, *args, **kwargs):
-        opt = _inner(self._wrapped)
+        opt = adapter.inner_optimizer(self._wrapped)
         before = self._record(opt, copy=self._wants_copy(opt) and self._host_copy_fits(opt))
         while True:
             try:
@@ -470,10 +464,6 @@ class OptimizerStepGuard:
             for key in ("lr", "initial_lr"):  # the scheduler's current and base learning rates
                 if key in old_group:
                     group[key] = old_group[key]
-        self._wrapped.optimizer = new  # accelerate's AcceleratedOptimizer: its step/state/param_groups use it
-        scheduler = getattr(self.trainer, "lr_scheduler", None)
-        inner_scheduler = getattr(scheduler, "scheduler", scheduler)
-        if getattr(inner_scheduler, "optimizer", None) is opt:
-            inner_scheduler.optimizer = new
+        adapter.replace_inner_optimizer(self.trainer, self._wrapped, opt, new)
         self._hook(new)
         return new
