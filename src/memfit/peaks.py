@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from memfit.allocator.constants import K_MIN_BLOCK_SIZE
 from memfit.trace import TraceEvent
 
 __all__ = ["Peak", "TracePeaks", "peaks", "BREAKDOWN_KEYS", "rounded"]
@@ -19,7 +20,7 @@ __all__ = ["Peak", "TracePeaks", "peaks", "BREAKDOWN_KEYS", "rounded"]
 BREAKDOWN_KEYS = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "eval_outputs")
 _FOLD = {"inputs": "activations"}
 
-_MIN_BLOCK = 512  # kMinBlockSize, c10/cuda/CUDACachingAllocator.cpp
+_MIN_BLOCK = K_MIN_BLOCK_SIZE
 
 
 def rounded(size_bytes: int, round_to: int = _MIN_BLOCK) -> int:

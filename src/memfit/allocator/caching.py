@@ -59,6 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.allocator.conf import AllocConf
+from memfit.allocator.constants import (  # noqa: F401  (re-exported: the model's rules use them)
+    K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_BUFFER, K_SMALL_SIZE,
+)
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
 
@@ -67,12 +70,6 @@ __all__ = [
 ]
 # the snapshot helpers (read, replay, export) live in memfit.allocator.snapshot
 
-K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 B
-K_SMALL_SIZE = 1048576  # kSmallSize: largest "small" allocation is 1 MiB
-K_SMALL_BUFFER = 2097152  # kSmallBuffer: small allocations are packed in 2 MiB segments
-K_LARGE_BUFFER = 20971520  # kLargeBuffer: 1..10 MiB allocations are packed in 20 MiB segments
-K_MIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: from 10 MiB a segment is sized to the request
-K_ROUND_LARGE = 2097152  # kRoundLarge: large segments are rounded up to 2 MiB
 _DEFAULT_VA_BYTES = 1 << 40  # expandable segment address space when no capacity is given
 _FIRST_PTR = 1 << 32  # first synthetic address the default driver hands out
 

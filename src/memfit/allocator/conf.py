@@ -37,15 +37,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from memfit.allocator.constants import K_LARGE_BUFFER, ROUNDUP_INTERVALS
 from memfit.errors import MemfitError
 from memfit.units import MiB
 
 __all__ = ["AllocConf", "parse_alloc_conf", "alloc_conf_from_env", "ROUNDUP_INTERVALS"]
 
-#: `kLargeBuffer` (c10/cuda/CUDACachingAllocator.cpp): 20 MiB.
-_K_LARGE_BUFFER = 20 * MiB
-#: `kRoundUpPowerOfTwoIntervals` (c10/core/AllocatorConfig.cpp): 16 intervals, 1 MiB .. 64 GiB.
-ROUNDUP_INTERVALS = 16
 
 _CUDA_IGNORED_KEYS = {
     "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
@@ -74,7 +71,7 @@ class AllocConf:
     """
 
     max_split_size_bytes: int | None = None
-    max_non_split_rounding_bytes: int = _K_LARGE_BUFFER
+    max_non_split_rounding_bytes: int = K_LARGE_BUFFER
     roundup_power2_divisions: int | tuple[int, ...] = 0
     expandable_segments: bool = False
     garbage_collection_threshold: float | None = None
@@ -207,7 +204,7 @@ def parse_alloc_conf(text: str | None) -> AllocConf:
             t.expect(i + 1, ":")
             mb = t.to_int(i + 2, key)
             i += 2
-            if mb < _K_LARGE_BUFFER // MiB:
+            if mb < K_LARGE_BUFFER // MiB:
                 raise MemfitError(
                     f"{key} `{mb}` is too small: PyTorch requires >= 20 (kLargeBuffer, 20 MiB); "
                     f"use e.g. `{key}:128`"
