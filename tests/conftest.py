@@ -16,3 +16,19 @@ def save_bert_config(tmp_path_factory, name: str, **dims) -> str:
 def tiny_bert_dir(tmp_path_factory):
     return save_bert_config(tmp_path_factory, "tiny-bert", hidden_size=64, num_hidden_layers=2,
                             num_attention_heads=4, intermediate_size=128, vocab_size=200)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need a CUDA GPU: skipped on the CPU (CI), run where one is (`pytest -m gpu`)."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing or broken
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
