@@ -35,21 +35,7 @@ def _setup(**kw):
                       max_length=16, **kw)
 
 
-def _live_by_category(trace):
-    """Live bytes per category after the last optimizer event, and the most gradient bytes ever live."""
-    live, by_cat, max_grads, at_end = {}, {}, 0, None
-    last_opt = max(i for i, ev in enumerate(trace) if ev.phase == "optimizer")
-    for i, ev in enumerate(trace):
-        if ev.action == "alloc":
-            live[ev.id] = (ev.size_bytes, ev.category)
-            by_cat[ev.category] = by_cat.get(ev.category, 0) + ev.size_bytes
-        elif ev.id in live:
-            size, cat = live.pop(ev.id)
-            by_cat[cat] -= size
-        max_grads = max(max_grads, by_cat.get("gradients", 0))
-        if i == last_opt:
-            at_end = dict(by_cat)
-    return at_end, max_grads
+from helpers import live_by_category as _live_by_category  # noqa: E402
 
 
 def _meta(setup):

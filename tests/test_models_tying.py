@@ -86,19 +86,7 @@ def test_plain_to_empty_unties_and_to_empty_tied_does_not():
     assert all(p.device.type == "cpu" for p in meta.parameters())
 
 
-def _live_after_last_step(trace):
-    live, by_cat = {}, {}
-    last_opt = max(i for i, ev in enumerate(trace) if ev.phase == "optimizer")
-    max_grads = 0
-    for i, ev in enumerate(trace[: last_opt + 1]):
-        if ev.action == "alloc":
-            live[ev.id] = (ev.size_bytes, ev.category)
-            by_cat[ev.category] = by_cat.get(ev.category, 0) + ev.size_bytes
-        elif ev.id in live:
-            size, cat = live.pop(ev.id)
-            by_cat[cat] -= size
-        max_grads = max(max_grads, by_cat.get("gradients", 0))
-    return by_cat, max_grads
+from helpers import live_by_category as _live_after_last_step  # noqa: E402
 
 
 def _deep(case):
