@@ -158,3 +158,22 @@ def test_building_does_not_change_the_callers_config():
     assert config.pad_token_id is None
     build_meta_model(TrainSetup(model=config, task="seq-cls", num_labels=3, max_length=16))
     assert config.pad_token_id is None and config.num_labels == 2 and config.problem_type is None
+
+
+def test_an_unreachable_hub_fails_fast_with_the_reason(monkeypatch):
+    """Without a connection memfit reads only the local hub cache instead of letting huggingface_hub
+    retry for ~20 s, and says why."""
+    import time
+
+    from memfit.errors import MemfitError
+    from memfit.models.build import _hub_reachable, resolve_config
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert _hub_reachable() is False
+    started = time.perf_counter()
+    with pytest.raises(MemfitError, match="no connection to the Hugging Face hub"):
+        resolve_config("no-such-org/no-such-model-xyz")
+    assert time.perf_counter() - started < 10  # generous: before, 20-25 s of retries
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _hub_reachable() is False

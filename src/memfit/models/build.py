@@ -71,16 +71,35 @@ def resolve_config(model: Any) -> ModelSpec:
     config, known = _bundled(name)
     if config is not None:
         return ModelSpec(name, config, "bundled")
+    offline = not _hub_reachable()
     try:
         with _quiet_hub():
-            return ModelSpec(name, AutoConfig.from_pretrained(name), "hub")
+            # without a connection, only the local hub cache: huggingface_hub would otherwise retry
+            # for ~20 s before giving up (HF_HUB_ETAG_TIMEOUT, its backoff)
+            return ModelSpec(name, AutoConfig.from_pretrained(name, local_files_only=offline), "hub")
     except Exception as err:  # offline, unknown id, gated repo, unknown model_type ...
         shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+        why = "no connection to the Hugging Face hub and not in its local cache" if offline else type(err).__name__
         raise MemfitError(
-            f"model `{name}` is not bundled and its config could not be fetched ({type(err).__name__}). "
+            f"model `{name}` is not bundled and its config could not be fetched ({why}). "
             f"Bundled ids work offline: {shown} (`memfit estimate --list-models` shows all). "
             "Otherwise pass a directory or a config.json file of the model"
         ) from err
+
+
+def _hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the hub endpoint answers a TCP connect within `timeout_s` (False under HF_HUB_OFFLINE)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
