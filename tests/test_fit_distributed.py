@@ -4,6 +4,7 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch.multiprocessing as mp
 
 from memfit.fitting.distributed import agree, agree_max, is_distributed
@@ -136,6 +137,7 @@ def _diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
     (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain", 29611), _ddp_run("oom", 29612)
     assert plain == ["ok", "ok"]
@@ -144,17 +146,20 @@ def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
     assert _diff(w_plain[0], w_rec[0]) < 1e-6  # the same training as DDP's own all-reduce
 
 
+@pytest.mark.slow
 def test_ddp_rank_that_fails_for_good_stops_the_others():
     results, _, _ = _ddp_run("fatal", 29613)
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
 
 
+@pytest.mark.slow
 def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others():
     results, _, _ = _ddp_run("optimizer", 29614)
     # both ranks switch to Adafactor together; it fails on rank 1 too, and there is nothing smaller: both stop
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
 
 
+@pytest.mark.slow
 def test_ddp_ranks_switch_to_a_smaller_optimizer_together():
     (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain-adafactor", 29616), _ddp_run("switch", 29617)
     assert plain == ["ok", "ok"]
@@ -164,6 +169,7 @@ def test_ddp_ranks_switch_to_a_smaller_optimizer_together():
     assert _diff(w_plain[0], w_rec[0]) < 1e-6
 
 
+@pytest.mark.slow
 def test_ddp_checkpoints_hold_every_rank_s_files():
     """Both ranks write into one checkpoint; only the main process publishes it, once all have written."""
     results, _, d = _ddp_run("save", 29615)
@@ -176,6 +182,7 @@ def test_ddp_checkpoints_hold_every_rank_s_files():
                 "rng_state_0.pth", "rng_state_1.pth"} <= names, (i, names)
 
 
+@pytest.mark.slow
 def test_ddp_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint():
     results, _, d = _ddp_run("sigterm", 29618)
     run = os.path.join(d, "run")

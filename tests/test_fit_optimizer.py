@@ -115,6 +115,7 @@ def test_state_that_does_not_fit_raises_with_the_state_put_back():
 from helpers import bigger_trainer as _bigger_trainer  # noqa: E402
 
 
+@pytest.mark.slow
 def test_trainer_switches_to_a_smaller_optimizer_before_any_state_exists(tmp_path):
     import memfit.fitting.run as mf
 

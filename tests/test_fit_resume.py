@@ -39,6 +39,7 @@ def budget(tmp_path_factory):
     return (ada_peak + adamw.phases["optimizer"]["measured_bytes"]) // 2
 
 
+@pytest.mark.slow
 def test_resume_reapplies_the_switched_optimizer_and_matches_an_uninterrupted_run(tmp_path, budget):
     whole = _bigger_trainer(tmp_path / "whole", "adamw_torch_fused", **STEPS)
     mf.fit(whole, plan=False, budget_bytes=budget)

@@ -58,6 +58,7 @@ def test_never_truncates_or_changes_method_without_consent(tight):
         assert "freeze_embeddings" not in p.setup_changes
 
 
+@pytest.mark.slow
 def test_nothing_fits_says_by_how_much_and_what_would(small_bert):
     s = _setup(small_bert, per_device_train_batch_size=1, gradient_accumulation_steps=1)
     result = plan(s, gpu="600MiB")
@@ -67,6 +68,7 @@ def test_nothing_fits_says_by_how_much_and_what_would(small_bert):
     assert any("GPU with at least" in x for x in result.suggestions)
 
 
+@pytest.mark.slow
 def test_truncation_only_with_allow(small_bert):
     s = _setup(small_bert, per_device_train_batch_size=1, gradient_accumulation_steps=1,
                example_lengths=[100, 300, 512, 512, 480])
@@ -111,6 +113,7 @@ def test_contradictory_flags(small_bert, capsys):
     assert "bf16" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_length", [512, 4096])
 def test_seed_case(max_length):
     """shared/seed-summary.md: xlnet-large-cased, batch 1 x accumulation 16, V100-16GB; at 512 tokens and
@@ -133,6 +136,7 @@ def test_seed_case(max_length):
         assert "gradient_checkpointing" not in chosen.changes
 
 
+@pytest.mark.slow
 def test_freeze_opt_in_offers_embeddings_and_lower_blocks(small_bert):
     s = _setup(small_bert, per_device_train_batch_size=1, gradient_accumulation_steps=1)
     result = plan(s, gpu="A100-40GB", allow=["freeze"], max_plans=80)

@@ -88,6 +88,7 @@ def test_args_file_errors(tmp_path, csv_file, capsys):
     assert code == 2 and "not valid JSON" in out.err
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end_with_budget(tmp_path, capsys):
     """A 2-layer random BERT with MiniLM's tokenizer, an emulated GPU, legacy --args names."""
     model_src = bundled_model_dir()
