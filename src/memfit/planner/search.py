@@ -21,6 +21,8 @@ The search never assumes what a remedy saves; every number comes from simulation
 Every reserved figure of a plan is what the GPU's allocator reaches (at most the budget);
 `headroom_bytes` is the budget minus what the plan needs, negative by as much as it is short.
 
+`plan` reads as these steps; step 2 is memfit.planner.memory_model, step 3 memfit.planner.ranking.
+
 Known limitations: the fit is linear in the micro-batch (exact for activations, which
 dominate); what unverified plans need is scaled from the baseline's ratio of needed
 (smallest capacity that completes, memfit.allocator.bounded.smallest_capacity) to allocated memory;
