@@ -48,7 +48,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from memfit.errors import MemfitError
 from memfit.trace import RUN_PHASES
@@ -162,31 +162,33 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
         allow_optimizer_switch: bool = True, resume_from_checkpoint: Any = None) -> FitReport:
     """Preflight, plan, train with OOM recovery and report (see the module docstring).
 
-    `gpu`: catalog name, size, `auto` or GpuSpec for the estimate and plan (None: `auto` on
-    a CUDA machine, else unknown). `budget_bytes`: run under `memfit.testing.memory_budget`
-    (an emulated GPU of that size on the CPU; bytes or a size such as "800MiB"). `plan`:
-    apply memfit's plan when the setup is predicted not to fit. `report_path`: write the report as JSON there. `progress`: an
-    optional TrainerCallback (e.g. the CLI's progress bar). `margin`: the planner's safety
-    margin; pass a previous report's `suggested_margin` to feed the observed prediction
-    error back into the next plan. `optimizer_snapshot`: when to keep a host copy of the
-    parameters and optimizer state before an optimizer step, so that a step that runs out of
-    memory after modifying them can be undone and retried (memfit.fitting.optimizer_step): "auto"
-    (first step, and the first after an evaluation or a recovery), "always" or "never".
-    `allow_optimizer_switch`: when the optimizer state does not fit at the first step, replace
-    the optimizer by one with a smaller state (8-bit AdamW / Adafactor) instead of stopping.
-    `resume_from_checkpoint`: a checkpoint folder, or True for the newest intact one in output_dir;
-    passed to `trainer.train`, after the memory settings memfit saved with that checkpoint
-    (memfit.fitting.resume) are applied to the trainer.
+    Args:
+        trainer: a `transformers.Trainer`, not yet trained.
+        gpu: catalog name, size, `auto` or GpuSpec for the estimate and plan (None: `auto` on a
+            CUDA machine, else unknown).
+        budget_bytes: run under `memfit.testing.memory_budget` (an emulated GPU of that size on the
+            CPU; bytes or a size such as "800MiB").
+        plan: apply memfit's plan when the setup is predicted not to fit.
+        max_recoveries: how many times each guard (micro-step, evaluation, optimizer step) may recover.
+        report_path: write the report as JSON there.
+        progress: an optional TrainerCallback (e.g. the CLI's progress bar).
+        margin: the planner's safety margin; pass a previous report's `suggested_margin` to feed the
+            observed prediction error back into the next plan.
+        optimizer_snapshot: when to keep a host copy of the parameters and optimizer state before an
+            optimizer step, so that a step that runs out of memory after modifying them can be undone
+            and retried (memfit.fitting.optimizer_step): "auto" (first step, and the first after an
+            evaluation or a recovery), "always" or "never".
+        allow_optimizer_switch: when the optimizer state does not fit at the first step, replace the
+            optimizer by one with a smaller state (8-bit AdamW / Adafactor) instead of stopping.
+        resume_from_checkpoint: a checkpoint folder, or True for the newest intact one in output_dir;
+            passed to `trainer.train`, after the memory settings memfit saved with that checkpoint
+            (memfit.fitting.resume) are applied to the trainer.
 
     Raises `FitInterrupted` (a SystemExit: 130 / 143) after SIGINT / SIGTERM, once the checkpoint
     and the report are written; any other error after training started is re-raised after the
     report is written, with the report as `error.memfit_report`.
     """
     import torch
-
-    from memfit.fitting import _trainer as adapter
-
-    from memfit.fitting.optimizer_step import MODES, OptimizerStepGuard
 
     budget_bytes = _check_inputs(budget_bytes=budget_bytes, max_recoveries=max_recoveries, margin=margin,
                                  optimizer_snapshot=optimizer_snapshot, plan=plan,
@@ -196,28 +198,59 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
     as_gpu_spec(gpu)  # a clear error for a bad gpu before anything runs
     check_budget_covers_model(trainer.model, budget_bytes)
     started = time.perf_counter()
-    changes: list[str] = []
-    notes: list[str] = []
-
-    def on_change(text: str) -> None:
-        logger.warning("memfit: %s", text)
-        changes.append(text)
-
-    def note(text: str) -> None:
-        logger.warning("memfit: %s", text)
-        notes.append(text)
-
+    log = _RunLog()
     if gpu is None and budget_bytes is None and torch.cuda.is_available():
         gpu = "auto"
+    resumed = _resume_state(trainer, resume_from_checkpoint, log)
+    planned = _preflight_and_plan(trainer, gpu=gpu, budget_bytes=budget_bytes, plan=plan, margin=margin,
+                                  memfit_checkpointing=resumed.memfit_checkpointing, log=log)
+    run = _Run(planned.pre, planned.plan_applied, steps_expected(trainer),
+               trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps,
+               margin, started, report_path, log)
+    guards = _install_guards(trainer, budget_bytes=budget_bytes, max_recoveries=max_recoveries,
+                             optimizer_snapshot=optimizer_snapshot, allow_optimizer_switch=allow_optimizer_switch,
+                             progress=progress, saved=resumed.saved,
+                             memfit_checkpointing=planned.memfit_checkpointing, log=log)
+    outcome = _train(trainer, guards, run, resume_dir=resumed.checkpoint_dir)
+    return _finish(trainer, guards, run, outcome)
+
+
+@dataclass
+class _RunLog:
+    """What `fit` changed on the trainer and what it noticed (each also logged as a warning)."""
+
+    changes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def change(self, text: str) -> None:
+        logger.warning("memfit: %s", text)
+        self.changes.append(text)
+
+    def note(self, text: str) -> None:
+        logger.warning("memfit: %s", text)
+        self.notes.append(text)
+
+
+@dataclass(frozen=True)
+class _Resumed:
+    """Where the run resumes, and the memory settings memfit saved with that checkpoint."""
+
+    checkpoint_dir: str | None  #: passed to `trainer.train(resume_from_checkpoint=...)`
+    saved: dict[str, Any] | None  #: memfit.fitting.resume.read_state of it
+    memfit_checkpointing: bool  #: memfit's per-block checkpointing was re-enabled from it
+
+
+def _resume_state(trainer: Any, resume_from_checkpoint: Any, log: _RunLog) -> _Resumed:
+    """Choose the checkpoint to resume from (damaged ones skipped and named) and re-apply its memory settings."""
     from memfit.fitting import resume as fit_resume
 
     choice = fit_resume.resolve_checkpoint(trainer, resume_from_checkpoint)
     resume_dir = choice.path if choice else None
     if choice:
         for folder, why in choice.skipped:
-            note(f"resume: {folder} skipped ({why}); resuming from {resume_dir}, the newest intact checkpoint")
+            log.note(f"resume: {folder} skipped ({why}); resuming from {resume_dir}, the newest intact checkpoint")
         for line in choice.notes:
-            note(f"resume: {line}")
+            log.note(f"resume: {line}")
     saved = fit_resume.read_state(resume_dir) if resume_dir else None
     memfit_checkpointing = False
     if saved:
@@ -225,42 +258,151 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
         restored = apply_plan(trainer, fit_resume.changes_to_apply(trainer, saved), resumed_log)
         memfit_checkpointing = bool(restored.get("gradient_checkpointing")) and not trainer.args.gradient_checkpointing
         for line in resumed_log:
-            on_change(f"resume from {resume_dir}: {line}")
+            log.change(f"resume from {resume_dir}: {line}")
+    return _Resumed(resume_dir, saved, memfit_checkpointing)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """The preflight the run trains with, and the plan applied before it."""
+
+    pre: PreflightReport  #: of the trainer as it trains (after the plan, when one was applied)
+    plan_applied: dict[str, Any] | None  #: FitReport.plan_applied
+    memfit_checkpointing: bool  #: memfit's per-block checkpointing is on (resumed or planned)
+
+
+def _preflight_and_plan(trainer: Any, *, gpu: Any, budget_bytes: int | None, plan: bool, margin: float | None,
+                        memfit_checkpointing: bool, log: _RunLog) -> _Planned:
+    """Preflight the trainer; when it is predicted not to fit (and `plan`), apply rank 0's plan and preflight again.
+
+    Args:
+        trainer: the Trainer.
+        gpu: the GPU to plan for (`fit`'s, after `auto`).
+        budget_bytes: the emulated budget, or None.
+        plan: apply memfit's plan when the setup is predicted not to fit.
+        margin: the planner's safety margin (None: its default).
+        memfit_checkpointing: memfit's per-block checkpointing is already on (resumed).
+        log: where the changes and notes go.
+    """
     pre = preflight(trainer, gpu=gpu, budget_bytes=budget_bytes)
     for f in pre.flags:
         logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
-    plan_applied = None
-    if plan and pre.fits is False:
-        from memfit.planner.search import plan as make_plan
-
-        spec = pre.estimate.gpu
-        with adapter.preserve_accelerator_state():
-            result = make_plan(pre.setup, gpu=_spec_for(gpu, budget_bytes),
-                               non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None,
-                               # apply_plan applies mixed precision only on CUDA: do not plan on it elsewhere
-                               exclude=() if torch.cuda.is_available() else ("mixed_precision",),
-                               **({} if margin is None else {"margin": margin}))
-        from memfit.fitting.distributed import agree
-
-        # every rank applies rank 0's plan
-        chosen_changes = agree(result.plans[result.chosen].setup_changes if result.chosen is not None else None)
-        if chosen_changes is not None:
-            chosen = result.plans[result.chosen] if result.chosen is not None else None
-            applied_log: list[str] = []
-            applied = apply_plan(trainer, chosen_changes, applied_log)
-            for line in applied_log:
-                on_change(f"plan: {line}")
-            memfit_checkpointing |= bool(applied.get("gradient_checkpointing")) and not trainer.args.gradient_checkpointing
-            plan_applied = {"remedies": chosen.remedies if chosen else [], "setup_changes": applied,
-                            "predicted_peak_allocated_bytes": chosen.peak_allocated_bytes if chosen else None,
-                            "gpu": spec["name"] if spec else None}
-            if applied:
-                pre = preflight(trainer, gpu=gpu, budget_bytes=budget_bytes)
-        else:
-            notes.append("the setup is predicted not to fit and memfit's plan found nothing that fits; "
+    if not (plan and pre.fits is False):
+        return _Planned(pre, None, memfit_checkpointing)
+    spec = pre.estimate.gpu
+    chosen = _agreed_plan(trainer, pre, gpu=gpu, budget_bytes=budget_bytes, margin=margin)
+    if chosen.setup_changes is None:
+        log.notes.append("the setup is predicted not to fit and memfit's plan found nothing that fits; "
                          "training as is, with recovery")
-    expected = steps_expected(trainer)
-    effective = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+        return _Planned(pre, None, memfit_checkpointing)
+    applied_log: list[str] = []
+    applied = apply_plan(trainer, chosen.setup_changes, applied_log)
+    for line in applied_log:
+        log.change(f"plan: {line}")
+    memfit_checkpointing |= bool(applied.get("gradient_checkpointing")) and not trainer.args.gradient_checkpointing
+    plan_applied = {"remedies": chosen.plan.remedies if chosen.plan else [], "setup_changes": applied,
+                    "predicted_peak_allocated_bytes": chosen.plan.peak_allocated_bytes if chosen.plan else None,
+                    "gpu": spec["name"] if spec else None}
+    if applied:
+        pre = preflight(trainer, gpu=gpu, budget_bytes=budget_bytes)
+    return _Planned(pre, plan_applied, memfit_checkpointing)
+
+
+class _AgreedPlan(NamedTuple):
+    """The plan every rank applies: rank 0's changes, and this rank's own chosen plan (None where it has none)."""
+
+    setup_changes: dict[str, Any] | None  #: None: nothing fits (on rank 0)
+    plan: Any  #: memfit.planner.search.Plan or None
+
+
+def _agreed_plan(trainer: Any, pre: PreflightReport, *, gpu: Any, budget_bytes: int | None,
+                 margin: float | None) -> _AgreedPlan:
+    """memfit's plan for the preflight's setup (without mixed precision off CUDA); every rank takes rank 0's."""
+    import torch
+
+    from memfit.fitting import _trainer as adapter
+    from memfit.planner.search import plan as make_plan
+
+    with adapter.preserve_accelerator_state():
+        result = make_plan(pre.setup, gpu=_spec_for(gpu, budget_bytes),
+                           non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None,
+                           # apply_plan applies mixed precision only on CUDA: do not plan on it elsewhere
+                           exclude=() if torch.cuda.is_available() else ("mixed_precision",),
+                           **({} if margin is None else {"margin": margin}))
+    from memfit.fitting.distributed import agree
+
+    # every rank applies rank 0's plan
+    chosen_changes = agree(result.plans[result.chosen].setup_changes if result.chosen is not None else None)
+    return _AgreedPlan(chosen_changes, result.plans[result.chosen] if result.chosen is not None else None)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the report of a run says about its start."""
+
+    pre: PreflightReport
+    plan_applied: dict[str, Any] | None
+    steps_expected: int
+    effective_batch_size: int  #: at the start (after the plan)
+    margin: float | None
+    started: float  #: time.perf_counter() at the start
+    report_path: str | None
+    log: _RunLog
+
+
+@dataclass(frozen=True)
+class _Guards:
+    """Everything `fit` installs on the trainer for one run, and the emulated budget it trains under."""
+
+    budget: Any  #: memory_budget context, or None
+    meter: Meter
+    recoveries: list[Recovery]
+    step: ChunkedTrainingStep
+    optimizer_guard: Any  #: memfit.fitting.optimizer_step.OptimizerStepGuard
+    undo_eval: Callable[[], None]
+    undo_save: Callable[[], None]
+    undo_state_file: Callable[[], None]
+    callback: Any
+    signals: Any  #: memfit.fitting.interrupt.stop_on_signals()
+    stop: Any
+    progress: Any
+
+    def remove(self, trainer: Any, *, finished: bool) -> None:
+        """Undo everything `fit` installed on the trainer; give `save_total_limit` back (`end_checkpoint_run`)."""
+        from memfit.fitting import _trainer as adapter
+
+        self.step.uninstall()
+        self.optimizer_guard.uninstall()
+        self.undo_eval()
+        self.undo_save()
+        self.undo_state_file()
+        adapter.end_checkpoint_run(trainer, finished=finished)
+        for cb in (self.callback, self.stop, self.progress):
+            if cb is not None:
+                trainer.remove_callback(cb)
+
+
+def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: int, optimizer_snapshot: str,
+                    allow_optimizer_switch: bool, progress: Any, saved: dict[str, Any] | None,
+                    memfit_checkpointing: bool, log: _RunLog) -> _Guards:
+    """Install the recovery guards, atomic checkpoints, the memory settings saved with each checkpoint, the
+    callbacks and the signal handlers (in this order: each wraps what the one before installed).
+
+    Args:
+        trainer: the Trainer.
+        budget_bytes: the emulated budget, or None.
+        max_recoveries: per guard.
+        optimizer_snapshot: memfit.fitting.optimizer_step's policy.
+        allow_optimizer_switch: the optimizer guard may switch to a smaller optimizer.
+        progress: an optional TrainerCallback.
+        saved: the memory settings of the checkpoint the run resumes from.
+        memfit_checkpointing: memfit's per-block checkpointing is on (saved with each checkpoint).
+        log: where the changes and notes go.
+    """
+    from memfit.fitting import _trainer as adapter
+    from memfit.fitting import interrupt
+    from memfit.fitting import resume as fit_resume
+    from memfit.fitting.optimizer_step import MODES, OptimizerStepGuard
 
     budget = None
     if budget_bytes is not None:
@@ -270,16 +412,16 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
     meter = Meter(budget)
     recoveries: list[Recovery] = []
     step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
-                               on_change=on_change)
-    optimizer_guard = OptimizerStepGuard(trainer, meter=meter, recoveries=recoveries, on_change=on_change,
+                               on_change=log.change)
+    optimizer_guard = OptimizerStepGuard(trainer, meter=meter, recoveries=recoveries, on_change=log.change,
                                          snapshot=optimizer_snapshot, max_recoveries=max_recoveries,
                                          allow_optimizer_switch=allow_optimizer_switch)
     undo_eval = guard_evaluation(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
-                                 on_change=on_change)
+                                 on_change=log.change)
     for folder in adapter.clean_staging(trainer.args.output_dir):
-        note(f"removed {folder}, a half-written checkpoint memfit's staging left behind")
+        log.note(f"removed {folder}, a half-written checkpoint memfit's staging left behind")
     adapter.install_atomic_checkpoints(trainer)
-    _note_checkpoint_policy(trainer, note)
+    _note_checkpoint_policy(trainer, log.note)
     if saved:
         step.chunks = max(1, int(saved.get("micro_batch_chunks", 1)))
         if saved.get("optimizer_step_mode") in MODES:
@@ -287,82 +429,84 @@ def fit(trainer: Any, *, gpu: Any = None, budget_bytes: int | str | None = None,
     undo_state_file = adapter.add_checkpoint_file(trainer, lambda folder: fit_resume.write_state(
         folder, fit_resume.run_state(trainer, micro_batch_chunks=step.chunks, optimizer_step_mode=optimizer_guard.mode,
                                      memfit_checkpointing=memfit_checkpointing)))
-    undo_save = guard_saving(trainer, meter=meter, recoveries=recoveries, on_change=on_change)
-    from memfit.fitting import interrupt
-
+    undo_save = guard_saving(trainer, meter=meter, recoveries=recoveries, on_change=log.change)
     callback = _make_callback(meter, step, optimizer_guard)
     signals = interrupt.stop_on_signals()
     stop = interrupt.stop_callback(signals)
     for cb in (callback, stop) + ((progress,) if progress is not None else ()):
         trainer.add_callback(cb)
-    final_metrics: dict[str, Any] = {}
-    train_metrics: dict[str, Any] = {}
-    phase = "train"
-    finished = False
+    return _Guards(budget, meter, recoveries, step, optimizer_guard, undo_eval, undo_save, undo_state_file,
+                   callback, signals, stop, progress)
 
-    def make_report(error: dict[str, Any] | None = None) -> FitReport:
-        return _report(trainer, pre=pre, meter=meter, budget=budget, recoveries=recoveries, step=step,
-                       plan_applied=plan_applied, changes=changes, notes=notes, train_metrics=train_metrics,
-                       final_metrics=final_metrics, expected=expected, effective=effective, margin=margin,
-                       started=started, report_path=report_path, error=error,
-                       interrupted=signals.signal_name)
 
+@dataclass
+class _Outcome:
+    """How far training got (filled in as it goes, so that a failure's report says it)."""
+
+    phase: str = "train"  #: "train", then "final_eval"
+    finished: bool = False  #: `trainer.train` returned
+    train_metrics: dict[str, Any] = field(default_factory=dict)
+    final_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _train(trainer: Any, guards: _Guards, run: _Run, *, resume_dir: str | None) -> _Outcome:
+    """Train (and evaluate at the end, unless a signal stopped the run) under the signal handlers and the
+    budget; on any error, remove the guards, write the report and re-raise."""
+    outcome = _Outcome()
     try:
-        with signals, (budget if budget is not None else contextlib.nullcontext()):
+        with guards.signals, (guards.budget if guards.budget is not None else contextlib.nullcontext()):
             out = trainer.train(resume_from_checkpoint=resume_dir)
-            finished = True
-            train_metrics = dict(out.metrics)
-            phase = "final_eval"
-            if trainer.eval_dataset is not None and signals.received is None:
-                final_metrics = dict(trainer.evaluate())
+            outcome.finished = True
+            outcome.train_metrics = dict(out.metrics)
+            outcome.phase = "final_eval"
+            if trainer.eval_dataset is not None and guards.signals.received is None:
+                outcome.final_metrics = dict(trainer.evaluate())
     except BaseException as exc:
-        if is_oom_error(exc):
-            from memfit.diagnosis.causes import diagnose
-
-            d = diagnose(exc)
-            logger.error("memfit: unrecoverable out-of-memory error in the %s phase: %s", d.phase,
-                         d.causes[0].text if d.causes else exc)
-        error = failure_record(exc, phase=phase, step=int(trainer.state.global_step),
-                               checkpoints=adapter.run_checkpoints(trainer))
-        with contextlib.suppress(Exception):  # neither the cleanup nor the report may hide the error itself
-            _cleanup(trainer, step, optimizer_guard, undo_eval, undo_save, undo_state_file, callback, stop,
-                     progress, finished=False)
-        with contextlib.suppress(Exception):
-            report = make_report(error)
-            if report_path:
-                write_report(report, report_path)
-                exc.add_note(f"memfit: the report of this run ({report.status}) is in {report_path}")
-            exc.memfit_report = report  # type: ignore[attr-defined]  (read by `memfit train`)
+        _report_failure(exc, trainer, guards, run, outcome)
         raise
-    # after a signal the newest checkpoint is where the run resumes: not removed by the save_total_limit=1 rule
-    _cleanup(trainer, step, optimizer_guard, undo_eval, undo_save, undo_state_file, callback, stop, progress,
-             finished=finished and signals.received is None)
-    report = make_report()
-    if report_path:
-        try:
-            write_report(report, report_path)
-        except OSError as exc:  # the run itself succeeded: say so instead of losing its result
-            note(f"the report could not be written to {report_path} ({exc}); it is returned only")
-    if signals.received is not None:
-        written = adapter.run_checkpoints(trainer)
-        raise interrupt.FitInterrupted(signals.signal_name, signals.received, report, written[-1] if written else None)
-    return report
+    return outcome
 
 
-def _cleanup(trainer: Any, step: Any, optimizer_guard: Any, undo_eval: Any, undo_save: Any, undo_state_file: Any,
-             callback: Any, stop: Any, progress: Any, *, finished: bool) -> None:
-    """Undo everything `fit` installed on the trainer; give `save_total_limit` back (`end_checkpoint_run`)."""
+def _report_failure(exc: BaseException, trainer: Any, guards: _Guards, run: _Run, outcome: _Outcome) -> None:
+    """Log an unrecoverable OOM's diagnosis, remove the guards and attach (and write) the failed run's report."""
     from memfit.fitting import _trainer as adapter
 
-    step.uninstall()
-    optimizer_guard.uninstall()
-    undo_eval()
-    undo_save()
-    undo_state_file()
-    adapter.end_checkpoint_run(trainer, finished=finished)
-    for cb in (callback, stop, progress):
-        if cb is not None:
-            trainer.remove_callback(cb)
+    if is_oom_error(exc):
+        from memfit.diagnosis.causes import diagnose
+
+        d = diagnose(exc)
+        logger.error("memfit: unrecoverable out-of-memory error in the %s phase: %s", d.phase,
+                     d.causes[0].text if d.causes else exc)
+    error = failure_record(exc, phase=outcome.phase, step=int(trainer.state.global_step),
+                           checkpoints=adapter.run_checkpoints(trainer))
+    with contextlib.suppress(Exception):  # neither the cleanup nor the report may hide the error itself
+        guards.remove(trainer, finished=False)
+    with contextlib.suppress(Exception):
+        report = _report(trainer, run, guards, outcome, error=error)
+        if run.report_path:
+            write_report(report, run.report_path)
+            exc.add_note(f"memfit: the report of this run ({report.status}) is in {run.report_path}")
+        exc.memfit_report = report  # type: ignore[attr-defined]  (read by `memfit train`)
+
+
+def _finish(trainer: Any, guards: _Guards, run: _Run, outcome: _Outcome) -> FitReport:
+    """Remove the guards, write the report; after a signal raise `FitInterrupted` with it, else return it."""
+    from memfit.fitting import _trainer as adapter
+    from memfit.fitting import interrupt
+
+    # after a signal the newest checkpoint is where the run resumes: not removed by the save_total_limit=1 rule
+    guards.remove(trainer, finished=outcome.finished and guards.signals.received is None)
+    report = _report(trainer, run, guards, outcome, error=None)
+    if run.report_path:
+        try:
+            write_report(report, run.report_path)
+        except OSError as exc:  # the run itself succeeded: say so instead of losing its result
+            run.log.note(f"the report could not be written to {run.report_path} ({exc}); it is returned only")
+    if guards.signals.received is not None:
+        written = adapter.run_checkpoints(trainer)
+        raise interrupt.FitInterrupted(guards.signals.signal_name, guards.signals.received, report,
+                                       written[-1] if written else None)
+    return report
 
 
 def _note_checkpoint_policy(trainer: Any, note: Any) -> None:
@@ -443,13 +587,20 @@ def write_report(report: "FitReport", path: str) -> None:
         raise
 
 
-def _report(trainer: Any, *, pre: Any, meter: Meter, budget: Any, recoveries: list, step: Any,
-            plan_applied: Any, changes: list[str], notes: list[str], train_metrics: dict, final_metrics: dict,
-            expected: int, effective: int, margin: float | None, started: float, report_path: str | None,
-            error: dict[str, Any] | None, interrupted: str | None) -> "FitReport":
-    """The FitReport of a run, finished or not."""
+def _report(trainer: Any, run: _Run, guards: _Guards, outcome: _Outcome, *,
+            error: dict[str, Any] | None) -> "FitReport":
+    """The FitReport of a run, finished or not.
+
+    Args:
+        trainer: the Trainer.
+        run: the run's start (preflight, plan applied, steps expected, ...).
+        guards: what `fit` installed (the meter, the recoveries, the chunked step, the signal handlers).
+        outcome: how far training got.
+        error: a failed run's `failure_record`, else None.
+    """
+    pre, meter, budget, step, effective = run.pre, guards.meter, guards.budget, guards.step, run.effective_batch_size
     effective_after = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
-    notes = list(notes)
+    notes = list(run.log.notes)
     if effective_after != effective:  # never expected: recovery keeps the effective batch size
         notes.append(f"effective batch size changed from {effective} to {effective_after}")
     predicted = dict(pre.estimate.phases)
@@ -471,20 +622,22 @@ def _report(trainer: Any, *, pre: Any, meter: Meter, budget: Any, recoveries: li
     errors = {p: round(v["measured_bytes"] / v["predicted_bytes"] - 1, 4) for p, v in phases.items()
               if v.get("measured_bytes") and v.get("predicted_bytes")}
     under = max([e for e in errors.values() if e > 0], default=0.0)
-    suggested = round(min(0.45, max(DEFAULT_MARGIN if margin is None else margin, under + 0.02)), 3)
+    suggested = round(min(0.45, max(DEFAULT_MARGIN if run.margin is None else run.margin, under + 0.02)), 3)
     from memfit.fitting import _trainer as adapter
 
+    interrupted = guards.signals.signal_name
     for old, aside in adapter.set_aside_checkpoints(trainer):
         notes.append(f"{old} (written before this run) was renamed to {aside}: this run wrote a checkpoint "
                      "of the same step")
     return FitReport(
         prediction_error=errors, suggested_margin=suggested,
-        steps_completed=int(trainer.state.global_step), steps_expected=expected, effective_batch_size=effective_after,
-        oom_recoveries=[dataclasses.asdict(r) for r in recoveries], plan_applied=plan_applied, changes=changes,
-        phases=phases, train_metrics=train_metrics, final_metrics=final_metrics, preflight=pre.to_json(),
-        micro_batch_chunks=step.chunks, elapsed_s=round(time.perf_counter() - started, 2),
+        steps_completed=int(trainer.state.global_step), steps_expected=run.steps_expected,
+        effective_batch_size=effective_after, oom_recoveries=[dataclasses.asdict(r) for r in guards.recoveries],
+        plan_applied=run.plan_applied, changes=run.log.changes, phases=phases, train_metrics=outcome.train_metrics,
+        final_metrics=outcome.final_metrics, preflight=pre.to_json(), micro_batch_chunks=step.chunks,
+        elapsed_s=round(time.perf_counter() - run.started, 2),
         measured_with="memory_budget" if budget is not None else ("cuda" if meter.cuda else None),
-        report_path=report_path, notes=notes, error=error, interrupted=interrupted,
+        report_path=run.report_path, notes=notes, error=error, interrupted=interrupted,
         status="failed" if error else ("interrupted" if interrupted else "completed"),
         checkpoints=adapter.run_checkpoints(trainer))
 

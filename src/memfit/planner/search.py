@@ -21,6 +21,8 @@ The search never assumes what a remedy saves; every number comes from simulation
 Every reserved figure of a plan is what the GPU's allocator reaches (at most the budget);
 `headroom_bytes` is the budget minus what the plan needs, negative by as much as it is short.
 
+`plan` reads as these steps; step 2 is memfit.planner.memory_model, step 3 memfit.planner.ranking.
+
 Known limitations: the fit is linear in the micro-batch (exact for activations, which
 dominate); what unverified plans need is scaled from the baseline's ratio of needed
 (smallest capacity that completes, memfit.allocator.bounded.smallest_capacity) to allocated memory;
@@ -30,21 +32,18 @@ offload is modelled as "no optimizer state on the GPU".
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from memfit.allocator.conf import parse_alloc_conf
 from memfit.errors import MemfitError
-from memfit.estimator import MemoryReport, estimate
+from memfit.estimator import MemoryReport
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
 from memfit.remedies import OPT_IN, REGISTRY, conflict
-from memfit.peaks import peaks
 from memfit.allocator.bounded import bounded_reserved
-from memfit.sim.engine import simulate
-from memfit.planner.throughput import StepCost, step_time_s
-from memfit.trace import TRAIN_PHASES
+from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model
+from memfit.planner.ranking import Candidate, StepTimer, rank
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
@@ -52,10 +51,6 @@ __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
 #: Fraction of the GPU kept free: allocator and library behaviour we do not model
 #: (cuDNN, NCCL, driver differences) and the error of the estimate itself.
 DEFAULT_MARGIN = 0.05
-#: TrainSetup fields that change which parameters train (their fits simulate the optimizer too)
-_TRAINABLE_KEYS = ("lora_r", "freeze_embeddings", "freeze_layers")
-#: TrainSetup fields of the opt-in remedies (method changes that rank last)
-_OPT_IN_KEYS = ("max_length",) + _TRAINABLE_KEYS + ("offload_optimizer_state",)
 
 
 @dataclass(frozen=True)
@@ -98,37 +93,6 @@ class PlanResult:
         out = dataclasses.asdict(self)
         out["schema"] = "memfit.plan/1"
         return out
-
-
-@dataclass
-class _Fit:
-    """Per-phase peak allocated bytes, linear in the micro-batch: p1 + slope * (b - 1)."""
-
-    p1: dict[str, int]
-    slope: dict[str, int]
-    state_bytes: int
-    params: int
-    trainable: int
-    has_state: bool = False  #: peaks include the optimizer state (LoRA / frozen embeddings fits)
-
-    def at(self, b: int) -> dict[str, int]:
-        return {k: self.p1[k] + self.slope[k] * (b - 1) for k in self.p1}
-
-
-def _phase_peaks(setup: TrainSetup, **kwargs: Any) -> tuple[dict[str, int], dict[str, dict[str, int]], Any]:
-    sim = simulate(setup.replace(eval_strategy=setup.eval_strategy if not kwargs.get("train", True) else "no"), **kwargs)
-    tp = peaks(sim.trace)
-    return ({p: pk.bytes for p, pk in tp.by_phase.items()},
-            {p: dict(pk.breakdown) for p, pk in tp.by_phase.items()}, sim)
-
-
-def _config_dims(setup: TrainSetup) -> tuple[int, int]:
-    from memfit.models.build import resolve_config
-
-    cfg = resolve_config(setup.model).config
-    n_layer = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if getattr(cfg, k, None)), 12)
-    d = next((getattr(cfg, k) for k in ("hidden_size", "d_model", "n_embd", "dim") if getattr(cfg, k, None)), 768)
-    return int(n_layer), int(d)
 
 
 def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str | None):
@@ -208,10 +172,47 @@ def plan(
 ) -> PlanResult:
     """Search the remedies for the fastest configuration of `setup` that fits `gpu`.
 
-    `exclude`: remedy names (memfit.remedies.REGISTRY) not to search, e.g. `("mixed_precision",)`
-    when the run cannot use it (memfit.fit on the CPU).
+    Args:
+        setup: a TrainSetup, or a model id (its defaults).
+        gpu: catalog name, size (e.g. "24GiB"), "auto" or GpuSpec of the GPU to plan for.
+        allow: opt-in remedies (memfit.remedies.OPT_IN: truncation, lora, freeze, offload) the search may use.
+        margin: fraction of the GPU kept free, in [0, 0.5).
+        alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, for every allocator replay.
+        verify_top: how many of the best-ranked plans to verify by a full simulation before giving up.
+        max_plans: how many plans to return (the verified ones and the best fitted ones).
+        non_pytorch_bytes: memory outside PyTorch (None: memfit's table, plus what other processes
+            hold on this machine's GPU when there is one, memfit.gpus.outside_pytorch).
+        exclude: remedy names (memfit.remedies.REGISTRY) not to search, e.g. `("mixed_precision",)`
+            when the run cannot use it (memfit.fit on the CPU).
     """
     started = time.perf_counter()
+    allow = _check_options(margin=margin, allow=allow, exclude=exclude)
+    setup = _as_setup(setup)
+    spec = as_gpu_spec(gpu, required=True)
+    setup = setup.replace(compute_capability=tuple(spec.compute_capability))
+    budget = _budget_for(spec, margin, non_pytorch_bytes)
+    sims = Simulations()
+    base = _estimate_baseline(setup, budget, alloc_conf, sims)
+    verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
+    axes = _candidate_axes(setup, spec, verdicts, allow=allow, exclude=exclude)
+    model = fit_memory_model(setup, base.report, axes, sims)
+    ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
+                  base_time_s=base.step_time_s)
+    verified = _verify(setup, ranked, base, budget, sims, alloc_conf=alloc_conf, verify_top=verify_top,
+                       max_plans=max_plans)
+    chosen = _choose(verified, base.plan)
+    miss = _miss(base.plan, verified.plans, chosen, budget, verdicts, allow)
+    return PlanResult(
+        fits_as_is=base.plan.fits, baseline=base.plan, plans=verified.plans, chosen=chosen,
+        gpu={"name": spec.name, "total_bytes": spec.total_bytes}, margin=margin, budget_bytes=budget.budget_bytes,
+        miss_bytes=miss.miss_bytes, suggestions=miss.suggestions,
+        not_applicable={name: v.reason for name, v in verdicts.items() if not v.applies},
+        elapsed_s=round(time.perf_counter() - started, 2), simulations=sims.count,
+    )
+
+
+def _check_options(*, margin: float, allow: tuple[str, ...] | list[str], exclude: tuple[str, ...]) -> tuple[str, ...]:
+    """Clear errors for a bad margin, exclusion or opt-in, before anything runs. Returns `allow`, stripped."""
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of the GPU kept free)")
     allow = tuple(a.strip() for a in allow if a.strip())
@@ -221,16 +222,22 @@ def plan(
     unknown = [a for a in allow if a not in OPT_IN]
     if unknown:
         raise MemfitError(f"cannot allow `{unknown[0]}`; opt-in remedies are: {', '.join(sorted(OPT_IN))}")
+    return allow
+
+
+def _as_setup(setup: Any) -> TrainSetup:
+    """The TrainSetup to plan: `setup` itself, or a model id's defaults; a clear error for anything else."""
     if isinstance(setup, str):  # a model id
-        setup = TrainSetup(model=setup)
-    elif not isinstance(setup, TrainSetup):
+        return TrainSetup(model=setup)
+    if not isinstance(setup, TrainSetup):
         raise MemfitError(f"setup `{type(setup).__name__}` is not a TrainSetup; pass TrainSetup(...), "
                           "TrainSetup.from_kwargs(model, training_args={...}) or a model id")
-    spec = as_gpu_spec(gpu, required=True)
-    setup = setup.replace(compute_capability=tuple(spec.compute_capability))
-    budget = int(spec.total_bytes * (1 - margin))
-    sims = 0
+    return setup
 
+
+def _budget_for(spec: GpuSpec, margin: float, non_pytorch_bytes: int | None) -> Budget:
+    """The GPU's total less the margin, less the memory outside PyTorch; an error when nothing is left."""
+    budget = int(spec.total_bytes * (1 - margin))
     if non_pytorch_bytes is None:
         non_pytorch_bytes = _other_processes_bytes(spec)
     if non_pytorch_bytes is None:
@@ -243,200 +250,149 @@ def plan(
         raise MemfitError(f"gpu `{spec.name}` leaves no memory to PyTorch: its budget with margin {margin} is "
                           f"{budget} bytes and {outside} bytes are outside PyTorch; use a larger GPU or a "
                           "smaller margin")
-    base_report = estimate(setup, gpu=spec, alloc_conf=alloc_conf, non_pytorch_bytes=outside, capacity_bytes=capacity)
-    sims += 1
-    # what the run needs over what it allocates (the fitted plans' reserved memory scales by it)
-    need = base_report.required_bytes if base_report.required_bytes is not None else base_report.peak_reserved_bytes
-    ratio = max(1.0, need / max(1, base_report.peak_allocated_bytes))
-    n_layer, d_model = _config_dims(setup)
+    return Budget(spec, margin, budget, outside, capacity)
 
-    def rel_time(s: TrainSetup, params: int, trainable: int) -> float:
-        cost = StepCost(params, trainable, n_layer, d_model, s.sequence_length, s.per_device_train_batch_size,
-                        s.gradient_accumulation_steps, s.precision, s.gradient_checkpointing, s.optim)
-        return step_time_s(cost, spec)
 
-    base_time = rel_time(setup, base_report.params, base_report.trainable_params)
-    baseline = _plan_from_report(setup, {}, base_report, 1.0, budget, verified=True)
-    verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
-    not_applicable = {name: v.reason for name, v in verdicts.items() if not v.applies}
+class _Baseline(NamedTuple):
+    """The setup as it is: its estimate, its plan, and what the fitted candidates are scaled by."""
 
-    # -- axes ------------------------------------------------------------------------------
+    report: MemoryReport
+    plan: Plan
+    need_ratio: float  #: what the run needs over what it allocates (>= 1): scales the fitted plans' memory
+    timer: StepTimer
+    step_time_s: float  #: its modelled step time (candidates' times are relative to it)
+
+
+def _estimate_baseline(setup: TrainSetup, budget: Budget, alloc_conf: str | None, sims: Simulations) -> _Baseline:
+    """Estimate the setup as it is (full simulation + allocator replay with the budget's capacity)."""
+    report = sims.estimate(setup, budget, alloc_conf)
+    need = report.required_bytes if report.required_bytes is not None else report.peak_reserved_bytes
+    ratio = max(1.0, need / max(1, report.peak_allocated_bytes))
+    timer = StepTimer.for_setup(setup, budget.spec)
+    base_time = timer.seconds(setup, report.params, report.trainable_params)
+    return _Baseline(report, _plan_from_report(setup, {}, report, 1.0, budget.budget_bytes, verified=True),
+                     ratio, timer, base_time)
+
+
+def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], *, allow: tuple[str, ...],
+                    exclude: tuple[str, ...]) -> Axes:
+    """Per remedy the setup's own value and, where the remedy applies, is allowed and not excluded, its
+    variants; the micro-batches that divide the effective batch size."""
     def axis(name: str, current: dict[str, Any]) -> list[dict[str, Any]]:
         r = REGISTRY[name]
         if (r.opt_in and r.opt_in not in allow) or not verdicts[name].applies or name in exclude:
             return [current]
         return [current] + r.variants(setup, spec)
 
-    precisions = axis("mixed_precision", {"precision": setup.precision})
-    ckpts = axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing})
-    optims = axis("optimizer", {"optim": setup.optim})
-    lengths = axis("sequence_length", {})
-    loras = axis("lora", {})
-    freezes = axis("freeze", {})
-    offloads = axis("offload", {})
     e = setup.effective_batch_size
-    micro = [b for b in range(1, e + 1) if e % b == 0]
+    return Axes(
+        precisions=axis("mixed_precision", {"precision": setup.precision}),
+        checkpointing=axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing}),
+        optimizers=axis("optimizer", {"optim": setup.optim}),
+        lengths=axis("sequence_length", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
+        offloads=axis("offload", {}),
+        micro_batches=[b for b in range(1, e + 1) if e % b == 0],
+    )
 
-    # -- fit -------------------------------------------------------------------------------
-    # Optimizer state and the optimizer-step peak do not depend on precision, checkpointing or
-    # the micro-batch: take them from the baseline and, per alternative optimizer, from one
-    # simulation of a training step at micro-batch 1.
-    base_state = base_report.phase_breakdowns.get("optimizer", {}).get("optimizer_state", 0)
-    optim_state: dict[str, tuple[int, int]] = {setup.optim: (base_state, base_report.phases.get("optimizer", 0))}
-    for o in optims:
-        if o["optim"] in optim_state:
-            continue
-        by, bd, _ = _phase_peaks(setup.replace(optim=o["optim"]), optimizer_steps=1, optimizer_only=True)
-        sims += 1
-        optim_state[o["optim"]] = (bd.get("optimizer", {}).get("optimizer_state", 0), by.get("optimizer", 0))
-    # Forward/backward peaks without optimizer state (the micro-steps of one optimizer step,
-    # accumulation 2 so the second micro-step runs with live gradients). The setup's own
-    # precision/checkpointing is simulated at micro-batch 1 and 2, which gives the part that does
-    # not grow with the batch (weights, gradients, batch-independent buffers); every other
-    # combination is simulated at micro-batch 2 only and shares that part.
-    fits: dict[tuple, _Fit] = {}
-    const: dict[str, int] | None = None
-    combos = list(itertools.product(precisions, ckpts, lengths, loras, freezes))
-    for combo in combos:
-        changes = {k: v for part in combo for k, v in part.items() if getattr(setup, k) != v}
-        method = any(k in changes for k in _TRAINABLE_KEYS)
-        steps = 2 if method else 0  # a changed set of trainable parameters: simulate its optimizer too
-        s2 = setup.replace(**changes, per_device_train_batch_size=min(2, e), gradient_accumulation_steps=min(2, e))
-        p2, bd2, sim = _phase_peaks(s2, optimizer_steps=steps)
-        sims += 1
-        keys = ("forward", "backward", "optimizer") if method else ("forward", "backward")
-        if method or not changes or const is None:
-            if e > 1:
-                p1, _, _ = _phase_peaks(s2.replace(per_device_train_batch_size=1), optimizer_steps=steps)
-                sims += 1
-            else:
-                p1 = p2
-            slope = {k: p2.get(k, 0) - p1.get(k, 0) for k in keys}
-            if not method and not changes:
-                const = {k: p1.get(k, 0) - slope[k] for k in keys}
-        else:
-            slope = {k: (p2.get(k, 0) - const[k]) // 2 for k in keys}
-            p1 = {k: const[k] + slope[k] for k in keys}
-        state = bd2.get("optimizer", {}).get("optimizer_state", 0) if method else 0
-        fits[tuple(sorted({k: v for part in combo for k, v in part.items()}.items()))] = _Fit(
-            {k: p1.get(k, 0) for k in keys}, slope, state, sim.params, sim.trainable_params, method)
-    eval_fit = None
-    if setup.does_eval:
-        eb0 = setup.per_device_eval_batch_size
-        e_a, bd_a, _ = _phase_peaks(setup, train=False)
-        sims += 1
-        slope = 0
-        if eb0 > 1:
-            e_b, _, _ = _phase_peaks(setup.replace(per_device_eval_batch_size=1), train=False)
-            sims += 1
-            slope = (e_a.get("eval", 0) - e_b.get("eval", 0)) / (eb0 - 1)
-        eval_fit = (e_a.get("eval", 0), slope, bd_a.get("eval", {}).get("eval_outputs", 0))
 
-    # -- rank ------------------------------------------------------------------------------
-    ranked = []
-    for combo in itertools.product(precisions, ckpts, lengths, loras, freezes, optims, offloads):
-        fit = fits[tuple(sorted({k: v for part in combo[:5] for k, v in part.items()}.items()))]
-        merged = {k: v for part in combo for k, v in part.items()}
-        optim_change, offload = combo[5], combo[6]
-        if fit.has_state and optim_change["optim"] != setup.optim:
-            continue  # LoRA / frozen embeddings: the optimizer is not where the memory is
-        # method changes (optimizer, opt-ins) rank after plans that keep the method
-        tier = int(optim_change["optim"] != setup.optim) + 2 * int(any(k in merged for k in _OPT_IN_KEYS))
-        for b in micro:
-            changes = dict(merged, per_device_train_batch_size=b, gradient_accumulation_steps=e // b)
-            changes = {k: v for k, v in changes.items() if getattr(setup, k) != v}
-            by = fit.at(b)
-            if fit.has_state:
-                state = fit.state_bytes
-            else:
-                state, opt_peak = optim_state[optim_change["optim"]]
-                for ph in ("forward", "backward"):
-                    by[ph] += state  # the second optimizer step's micro-steps run with the state alive
-                by["optimizer"] = opt_peak
-            if offload:
-                for ph in TRAIN_PHASES:
-                    by[ph] -= state
-                state = 0
-            eval_changes = {}
-            if eval_fit is not None:
-                e_peak, slope, outputs = eval_fit
-                eval_peak = e_peak + state
-                eb = setup.per_device_eval_batch_size
-                for candidate_eb in sorted({eb, b, 1}, reverse=True):
-                    if candidate_eb > eb:
-                        continue
-                    pk = eval_peak - slope * (eb - candidate_eb)
-                    if pk * ratio + outside <= budget:
-                        if candidate_eb != eb:
-                            eval_changes["per_device_eval_batch_size"] = candidate_eb
-                        eval_peak = pk
-                        break
-                else:
-                    eval_peak = eval_peak - slope * (eb - 1) - outputs
-                    eval_changes = {"per_device_eval_batch_size": 1, "eval_accumulation_steps": 1}
-                by["eval"] = eval_peak
-            changes.update(eval_changes)
-            peak = max(by.values())
-            used = int(peak * ratio) + outside
-            t = rel_time(setup.replace(**changes), fit.params, fit.trainable) / base_time
-            ranked.append((used <= budget, tier, t, len(changes), used, peak, changes))
-    ranked.sort(key=lambda x: (not x[0], x[1], x[2] if x[0] else x[4], x[3]))
+class _Verified(NamedTuple):
+    """The plans shown, best first, and the first verified one that fits."""
 
-    # -- verify ----------------------------------------------------------------------------
+    plans: list[Plan]
+    chosen: int | None  #: index into `plans`
+
+
+def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget: Budget, sims: Simulations, *,
+            alloc_conf: str | None, verify_top: int, max_plans: int) -> _Verified:
+    """Verify the best candidates until one fits (at most `verify_top`); the next ones as fitted plans.
+
+    Args:
+        setup: the setup as it is.
+        ranked: the candidates, best first (memfit.planner.ranking.rank).
+        base: the baseline.
+        budget: the GPU's budget.
+        sims: runs and counts the simulations.
+        alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF.
+        verify_top: how many candidates to verify at most.
+        max_plans: how many plans to return.
+    """
     plans: list[Plan] = []
     chosen = None
     seen = set()
     verified = 0
-    for ok, _tier, t, _, used, peak, changes in ranked:
-        key = tuple(sorted(changes.items()))
-        if key in seen or not changes:
+    for c in ranked:
+        key = tuple(sorted(c.changes.items()))
+        if key in seen or not c.changes:
             continue
         seen.add(key)
-        if conflict(_describe(setup, changes, base_report.checkpointing)[0]):
+        if conflict(_describe(setup, c.changes, base.report.checkpointing)[0]):
             continue  # e.g. ZeRO-Offload with an 8-bit optimizer (memfit.remedies: `incompatible`)
         if verified < verify_top and chosen is None:
-            report = estimate(setup.replace(**changes), gpu=spec, alloc_conf=alloc_conf,
-                              non_pytorch_bytes=outside, capacity_bytes=capacity)
-            sims += 1
             verified += 1
-            candidate = _plan_from_report(setup, changes, report, t, budget, verified=True)
-            if not candidate.fits:
-                for conf_text in ("expandable_segments:True", "max_split_size_mb:128"):
-                    alt = bounded_reserved(report.trace, conf=parse_alloc_conf(conf_text), capacity_bytes=capacity,
-                                           search=False)
-                    if alt.oom is None:
-                        candidate = _plan_from_report(setup, changes, report, t, budget, verified=True,
-                                                      alloc_conf=conf_text, reserved=alt.report.peak_reserved_bytes)
-                        break
-            plans.append(candidate)
-            if candidate.fits and chosen is None:
+            plans.append(_verified_plan(setup, c, budget, sims, alloc_conf))
+            if plans[-1].fits:
                 chosen = len(plans) - 1
         elif len(plans) < max_plans:
-            names, args, env, code = _describe(setup, changes, base_report.checkpointing)
-            reserved = min(int(peak * ratio), capacity)  # a GPU's allocator stops at the budget
-            plans.append(Plan(names, changes, args, env, code, int(peak), reserved, reserved + outside,
-                              budget - used, round(t, 3), ok, False,
-                              ["fitted model, not verified by a full simulation"]))
+            plans.append(_fitted_plan(setup, c, base, budget))
         if len(plans) >= max_plans and chosen is not None:
             break
-    if baseline.fits and chosen is not None and plans[chosen].relative_step_time >= 1.0:
-        chosen = None  # nothing faster than what already fits
-    miss = None
+    return _Verified(plans, chosen)
+
+
+def _verified_plan(setup: TrainSetup, c: Candidate, budget: Budget, sims: Simulations,
+                   alloc_conf: str | None) -> Plan:
+    """A candidate estimated in full and replayed with the budget; when it does not fit, replayed again with
+    `expandable_segments:True`, then `max_split_size_mb:128` (memfit.remedies.allocator)."""
+    report = sims.estimate(setup.replace(**c.changes), budget, alloc_conf)
+    candidate = _plan_from_report(setup, c.changes, report, c.relative_step_time, budget.budget_bytes, verified=True)
+    if not candidate.fits:
+        for conf_text in ("expandable_segments:True", "max_split_size_mb:128"):
+            alt = bounded_reserved(report.trace, conf=parse_alloc_conf(conf_text), capacity_bytes=budget.capacity_bytes,
+                                   search=False)
+            if alt.oom is None:
+                return _plan_from_report(setup, c.changes, report, c.relative_step_time, budget.budget_bytes,
+                                         verified=True, alloc_conf=conf_text, reserved=alt.report.peak_reserved_bytes)
+    return candidate
+
+
+def _fitted_plan(setup: TrainSetup, c: Candidate, base: _Baseline, budget: Budget) -> Plan:
+    """A candidate as the fitted model predicts it (not verified)."""
+    names, args, env, code = _describe(setup, c.changes, base.report.checkpointing)
+    # a GPU's allocator stops at the budget
+    reserved = min(int(c.peak_allocated_bytes * base.need_ratio), budget.capacity_bytes)
+    return Plan(names, c.changes, args, env, code, int(c.peak_allocated_bytes), reserved,
+                reserved + budget.outside_bytes, budget.budget_bytes - c.used_bytes, round(c.relative_step_time, 3), c.fits, False,
+                ["fitted model, not verified by a full simulation"])
+
+
+def _choose(verified: _Verified, baseline: Plan) -> int | None:
+    """The verified plan that fits, unless the setup already fits and that plan is not faster."""
+    if baseline.fits and verified.chosen is not None and verified.plans[verified.chosen].relative_step_time >= 1.0:
+        return None  # nothing faster than what already fits
+    return verified.chosen
+
+
+class _Miss(NamedTuple):
+    """When nothing fits: how far the closest plan is over the budget, and what would help."""
+
+    miss_bytes: int | None
+    suggestions: list[str]
+
+
+def _miss(baseline: Plan, plans: list[Plan], chosen: int | None, budget: Budget, verdicts: dict[str, Any],
+          allow: tuple[str, ...]) -> _Miss:
+    """How far the closest plan misses, the opt-ins not allowed that apply, and a GPU that would do."""
+    if chosen is not None or baseline.fits:
+        return _Miss(None, [])
+    # a fitted plan that "fits" but was not verified says nothing about how far the others miss
+    closest = max([p for p in [baseline] + plans if p.verified or not p.fits], key=lambda p: p.headroom_bytes)
+    miss = -closest.headroom_bytes
     suggestions: list[str] = []
-    if chosen is None and not baseline.fits:
-        # a fitted plan that "fits" but was not verified says nothing about how far the others miss
-        closest = max([p for p in [baseline] + plans if p.verified or not p.fits], key=lambda p: p.headroom_bytes)
-        miss = -closest.headroom_bytes
-        for name, r in REGISTRY.items():
-            if r.opt_in and r.opt_in not in allow and verdicts[name].applies:
-                suggestions.append(f"allow `{r.opt_in}` ({r.title}: saves {r.saves}; costs: {r.costs})")
-        need = (budget + miss) / (1 - margin)
-        bigger = sorted((g for g in CATALOG.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
-        if bigger:
-            suggestions.append(f"a GPU with at least {need / 2**30:.1f} GiB, e.g. {bigger[0].name}")
-    return PlanResult(
-        fits_as_is=baseline.fits, baseline=baseline, plans=plans, chosen=chosen,
-        gpu={"name": spec.name, "total_bytes": spec.total_bytes}, margin=margin, budget_bytes=budget,
-        miss_bytes=miss, suggestions=suggestions, not_applicable=not_applicable,
-        elapsed_s=round(time.perf_counter() - started, 2), simulations=sims,
-    )
+    for name, r in REGISTRY.items():
+        if r.opt_in and r.opt_in not in allow and verdicts[name].applies:
+            suggestions.append(f"allow `{r.opt_in}` ({r.title}: saves {r.saves}; costs: {r.costs})")
+    need = (budget.budget_bytes + miss) / (1 - budget.margin)
+    bigger = sorted((g for g in CATALOG.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
+    if bigger:
+        suggestions.append(f"a GPU with at least {need / 2**30:.1f} GiB, e.g. {bigger[0].name}")
+    return _Miss(miss, suggestions)

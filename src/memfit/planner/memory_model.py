@@ -1,0 +1,293 @@
+"""The planner's predicted-memory model: what every candidate of `memfit.plan` would allocate,
+fitted from a few cheap partial simulations (step 2 of memfit.planner.search).
+
+- Optimizer state and the optimizer-step peak do not depend on precision, checkpointing or the
+  micro-batch: they come from the baseline estimate and, per alternative optimizer, from one
+  simulation of a training step at micro-batch 1 (`optimizer_costs`).
+- Forward/backward peaks are linear in the micro-batch (activations are; weights, gradients and
+  batch-independent buffers are constant). The setup's own precision / checkpointing is simulated
+  at micro-batch 1 and 2, which gives the constant part; every other combination is simulated at
+  micro-batch 2 only and shares that part. A combination that changes which parameters train
+  (LoRA, frozen embeddings / blocks) is simulated at both with its optimizer (`linear_fits`).
+- Evaluation is simulated at the setup's eval batch size and at 1 (`eval_fit`).
+
+Internal to memfit.planner; the public face is `memfit.planner.search.plan`.
+
+Known limitations: the fit is linear in the micro-batch (exact for activations, which dominate);
+offload is modelled as "no optimizer state on the GPU".
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NamedTuple
+
+from memfit.estimator import MemoryReport, estimate
+from memfit.gpus.catalog import GpuSpec
+from memfit.peaks import peaks
+from memfit.sim.engine import simulate
+from memfit.trace import TRAIN_PHASES
+from memfit.train_setup import TrainSetup
+
+__all__ = ["TRAINABLE_KEYS", "Budget", "Simulations", "PhasePeaks", "OptimizerCost", "LinearFit", "EvalFit",
+           "EvalChoice", "TrainPeaks", "Axes", "MemoryModel", "fit_memory_model", "train_peaks", "eval_choice"]
+
+#: TrainSetup fields that change which parameters train (their fits simulate the optimizer too)
+TRAINABLE_KEYS = ("lora_r", "freeze_embeddings", "freeze_layers")
+
+#: a candidate: one variant dict per axis (memfit.remedies' `variants`), in the order of `Axes.combos`
+Combo = tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the GPU leaves to the run: the budget with the safety margin, and how it splits."""
+
+    spec: GpuSpec
+    margin: float
+    budget_bytes: int  #: the GPU's total less the margin
+    outside_bytes: int  #: memory outside PyTorch (memfit's table, plus other processes on this machine)
+    capacity_bytes: int  #: budget_bytes - outside_bytes: what PyTorch's allocator may use
+
+
+class PhasePeaks(NamedTuple):
+    """One simulation's per-phase peaks (memfit.peaks)."""
+
+    peak_bytes: dict[str, int]  #: phase -> peak allocated bytes
+    breakdown_bytes: dict[str, dict[str, int]]  #: phase -> category -> bytes at that peak
+    sim: Any  #: the simulation (memfit.sim.engine.simulate): params, trainable_params
+
+
+@dataclass
+class Simulations:
+    """Runs the planner's simulations and counts them (`PlanResult.simulations`)."""
+
+    count: int = 0
+
+    def phase_peaks(self, setup: TrainSetup, **kwargs: Any) -> PhasePeaks:
+        """Per-phase peaks of a partial simulation of `setup` (kwargs: memfit.sim.engine.simulate's).
+
+        Evaluation runs only in an evaluation-only simulation (`train=False`)."""
+        train = kwargs.get("train", True)
+        sim = simulate(setup.replace(eval_strategy=setup.eval_strategy if not train else "no"), **kwargs)
+        self.count += 1
+        tp = peaks(sim.trace)
+        return PhasePeaks({p: pk.bytes for p, pk in tp.by_phase.items()},
+                          {p: dict(pk.breakdown) for p, pk in tp.by_phase.items()}, sim)
+
+    def estimate(self, setup: TrainSetup, budget: Budget, alloc_conf: str | None) -> MemoryReport:
+        """A full estimate (simulation + allocator replay) of `setup` with the budget's capacity."""
+        report = estimate(setup, gpu=budget.spec, alloc_conf=alloc_conf, non_pytorch_bytes=budget.outside_bytes,
+                          capacity_bytes=budget.capacity_bytes)
+        self.count += 1
+        return report
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """What an optimizer costs, whatever the precision, checkpointing or micro-batch."""
+
+    state_bytes: int  #: its state (alive during the forward / backward of every step after the first)
+    step_peak_bytes: int  #: the peak allocated in its step
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Per-phase peak allocated bytes, linear in the micro-batch b: p1_bytes + slope_bytes * (b - 1)."""
+
+    p1_bytes: dict[str, int]  #: phase -> peak at micro-batch 1
+    slope_bytes: dict[str, int]  #: phase -> bytes per extra sample of the micro-batch
+    state_bytes: int  #: optimizer state in the peaks (has_state only, else 0)
+    params: int
+    trainable_params: int
+    has_state: bool = False  #: peaks include the optimizer state (LoRA / frozen embeddings fits)
+
+    def at(self, micro_batch: int) -> dict[str, int]:
+        """Phase -> predicted peak allocated bytes at this micro-batch."""
+        return {k: self.p1_bytes[k] + self.slope_bytes[k] * (micro_batch - 1) for k in self.p1_bytes}
+
+
+@dataclass(frozen=True)
+class EvalFit:
+    """The evaluation peak, linear in the eval batch size."""
+
+    peak_bytes: int  #: at the setup's eval batch size, without optimizer state
+    slope_bytes: float  #: bytes per sample of the eval batch
+    outputs_bytes: int  #: accumulated eval outputs at that peak (freed by eval_accumulation_steps=1)
+
+
+class TrainPeaks(NamedTuple):
+    """A candidate's predicted training peaks."""
+
+    phase_peak_bytes: dict[str, int]  #: forward / backward / optimizer -> peak allocated bytes
+    state_bytes: int  #: optimizer state on the GPU (0 when offloaded)
+
+
+class EvalChoice(NamedTuple):
+    """The largest eval batch size (at most the setup's) whose predicted peak fits, and that peak."""
+
+    peak_bytes: float
+    changes: dict[str, Any]  #: TrainSetup changes of the eval settings (empty: as is)
+
+
+@dataclass(frozen=True)
+class Axes:
+    """The search space: per remedy, the setup's own value first, then its variants (TrainSetup changes)."""
+
+    precisions: list[dict[str, Any]]
+    checkpointing: list[dict[str, Any]]
+    optimizers: list[dict[str, Any]]
+    lengths: list[dict[str, Any]]
+    loras: list[dict[str, Any]]
+    freezes: list[dict[str, Any]]
+    offloads: list[dict[str, Any]]
+    micro_batches: list[int]  #: divisors of the effective batch size
+
+    def memory_combos(self) -> Iterator[Combo]:
+        """The combinations that change the forward / backward peaks (each gets a `LinearFit`)."""
+        return itertools.product(self.precisions, self.checkpointing, self.lengths, self.loras, self.freezes)
+
+    def combos(self) -> Iterator[Combo]:
+        """Every combination: `memory_combos` x optimizers x offload."""
+        return itertools.product(self.precisions, self.checkpointing, self.lengths, self.loras, self.freezes,
+                                 self.optimizers, self.offloads)
+
+
+def _combo_key(parts: Combo) -> tuple:
+    """The `MemoryModel.fits` key of a memory combination: its merged changes, sorted."""
+    return tuple(sorted({k: v for part in parts for k, v in part.items()}.items()))
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The fitted model of every candidate's peaks."""
+
+    optimizers: dict[str, OptimizerCost]  #: optim name -> its cost
+    fits: dict[tuple, LinearFit]  #: memory combination (`_combo_key`) -> its fit
+    eval_fit: EvalFit | None  #: None: the setup does not evaluate
+
+    def fit_for(self, combo: Combo) -> LinearFit:
+        """The fit of a full combination (`Axes.combos`): that of its memory part."""
+        return self.fits[_combo_key(combo[:5])]
+
+
+def fit_memory_model(setup: TrainSetup, base_report: MemoryReport, axes: Axes, sims: Simulations) -> MemoryModel:
+    """Simulate what the model needs (optimizers, then training fits, then evaluation).
+
+    Args:
+        setup: the setup as it is (with the GPU's compute capability).
+        base_report: its full estimate (the user's optimizer costs come from it).
+        axes: the search space.
+        sims: runs and counts the simulations.
+    """
+    return MemoryModel(_optimizer_costs(setup, base_report, axes.optimizers, sims), _linear_fits(setup, axes, sims),
+                       _eval_fit(setup, sims))
+
+
+def _optimizer_costs(setup: TrainSetup, base_report: MemoryReport, optimizers: list[dict[str, Any]],
+                     sims: Simulations) -> dict[str, OptimizerCost]:
+    """The user's optimizer from the baseline; each other one from one optimizer step at micro-batch 1."""
+    base_state = base_report.phase_breakdowns.get("optimizer", {}).get("optimizer_state", 0)
+    costs = {setup.optim: OptimizerCost(base_state, base_report.phases.get("optimizer", 0))}
+    for o in optimizers:
+        if o["optim"] in costs:
+            continue
+        by, bd, _ = sims.phase_peaks(setup.replace(optim=o["optim"]), optimizer_steps=1, optimizer_only=True)
+        costs[o["optim"]] = OptimizerCost(bd.get("optimizer", {}).get("optimizer_state", 0), by.get("optimizer", 0))
+    return costs
+
+
+def _linear_fits(setup: TrainSetup, axes: Axes, sims: Simulations) -> dict[tuple, LinearFit]:
+    """Forward/backward peaks without optimizer state, per memory combination.
+
+    The micro-steps of one optimizer step run with accumulation 2, so the second micro-step runs
+    with live gradients. The setup's own combination (first of the product) gives the part that
+    does not grow with the batch; a combination that keeps the trainable parameters shares it.
+    """
+    e = setup.effective_batch_size
+    fits: dict[tuple, LinearFit] = {}
+    const: dict[str, int] | None = None  #: phase -> bytes that do not grow with the micro-batch
+    for combo in axes.memory_combos():
+        changes = {k: v for part in combo for k, v in part.items() if getattr(setup, k) != v}
+        method = any(k in changes for k in TRAINABLE_KEYS)
+        steps = 2 if method else 0  # a changed set of trainable parameters: simulate its optimizer too
+        s2 = setup.replace(**changes, per_device_train_batch_size=min(2, e), gradient_accumulation_steps=min(2, e))
+        p2, bd2, sim = sims.phase_peaks(s2, optimizer_steps=steps)
+        keys = ("forward", "backward", "optimizer") if method else ("forward", "backward")
+        if method or not changes or const is None:
+            p1 = sims.phase_peaks(s2.replace(per_device_train_batch_size=1), optimizer_steps=steps).peak_bytes \
+                if e > 1 else p2
+            slope = {k: p2.get(k, 0) - p1.get(k, 0) for k in keys}
+            if not method and not changes:
+                const = {k: p1.get(k, 0) - slope[k] for k in keys}
+        else:
+            slope = {k: (p2.get(k, 0) - const[k]) // 2 for k in keys}
+            p1 = {k: const[k] + slope[k] for k in keys}
+        state = bd2.get("optimizer", {}).get("optimizer_state", 0) if method else 0
+        fits[_combo_key(combo)] = LinearFit({k: p1.get(k, 0) for k in keys}, slope, state, sim.params,
+                                            sim.trainable_params, method)
+    return fits
+
+
+def _eval_fit(setup: TrainSetup, sims: Simulations) -> EvalFit | None:
+    """Evaluation simulated at the setup's eval batch size and, when it is larger, at 1."""
+    if not setup.does_eval:
+        return None
+    eb0 = setup.per_device_eval_batch_size
+    e_a, bd_a, _ = sims.phase_peaks(setup, train=False)
+    slope = 0
+    if eb0 > 1:
+        e_b = sims.phase_peaks(setup.replace(per_device_eval_batch_size=1), train=False).peak_bytes
+        slope = (e_a.get("eval", 0) - e_b.get("eval", 0)) / (eb0 - 1)
+    return EvalFit(e_a.get("eval", 0), slope, bd_a.get("eval", {}).get("eval_outputs", 0))
+
+
+def train_peaks(model: MemoryModel, fit: LinearFit, optim: str, offload: bool, micro_batch: int) -> TrainPeaks:
+    """A candidate's predicted forward / backward / optimizer peaks.
+
+    Args:
+        model: the fitted model.
+        fit: the fit of the candidate's memory combination (`MemoryModel.fit_for`).
+        optim: the candidate's optimizer (ignored where the fit has its own state).
+        offload: the optimizer state is offloaded (not on the GPU).
+        micro_batch: the candidate's per-device train batch size.
+    """
+    by = fit.at(micro_batch)
+    if fit.has_state:
+        state = fit.state_bytes
+    else:
+        cost = model.optimizers[optim]
+        state = cost.state_bytes
+        for ph in ("forward", "backward"):
+            by[ph] += state  # the second optimizer step's micro-steps run with the state alive
+        by["optimizer"] = cost.step_peak_bytes
+    if offload:
+        for ph in TRAIN_PHASES:
+            by[ph] -= state
+        state = 0
+    return TrainPeaks(by, state)
+
+
+def eval_choice(fit: EvalFit, state_bytes: int, eval_batch_size: int, micro_batch: int,
+                fits: Callable[[float], bool]) -> EvalChoice:
+    """The eval settings of a candidate: its eval batch size, else the train micro-batch or 1, else
+    eval batch 1 with eval_accumulation_steps=1 (outputs moved to the CPU after each batch).
+
+    Args:
+        fit: the evaluation fit.
+        state_bytes: optimizer state on the GPU during evaluation.
+        eval_batch_size: the setup's per-device eval batch size.
+        micro_batch: the candidate's per-device train batch size.
+        fits: whether a peak allocated (bytes) fits the budget.
+    """
+    eval_peak = fit.peak_bytes + state_bytes
+    for candidate_eb in sorted({eval_batch_size, micro_batch, 1}, reverse=True):
+        if candidate_eb > eval_batch_size:
+            continue
+        pk = eval_peak - fit.slope_bytes * (eval_batch_size - candidate_eb)
+        if fits(pk):
+            return EvalChoice(pk, {} if candidate_eb == eval_batch_size
+                              else {"per_device_eval_batch_size": candidate_eb})
+    return EvalChoice(eval_peak - fit.slope_bytes * (eval_batch_size - 1) - fit.outputs_bytes,
+                      {"per_device_eval_batch_size": 1, "eval_accumulation_steps": 1})

@@ -1,0 +1,113 @@
+"""The planner's ranking: every candidate of `memfit.plan` ordered by whether its predicted memory
+fits the budget, then by how much it changes the method, then by modelled step time
+(memfit.planner.throughput); step 3 of memfit.planner.search.
+
+A candidate is a combination of the search axes (memfit.planner.memory_model.Axes) with a
+micro-batch that divides the effective batch size, so the micro-batch split keeps the effective
+batch size exactly. Method changes (another optimizer, the opt-in remedies) rank after the plans
+that keep the method; among those that do not fit, the one that needs least memory ranks first.
+
+Internal to memfit.planner; the public face is `memfit.planner.search.plan`.
+
+Known limitations: what a candidate needs is its predicted peak allocated memory scaled by the
+baseline's ratio of needed (memfit.allocator.bounded.smallest_capacity) to allocated memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.gpus.catalog import GpuSpec
+from memfit.planner.memory_model import TRAINABLE_KEYS, Axes, Budget, MemoryModel, eval_choice, train_peaks
+from memfit.planner.throughput import StepCost, step_time_s
+from memfit.train_setup import TrainSetup
+
+__all__ = ["OPT_IN_KEYS", "StepTimer", "Candidate", "rank"]
+
+#: TrainSetup fields of the opt-in remedies (method changes that rank last)
+OPT_IN_KEYS = ("max_length",) + TRAINABLE_KEYS + ("offload_optimizer_state",)
+
+
+@dataclass(frozen=True)
+class StepTimer:
+    """Modelled step time (memfit.planner.throughput) of setups of one model on one GPU."""
+
+    spec: GpuSpec
+    n_layer: int
+    d_model: int
+
+    @classmethod
+    def for_setup(cls, setup: TrainSetup, spec: GpuSpec) -> "StepTimer":
+        """Read the model's depth and width from its config (defaults: 12 layers, width 768)."""
+        from memfit.models.build import resolve_config
+
+        cfg = resolve_config(setup.model).config
+        n_layer = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
+                        if getattr(cfg, k, None)), 12)
+        d = next((getattr(cfg, k) for k in ("hidden_size", "d_model", "n_embd", "dim") if getattr(cfg, k, None)), 768)
+        return cls(spec, int(n_layer), int(d))
+
+    def seconds(self, s: TrainSetup, params: int, trainable_params: int) -> float:
+        """Modelled seconds of one optimizer step of `s`."""
+        cost = StepCost(params, trainable_params, self.n_layer, self.d_model, s.sequence_length,
+                        s.per_device_train_batch_size, s.gradient_accumulation_steps, s.precision,
+                        s.gradient_checkpointing, s.optim)
+        return step_time_s(cost, self.spec)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration as the fitted model predicts it."""
+
+    fits: bool  #: used_bytes <= the budget
+    tier: int  #: 0: same method; +1: another optimizer; +2: an opt-in remedy
+    relative_step_time: float  #: modelled step time over the setup's
+    n_changes: int
+    used_bytes: int  #: predicted need (peak allocated x the baseline's need ratio) + memory outside PyTorch
+    peak_allocated_bytes: float  #: predicted peak allocated over the phases
+    changes: dict[str, Any]  #: TrainSetup changes (only those that differ from the setup)
+
+    def sort_key(self) -> tuple:
+        """Those that fit first, by tier then step time; those that do not, by what they need."""
+        return (not self.fits, self.tier, self.relative_step_time if self.fits else self.used_bytes, self.n_changes)
+
+
+def rank(setup: TrainSetup, axes: Axes, model: MemoryModel, *, budget: Budget, need_ratio: float,
+         timer: StepTimer, base_time_s: float) -> list[Candidate]:
+    """Every candidate, predicted by the fitted model, best first.
+
+    Args:
+        setup: the setup as it is.
+        axes: the search space.
+        model: the fitted memory model of its combinations.
+        budget: the GPU's budget.
+        need_ratio: the baseline's needed over allocated memory (>= 1).
+        timer: the step-time model.
+        base_time_s: the setup's own modelled step time.
+    """
+    e = setup.effective_batch_size
+    ranked = []
+    for combo in axes.combos():
+        fit = model.fit_for(combo)
+        merged = {k: v for part in combo for k, v in part.items()}
+        optim, offload = combo[5]["optim"], bool(combo[6])
+        if fit.has_state and optim != setup.optim:
+            continue  # LoRA / frozen embeddings: the optimizer is not where the memory is
+        # method changes (optimizer, opt-ins) rank after plans that keep the method
+        tier = int(optim != setup.optim) + 2 * int(any(k in merged for k in OPT_IN_KEYS))
+        for b in axes.micro_batches:
+            changes = dict(merged, per_device_train_batch_size=b, gradient_accumulation_steps=e // b)
+            changes = {k: v for k, v in changes.items() if getattr(setup, k) != v}
+            by, state = train_peaks(model, fit, optim, offload, b)
+            if model.eval_fit is not None:
+                evaluation = eval_choice(model.eval_fit, state, setup.per_device_eval_batch_size, b,
+                                         lambda pk: pk * need_ratio + budget.outside_bytes <= budget.budget_bytes)
+                by["eval"] = evaluation.peak_bytes
+                changes.update(evaluation.changes)
+            peak = max(by.values())
+            used = int(peak * need_ratio) + budget.outside_bytes
+            t = timer.seconds(setup.replace(**changes), fit.params, fit.trainable_params) / base_time_s
+            ranked.append(Candidate(used <= budget.budget_bytes, tier, t, len(changes), used, peak, changes))
+    ranked.sort(key=Candidate.sort_key)
+    return ranked
