@@ -226,7 +226,7 @@ def _other_processes_bytes(spec: GpuSpec) -> int | None:
 def plan(
     setup: TrainSetup | str,
     *,
-    gpu: str | GpuSpec,
+    gpu: str | GpuSpec | None = None,
     allow: tuple[str, ...] | list[str] = (),
     margin: float = DEFAULT_MARGIN,
     alloc_conf: str | None = None,
@@ -241,6 +241,8 @@ def plan(
     when the run cannot use it (memfit.fit on the CPU).
     """
     started = time.perf_counter()
+    if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
+        raise MemfitError("plan() needs `gpu`: pass gpu=\"V100-16GB\", a size like gpu=\"24GiB\", or gpu=\"auto\"")
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of the GPU kept free)")
     allow = tuple(a.strip() for a in allow if a.strip())
