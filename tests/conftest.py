@@ -16,3 +16,10 @@ def save_bert_config(tmp_path_factory, name: str, **dims) -> str:
 def tiny_bert_dir(tmp_path_factory):
     return save_bert_config(tmp_path_factory, "tiny-bert", hidden_size=64, num_hidden_layers=2,
                             num_attention_heads=4, intermediate_size=128, vocab_size=200)
+
+
+@pytest.fixture(autouse=True)
+def _memfit_cache_dir(tmp_path_factory, monkeypatch):
+    """memfit's result cache (memfit.cache) in a fresh folder per test: tests never write to the real home,
+    and no test reads a result another test cached."""
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))
