@@ -21,7 +21,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `memfit estimate: error: ... (see memfit estimate --help)`, exit 2."""
 
     def error(self, message: str):  # argparse.ArgumentParser.error prints the usage block first
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def one_line(message: str) -> str:
+    """A message on one line: the line breaks a value brought in (any str.splitlines boundary) shown as `\\n`."""
+    return "\\n".join(str(message).splitlines())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except MemfitError as err:
-        print(f"memfit {args.verb}: error: {err}", file=sys.stderr)
+        print(f"memfit {args.verb}: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
