@@ -226,3 +226,10 @@ def test_plan_prints_no_future_warning(tmp_path):
         plan(TrainSetup.from_kwargs("sentence-transformers/all-MiniLM-L6-v2", max_length=128,
                                     per_device_train_batch_size=32), gpu="1GiB")
     assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+
+
+def test_replay_refuses_a_cuda_malloc_async_what_if(tmp_path, capsys):
+    missing = tmp_path / "never-read.pickle"  # the option is refused before the snapshot is read
+    assert main(["replay", str(missing), "--what-if", "backend:cudaMallocAsync"]) == 2
+    err = capsys.readouterr().err
+    assert "backend:cudaMallocAsync is not modelled" in err and len(err.strip().splitlines()) == 1

@@ -298,7 +298,8 @@ class TrainSetup:
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def from_kwargs(cls, model: Any = None, *, training_args: dict[str, Any] | None = None, **fields: Any) -> "TrainSetup":
+    def from_kwargs(cls, model: Any = None, *, training_args: dict[str, Any] | None = None,
+                    args_source: str | None = None, **fields: Any) -> "TrainSetup":
         """Build from TrainSetup fields plus a dict of TrainingArguments kwargs.
 
         Args:
@@ -308,6 +309,7 @@ class TrainSetup:
                 MemfitError naming the closest valid one); TrainSetup fields (`max_length`, `model`, ...)
                 are accepted there too. TrainingArguments settings that do not change GPU memory
                 (learning_rate, ...) are checked by name and not used.
+            args_source: where `training_args` came from, for the notes (an arguments file's path).
             **fields: TrainSetup fields, or TrainingArguments names (`fp16=True`); they win over
                 `training_args`, with a note when they change a value given there.
         """
@@ -317,16 +319,17 @@ class TrainSetup:
             if key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES:
                 raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
                                   "TrainSetup fields mirror TrainingArguments names")
-        base = _merge_arg_values(training_args or {}, notes, source="the arguments")
+        source = args_source or "the training arguments"
+        base = _merge_arg_values(training_args or {}, notes, source=source)
         over = _merge_arg_values({k: v for k, v in fields.items() if k not in setup_names}, notes, source="the keywords")
         over.update({k: v for k, v in fields.items() if k in setup_names})
         for key, value in over.items():
             if key in base and base[key] != value and key != "model":
-                notes.append(f"`{key}` given twice: {value!r} overrides {base[key]!r} of the arguments file")
+                notes.append(f"`{key}` given twice: {value!r} overrides {base[key]!r} of {source}")
         merged = {**base, **over}
         if model is not None:
             if "model" in merged and merged["model"] != model:
-                notes.append(f"model `{model}` overrides `{merged['model']}` of the arguments file")
+                notes.append(f"model `{model}` overrides `{merged['model']}` of {source}")
             merged["model"] = model
         return cls(notes=notes, **merged)
 
@@ -342,7 +345,7 @@ class TrainSetup:
         TrainSetup fields (`"model"`, `"max_length"`) may be in it too. `fields` win over the file."""
         data, notes = normalize_arg_names(read_args_file(path), source=f"`{path}`")
         fields["notes"] = [*fields.get("notes", []), *notes]
-        return cls.from_kwargs(model, training_args=data, **fields)
+        return cls.from_kwargs(model, training_args=data, args_source=f"`{path}`", **fields)
 
 
 def read_args_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -138,7 +138,8 @@ def build_setup(args: argparse.Namespace):
         fields["notes"] = notes
         if use_cache and "task" not in fields and data.get("task") is None:
             _cached_task(args.model if args.model is not None else data.get("model"), fields)
-        return TrainSetup.from_kwargs(args.model, training_args=data, **fields), gpu, False
+        return TrainSetup.from_kwargs(args.model, training_args=data, args_source=f"`{args.args_file}`",
+                                      **fields), gpu, False
     if args.model is None:
         seed = dict(SEED_CASE)
         gpu = gpu or seed.pop("gpu")
