@@ -233,3 +233,23 @@ def test_replay_refuses_a_cuda_malloc_async_what_if(tmp_path, capsys):
     assert main(["replay", str(missing), "--what-if", "backend:cudaMallocAsync"]) == 2
     err = capsys.readouterr().err
     assert "backend:cudaMallocAsync is not modelled" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("fits_as_is, chosen, code", [(False, 0, 1), (False, None, 1), (True, None, 0)])
+def test_plan_check_fails_when_the_setup_as_given_does_not_fit(fits_as_is, chosen, code, tiny_bert_dir, capsys,
+                                                               monkeypatch):
+    import memfit.planner.search as search
+
+    class Result:  # what plan() returns, as far as the command reads it with --json
+        gpu = {"name": "T4"}
+
+        def to_json(self):
+            return {"fits_as_is": fits_as_is, "chosen": chosen}
+
+    Result.fits_as_is, Result.chosen = fits_as_is, chosen
+    monkeypatch.setattr(search, "plan", lambda *a, **k: Result())
+    assert main(["plan", tiny_bert_dir, "--gpu", "T4", "--json", "--check"]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    if code:
+        assert len(err) == 1 and err[0].startswith("memfit plan --check: the setup as given does not fit T4")
+    assert main(["plan", tiny_bert_dir, "--gpu", "T4", "--json"]) == (0 if (fits_as_is or chosen is not None) else 1)
