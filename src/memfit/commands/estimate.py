@@ -33,8 +33,9 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "estimate", help="peak GPU memory of a fine-tuning run (no GPU, no weights)",
         description="Simulate a Hugging Face Trainer fine-tuning run on fake tensors and report its peak GPU "
-                    "memory per phase and by category. Without MODEL: the seed case (xlnet-large-cased on a "
-                    "16 GB V100, batch 1 x accumulation 16, 512 tokens).",
+                    "memory per phase and by category. Without MODEL: a built-in example (fine-tuning "
+                    "xlnet-large-cased on a 16 GB V100, batch 1 x accumulation 16, 512 tokens). Exit codes: 0 done, "
+                    "1 does not fit (with --check), 2 bad input.",
     )
     add_setup_arguments(p)
     p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
@@ -81,7 +82,8 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="attention implementation")
     p.add_argument("--freeze-embeddings", action="store_true", default=None, help="the input embeddings are frozen")
     p.add_argument("--freeze-layers", type=int, default=None, help="the lowest N blocks are frozen")
-    p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs (legacy names accepted)")
+    p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs and memfit settings (\"model\", \"max_length\", ...); "
+                        "legacy names are read with a note, unknown names are an error; a flag wins over the file")
     if model_option:
         return
     p.add_argument("--gpu", default=None, help="V100-16GB, A100-80GB, ..., a size like 24GiB, or auto")

@@ -1,6 +1,6 @@
 """`memfit plan MODEL --gpu GPU`: the fastest configuration that fits, and the exact change.
 
-    memfit plan                                        # the seed case on a V100-16GB
+    memfit plan                                        # the built-in example (xlnet-large-cased) on a V100-16GB
     memfit plan xlnet-large-cased --batch-size 1 --grad-accum 16 --max-length 2048 --gpu V100-16GB
     memfit plan meta-llama/Llama-3.2-1B --task causal-lm --gpu T4 --allow lora,truncation --json
 """
