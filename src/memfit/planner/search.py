@@ -242,7 +242,8 @@ def plan(
     """
     started = time.perf_counter()
     if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
-        raise MemfitError("plan() needs `gpu`: pass gpu=\"V100-16GB\", a size like gpu=\"24GiB\", or gpu=\"auto\"")
+        raise MemfitError("plan() needs `gpu`; `None` is not a GPU: pass gpu=\"V100-16GB\", a size like "
+                          "gpu=\"24GiB\", or gpu=\"auto\"")
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of the GPU kept free)")
     allow = tuple(a.strip() for a in allow if a.strip())
