@@ -32,3 +32,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _memfit_cache_dir(tmp_path_factory, monkeypatch):
+    """memfit's result cache (memfit.cache) in a fresh folder per test: tests never write to the real home,
+    and no test reads a result another test cached."""
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))

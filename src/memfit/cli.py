@@ -17,11 +17,26 @@ __all__ = ["main"]
 VERBS = ("estimate", "plan", "diagnose", "train", "replay")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `memfit estimate: error: ... (see memfit estimate --help)`, exit 2."""
+
+    def error(self, message: str):  # argparse.ArgumentParser.error prints the usage block first
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def one_line(message: str) -> str:
+    """A message on one line: the line breaks a value brought in (any str.splitlines boundary) shown as `\\n`."""
+    return "\\n".join(str(message).splitlines())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memfit",
         description="Make Hugging Face fine-tuning fit in GPU memory.",
     )
+    from memfit import __version__
+
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb in VERBS:
         try:
@@ -36,14 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a bad flag (its one line already printed)
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 2)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
     except MemfitError as err:
-        print(f"memfit {args.verb}: error: {err}", file=sys.stderr)
+        print(f"memfit {args.verb}: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)

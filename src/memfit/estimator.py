@@ -31,11 +31,18 @@ from memfit.gpus.outside_pytorch import cublas_workspace_bytes
 from memfit.gpus.outside_pytorch import non_pytorch_bytes as _non_pytorch_table
 from memfit.peaks import BREAKDOWN_KEYS, peaks
 from memfit.allocator.bounded import RESOLUTION_BYTES, SteadyState, bounded_reserved
-from memfit.sim.engine import simulate
 from memfit.trace import REPORT_PHASES, TraceEvent
-from memfit.train_setup import TrainSetup
+from memfit.train_setup import TRAINING_ARGS_NAMES, TrainSetup, suggest_name
 
-__all__ = ["MemoryReport", "OomPrediction", "estimate", "REPORT_PHASES"]
+# memfit.sim.engine (torch, transformers: seconds to import) is imported in `estimate` after the cache lookup.
+
+__all__ = ["MemoryReport", "OomPrediction", "estimate", "REPORT_PHASES", "CUDA_MALLOC_ASYNC_NOTE"]
+
+#: `backend:cudaMallocAsync` (CUDAMallocAsyncAllocator.cpp: a pool the CUDA driver manages, cudaMallocAsync /
+#: cudaFreeAsync) has no model in memfit.allocator; the figures are the native allocator's, and the report says so.
+CUDA_MALLOC_ASYNC_NOTE = ("backend:cudaMallocAsync is NOT modelled: the reserved figures, the fit and the OOM message "
+                          "are those of PyTorch's native caching allocator, not of cudaMallocAsync (whose pool the "
+                          "CUDA driver manages); only the allocated figures hold for it")
 
 
 
@@ -111,7 +118,32 @@ class MemoryReport:
     steady_state: SteadyState | None = None
     """Reserved memory over many optimizer steps (memfit.allocator.bounded.steady_state), replayed with
     `capacity_bytes` (without a GPU: `required_bytes`); None without two optimizer steps."""
+    reserved_at_peak_allocated_bytes: int = 0
+    """Reserved memory at the moment of the allocated peak (the moment `breakdown` describes), from the
+    same replay; minus `peak_allocated_bytes` it is what the cache held free for reuse at that moment."""
     trace: list[TraceEvent] = field(repr=False, compare=False, default_factory=list)
+
+    def __repr__(self) -> str:
+        from memfit.units import format_bytes
+
+        gpu = self.gpu["name"] if self.gpu else None
+        return (f"MemoryReport(model={self.model!r}, task={self.task!r}, fits={self.fits}, "
+                f"peak_allocated={format_bytes(self.peak_allocated_bytes)}, "
+                f"peak_reserved={format_bytes(self.peak_reserved_bytes)}, gpu={gpu!r})")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MemoryReport":
+        """The report `to_json` wrote (the cache's entries), without the trace. `steady_state.oom` (the
+        OOM event, not in the JSON) is None; `steady_state.oom_step` says which step runs out."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"trace"}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        if kwargs.get("oom") is not None:
+            kwargs["oom"] = OomPrediction(**kwargs["oom"])
+        if kwargs.get("steady_state") is not None:
+            st = dict(kwargs["steady_state"])
+            st["step_reserved_bytes"] = tuple(st.get("step_reserved_bytes") or ())
+            kwargs["steady_state"] = SteadyState(**st)
+        return cls(**kwargs)
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -173,6 +205,7 @@ def estimate(
     alloc_conf: str | AllocConf | None = None,
     non_pytorch_bytes: int | None = None,
     capacity_bytes: int | None = None,
+    cache: bool = False,
     **fields: Any,
 ) -> MemoryReport:
     """Simulate `setup` (or `TrainSetup(**fields)`, or `TrainSetup(model=setup, **fields)` for a
@@ -188,18 +221,32 @@ def estimate(
         capacity_bytes: memory PyTorch's allocator may use, instead of the GPU's total minus
             memory outside PyTorch (the planner passes its budget, which keeps a margin free);
             needs `gpu`.
-        **fields: TrainSetup fields.
+        cache: read and write memfit's cache of results (memfit.cache; the CLI's default). A result
+            read from it has no `trace`.
+        **fields: TrainSetup fields (or TrainingArguments names such as `fp16=True`).
     """
     started = time.perf_counter()
+    setup_names = {f.name for f in dataclasses.fields(TrainSetup)}
+    for key in fields:
+        if key not in setup_names and key not in TRAINING_ARGS_NAMES:
+            raise MemfitError(f"estimate() got an unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
+                              "its keywords are TrainSetup fields (they mirror TrainingArguments names)")
     if setup is None:
-        setup = TrainSetup(**fields)
+        if "model" not in fields:
+            raise MemfitError("estimate() needs a model: pass a model id (`estimate(\"bert-base-uncased\")`), "
+                              "a TrainSetup, or model=...")
+        setup = TrainSetup.from_kwargs(**fields)
     elif isinstance(setup, str):  # a model id: estimate("bert-base-uncased", per_device_train_batch_size=4)
-        setup = TrainSetup(model=setup, **fields)
+        setup = TrainSetup.from_kwargs(setup, **fields)
     elif not isinstance(setup, TrainSetup):
         raise MemfitError(f"setup `{type(setup).__name__}` is not a TrainSetup; pass TrainSetup(...), "
                           "TrainSetup.from_kwargs(model, training_args={...}) or a model id")
     elif fields:
-        setup = setup.replace(**fields)
+        if any(k not in setup_names for k in fields):  # TrainingArguments names (fp16=True): through from_kwargs
+            base = {f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)}
+            setup = TrainSetup.from_kwargs(base.pop("model"), training_args=fields, **base)
+        else:
+            setup = setup.replace(**fields)
     spec = as_gpu_spec(gpu)
     if capacity_bytes is not None:
         if spec is None:
@@ -216,8 +263,29 @@ def estimate(
         conf = parse_alloc_conf(alloc_conf)
     else:
         conf = alloc_conf
+    key = None
+    if cache and not (isinstance(gpu, str) and gpu.strip().lower() == "auto"):
+        from memfit import cache as _cache
+
+        key = _cache.estimate_key(setup, gpu=spec, conf=conf, non_pytorch_bytes=non_pytorch_bytes,
+                                  capacity_bytes=capacity_bytes)
+        stored = _cache.load_entry(key) if key is not None else None
+        if stored is not None:
+            try:
+                hit = MemoryReport.from_json(stored)
+            except (TypeError, ValueError, KeyError):  # an entry of another shape: ignored, recomputed
+                hit = None
+            if hit is not None:
+                return dataclasses.replace(
+                    hit, elapsed_s=round(time.perf_counter() - started, 3),
+                    notes=[*hit.notes, f"read from memfit's cache (simulated in {hit.elapsed_s:.1f} s before; "
+                                       "--no-cache simulates again)"])
+    from memfit.sim.engine import simulate
+
     sim = simulate(setup)
-    notes = list(sim.notes)
+    notes = list(sim.notes) + [n for n in conf.notes if "cudaMallocAsync" not in n]
+    if conf.backend == "cudaMallocAsync":
+        notes.insert(0, CUDA_MALLOC_ASYNC_NOTE)
     trace = sim.trace
     workspace = cublas_workspace_bytes(spec) if spec is not None else 0
     trace = _with_workspaces(trace, workspace)
@@ -274,7 +342,7 @@ def estimate(
     phases = {p: tp.by_phase[p].bytes for p in REPORT_PHASES if p in tp.by_phase}
     if not setup.does_eval:
         phases["eval"] = 0
-    return MemoryReport(
+    report = MemoryReport(
         model=sim.model_name, model_type=sim.model_type, task=setup.task, params=sim.params,
         trainable_params=sim.trainable_params, peak_allocated_bytes=tp.overall.bytes, peak_phase=tp.phase_of_peak,
         phases=phases, breakdown={k: tp.overall.breakdown.get(k, 0) for k in BREAKDOWN_KEYS + ("workspaces",)},
@@ -292,7 +360,13 @@ def estimate(
         elapsed_s=round(time.perf_counter() - started, 3), capacity_bytes=capacity, required_bytes=required,
         shortfall_bytes=shortfall, uncapped_peak_reserved_bytes=bounded.uncapped.peak_reserved_bytes,
         steady_state=bounded.steady, trace=trace,
+        reserved_at_peak_allocated_bytes=alloc.reserved_at_peak_allocated_bytes,
     )
+    if key is not None:
+        from memfit import cache as _cache
+
+        _cache.store_entry(key, report.to_json())
+    return report
 
 
 def _reserved_by_phase(alloc, does_eval: bool, stopped: bool) -> dict[str, int | None]:
@@ -335,4 +409,6 @@ def _conf_text(conf: AllocConf) -> str:
         parts.append("expandable_segments:True")
     if conf.garbage_collection_threshold is not None:
         parts.append(f"garbage_collection_threshold:{conf.garbage_collection_threshold}")
+    if conf.backend != "native":
+        parts.append(f"backend:{conf.backend}")
     return ",".join(parts)

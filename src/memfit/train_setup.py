@@ -8,14 +8,17 @@ write (`evaluation_strategy`, ...) and record a note instead of raising a TypeEr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
 
-__all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "LEGACY_ARG_NAMES"]
+__all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
+           "normalize_arg_names", "suggest_name", "read_args_file"]
 
 #: task name -> the Auto class head it builds (transformers.AutoModelFor...).
 TASKS = {
@@ -41,13 +44,106 @@ OPTIMIZERS = (
     "adafactor", "sgd", "adamw_bnb_8bit", "adamw_8bit", "adagrad", "rmsprop",
 )
 
-#: Renamed or removed TrainingArguments names old scripts still pass (transformers 4.x -> 5.x).
+#: The fields of `transformers.TrainingArguments` in transformers 5.24 (`dataclasses.fields(TrainingArguments)`;
+#: tests/test_args.py checks this list against the installed transformers). Kept as text so that reading an
+#: arguments file does not import transformers (about 2 s).
+TRAINING_ARGS_NAMES = frozenset("""
+accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_beta1 adam_beta2 adam_epsilon
+auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16 bf16_full_eval data_seed
+dataloader_drop_last dataloader_in_order dataloader_multiprocessing_context dataloader_num_workers
+dataloader_persistent_workers dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers
+ddp_bucket_cap_mb ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
+do_predict do_train enable_jit_checkpoint eval_accumulation_steps eval_delay eval_do_concat_batches eval_on_start
+eval_steps eval_strategy eval_use_gather_object fp16 fp16_full_eval fsdp fsdp_config full_determinism
+gradient_accumulation_steps gradient_checkpointing gradient_checkpointing_kwargs greater_is_better hub_always_push
+hub_model_id hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
+include_num_input_tokens_seen label_names label_smoothing_factor learning_rate length_column_name
+liger_kernel_config load_best_model_at_end local_rank log_level log_level_replica log_on_each_node
+logging_first_step logging_nan_inf_filter logging_steps logging_strategy lr_scheduler_kwargs lr_scheduler_type
+max_grad_norm max_steps metric_for_best_model neftune_noise_alpha num_train_epochs optim optim_args
+optim_target_modules output_dir parallelism_config per_device_eval_batch_size per_device_train_batch_size
+prediction_loss_only project push_to_hub remove_unused_columns report_to restore_callback_states_from_checkpoint
+resume_from_checkpoint run_name save_on_each_node save_only_model save_steps save_strategy save_total_limit seed
+skip_memory_metrics tf32 torch_compile torch_compile_backend torch_compile_mode torch_empty_cache_steps
+trackio_bucket_id trackio_space_id trackio_static_space_id train_sampling_strategy use_cache use_cpu
+use_liger_kernel warmup_steps weight_decay
+""".split())
+
+#: Names old scripts still pass that transformers 5.24's TrainingArguments does not have (none of them is in
+#: TRAINING_ARGS_NAMES), -> the current name, or None when the setting is gone. Read with a note, not a TypeError.
 LEGACY_ARG_NAMES = {
     "evaluation_strategy": "eval_strategy",  # renamed in transformers 4.41, removed in 5.0
-    "no_cuda": "use_cpu",
+    "no_cuda": "use_cpu",  # deprecated in 4.x for use_cpu, removed in 5.0
+    "per_gpu_train_batch_size": "per_device_train_batch_size",  # removed in 5.0
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",
+    "warmup_ratio": "warmup_steps",  # 5.x: a float in [0, 1) in warmup_steps is a ratio (training_args.py)
+    "include_inputs_for_metrics": "include_for_metrics",
+    "max_seq_length": "max_length",  # TRL's SFTConfig name (renamed max_length in TRL 0.20); memfit's padded length
     "overwrite_output_dir": None,
     "logging_dir": None,
+    "save_safetensors": None,  # 5.x always saves safetensors
+    "use_mps_device": None,
 }
+
+#: TrainingArguments settings that change GPU memory but that memfit does not simulate: a note when set.
+_NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "use_liger_kernel", "auto_find_batch_size",
+                      "torch_empty_cache_steps", "activation_checkpointing")
+
+#: Names people guess for a TrainSetup field (the API's `estimate(model, batch_size=4)`) -> the field.
+_COMMON_GUESSES = {
+    "batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
+    "micro_batch_size": "per_device_train_batch_size", "eval_batch_size": "per_device_eval_batch_size",
+    "grad_accum": "gradient_accumulation_steps", "gradient_accumulation": "gradient_accumulation_steps",
+    "accumulation_steps": "gradient_accumulation_steps", "seq_len": "max_length", "seq_length": "max_length",
+    "sequence_length": "max_length", "max_seq_len": "max_length", "dtype": "weights_dtype",
+    "torch_dtype": "weights_dtype", "mixed_precision": "precision", "optimizer": "optim",
+    "attn": "attn_implementation", "lora_rank": "lora_r",
+}
+
+
+def suggest_name(name: Any, valid: "set[str] | frozenset[str]") -> str:
+    """` (did you mean `x`?)` for a misspelt setting name, or '' (difflib over `valid`)."""
+    key = str(name)
+    if key in _COMMON_GUESSES and _COMMON_GUESSES[key] in valid:
+        return f" (did you mean `{_COMMON_GUESSES[key]}`?)"
+    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def _setup_field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(TrainSetup)} - {"notes"}
+
+
+def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments") -> tuple[dict[str, Any], list[str]]:
+    """Check the names of a dict of TrainingArguments kwargs (or TrainSetup fields): legacy names are
+    renamed (or dropped when the setting is gone) with a note; an unknown name is a MemfitError naming the
+    closest valid one. Returns (the renamed dict, notes).
+
+    Args:
+        data: TrainingArguments kwargs and/or TrainSetup fields, as read from a JSON file.
+        source: where they came from, for the messages (`--args a.json`).
+    """
+    valid = TRAINING_ARGS_NAMES | _setup_field_names()
+    out: dict[str, Any] = {}
+    notes: list[str] = []
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise MemfitError(f"setting name `{key!r}` in {source} is not a string")
+        if key in LEGACY_ARG_NAMES:
+            new = LEGACY_ARG_NAMES[key]
+            if new is None:
+                notes.append(f"`{key}` in {source} was removed from TrainingArguments in transformers 5; ignored")
+                continue
+            notes.append(f"`{key}` in {source} is the old name of `{new}` (transformers 5 raises TypeError on it); "
+                         f"read as `{new}`")
+            if new in data:
+                raise MemfitError(f"{source} gives both `{key}` and its new name `{new}`; keep only `{new}`")
+            key = new
+        elif key not in valid:
+            raise MemfitError(f"unknown setting `{key}` in {source}{suggest_name(key, valid)}; it is neither a "
+                              "TrainingArguments argument (transformers 5) nor a memfit TrainSetup field")
+        out[key] = value
+    return out, notes
 
 #: TrainingArguments names that affect GPU memory -> TrainSetup field.
 _ARG_TO_FIELD = {
@@ -128,6 +224,7 @@ class TrainSetup:
     """What memfit changed or assumed while reading the inputs (legacy names, ...)."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.task is not None:
             task = _TASK_ALIASES.get(str(self.task).lower(), str(self.task).lower())
             if task not in TASKS:
@@ -201,40 +298,39 @@ class TrainSetup:
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def from_kwargs(cls, model: Any = None, *, training_args: dict[str, Any] | None = None, **fields: Any) -> "TrainSetup":
-        """Build from TrainSetup fields plus a dict of TrainingArguments kwargs (legacy names allowed)."""
+    def from_kwargs(cls, model: Any = None, *, training_args: dict[str, Any] | None = None,
+                    args_source: str | None = None, **fields: Any) -> "TrainSetup":
+        """Build from TrainSetup fields plus a dict of TrainingArguments kwargs.
+
+        Args:
+            model: the model (hub id, directory, config, nn.Module); None: `training_args["model"]`, else
+                the TrainSetup default.
+            training_args: TrainingArguments kwargs (legacy names read with a note, unknown names a
+                MemfitError naming the closest valid one); TrainSetup fields (`max_length`, `model`, ...)
+                are accepted there too. TrainingArguments settings that do not change GPU memory
+                (learning_rate, ...) are checked by name and not used.
+            args_source: where `training_args` came from, for the notes (an arguments file's path).
+            **fields: TrainSetup fields, or TrainingArguments names (`fp16=True`); they win over
+                `training_args`, with a note when they change a value given there.
+        """
         notes: list[str] = list(fields.pop("notes", []))
-        merged: dict[str, Any] = {}
-        for key, value in (training_args or {}).items():
-            if key in LEGACY_ARG_NAMES:
-                new = LEGACY_ARG_NAMES[key]
-                if new is None:
-                    notes.append(f"`{key}` was removed from TrainingArguments in transformers 5; ignored")
-                    continue
-                notes.append(
-                    f"`{key}` is the old name of `{new}` (transformers 5 raises TypeError on it); read as `{new}`"
-                )
-                key = new
-            if key in ("fp16", "bf16"):
-                if value:
-                    if merged.get("precision") not in (None, key):
-                        raise MemfitError("`fp16=True` and `bf16=True` were both given; choose one")
-                    merged["precision"] = key
-                continue
-            if key == "gradient_checkpointing_kwargs":
-                continue
-            if key in _ARG_TO_FIELD:
-                merged[_ARG_TO_FIELD[key]] = value
-        for key in ("optim", "eval_strategy"):  # TrainingArguments holds enums (OptimizerNames, IntervalStrategy)
-            if merged.get(key) is not None:
-                merged[key] = str(getattr(merged[key], "value", merged[key]))
-        merged.update(fields)
+        setup_names = _setup_field_names()
+        for key in fields:
+            if key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES:
+                raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
+                                  "TrainSetup fields mirror TrainingArguments names")
+        source = args_source or "the training arguments"
+        base = _merge_arg_values(training_args or {}, notes, source=source)
+        over = _merge_arg_values({k: v for k, v in fields.items() if k not in setup_names}, notes, source="the keywords")
+        over.update({k: v for k, v in fields.items() if k in setup_names})
+        for key, value in over.items():
+            if key in base and base[key] != value and key != "model":
+                notes.append(f"`{key}` given twice: {value!r} overrides {base[key]!r} of {source}")
+        merged = {**base, **over}
         if model is not None:
+            if "model" in merged and merged["model"] != model:
+                notes.append(f"model `{model}` overrides `{merged['model']}` of {source}")
             merged["model"] = model
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(merged) - valid)
-        if unknown:
-            raise MemfitError(f"unknown setting `{unknown[0]}`; valid names are: {', '.join(sorted(valid))}")
         return cls(notes=notes, **merged)
 
     @classmethod
@@ -245,21 +341,93 @@ class TrainSetup:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, model: Any = None, **fields: Any) -> "TrainSetup":
-        """Build from a JSON file of TrainingArguments kwargs, e.g. `{"per_device_train_batch_size": 1, ...}`."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except FileNotFoundError as err:
-            raise MemfitError(f"arguments file `{path}` does not exist; pass a JSON file of TrainingArguments kwargs") from err
-        except (OSError, UnicodeDecodeError) as err:
-            raise MemfitError(f"cannot read arguments file `{path}`: {err}") from err
-        except json.JSONDecodeError as err:
-            raise MemfitError(f"arguments file `{path}` is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from err
-        if not isinstance(data, dict):
-            raise MemfitError(f"arguments file `{path}` must hold a JSON object of TrainingArguments kwargs, not `{type(data).__name__}`")
-        return cls.from_kwargs(model, training_args=data, **fields)
+        """Build from a JSON file of TrainingArguments kwargs, e.g. `{"per_device_train_batch_size": 1, ...}`;
+        TrainSetup fields (`"model"`, `"max_length"`) may be in it too. `fields` win over the file."""
+        data, notes = normalize_arg_names(read_args_file(path), source=f"`{path}`")
+        fields["notes"] = [*fields.get("notes", []), *notes]
+        return cls.from_kwargs(model, training_args=data, args_source=f"`{path}`", **fields)
+
+
+def read_args_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object of an arguments file (`--args`), or a one-line MemfitError saying what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError as err:
+        raise MemfitError(f"arguments file `{path}` does not exist; pass a JSON file of TrainingArguments kwargs") from err
+    except IsADirectoryError as err:
+        raise MemfitError(f"arguments file `{path}` is a directory; pass a JSON file of TrainingArguments kwargs") from err
+    except UnicodeDecodeError as err:
+        raise MemfitError(f"arguments file `{path}` is not UTF-8 text (byte {err.start}); save it as UTF-8 JSON") from err
+    except OSError as err:
+        raise MemfitError(f"cannot read arguments file `{path}`: {err.strerror or err}") from err
+    except json.JSONDecodeError as err:
+        raise MemfitError(f"arguments file `{path}` is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from err
+    except RecursionError as err:
+        raise MemfitError(f"arguments file `{path}` is nested too deeply to read; pass a flat JSON object") from err
+    if not isinstance(data, dict):
+        raise MemfitError(f"arguments file `{path}` must hold a JSON object of TrainingArguments kwargs, not `{type(data).__name__}`")
+    return data
+
+
+def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str) -> dict[str, Any]:
+    """TrainingArguments kwargs (and TrainSetup fields) -> TrainSetup fields; appends notes."""
+    data, more = normalize_arg_names(data, source=source)
+    notes.extend(more)
+    setup_names = _setup_field_names()
+    merged: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("fp16", "bf16"):
+            if not isinstance(value, bool):
+                raise MemfitError(f"`{key}` must be true or false; got `{value!r}`")
+            if value:
+                if merged.get("precision") not in (None, key):
+                    raise MemfitError("`fp16=True` and `bf16=True` were both given; choose one")
+                merged["precision"] = key
+            continue
+        if key in _NOT_MODELLED_ARGS and value not in (None, False, "", [], {}, 0):
+            notes.append(f"`{key}` is set but not modelled by memfit: the estimate is of a run without it")
+            continue
+        if key in _ARG_TO_FIELD:
+            merged[_ARG_TO_FIELD[key]] = value
+        elif key in setup_names:
+            merged[key] = value
+    for key in ("optim", "eval_strategy"):  # TrainingArguments holds enums (OptimizerNames, IntervalStrategy)
+        if merged.get(key) is not None:
+            merged[key] = str(getattr(merged[key], "value", merged[key]))
+    return merged
 
 
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise MemfitError(f"`{name}` must be a positive integer; got `{value!r}`")
+
+
+def _check_types(setup: "TrainSetup") -> None:
+    """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
+    for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
+                 "offload_optimizer_state"):
+        value = getattr(setup, name)
+        if not isinstance(value, bool):
+            raise MemfitError(f"`{name}` must be true or false; got `{value!r}`")
+    for name in ("weight_decay", "max_grad_norm", "lora_dropout"):
+        value = getattr(setup, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise MemfitError(f"`{name}` must be a finite number; got `{value!r}`")
+    if isinstance(setup.lora_alpha, bool) or not isinstance(setup.lora_alpha, (int, float)) or setup.lora_alpha <= 0:
+        raise MemfitError(f"`lora_alpha` must be a positive number; got `{setup.lora_alpha!r}`")
+    for name in ("task", "precision", "weights_dtype", "optim", "eval_strategy", "attn_implementation"):
+        value = getattr(setup, name)
+        if value is not None and not isinstance(value, str):
+            raise MemfitError(f"`{name}` must be a string; got `{value!r}`")
+    if setup.example_lengths is not None and not isinstance(setup.example_lengths, (list, tuple)):
+        raise MemfitError(f"`example_lengths` must be a list of token counts; got `{setup.example_lengths!r}`")
+    mods = setup.lora_target_modules
+    if mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
+        raise MemfitError(f"`lora_target_modules` must be a list of module names; got `{mods!r}`")
+    cc = setup.compute_capability
+    if not (isinstance(cc, (list, tuple)) and len(cc) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in cc)):
+        raise MemfitError(f"`compute_capability` must be two integers like `(8, 0)`; got `{cc!r}`")
+    if not isinstance(setup.notes, list):
+        raise MemfitError(f"`notes` must be a list of strings; got `{setup.notes!r}`")

@@ -165,9 +165,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
     text, source = _read_source(args)
     setup = None
     if args.model is not None or args.args_file is not None:
-        if args.model is None:
-            raise MemfitError("`--args` needs `--model` too: the model of the run that failed")
-        setup, _, _ = build_setup(args)
+        setup, _, _ = build_setup(args)  # `--args` without `--model`: the file's "model", else a MemfitError
     saved = _saved_plan(args.plan_file) if args.plan_file else None
     d = diagnose(text, lang=args.lang, setup=setup)
     gpu_processes = _gpu_processes() if d.is_oom else []

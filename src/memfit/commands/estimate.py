@@ -1,6 +1,7 @@
 """`memfit estimate MODEL`: peak GPU memory of fine-tuning MODEL, without a GPU or weights.
 
-    memfit estimate                                   # the built-in default: the seed case
+    memfit estimate                                   # the built-in example (xlnet-large-cased on a V100)
+    memfit estimate bert-base-uncased --gpu T4 --check  # exit 1 when it does not fit (CI)
     memfit estimate xlnet-large-cased --task seq-cls --num-labels 2 --batch-size 1 --max-length 512
     memfit estimate meta-llama/Llama-3.2-1B --task causal-lm --precision bf16 --gpu A100-40GB --json
 """
@@ -14,9 +15,11 @@ import sys
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
 
-__all__ = ["estimate_command_parser", "estimate_command", "add_setup_arguments", "build_setup", "SEED_CASE"]
+__all__ = ["estimate_command_parser", "estimate_command", "add_setup_arguments", "build_setup", "SEED_CASE",
+           "SEED_CASE_TEXT", "check_line"]
 
-#: The case in shared/seed-summary.md: xlnet-large-cased, batch 1 x accumulation 16, a V100-16GB.
+#: The built-in default of `memfit estimate` / `memfit plan` without a model: fine-tuning xlnet-large-cased for
+#: 2-label sequence classification, batch 1 x accumulation 16, 512 tokens, evaluation every epoch, on a 16 GB V100.
 SEED_CASE = {
     "model": "xlnet-large-cased", "task": "seq-cls", "num_labels": 2,
     "training_args": {"evaluation_strategy": "epoch", "save_strategy": "epoch", "learning_rate": 2e-5,
@@ -30,13 +33,18 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "estimate", help="peak GPU memory of a fine-tuning run (no GPU, no weights)",
         description="Simulate a Hugging Face Trainer fine-tuning run on fake tensors and report its peak GPU "
-                    "memory per phase and by category. Without MODEL: the seed case (xlnet-large-cased on a "
-                    "16 GB V100, batch 1 x accumulation 16, 512 tokens).",
+                    "memory per phase and by category. Without MODEL: a built-in example (fine-tuning "
+                    "xlnet-large-cased on a 16 GB V100, batch 1 x accumulation 16, 512 tokens). Exit codes: 0 done, "
+                    "1 does not fit (with --check), 2 bad input.",
     )
     add_setup_arguments(p)
     p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
     p.add_argument("--snapshot", default=None, metavar="FILE.pickle",
                    help="also write the simulated run as a torch.cuda.memory snapshot (open it at pytorch.org/memory_viz)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 (with one line on stderr) when the run does not fit --gpu, for scripts and CI")
+    p.add_argument("--no-cache", action="store_true",
+                   help="simulate even when memfit's cache ($MEMFIT_CACHE_DIR, else ~/.cache/memfit) holds the result")
     p.set_defaults(func=estimate_command)
     return p
 
@@ -74,7 +82,8 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="attention implementation")
     p.add_argument("--freeze-embeddings", action="store_true", default=None, help="the input embeddings are frozen")
     p.add_argument("--freeze-layers", type=int, default=None, help="the lowest N blocks are frozen")
-    p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs (legacy names accepted)")
+    p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs and memfit settings (\"model\", \"max_length\", ...); "
+                        "legacy names are read with a note, unknown names are an error; a flag wins over the file")
     if model_option:
         return
     p.add_argument("--gpu", default=None, help="V100-16GB, A100-80GB, ..., a size like 24GiB, or auto")
@@ -119,6 +128,20 @@ def build_setup(args: argparse.Namespace):
     if args.lora_target_modules:
         fields["lora_target_modules"] = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
     gpu = getattr(args, "gpu", None)
+    use_cache = getattr(args, "func", None) is estimate_command and not getattr(args, "no_cache", False)
+    if args.args_file:  # memfit.commands._args: the reader of every verb
+        from memfit.commands._args import read_args
+
+        data, notes = read_args(args.args_file)
+        if args.model is None and data.get("model") is None:
+            flag = "--model MODEL" if getattr(args, "verb", None) == "diagnose" else "MODEL"
+            raise MemfitError(f"`--args {args.args_file}` names no model: pass {flag} as well, or put "
+                              f"\"model\": \"<hub id or directory>\" in the file")
+        fields["notes"] = notes
+        if use_cache and "task" not in fields and data.get("task") is None:
+            _cached_task(args.model if args.model is not None else data.get("model"), fields)
+        return TrainSetup.from_kwargs(args.model, training_args=data, args_source=f"`{args.args_file}`",
+                                      **fields), gpu, False
     if args.model is None:
         seed = dict(SEED_CASE)
         gpu = gpu or seed.pop("gpu")
@@ -127,9 +150,25 @@ def build_setup(args: argparse.Namespace):
         model = seed.pop("model")
         seed.update(fields)
         return TrainSetup.from_kwargs(model, training_args=training_args, **seed), gpu, True
-    if args.args_file:
-        return TrainSetup.from_json(args.args_file, args.model, **fields), gpu, False
+    if use_cache and "task" not in fields:
+        _cached_task(args.model, fields)
     return TrainSetup.from_kwargs(args.model, **fields), gpu, False
+
+
+def _cached_task(model, fields: dict) -> None:
+    """Set `task` (and its note, last, where TrainSetup would put it) from memfit's cache of model tasks, so
+    that a cached estimate never imports transformers; nothing when the model cannot be keyed."""
+    from memfit.cache import default_task
+
+    found = default_task(model)
+    if found is not None:
+        fields["task"] = found[0]
+        fields["notes"] = [*fields.get("notes", []), found[1]]
+
+
+SEED_CASE_TEXT = ("No model given: the built-in example, fine-tuning xlnet-large-cased for 2-label classification "
+                  "(batch 1 x accumulation 16, 512 tokens, evaluation every epoch) on a 16 GB V100; "
+                  "pass a model id to estimate your own run.")
 
 
 def estimate_command(args: argparse.Namespace) -> int:
@@ -150,7 +189,11 @@ def estimate_command(args: argparse.Namespace) -> int:
 
         check_snapshot_path(args.snapshot)  # fail before the simulation, not after it
     setup, gpu, is_seed = build_setup(args)
-    report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf)
+    if args.check and gpu is None:
+        raise MemfitError("`--check` needs a GPU to check against: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
+                          "or `--gpu auto` on a machine with a GPU")
+    report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf,
+                      cache=not args.no_cache and args.snapshot is None)  # a snapshot needs the trace
     if args.snapshot is not None:
         from memfit.allocator.export import write_run_snapshot
 
@@ -160,15 +203,29 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.json:
         json.dump(report.to_json(), sys.stdout, indent=2)
         print()
-        return 0
-    render(report, is_seed=is_seed)
+    else:
+        render(report, is_seed=is_seed)
+    if args.check and not report.fits:
+        print(f"memfit estimate --check: {check_line(report)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_line(report) -> str:
+    """One line saying that (and by how much) the run does not fit its GPU."""
+    gpu = report.gpu["name"] if report.gpu else "the GPU"
+    if report.shortfall_bytes is not None:
+        return (f"does not fit {gpu}: short by {format_bytes(report.shortfall_bytes)} (needs "
+                f"{format_bytes(report.required_bytes + report.non_pytorch_bytes)} of GPU memory)")
+    return f"does not fit {gpu}"
 
 
 def reserved_lines(report) -> list[str]:
     """The text lines about reserved memory: on the GPU (or the smallest one), the steady state."""
     out = []
-    frag = f"(reserved but unallocated at that moment: {format_bytes(report.fragmentation_at_peak_bytes)})"
+    cached_free = report.reserved_at_peak_allocated_bytes - report.peak_allocated_bytes
+    frag = (f"(at the allocated peak above: reserved {format_bytes(report.reserved_at_peak_allocated_bytes)}, of which "
+            f"{format_bytes(max(0, cached_free))} cached for reuse: freed blocks the allocator keeps, not lost)")
     if report.gpu is not None:
         until = ", until the OOM" if report.oom is not None else ""
         out.append(f"peak reserved (caching allocator, {format_bytes(report.capacity_bytes)} available to PyTorch"
@@ -202,8 +259,11 @@ def render(report, *, is_seed: bool = False) -> None:
     s = report.setup
     title = f"memfit estimate: {report.model} ({report.task})"
     if is_seed:
-        console.print("[dim]No model given: estimating the built-in default, the case of shared/seed-summary.md "
-                      "(xlnet-large-cased, batch 1 x accumulation 16, 512 tokens, V100-16GB).[/dim]")
+        console.print(f"[dim]{SEED_CASE_TEXT}[/dim]", markup=True)
+    if "backend:cudaMallocAsync" in (report.alloc_conf or ""):
+        from memfit.estimator import CUDA_MALLOC_ASYNC_NOTE
+
+        console.print(f"[yellow]warning:[/yellow] {CUDA_MALLOC_ASYNC_NOTE}", markup=True)
     console.print(f"[bold]{title}[/bold]")
     console.print(
         f"params {report.params / 1e6:,.1f} M (trainable {report.trainable_params / 1e6:,.1f} M) | "

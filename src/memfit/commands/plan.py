@@ -1,6 +1,6 @@
 """`memfit plan MODEL --gpu GPU`: the fastest configuration that fits, and the exact change.
 
-    memfit plan                                        # the seed case on a V100-16GB
+    memfit plan                                        # the built-in example (xlnet-large-cased) on a V100-16GB
     memfit plan xlnet-large-cased --batch-size 1 --grad-accum 16 --max-length 2048 --gpu V100-16GB
     memfit plan meta-llama/Llama-3.2-1B --task causal-lm --gpu T4 --allow lora,truncation --json
 """
@@ -28,6 +28,9 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     add_setup_arguments(p)
     p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, freeze, offload (comma-separated)")
     p.add_argument("--margin", type=float, default=None, help="fraction of the GPU kept free (default 0.05)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 (with one line on stderr) when the setup as given does not fit, even when a plan "
+                        "does; for scripts and CI")
     p.set_defaults(func=plan_command)
     return p
 
@@ -44,8 +47,12 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2, default=str)
         print()
-        return 0 if (result.fits_as_is or result.chosen is not None) else 1
-    render(result, is_seed=is_seed)
+    else:
+        render(result, is_seed=is_seed)
+    if args.check and not result.fits_as_is:
+        fix = f"plan {result.chosen} fits" if result.chosen is not None else "no plan fits"
+        print(f"memfit plan --check: the setup as given does not fit {result.gpu['name']} ({fix})", file=sys.stderr)
+        return 1
     return 0 if (result.fits_as_is or result.chosen is not None) else 1
 
 
@@ -102,8 +109,9 @@ def render(result, *, is_seed: bool = False) -> None:
     g = result.gpu
     b = result.baseline
     if is_seed:
-        c.print("[dim]No model given: planning the seed case (xlnet-large-cased, batch 1 x accumulation 16, 512 "
-                "tokens) for a V100-16GB.[/dim]")
+        from memfit.commands.estimate import SEED_CASE_TEXT
+
+        c.print(f"[dim]{SEED_CASE_TEXT.replace('to estimate', 'to plan')}[/dim]")
     state = "[green]fits[/green]" if result.fits_as_is else "[red]does not fit[/red]"
     c.print(f"[bold]As is[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): nvidia-smi would show "
             f"~{format_bytes(b.device_used_bytes)}; budget with {result.margin:.0%} margin {format_bytes(result.budget_bytes)}")

@@ -142,6 +142,12 @@ def replay_command(args: argparse.Namespace) -> int:
                           "(kLargeBuffer); use e.g. `--max-split-size-mb 128`")
     if args.device < 0:
         raise MemfitError(f"--device `{args.device}` is negative; give the CUDA device index, e.g. `--device 0`")
+    from memfit.allocator.conf import parse_alloc_conf
+
+    for text in args.what_if:  # checked before the snapshot is read
+        if parse_alloc_conf(text).backend == "cudaMallocAsync":
+            raise MemfitError(f"--what-if `{text}`: backend:cudaMallocAsync is not modelled (its pool is managed by "
+                              "the CUDA driver), so memfit cannot say what it would have done; drop it")
     memory = None
     if args.gpu is not None:
         from memfit.gpus.catalog import resolve_gpu

@@ -169,31 +169,36 @@ class _Examples:
 
 
 def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[str, Any], list[str]]:
-    from memfit.train_setup import LEGACY_ARG_NAMES
+    """TrainingArguments kwargs from `--args` (memfit.commands._args, the reader of every verb) and the
+    flags; a flag wins over the file, with a note. `output_dir` and `use_cpu` stay in the result for the
+    caller (it passes them to TrainingArguments once)."""
+    import dataclasses
+
+    from memfit.commands._args import FORCED_BY_TRAIN, flag_wins, train_kwargs_from_file
+    from memfit.train_setup import TrainSetup
 
     notes: list[str] = []
     kwargs: dict[str, Any] = {}
+    source = args.args_file or None
     if args.args_file:
-        try:
-            with open(args.args_file, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except FileNotFoundError as err:
-            raise MemfitError(f"arguments file `{args.args_file}` does not exist; pass a JSON file of "
-                              "TrainingArguments kwargs") from err
-        except json.JSONDecodeError as err:
-            raise MemfitError(f"arguments file `{args.args_file}` is not valid JSON ({err.msg} at line {err.lineno}); "
-                              "fix the file") from err
-        if not isinstance(data, dict):
-            raise MemfitError(f"arguments file `{args.args_file}` must hold a JSON object, not `{type(data).__name__}`")
-        for key, value in data.items():
-            if key in LEGACY_ARG_NAMES:
-                new = LEGACY_ARG_NAMES[key]
-                if new is None:
-                    notes.append(f"`{key}` was removed from TrainingArguments in transformers 5; ignored")
-                    continue
-                notes.append(f"`{key}` is the old name of `{new}`; read as `{new}`")
-                key = new
-            kwargs[key] = value
+        kwargs, extra, notes = train_kwargs_from_file(args.args_file, {f.name for f in dataclasses.fields(TrainSetup)})
+        for name in ("max_length", "num_labels"):  # TrainSetup fields train has flags for
+            if name in extra:
+                if getattr(args, name) is None:
+                    value = extra[name]
+                    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                        raise MemfitError(f"`{name}` in `{source}` must be a positive integer; got `{value!r}`")
+                    setattr(args, name, value)
+                elif getattr(args, name) != extra[name]:
+                    notes.append(f"`--{name.replace('_', '-')} {getattr(args, name)}` overrides `{name}: "
+                                 f"{extra[name]!r}` of `{source}` (the flag wins)")
+    if args.output_dir is not None:
+        if "output_dir" in kwargs:
+            flag_wins(kwargs, "output_dir", args.output_dir, "--output-dir", notes, source)
+        else:
+            kwargs["output_dir"] = args.output_dir
+    elif "output_dir" in kwargs and not isinstance(kwargs["output_dir"], str):
+        raise MemfitError(f"`output_dir` in `{source}` must be a folder path; got `{kwargs['output_dir']!r}`")
     defaults = {"per_device_train_batch_size": 32 if is_default else 8, "num_train_epochs": 2.0 if is_default else 3.0,
                 "learning_rate": 5e-5 if is_default else 2e-5, "eval_strategy": "epoch" if is_default else "no",
                 "save_strategy": "epoch", "seed": 42}
@@ -203,7 +208,7 @@ def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[s
                        ("eval_strategy", "eval_strategy"), ("save_strategy", "save_strategy"), ("seed", "seed")):
         value = getattr(args, flag)
         if value is not None:
-            kwargs[name] = value
+            flag_wins(kwargs, name, value, f"--{flag.replace('_', '-')}", notes, source)
         elif name in defaults and name not in kwargs:
             kwargs[name] = defaults[name]
     if is_default and args.eval_batch_size is None and "per_device_eval_batch_size" not in kwargs:
@@ -219,7 +224,7 @@ def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[s
                      "default; put \"save_total_limit\": null in --args to keep all); checkpoints of earlier runs "
                      "are never deleted")
     kwargs.setdefault("logging_strategy", "no")
-    kwargs.update(report_to="none", disable_tqdm=True)
+    kwargs.update(FORCED_BY_TRAIN)
     return kwargs, notes
 
 
@@ -315,7 +320,11 @@ def train_command(args: argparse.Namespace) -> int:
                               "or pass a model directory")
     else:
         _check_model_dir(model_dir, args.model)
-    output_dir = args.output_dir or "memfit-train-out"
+    kwargs, notes = _training_kwargs(args, is_default)  # before the checks: the file may set output_dir, max_length
+    output_dir = kwargs.pop("output_dir", None) or "memfit-train-out"
+    use_cpu = kwargs.pop("use_cpu", None)
+    if use_cpu is not None and not isinstance(use_cpu, bool):
+        raise MemfitError(f"`use_cpu` in `{args.args_file}` must be true or false; got `{use_cpu!r}`")
     _check_output_dir(output_dir, model_dir)
     budget = args.budget or (DEFAULT_BUDGET if is_default and args.gpu is None else None)
     budget_bytes = None
@@ -352,7 +361,6 @@ def train_command(args: argparse.Namespace) -> int:
     if top >= num_labels:
         raise MemfitError(f"label `{top}` does not fit a head of {num_labels} labels (ids 0..{num_labels - 1}); "
                           "pass --num-labels or fix the labels")
-    kwargs, notes = _training_kwargs(args, is_default)
     max_length = args.max_length or 128
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and args.max_length is not None and max_length > positions:
@@ -367,7 +375,8 @@ def train_command(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        targs = TrainingArguments(output_dir=output_dir, use_cpu=not torch.cuda.is_available(), **kwargs)
+        targs = TrainingArguments(output_dir=output_dir,
+                                  use_cpu=(not torch.cuda.is_available()) if use_cpu is None else use_cpu, **kwargs)
     except TypeError as err:
         raise MemfitError(f"TrainingArguments rejected the arguments: {err}; fix the --args file") from err
     except ValueError as err:

@@ -48,6 +48,14 @@ class PreflightReport:
     longest_example: int | None = None
     free_bytes_now: int | None = None
 
+    def __repr__(self) -> str:  # the dataclass repr would print the whole model config (setup.model)
+        from memfit.units import format_bytes
+
+        model = self.setup.model if isinstance(self.setup.model, str) else self.estimate.model
+        return (f"PreflightReport(model={model!r}, fits={self.fits}, "
+                f"peak_reserved={format_bytes(self.estimate.peak_reserved_bytes)}, gpu={self.gpu!r}, "
+                f"flags={[f.kind for f in self.flags]})")
+
     def to_json(self) -> dict[str, Any]:
         return {
             "gpu": self.gpu, "budget_bytes": self.budget_bytes, "fits": self.fits,

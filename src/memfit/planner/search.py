@@ -161,7 +161,7 @@ def _other_processes_bytes(spec: GpuSpec) -> int | None:
 def plan(
     setup: TrainSetup | str,
     *,
-    gpu: str | GpuSpec,
+    gpu: str | GpuSpec | None = None,
     allow: tuple[str, ...] | list[str] = (),
     margin: float = DEFAULT_MARGIN,
     alloc_conf: str | None = None,
@@ -188,6 +188,9 @@ def plan(
     started = time.perf_counter()
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
     setup = _as_setup(setup)
+    if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
+        raise MemfitError("plan() needs `gpu`; `None` is not a GPU: pass gpu=\"V100-16GB\", a size like "
+                          "gpu=\"24GiB\", or gpu=\"auto\"")
     spec = as_gpu_spec(gpu, required=True)
     setup = setup.replace(compute_capability=tuple(spec.compute_capability))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
