@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import MemfitError
@@ -295,9 +296,57 @@ def _progress_callback(console):
 
 
 def train_command(args: argparse.Namespace) -> int:
+    """`memfit train`: check every input, build the Trainer, preflight, run `memfit.fit`, report."""
     from rich.console import Console
 
     console = Console()
+    inputs = _read_inputs(args)
+    model = _read_model_config(args, inputs)
+    run = _build_trainer(args, inputs, model)
+    pre = _preflight(console, args, inputs, model, run)
+    _set_aside_earlier_results(console, inputs)
+    return _fit(console, args, inputs, run, pre)
+
+
+@dataclass
+class _Inputs:
+    """What the command line and the --args file ask for, every value checked."""
+
+    is_default: bool  #: the built-in default (no model, no data)
+    model_dir: str
+    kwargs: dict[str, Any]  #: TrainingArguments from the flags and the --args file
+    notes: list[str]
+    output_dir: str
+    use_cpu: bool | None
+    budget_bytes: int | None
+    data_path: str
+    texts: list[str]
+    labels: list[int]
+    eval_texts: list[str]
+    eval_labels: list[int]
+
+
+@dataclass
+class _Model:
+    """The model's config and what the run takes from it."""
+
+    config: Any
+    head_trained: bool  #: the checkpoint already has a sequence-classification head
+    num_labels: int
+    max_length: int
+
+
+@dataclass
+class _Run:
+    """The Trainer memfit.fit wraps, with its tokenizer and arguments."""
+
+    trainer: Any
+    tokenizer: Any
+    targs: Any
+
+
+def _read_inputs(args: argparse.Namespace) -> _Inputs:
+    """Check the flags, the model directory, the --args file, the output dir, the budget, --resume and the data."""
     from memfit.train_setup import TrainSetup
 
     task = str(args.task).lower()
@@ -347,9 +396,15 @@ def train_command(args: argparse.Namespace) -> int:
         n_eval = max(1, len(texts) // 5)
         eval_texts, eval_labels = texts[-n_eval:], labels[-n_eval:]
         texts, labels = texts[:-n_eval], labels[:-n_eval]
+    return _Inputs(is_default, model_dir, kwargs, notes, output_dir, use_cpu, budget_bytes, data_path, texts, labels,
+                   eval_texts, eval_labels)
 
+
+def _read_model_config(args: argparse.Namespace, inputs: _Inputs) -> _Model:
+    """The model's config, its number of labels and the max length, checked against the data and its positions."""
     from transformers import AutoConfig
 
+    model_dir, labels, eval_labels = inputs.model_dir, inputs.labels, inputs.eval_labels
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as err:
@@ -366,8 +421,13 @@ def train_command(args: argparse.Namespace) -> int:
     if isinstance(positions, int) and args.max_length is not None and max_length > positions:
         raise MemfitError(f"`--max-length {max_length}` is longer than the model's {positions} positions "
                           f"(max_position_embeddings); pass --max-length {positions} or less")
+    return _Model(config, head_trained, num_labels, max_length)
 
+
+def _build_trainer(args: argparse.Namespace, inputs: _Inputs, m: _Model) -> _Run:
+    """TrainingArguments, the tokenised data, the model and the Trainer (its printer callback removed)."""
     import torch
+
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
                               TrainingArguments)
     from transformers.utils import logging as hf_logging
@@ -375,59 +435,66 @@ def train_command(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        targs = TrainingArguments(output_dir=output_dir,
-                                  use_cpu=(not torch.cuda.is_available()) if use_cpu is None else use_cpu, **kwargs)
+        targs = TrainingArguments(output_dir=inputs.output_dir,
+                                  use_cpu=(not torch.cuda.is_available()) if inputs.use_cpu is None else inputs.use_cpu,
+                                  **inputs.kwargs)
     except TypeError as err:
         raise MemfitError(f"TrainingArguments rejected the arguments: {err}; fix the --args file") from err
     except ValueError as err:
         raise MemfitError(f"invalid TrainingArguments: {str(err).splitlines()[0]}") from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(inputs.model_dir)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise MemfitError(f"the tokenizer of `{model_dir}` cannot be loaded ({_first_line(err)}); the model "
+        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` cannot be loaded ({_first_line(err)}); the model "
                           "directory needs its tokenizer files (tokenizer.json or vocab.txt, tokenizer_config.json)") from None
-    enc = tokenizer(texts, truncation=True, max_length=max_length)
-    eval_enc = tokenizer(eval_texts, truncation=True, max_length=max_length)
+    enc = tokenizer(inputs.texts, truncation=True, max_length=m.max_length)
+    eval_enc = tokenizer(inputs.eval_texts, truncation=True, max_length=m.max_length)
     torch.manual_seed(targs.seed)
-    new_head = not head_trained or num_labels != config.num_labels
-    if head_trained and new_head:  # from_pretrained raises on the head's shape unless told to re-create it
-        notes.append(f"the model's classification head has {config.num_labels} labels; --num-labels {num_labels} "
+    new_head = not m.head_trained or m.num_labels != m.config.num_labels
+    if m.head_trained and new_head:  # from_pretrained raises on the head's shape unless told to re-create it
+        inputs.notes.append(f"the model's classification head has {m.config.num_labels} labels; --num-labels {m.num_labels} "
                      "replaces it by a new, randomly initialised head")
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_dir, num_labels=num_labels, ignore_mismatched_sizes=new_head)
+        inputs.model_dir, num_labels=m.num_labels, ignore_mismatched_sizes=new_head)
     from memfit.fitting.preflight import check_budget_covers_model
 
-    check_budget_covers_model(model, budget_bytes)
+    check_budget_covers_model(model, inputs.budget_bytes)
 
     import numpy as np
 
     def accuracy(pred):
         return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
 
-    trainer = Trainer(model=model, args=targs, train_dataset=_Examples(dict(enc), labels),
-                      eval_dataset=_Examples(dict(eval_enc), eval_labels), processing_class=tokenizer,
+    trainer = Trainer(model=model, args=targs, train_dataset=_Examples(dict(enc), inputs.labels),
+                      eval_dataset=_Examples(dict(eval_enc), inputs.eval_labels), processing_class=tokenizer,
                       data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
 
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
-    import memfit.fitting.run as mf
     from memfit.fitting.resume import resolve_checkpoint
 
     resolve_checkpoint(trainer, args.resume)  # a damaged or missing checkpoint: a clear error before any estimate
-    from memfit.fitting.interrupt import FitInterrupted
+    return _Run(trainer, tokenizer, targs)
 
+
+def _preflight(console: Any, args: argparse.Namespace, inputs: _Inputs, m: _Model, run: _Run) -> Any:
+    """Say what runs, then memfit's preflight: the predicted peak and the flags."""
+    import memfit.fitting.run as mf
+
+    targs, model_dir, is_default = run.targs, inputs.model_dir, inputs.is_default
+    budget_bytes, num_labels, max_length = inputs.budget_bytes, m.num_labels, m.max_length
     head = "built-in default: " if is_default else ""
     console.print(f"[bold]memfit train[/bold] {head}{os.path.basename(model_dir.rstrip('/')) if not is_default else 'all-MiniLM-L6-v2'} "
-                  f"on `{os.path.basename(data_path)}` ({len(texts)} train / {len(eval_texts)} eval examples, "
+                  f"on `{os.path.basename(inputs.data_path)}` ({len(inputs.texts)} train / {len(inputs.eval_texts)} eval examples, "
                   f"{num_labels} labels)")
     console.print(f"batch {targs.per_device_train_batch_size} x accumulation {targs.gradient_accumulation_steps}, "
                   f"max_length {max_length}, {targs.num_train_epochs:g} epochs"
                   + (f", emulated GPU of {format_bytes(budget_bytes)} (memory_budget)" if budget_bytes else "")
                   + (f", GPU {args.gpu}" if args.gpu else ""))
-    for note in notes:
+    for note in inputs.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
-    pre = mf.preflight(trainer, gpu=args.gpu, budget_bytes=budget_bytes)
+    pre = mf.preflight(run.trainer, gpu=args.gpu, budget_bytes=budget_bytes)
     est = pre.estimate
     console.print(f"plan: predicted peak {format_bytes(est.peak_allocated_bytes)} allocated ({est.peak_phase}); "
                   + ("fits" if pre.fits else "does NOT fit" if pre.fits is False else "no GPU known: fit unknown")
@@ -435,12 +502,26 @@ def train_command(args: argparse.Namespace) -> int:
     for f in pre.flags:
         if f.kind != "does_not_fit":
             console.print(f"[yellow]preflight:[/yellow] {f.text} [dim](fix: {f.fix})[/dim]")
+    return pre
+
+
+def _set_aside_earlier_results(console: Any, inputs: _Inputs) -> None:
+    """Move an earlier run's results in the output dir aside (memfit deletes nothing it did not write)."""
+    output_dir = inputs.output_dir
     os.makedirs(output_dir, exist_ok=True)
-    aside = set_aside_results(output_dir, _result_names(model_dir))
+    aside = set_aside_results(output_dir, _result_names(inputs.model_dir))
     if aside:
         console.print(f"[yellow]note:[/yellow] `{output_dir}` held the results of an earlier run "
                       f"({', '.join(sorted(os.listdir(aside)))}): moved to {aside} (memfit deletes nothing it did "
                       "not write in this run)", soft_wrap=True)
+
+
+def _fit(console: Any, args: argparse.Namespace, inputs: _Inputs, run: _Run, pre: Any) -> int:
+    """Run memfit.fit with memfit's log on the console; save the model; the summary or a one-line error."""
+    import memfit.fitting.run as mf
+    from memfit.fitting.interrupt import FitInterrupted
+
+    trainer, tokenizer, output_dir, budget_bytes = run.trainer, run.tokenizer, inputs.output_dir, inputs.budget_bytes
     report_path = os.path.join(output_dir, "memfit-report.json")
     started = time.perf_counter()
     import logging
