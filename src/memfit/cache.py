@@ -27,10 +27,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from memfit.files import write_json_atomic
 
 __all__ = ["cache_dir", "estimate_key", "load_entry", "store_entry", "source_hash", "default_task", "SCHEMA"]
 
@@ -158,20 +159,11 @@ def store_entry(key: str, report_json: dict[str, Any]) -> Path | None:
     """Write the entry atomically (a temporary file, then os.replace). Returns its path, or None when the
     folder cannot be written (the cache is an optimisation: a failure never stops an estimate)."""
     path = _entry_path(key)
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"schema": SCHEMA, "key": key, "report": report_json}, fh)
-        os.replace(tmp, path)
+        write_json_atomic(path, {"schema": SCHEMA, "key": key, "report": report_json})
         return path
     except (OSError, TypeError, ValueError):
-        if tmp is not None:
-            try:
-                os.unlink(tmp)  # our own temporary file
-            except OSError:
-                pass
         return None
 
 
@@ -197,14 +189,9 @@ def default_task(model: Any) -> tuple[str, str] | None:
     from memfit.models.build import default_task as resolve
 
     task, why = resolve(model)
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"key": key, "task": task, "why": why}, fh)
-        os.replace(tmp, path)
+        write_json_atomic(path, {"key": key, "task": task, "why": why})
     except OSError:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)  # our own temporary file
+        pass  # the cache is an optimisation: a folder that cannot be written only costs the next lookup
     return task, why

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.files import write_json_atomic
 
 __all__ = ["STATE_FILE", "SCHEMA", "run_state", "write_state", "read_state", "changes_to_apply",
            "resolve_checkpoint", "ResumeChoice", "checkpoint_problems", "numbered_checkpoints"]
@@ -57,11 +58,7 @@ def run_state(trainer: Any, *, micro_batch_chunks: int, optimizer_step_mode: str
 
 def write_state(folder: str, state: dict[str, Any]) -> None:
     """Write the state into a checkpoint folder (temporary file + rename: never half-written)."""
-    path = os.path.join(folder, STATE_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(state, fh, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(os.path.join(folder, STATE_FILE), state, indent=2)
 
 
 def read_state(folder: str) -> dict[str, Any] | None:

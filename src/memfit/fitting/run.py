@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -51,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from memfit.errors import MemfitError
+from memfit.files import write_json_atomic
 from memfit.trace import RUN_PHASES
 from memfit.fitting.preflight import (PreflightFlag, PreflightReport, check_budget, check_budget_covers_model,
                                      check_trainer, preflight)
@@ -576,15 +576,7 @@ def _phase_of(exc: BaseException) -> str | None:
 
 def write_report(report: "FitReport", path: str) -> None:
     """Write the report as JSON (temporary file + rename: never half-written, never a torn earlier report)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(report.to_json(), fh, indent=2, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)  # memfit's own temporary file
-        raise
+    write_json_atomic(path, report.to_json(), indent=2, default=str)
 
 
 def _report(trainer: Any, run: _Run, guards: _Guards, outcome: _Outcome, *,
