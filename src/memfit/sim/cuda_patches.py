@@ -9,6 +9,7 @@ so no replacement outlives the simulation, even when it raises:
 * `cuda_one_hot`: `F.one_hot` as aten runs it on a CUDA tensor.
 * `cuda_sdpa`: `F.scaled_dot_product_attention` routed to the CUDA backend emulation
   (memfit.sim.kernels.sdpa).
+* `cuda_grouped_mm` (memfit.sim.moe): `F.grouped_mm`, the MoE experts' GEMM, as CUDA allocates it.
 * memfit.sim.autocast replaces `torch.clear_autocast_cache` through `patched` as well.
 
 Known limitations: patches are process-global, so two simulations must not run at the same
@@ -103,5 +104,7 @@ def cuda_sdpa(*, compute_capability: tuple[int, int], log: list[str]) -> context
 @contextlib.contextmanager
 def cuda_patches(*, compute_capability: tuple[int, int], sdpa_log: list[str]) -> Iterator[None]:
     """All the function-level patches of a simulation run, entered together."""
-    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log), cuda_one_hot():
+    from memfit.sim.moe import cuda_grouped_mm  # MoE topic (issue 12): the experts' grouped GEMM
+
+    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log), cuda_one_hot(), cuda_grouped_mm():
         yield

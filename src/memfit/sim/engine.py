@@ -151,6 +151,13 @@ class _Runner:
                 )
         self.model = model
         self.fwd_model = self.cut if self.cut is not None else model
+        # MoE (issue 12): a routing-dependent experts implementation is refused; the routing figures noted
+        from memfit.sim import moe
+
+        moe.check_experts_implementation(model)
+        figures = moe.routing_figures(model, tokens=setup.per_device_train_batch_size * setup.max_length)
+        if figures is not None:
+            self.notes.append(moe.routing_note(figures))
         if self.cut is not None:
             self.tagger = LayerTagger(self.cut, self.tracker, self.names)
             self.tracker.tag_fn = self.tagger.current
