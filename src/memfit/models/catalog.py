@@ -37,10 +37,35 @@ __all__ = [
     "find_bundled",
     "load_bundled_config",
     "bundled_info",
+    "ALIASES",
 ]
 
 _PACKAGE = "memfit.models.configs"
 _META_KEY = "_memfit"
+
+#: Hub ids whose config.json has the same architecture as a bundled one (same modules and shapes): they
+#: resolve to it instead of a copied file. Only fields that change no tensor differ (token ids,
+#: chat-template bookkeeping). Issue 12: the `-Instruct` / `-it` variants people fine-tune.
+ALIASES: dict[str, str] = {
+    # Llama 3.x Instruct: the base config with eos_token_id [128001, 128008, 128009]
+    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Llama-3.1-70B",
+    "meta-llama/Llama-3.2-1B-Instruct": "meta-llama/Llama-3.2-1B",
+    "meta-llama/Llama-3.2-3B-Instruct": "meta-llama/Llama-3.2-3B",
+    # Llama 3.3 70B Instruct: the Llama 3.1 70B architecture (LlamaForCausalLM, 80 x 8192, GQA 64/8, llama3 RoPE)
+    "meta-llama/Llama-3.3-70B-Instruct": "meta-llama/Llama-3.1-70B",
+    # DeepSeek-R1-Distill-Llama-8B: fine-tuned from Llama-3.1-8B (model card), the same architecture
+    "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": "meta-llama/Llama-3.1-8B",
+    # Gemma instruction-tuned checkpoints: the pretrained architecture
+    "google/gemma-2-2b-it": "google/gemma-2-2b",
+    "google/gemma-2-9b-it": "google/gemma-2-9b",
+    "google/gemma-2-27b-it": "google/gemma-2-27b",
+    "google/gemma-3-1b-it": "google/gemma-3-1b-pt",
+    "google/gemma-3-4b-it": "google/gemma-3-4b-pt",
+    "google/gemma-3-12b-it": "google/gemma-3-12b-pt",
+    "google/gemma-3-27b-it": "google/gemma-3-27b-pt",
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M",
+}
 
 
 @lru_cache(maxsize=None)
@@ -71,6 +96,11 @@ def _alias_index() -> dict[str, str]:
         full[key] = hub_id
         full[key.replace("/", "--")] = hub_id
         bare.setdefault(key.rsplit("/", 1)[-1], []).append(hub_id)
+    for alias, target in ALIASES.items():
+        if target in _read_all():
+            full[alias.lower()] = target
+            full[alias.lower().replace("/", "--")] = target
+            bare.setdefault(alias.lower().rsplit("/", 1)[-1], []).append(target)
     index = {name: ids[0] for name, ids in bare.items() if len(ids) == 1}
     index.update(full)
     return index
@@ -88,7 +118,8 @@ def find_bundled(name: str) -> str | None:
     (``openai-community/gpt2``), the legacy id without organisation (``gpt2``,
     ``t5-base``, ``xlnet-large-cased``), the bare model name of a namespaced id
     (``llama-3.2-1b``, ``deberta-v3-base``) and the file-name form
-    (``meta-llama--Llama-3.2-1B``).  A differing organisation is not accepted
+    (``meta-llama--Llama-3.2-1B``), and the ids of :data:`ALIASES` (an ``-Instruct`` variant
+    resolves to its base config).  A differing organisation is not accepted
     (``someone/gpt2`` is a different model).
     """
     key = name.strip().strip("/").lower()
