@@ -93,7 +93,11 @@ def _cases():
     of the families above) for models narrower than `_WIDE`, the rest is marked slow."""
     out = []
     for hub_id in bundled_model_ids():
-        narrow = _width(load_bundled_config(hub_id)) < _WIDE
+        config = load_bundled_config(hub_id)
+        # issue 12: one MoE block is E experts on real tensors (Qwen3-30B-A3B: 604M parameters); slow
+        moe = any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1
+                  for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+        narrow = _width(config) < _WIDE and not moe
         default = TrainSetup(model=hub_id).task
         for task in TASKS:
             fast = narrow and (task == default or hub_id in _ALL_TASKS_FAST)
@@ -110,7 +114,7 @@ def test_params_equal_a_real_build(hub_id, task, monkeypatch):
 def test_the_wide_models_are_the_big_ones():
     wide = {h for h in bundled_model_ids() if _width(load_bundled_config(h)) >= _WIDE}
     assert "meta-llama/Llama-3.1-8B" in wide and "openai-community/gpt2" not in wide
-    assert len(wide) <= 8  # the fast run covers most bundled models
+    assert len(wide) <= len(bundled_model_ids()) // 2  # the fast run covers most bundled models
 
 
 def test_flan_t5_as_loaded_has_its_own_head(tmp_path):

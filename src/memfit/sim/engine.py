@@ -158,6 +158,8 @@ class _Runner:
         figures = moe.routing_figures(model, tokens=setup.per_device_train_batch_size * setup.max_length)
         if figures is not None:
             self.notes.append(moe.routing_note(figures))
+        if (mxfp4 := moe.mxfp4_note(model)) is not None:
+            self.notes.append(mxfp4)
         if self.cut is not None:
             self.tagger = LayerTagger(self.cut, self.tracker, self.names)
             self.tracker.tag_fn = self.tagger.current
@@ -174,9 +176,13 @@ class _Runner:
             with torch.device("meta"):
                 return get_peft_model(model, cfg)
         except ValueError as err:
+            # issue 12: peft has no default targets for many new model types (qwen3_moe, olmoe, gpt_oss,
+            # deepseek_v2, olmo2, smollm3: TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); name this model's own
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            example = ",".join(n for n in ("q_proj", "v_proj") if n in linear) or ",".join(linear[:2]) or "query,value"
             raise MemfitError(
                 f"LoRA cannot wrap this model: {str(err).splitlines()[0][:200]}. "
-                "Name the modules with `--lora-target-modules` (e.g. `query,value`)"
+                f"Name the modules with `--lora-target-modules` (e.g. `{example}`; its linear layers: {', '.join(linear[:12])})"
             ) from err
 
     # -- phases ----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.sim.cuda_patches import patched
 
-__all__ = ["RoutingFigures", "routing_figures", "cuda_grouped_mm", "check_experts_implementation"]
+__all__ = ["RoutingFigures", "routing_figures", "routing_note", "mxfp4_note", "cuda_grouped_mm", "check_experts_implementation"]
 
 #: Expert implementations whose allocations do not depend on the routing (integrations/moe.py):
 #: `grouped_mm` (sort + one grouped GEMM over S rows) and `batched_mm` (gathers S expert weight
@@ -118,6 +118,32 @@ def routing_note(figures: RoutingFigures) -> str:
         f"{figures.worst_tokens_per_expert} worst case (all tokens to the same {figures.top_k} experts); "
         f"transformers' `{figures.experts_implementation}` experts allocate {figures.dispatched_rows} "
         "dispatched rows whatever the routing, so both give this estimate"
+    )
+
+
+#: Model types whose hub checkpoints store the experts in MXFP4 (config `quantization_config.quant_method`).
+_MXFP4_TYPES = frozenset({"gpt_oss"})
+
+
+def mxfp4_note(model: nn.Module) -> str | None:
+    """What memfit models of gpt-oss's MXFP4 experts, for the report (None for other models).
+
+    transformers 5.24 cannot train the MXFP4 experts: `Mxfp4HfQuantizer.is_trainable` is False
+    ("consider dequantizing the model first by passing quantization_config=Mxfp4Config(dequantize=True)",
+    quantizers/quantizer_mxfp4.py), and Trainer refuses a quantized model that is not trainable. With
+    `dequantize=True` the blocks and scales are converted while loading "to the dtype of the parameter they
+    load into" (integrations/mxfp4.py, `Mxfp4Dequantize.convert`), and the model is the plain `GptOssExperts`
+    with (E, H, 2I) / (E, I, H) weights: what memfit builds, at the weights dtype of the setup.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _MXFP4_TYPES:
+        return None
+    dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch.")
+    return (
+        "gpt-oss: the hub checkpoint's MXFP4 experts cannot be trained by transformers (Mxfp4HfQuantizer.is_trainable "
+        "is False); fine-tuning loads them with Mxfp4Config(dequantize=True), which dequantizes into the parameters' "
+        f"dtype: the experts are simulated dequantized, in {dtype} (OpenAI's fine-tuning recipe loads bf16: "
+        "--weights-dtype bf16)"
     )
 
 
