@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from importlib import resources
 
 import pytest
 import torch
@@ -88,6 +89,10 @@ _ALL_TASKS_FAST = ("openai-community/gpt2", "google-t5/t5-small", "google/flan-t
                    "microsoft/deberta-v3-base", "FacebookAI/roberta-base", "Qwen/Qwen2.5-0.5B")
 
 
+_ISSUE_12 = {line.split("`")[1] for line in resources.files("memfit.models.configs").joinpath("SOURCES.md")
+             .read_text(encoding="utf-8").splitlines() if line.startswith("| `")}
+
+
 def _cases():
     """Every bundled model x every task; the default run keeps each model's default task (and all tasks
     of the families above) for models narrower than `_WIDE`, the rest is marked slow."""
@@ -99,7 +104,9 @@ def _cases():
                   for k in ("num_local_experts", "num_experts", "n_routed_experts"))
         narrow = _width(config) < _WIDE and not moe
         default = TrainSetup(model=hub_id).task
-        for task in TASKS:
+        # issue 12's configs (configs/SOURCES.md): their default task only; one real block of a 70B or of 32 experts
+        # is about a billion parameters, and the other heads are the same code as their families' older models
+        for task in [default] if hub_id in _ISSUE_12 else TASKS:
             fast = narrow and (task == default or hub_id in _ALL_TASKS_FAST)
             out.append(pytest.param(hub_id, task, id=f"{hub_id}-{task}", marks=[] if fast else SLOW))
     return out

@@ -38,7 +38,28 @@ def _qwen3_moe(**kw):
                                        num_experts=8, num_experts_per_tok=2, **kw)
 
 
-CONFIGS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+def _olmoe(**kw):
+    return transformers.OlmoeConfig(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, **kw)
+
+
+def _deepseek_v2(**kw):
+    """Layer 0 dense, layer 1 MoE with 2 shared experts, MLA attention (kv_lora_rank), as DeepSeek-V2-Lite."""
+    return transformers.DeepseekV2Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+                                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                         qk_nope_head_dim=8, v_head_dim=8, **kw)
+
+
+def _gpt_oss(**kw):
+    """Transposed expert weights with biases (`@use_experts_implementation(is_transposed=True, has_bias=True)`)."""
+    return transformers.GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                     num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], **kw)
+
+
+CONFIGS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "deepseek_v2": _deepseek_v2, "gpt_oss": _gpt_oss}
 
 
 def _setup(arch: str, **kw) -> TrainSetup:
@@ -83,7 +104,10 @@ def _fixed_routing(kind: str, experts: int, top_k: int):
 
 
 EXPERTS = (transformers.models.mixtral.modeling_mixtral.MixtralExperts,
-           transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts)
+           transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts,
+           transformers.models.olmoe.modeling_olmoe.OlmoeExperts,
+           transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Experts,
+           transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts)
 
 
 def _key(trace):
@@ -105,16 +129,24 @@ def _warm_up():
 
 CASES = [
     ("mixtral", dict(precision="bf16")),
-    ("mixtral", dict(precision="fp32", gradient_checkpointing=True)),
+    pytest.param("mixtral", dict(precision="fp32", gradient_checkpointing=True), marks=pytest.mark.slow),  # 8 s
     ("qwen3_moe", dict(precision="bf16", weights_dtype="bf16")),
     ("qwen3_moe", dict(precision="bf16", lora_r=4, lora_target_modules=["q_proj", "v_proj"])),
+    ("olmoe", dict(precision="bf16")),
+    ("deepseek_v2", dict(precision="bf16")),
+    ("gpt_oss", dict(precision="bf16", weights_dtype="bf16")),
 ]
 
 
-@pytest.mark.parametrize("arch, kw", CASES, ids=[f"{a}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for a, kw in CASES])
+def _id(case) -> str:
+    arch, kw = case.values if hasattr(case, "values") else case
+    return f"{arch}-{'-'.join(f'{k}={v}' for k, v in kw.items())}"
+
+
+@pytest.mark.parametrize("arch, kw", CASES, ids=[_id(c) for c in CASES])
 def test_real_runs_with_fixed_routings_equal_the_fake_run(arch, kw):
     config = CONFIGS[arch]()
-    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or config.n_routed_experts
     fake = _key(simulate(_setup(arch, **kw), fake=True, splice=False).trace)
     for kind in ("worst", "uniform"):
         with _like_fake(), _fixed_routing(kind, experts, config.num_experts_per_tok) as seen:
