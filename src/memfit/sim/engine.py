@@ -500,9 +500,9 @@ class _Runner:
                 paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
         params = {id(p): p for p in self.model.parameters()}
         total = sum(p.numel() for p in params.values())
-        if self.quant_summary is not None:  # packed 4-bit weights hold two parameters per byte: count the real ones
-            q_ids = {id(m.weight) for m in self.model.modules() if hasattr(m.weight if hasattr(m, "weight") else None,
-                                                                            "quant_state")}
+        if self.quant_summary is not None and self.quant.bits == 4:  # packed: two parameters per byte
+            q_ids = {id(getattr(m, "weight", None)) for m in self.model.modules()
+                     if hasattr(getattr(m, "weight", None), "quant_state")}
             total = (sum(p.numel() for p in params.values() if id(p) not in q_ids)
                      + self.quant_summary["quantized_params"])
         trainable = sum(p.numel() for p in params.values() if p.requires_grad)
