@@ -466,7 +466,7 @@ class _Runner:
         if self.quant is not None:  # bitsandbytes' CUDA kernels, above the tracker (issue 12)
             from memfit.sim.kernels.bnb import BnbCudaKernels, bnb_cuda_patches
 
-            kernels = BnbCudaKernels(self.tracker)
+            kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with mode, self.tracker, patches, cuda_autocast_policy(self.low), bnb:

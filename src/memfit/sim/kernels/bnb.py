@@ -52,10 +52,10 @@ DEQUANT_LABEL = "bitsandbytes"
 class BnbCudaKernels(adapter.TorchDispatchMode):
     """Dispatch mode: bitsandbytes custom ops with the allocations of their CUDA implementations."""
 
-    def __init__(self, tracker: Any = None, notes: list[str] | None = None) -> None:
+    def __init__(self, tracker: Any = None, *, autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.tracker = tracker
-        self.notes = notes if notes is not None else []
+        self.autocast_dtype = autocast_dtype
         self.gemm_paths: set[str] = set()
 
     @contextlib.contextmanager
@@ -100,7 +100,7 @@ class BnbCudaKernels(adapter.TorchDispatchMode):
             absmax_dq = torch.empty_like(absmax_8bit, dtype=torch.float32)
             absmax = absmax_dq + absmax_offset  # noqa: F841  (alive, as in bnb, until the function returns)
         B_dq = torch.empty(list(shapeB), dtype=A.dtype, device=A.device)
-        return F.linear(A, B_dq, bias)
+        return _autocast_linear(A, B_dq, bias, self.autocast_dtype)
 
     def int8_scaled_mm(self, A, B, row_stats, col_stats, bias=None, dtype=None):
         # backends/default/ops.py `int8_scaled_mm` -> int8_linear_matmul (int32) -> int8_mm_dequant
@@ -134,6 +134,24 @@ class BnbCudaKernels(adapter.TorchDispatchMode):
         row_stats = torch.empty(A.numel() // A.shape[-1], device=A.device, dtype=torch.float32)
         col_stats = torch.empty(A.shape[-1], device=A.device, dtype=torch.float32)
         return out_row, out_col, row_stats, col_stats, torch.empty(0, device=A.device, dtype=torch.int64)
+
+
+def _autocast_linear(A, B, bias, low):
+    """`F.linear` as called inside a CUDA custom-op kernel: the op's Autocast key is a fallthrough, so the inner
+    call goes through CUDA autocast (`linear` is a lower-precision op: every eligible input is cast, autocast_mode.h
+    `AT_FORALL_LOWER_PRECISION_FP`; B_dq is no weight, so no cast cache). Inside a dispatch mode autocast is
+    off (`torch.is_autocast_enabled()` is False there), so the casts are made here with `low`, the run's autocast
+    dtype: gemm_4bit only runs in forward passes, which are all under autocast (training, evaluation, and the
+    recomputation of checkpointing, which restores the forward's autocast state)."""
+    if low is not None:
+
+        def cast(t):
+            if t is None or not t.is_floating_point() or t.dtype in (low, torch.float64):
+                return t
+            return t.to(low)
+
+        A, B, bias = cast(A), cast(B), cast(bias)
+    return F.linear(A, B, bias)
 
 
 _EMULATED = {
