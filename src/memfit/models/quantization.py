@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -38,7 +39,7 @@ from torch import nn
 from memfit.errors import MemfitError
 
 __all__ = ["QuantSpec", "quant_spec", "quantize_meta_model", "prepare_for_kbit_training", "capture", "restore",
-           "quant_state_tensors", "quantized_storage", "meta_safe_deepcopy", "quantization_summary", "BLOCKSIZE_4BIT",
+           "quant_state_tensors", "quantized_storage", "meta_safe_deepcopy", "quiet_bnb_logs", "quantization_summary", "BLOCKSIZE_4BIT",
            "NESTED_BLOCKSIZE"]
 
 #: Params4bit's blocksize when none is given (bitsandbytes nn/modules.py `Params4bit.__new__`: None -> 64);
@@ -92,10 +93,24 @@ def _bnb_config(spec: QuantSpec):
     )
 
 
+@contextlib.contextmanager
+def quiet_bnb_logs() -> Iterator[None]:
+    """bitsandbytes' logger warnings off: at import its CPU backend reports that the optional `kernels` package
+    is missing, and MatMul8bitLt warns at every call that it casts inputs to fp16 (what CUDA does too)."""
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _import_bnb():
     try:
-        import bitsandbytes as bnb  # noqa: F401
-        from bitsandbytes.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
+        with quiet_bnb_logs():
+            import bitsandbytes as bnb  # noqa: F401
+            from bitsandbytes.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
     except ImportError as err:
         raise MemfitError("quantized weights (`load_in_4bit`/`load_in_8bit`) need bitsandbytes: "
                           "`pip install 'memfit[llm]'` or `pip install bitsandbytes`") from err

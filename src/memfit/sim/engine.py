@@ -36,7 +36,7 @@ from memfit.errors import MemfitError
 from memfit.models.limits import check_sequence_lengths
 from memfit.models.build import ModelSpec, build_meta_model, resolve_config, to_empty_tied
 from memfit.models.quantization import (capture, meta_safe_deepcopy, prepare_for_kbit_training, quant_spec, quant_state_tensors,
-                                        quantization_summary, quantize_meta_model, restore)
+                                        quantization_summary, quantize_meta_model, quiet_bnb_logs, restore)
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.cuda_patches import cuda_patches
@@ -471,6 +471,7 @@ class _Runner:
             warnings.simplefilter("ignore")
             with mode, self.tracker, patches, cuda_autocast_policy(self.low), bnb:
                 if kernels is not None:
+                    bnb.enter_context(quiet_bnb_logs())
                     bnb.enter_context(bnb_cuda_patches())
                     bnb.enter_context(kernels)
                 self._materialize()
