@@ -201,6 +201,14 @@ def test_bad_quantization_inputs_are_one_line_errors(kwargs, match):
     assert "\n" not in str(err.value)
 
 
+def test_kbit_prep_turns_gradient_checkpointing_on_in_the_setup():
+    on = TrainSetup(model="gpt2", task="causal-lm", load_in_4bit=True, lora_r=8)
+    assert on.gradient_checkpointing and any("prepare_model_for_kbit_training" in n for n in on.notes)
+    off = TrainSetup(model="gpt2", task="causal-lm", load_in_4bit=True, lora_r=8, kbit_prep=False)
+    assert not off.gradient_checkpointing
+    assert not TrainSetup(model="gpt2", task="causal-lm", lora_r=8).gradient_checkpointing
+
+
 def test_quantization_config_dict_and_bitsandbytes_config():
     from transformers import BitsAndBytesConfig
 

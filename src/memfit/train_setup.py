@@ -541,6 +541,12 @@ def _check_quantization(setup: "TrainSetup") -> None:
     mods = setup.llm_int8_skip_modules
     if mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
         raise MemfitError(f"`llm_int8_skip_modules` must be a list of module names; got `{mods!r}`")
+    if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep and not setup.gradient_checkpointing:
+        # peft/utils/other.py prepare_model_for_kbit_training(use_gradient_checkpointing=True) calls
+        # model.gradient_checkpointing_enable(); Trainer never turns it off (it only enables it when asked)
+        setup.gradient_checkpointing = True
+        setup.notes = [*setup.notes, "gradient checkpointing is on: peft's prepare_model_for_kbit_training, which "
+                       "quantized models get (kbit_prep), enables it by default; --no-kbit-prep leaves it to you"]
     if (setup.load_in_4bit or setup.load_in_8bit) and setup.lora_r is None:
         # transformers 5.24 trainer_utils.validate_quantization_for_training, called by Trainer.__init__
         raise MemfitError("a quantized model (`load_in_4bit`/`load_in_8bit`) cannot be fine-tuned without adapters: "

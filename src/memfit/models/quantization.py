@@ -16,9 +16,9 @@ What a real load does, and what memfit runs of it:
   real CPU quantization.
 * `peft.prepare_model_for_kbit_training` (peft/utils/other.py) is run for real on the meta model
   (`kbit_prep`): it freezes everything and casts every fp16/bf16 parameter that is not quantized to
-  float32 (embeddings, norms, the LM head: "QLoRA uses more memory than LoRA"). Its gradient-checkpointing
-  default (`use_gradient_checkpointing=True`) is applied by the simulator's own checkpointing path
-  (`gradient_checkpointing_enable` with peft's `use_reentrant=True` default), not inside peft.
+  float32 (embeddings, norms, the LM head: "QLoRA uses more memory than LoRA"), and with its default
+  `use_gradient_checkpointing=True` enables input gradients and gradient checkpointing (TrainSetup records
+  that as `gradient_checkpointing=True`, with a note).
 
 `to_empty` (the simulator's `model.to("cuda")`) drops the bitsandbytes parameter subclasses and leaves the
 quant states on the meta device; `capture` / `restore` put them back on the simulated device.
@@ -156,11 +156,18 @@ def quantize_meta_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
 
 
 def prepare_for_kbit_training(model: nn.Module) -> None:
-    """peft's `prepare_model_for_kbit_training` on the (meta) model, without its checkpointing call (the
-    simulator enables checkpointing itself, with the same `use_reentrant=True` default)."""
+    """peft's `prepare_model_for_kbit_training` on the (meta) model, as users call it: its defaults
+    (`use_gradient_checkpointing=True`, `gradient_checkpointing_kwargs=None` -> `{}`, so
+    `enable_input_require_grads()` and `gradient_checkpointing_enable(gradient_checkpointing_kwargs={})`).
+    TrainSetup turns `gradient_checkpointing` on for it, so the simulator's checkpointing (the same call)
+    applies to the cut model too."""
+    import warnings
+
     from peft import prepare_model_for_kbit_training
 
-    prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5: gradient_* -> activation_* renames
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
 
 
 @contextlib.contextmanager

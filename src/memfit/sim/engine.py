@@ -152,11 +152,7 @@ class _Runner:
             except SpliceRefused:
                 self.cut = None
         self.checkpointing = None
-        kbit_checkpointing = self.quant is not None and setup.kbit_prep and not setup.gradient_checkpointing
-        if setup.gradient_checkpointing or kbit_checkpointing:
-            if kbit_checkpointing:
-                self.notes.append("gradient checkpointing is on: peft's prepare_model_for_kbit_training enables it "
-                                  "by default (use_gradient_checkpointing=True); --no-kbit-prep skips that function")
+        if setup.gradient_checkpointing:  # on for a quantized model with kbit_prep (TrainSetup says why)
             try:
                 self.checkpointing = enable_checkpointing(model)
                 if self.cut is not None:
