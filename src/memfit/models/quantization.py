@@ -226,7 +226,8 @@ def capture(model: nn.Module) -> dict[int, dict[str, Any]]:
 
 
 def _empty_like(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if t is None else torch.empty_like(t, device=device)
+    # torch.empty, not empty_like: a fake mode would first convert the meta input to a FakeTensor (~2 ms each)
+    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 def restore(model: nn.Module, captured: dict[int, dict[str, Any]], device: str | torch.device) -> None:
