@@ -271,3 +271,31 @@ def test_estimate_json_has_the_quantization_object(tmp_path, capsys):
                                            [(128, 128), (64, 128), (64, 128), (128, 128), (384, 128), (384, 128),
                                             (128, 384)])
     assert q["dequant_temporaries_max_bytes"] > 0 and out["paged_bytes"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [
+    dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, eval_strategy="steps",
+         eval_samples=4),
+    dict(load_in_8bit=True, optim="paged_adamw_8bit"),
+], ids=["4bit-dq-eval", "8bit-paged"])
+def test_spliced_quantized_trace_equals_full_trace(kw):
+    """The cut model (a deepcopy of meta Params4bit, memfit.models.quantization.meta_safe_deepcopy) stands for the
+    full quantized model event for event, as tests/test_splice.py checks for unquantized ones."""
+    from memfit.peaks import peaks
+    from memfit.sim import engine
+
+    setup = TrainSetup(model=_tiny_config(num_hidden_layers=8), task="causal-lm", per_device_train_batch_size=2,
+                       per_device_eval_batch_size=2, max_length=16, precision="bf16", lora_r=4, **kw)
+    runner = engine._Runner(setup, fake=True, splice=True)
+    assert runner.cut is not None
+    spliced = runner.run()
+    full = engine.simulate(setup, splice=False)
+
+    def summary(sim):
+        p = peaks(sim.trace, round_to=1)
+        return (p.overall.bytes, p.phase_of_peak, p.overall.breakdown, p.final_live_bytes, len(sim.trace),
+                sim.params, sim.trainable_params, sim.paged_bytes)
+
+    assert summary(spliced) == summary(full)
+    assert spliced.quantization == full.quantization
