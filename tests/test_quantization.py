@@ -163,6 +163,9 @@ def test_kbit_prep_casts_to_float32_and_turns_checkpointing_on():
     assert set(with_prep.quantization["higher_precision"]) == {"float32"}  # embeddings, norms, LM head, LoRA
     assert "bfloat16" in without.quantization["higher_precision"]
     assert with_prep.checkpointing == "huggingface" and without.checkpointing is None
+    cast = 2 * 1000 * 128 + 5 * 128  # embeddings, LM head, norms: bf16 -> float32
+    assert any(f"cast {cast / 1e6:,.1f} M" in n for n in with_prep.notes)
+    assert not any("prepare_model_for_kbit_training was run" in n for n in without.notes)
     q = with_prep.quantization
     assert q["modules_not_converted"] == ["lm_head"] and q["quantized_modules"] == 14
     assert q["quantized_params"] == 2 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 384 * 128)

@@ -39,7 +39,7 @@ from torch import nn
 from memfit.errors import MemfitError
 
 __all__ = ["QuantSpec", "quant_spec", "quantize_meta_model", "prepare_for_kbit_training", "capture", "restore",
-           "quant_state_tensors", "quantized_storage", "meta_safe_deepcopy", "quiet_bnb_logs", "quantization_summary", "BLOCKSIZE_4BIT",
+           "quant_state_tensors", "quantized_storage", "meta_safe_deepcopy", "parameter_count", "quiet_bnb_logs", "quantization_summary", "BLOCKSIZE_4BIT",
            "NESTED_BLOCKSIZE"]
 
 #: Params4bit's blocksize when none is given (bitsandbytes nn/modules.py `Params4bit.__new__`: None -> 64);
@@ -155,19 +155,21 @@ def quantize_meta_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
     return model
 
 
-def prepare_for_kbit_training(model: nn.Module) -> None:
+def prepare_for_kbit_training(model: nn.Module) -> int:
     """peft's `prepare_model_for_kbit_training` on the (meta) model, as users call it: its defaults
     (`use_gradient_checkpointing=True`, `gradient_checkpointing_kwargs=None` -> `{}`, so
     `enable_input_require_grads()` and `gradient_checkpointing_enable(gradient_checkpointing_kwargs={})`).
     TrainSetup turns `gradient_checkpointing` on for it, so the simulator's checkpointing (the same call)
-    applies to the cut model too."""
+    applies to the cut model too. Returns how many parameters it cast from fp16/bf16 to float32."""
     import warnings
 
     from peft import prepare_model_for_kbit_training
 
+    half = {id(p): p.numel() for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5: gradient_* -> activation_* renames
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    return sum(n for p in model.parameters() if id(p) in half and p.dtype == torch.float32 for n in [half[id(p)]])
 
 
 @contextlib.contextmanager
@@ -299,6 +301,15 @@ def quantized_storage(out_features: int, in_features: int, spec: QuantSpec) -> d
     else:
         out["absmax"] = 4 * blocks
     return out
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of the model as the unquantized model has them: a quantized layer counts
+    `out_features * in_features`, not the elements of its packed storage."""
+    mods = _bnb_modules(model)
+    packed = {id(m.weight) for _, m in mods}
+    plain = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in packed)
+    return plain + sum(m.out_features * m.in_features for _, m in mods)
 
 
 def quantization_summary(model: nn.Module, spec: QuantSpec, *, kbit_prep: bool) -> dict[str, Any]:

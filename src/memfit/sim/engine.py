@@ -35,8 +35,9 @@ from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.errors import MemfitError
 from memfit.models.limits import check_sequence_lengths
 from memfit.models.build import ModelSpec, build_meta_model, resolve_config, to_empty_tied
-from memfit.models.quantization import (capture, meta_safe_deepcopy, prepare_for_kbit_training, quant_spec, quant_state_tensors,
-                                        quantization_summary, quantize_meta_model, quiet_bnb_logs, restore)
+from memfit.models.quantization import (capture, meta_safe_deepcopy, prepare_for_kbit_training, quant_spec,
+                                        quant_state_tensors, parameter_count, quantization_summary, quantize_meta_model,
+                                        quiet_bnb_logs, restore)
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.cuda_patches import cuda_patches
@@ -123,7 +124,12 @@ class _Runner:
         if self.quant is not None:
             quantize_meta_model(model, self.quant)
             if setup.kbit_prep:
-                prepare_for_kbit_training(model)
+                cast = prepare_for_kbit_training(model)
+                if cast:
+                    self.notes.append(
+                        f"peft's prepare_model_for_kbit_training was run on the model (as users and TRL do): it cast "
+                        f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
+                        f"float32, +{cast * 2 / 2**30:,.2f} GiB of weights; --no-kbit-prep estimates without it")
         if setup.lora_r is not None:
             model = self._apply_lora(model)
         if self.quant is not None:
@@ -497,11 +503,8 @@ class _Runner:
                 paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
         params = {id(p): p for p in self.model.parameters()}
         total = sum(p.numel() for p in params.values())
-        if self.quant_summary is not None and self.quant.bits == 4:  # packed: two parameters per byte
-            q_ids = {id(getattr(m, "weight", None)) for m in self.model.modules()
-                     if hasattr(getattr(m, "weight", None), "quant_state")}
-            total = (sum(p.numel() for p in params.values() if id(p) not in q_ids)
-                     + self.quant_summary["quantized_params"])
+        if self.quant_summary is not None:  # packed 4-bit weights hold several parameters per element
+            total = parameter_count(self.model)
         trainable = sum(p.numel() for p in params.values() if p.requires_grad)
         config = getattr(self.model, "config", None)
         quantization = self._quant_report(kernels)
