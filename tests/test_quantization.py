@@ -302,3 +302,29 @@ def test_spliced_quantized_trace_equals_full_trace(kw):
 
     assert summary(spliced) == summary(full)
     assert spliced.quantization == full.quantization
+
+
+def test_gemm_4bit_kernel_choice_is_bitsandbytes_own_heuristic():
+    """memfit runs `_gemm_4bit_use_custom_cuda` from the installed source; these cases follow its branches
+    (bitsandbytes 0.50.2 backends/cuda/ops.py) by hand."""
+    from memfit.sim.kernels.bnb import gemm_4bit_use_custom as use_custom
+
+    bf16 = torch.bfloat16
+    assert use_custom(128, (8, 9), bf16, 4, 14336, 4096)  # M <= _GEMM_4BIT_CUSTOM_FLOOR_M
+    # sm89 (RTX 4090, 128 SMs), N=14336 -> 224 blocks of 64: the near-wave tier with n_blocks >= 200: M <= 128
+    assert use_custom(128, (8, 9), bf16, 100, 14336, 4096) and not use_custom(128, (8, 9), bf16, 512, 14336, 4096)
+    # sm90 (H100, 132 SMs), N = K = 4096 -> 64 blocks, under half a wave: dequantize + F.linear
+    assert not use_custom(132, (9, 0), bf16, 64, 4096, 4096)
+    assert not use_custom(128, (8, 9), torch.float32, 16, 14336, 4096)  # fp32: custom only below 8 rows
+
+
+@pytest.mark.slow
+def test_fused_4bit_gemm_allocates_only_its_output():
+    fused = _sim(load_in_4bit=True, bnb_4bit_compute_dtype="bf16", kbit_prep=False, max_length=16,
+                 gpu_sm_count=128, compute_capability=(8, 9))
+    assert fused.quantization["gemm_4bit_paths"] == ["fused"]
+    shapes = [(128, 128), (64, 128), (64, 128), (128, 128), (384, 128), (384, 128), (128, 384)]
+    assert _op_allocs(fused, "gemm_4bit", "forward") == [2 * 16 * n for n, _ in shapes] * 2 * 2  # outputs only
+    unknown = _sim(load_in_4bit=True, bnb_4bit_compute_dtype="bf16", kbit_prep=False, max_length=16)
+    assert unknown.quantization["gemm_4bit_paths"] == ["fallback-assumed"]
+    assert any("unknown without --gpu" in n for n in unknown.notes)

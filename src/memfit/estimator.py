@@ -263,6 +263,8 @@ def estimate(
             raise MemfitError(f"capacity_bytes `{capacity_bytes!r}` must be a positive number of bytes")
     if spec is not None and tuple(setup.compute_capability) != tuple(spec.compute_capability):
         setup = setup.replace(compute_capability=tuple(spec.compute_capability))
+    if spec is not None and setup.load_in_4bit and spec.sm_count and setup.gpu_sm_count != spec.sm_count:
+        setup = setup.replace(gpu_sm_count=spec.sm_count)  # bitsandbytes' 4-bit GEMM choice (issue 12)
     if alloc_conf is None:
         import os
 

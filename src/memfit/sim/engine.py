@@ -35,8 +35,8 @@ from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.errors import MemfitError
 from memfit.models.limits import check_sequence_lengths
 from memfit.models.build import ModelSpec, build_meta_model, resolve_config, to_empty_tied
-from memfit.models.quantization import (capture, meta_safe_deepcopy, prepare_for_kbit_training, quant_spec,
-                                        quant_state_tensors, parameter_count, quantization_summary, quantize_meta_model,
+from memfit.models.quantization import (capture, meta_safe_deepcopy, parameter_count, prepare_for_kbit_training,
+                                        quant_spec, quant_state_tensors, quantization_summary, quantize_meta_model,
                                         quiet_bnb_logs, restore)
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
@@ -468,7 +468,8 @@ class _Runner:
         if self.quant is not None:  # bitsandbytes' CUDA kernels, above the tracker (issue 12)
             from memfit.sim.kernels.bnb import BnbCudaKernels, bnb_cuda_patches
 
-            kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low)
+            kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low, compute_capability=s.compute_capability,
+                                     sm_count=s.gpu_sm_count)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with mode, self.tracker, patches, cuda_autocast_policy(self.low), bnb:
@@ -525,8 +526,8 @@ class _Runner:
         if "fallback-assumed" in paths:
             self.notes.append(
                 "bitsandbytes gemm_4bit: at 5-1536 tokens per batch the CUDA kernel choice (fused vs dequantize + "
-                "F.linear) depends on the GPU's SM count (backends/cuda/ops.py `_gemm_4bit_use_custom_cuda`); "
-                "memfit assumes the dequantizing path, the larger")
+                "F.linear) depends on the GPU's SM count (backends/cuda/ops.py `_gemm_4bit_use_custom_cuda`), "
+                "unknown without --gpu: memfit assumes the dequantizing path, the larger")
         if self.quant.bits == 8:
             self.notes.append("LLM.int8: the outlier columns depend on the values; memfit assumes none (their "
                               "fp16 copy `subA`, saved for backward, is usually a few columns)")

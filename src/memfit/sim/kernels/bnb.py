@@ -12,8 +12,9 @@ allocates more, `BnbCudaKernels` (a dispatch mode above the tracker) runs the CU
   dtype=float32)`) and `absmax_dq + absmax_offset`, then the whole weight dequantized to the input dtype
   (`B_dq = torch.empty(shapeB, dtype=A.dtype)`) and `F.linear`. At most 4 rows
   (`_GEMM_4BIT_CUSTOM_FLOOR_M`) it is the fused kernel: the output only. In between the choice depends on
-  the GPU's SM count and the shape (`_gemm_4bit_use_custom_cuda`); memfit takes the fallback there (the larger
-  of the two) and says so.
+  the GPU's compute capability, SM count and the shape: memfit runs bitsandbytes' own heuristic
+  (`_gemm_4bit_use_custom_cuda`, compiled from the installed backends/cuda/ops.py, whose module does not import
+  without CUDA) with the target GPU's figures; without an SM count it takes the fallback (the larger) and says so.
 * MatMul4Bit.backward: `F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)` — the fake kernels of
   `dequantize_blockwise` / `dequantize_4bit` allocate what the CUDA kernels allocate (their outputs).
 * `int8_scaled_mm` / `int8_mixed_scaled_mm` have no CUDA kernel of their own: CUDA runs the "default"
@@ -30,7 +31,10 @@ All allocations inside a bitsandbytes op are recorded under the module label `DE
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 
 from memfit.sim import _torch_adapter as adapter
 
-__all__ = ["BnbCudaKernels", "cuda_int8_matmul", "GEMM_4BIT_CUSTOM_MAX_M", "GEMM_4BIT_CUSTOM_FLOOR_M",
+__all__ = ["BnbCudaKernels", "cuda_int8_matmul", "gemm_4bit_use_custom", "GEMM_4BIT_CUSTOM_MAX_M", "GEMM_4BIT_CUSTOM_FLOOR_M",
            "DEQUANT_LABEL", "bnb_cuda_patches"]
 
 #: backends/cuda/ops.py `_gemm_4bit_custom_max_m` (CUDA): past this many rows gemm_4bit always dequantizes.
@@ -52,10 +56,13 @@ DEQUANT_LABEL = "bitsandbytes"
 class BnbCudaKernels(adapter.TorchDispatchMode):
     """Dispatch mode: bitsandbytes custom ops with the allocations of their CUDA implementations."""
 
-    def __init__(self, tracker: Any = None, *, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, tracker: Any = None, *, autocast_dtype: torch.dtype | None = None,
+                 compute_capability: tuple[int, int] = (8, 0), sm_count: int | None = None) -> None:
         super().__init__()
         self.tracker = tracker
         self.autocast_dtype = autocast_dtype
+        self.compute_capability = tuple(compute_capability)
+        self.sm_count = sm_count
         self.gemm_paths: set[str] = set()
 
     @contextlib.contextmanager
@@ -88,13 +95,19 @@ class BnbCudaKernels(adapter.TorchDispatchMode):
                   absmax_offset=None):
         K = A.shape[-1]
         M = A.numel() // K
-        if M <= GEMM_4BIT_CUSTOM_FLOOR_M and K % blocksize == 0:
-            self.gemm_paths.add("fused")
-            return torch.empty((*A.shape[:-1], shapeB[0]), dtype=A.dtype, device=A.device)
-        if M <= GEMM_4BIT_CUSTOM_MAX_M and K % blocksize == 0:
-            self.gemm_paths.add("fallback-assumed")
+        N = shapeB[0]
+        if M > GEMM_4BIT_CUSTOM_MAX_M or K % blocksize != 0:
+            use_custom, path = False, "fallback"
+        elif self.sm_count:
+            use_custom = gemm_4bit_use_custom(self.sm_count, self.compute_capability, A.dtype, M, N, K)
+            path = "fused" if use_custom else "fallback"
+        elif M <= GEMM_4BIT_CUSTOM_FLOOR_M:
+            use_custom, path = True, "fused"
         else:
-            self.gemm_paths.add("fallback")
+            use_custom, path = False, "fallback-assumed"
+        self.gemm_paths.add(path)
+        if use_custom:  # the fused kernel (`_gemm_4bit_kernel_impl`) writes the output only
+            return torch.empty((*A.shape[:-1], N), dtype=A.dtype, device=A.device)
         # backends/cuda/ops.py `_dequant_linear_fallback`
         if absmax_8bit is not None:
             absmax_dq = torch.empty_like(absmax_8bit, dtype=torch.float32)
@@ -134,6 +147,53 @@ class BnbCudaKernels(adapter.TorchDispatchMode):
         row_stats = torch.empty(A.numel() // A.shape[-1], device=A.device, dtype=torch.float32)
         col_stats = torch.empty(A.shape[-1], device=A.device, dtype=torch.float32)
         return out_row, out_col, row_stats, col_stats, torch.empty(0, device=A.device, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def _heuristic_source() -> tuple[str, int]:
+    """bitsandbytes' `_gemm_4bit_use_custom_cuda` source (undecorated) and `_GEMM_4BIT_CUSTOM_FLOOR_M`."""
+    from memfit.models.quantization import quiet_bnb_logs
+
+    with quiet_bnb_logs():
+        import bitsandbytes
+
+    path = Path(bitsandbytes.__file__).parent / "backends" / "cuda" / "ops.py"
+    src = path.read_text(encoding="utf-8")
+    tree = ast.parse(src)
+    floor = None
+    func = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_GEMM_4BIT_CUSTOM_FLOOR_M"
+                                                for t in node.targets):
+            floor = ast.literal_eval(node.value)
+        if isinstance(node, ast.FunctionDef) and node.name == "_gemm_4bit_use_custom_cuda":
+            node.decorator_list = []
+            func = ast.unparse(node)
+    if func is None or floor is None:
+        raise RuntimeError(f"bitsandbytes {bitsandbytes.__version__}: no `_gemm_4bit_use_custom_cuda` / "
+                           f"`_GEMM_4BIT_CUSTOM_FLOOR_M` in {path}; memfit.sim.kernels.bnb needs updating")
+    return func, floor
+
+
+@functools.lru_cache(maxsize=4096)
+def gemm_4bit_use_custom(sm_count: int, compute_capability: tuple[int, int], dtype: torch.dtype, M: int, N: int,
+                         K: int) -> bool:
+    """bitsandbytes' own choice between the fused 4-bit GEMM and dequantize + F.linear on a CUDA GPU
+    (backends/cuda/ops.py `_gemm_4bit_use_custom_cuda`), run with this GPU's SM count and compute capability.
+
+    Args:
+        sm_count: the GPU's multiprocessors (`props.multi_processor_count`).
+        compute_capability: (major, minor).
+        dtype: the input's dtype.
+        M, N, K: rows of the input (tokens), output features, input features.
+    """
+    func, floor = _heuristic_source()
+    namespace: dict[str, Any] = {
+        "torch": torch, "_GEMM_4BIT_CUSTOM_FLOOR_M": floor,
+        "_gpu_dispatch_props": lambda _index: (sm_count, compute_capability[0], compute_capability[1]),
+    }
+    exec(compile(func, "<bitsandbytes _gemm_4bit_use_custom_cuda>", "exec"), namespace)  # noqa: S102 (installed source)
+    return bool(namespace["_gemm_4bit_use_custom_cuda"](0, dtype, M, N, K))
 
 
 def _autocast_linear(A, B, bias, low):
