@@ -169,7 +169,7 @@ def prepare_for_kbit_training(model: nn.Module) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5: gradient_* -> activation_* renames
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-    return sum(n for p in model.parameters() if id(p) in half and p.dtype == torch.float32 for n in [half[id(p)]])
+    return sum(half[id(p)] for p in model.parameters() if id(p) in half and p.dtype == torch.float32)
 
 
 @contextlib.contextmanager
@@ -337,7 +337,3 @@ def quantization_summary(model: nn.Module, spec: QuantSpec, *, kbit_prep: bool) 
     else:
         out.update(threshold=spec.threshold)
     return out
-
-
-def spec_json(spec: QuantSpec) -> dict[str, Any]:
-    return dataclasses.asdict(spec)
