@@ -237,7 +237,7 @@ def test_args_file_quantization_config(tmp_path):
     assert s.load_in_4bit and s.bnb_4bit_quant_type == "nf4" and s.bnb_4bit_compute_dtype == "bfloat16"
 
 
-def test_cli_flags_reach_the_setup():
+def test_cli_flags_reach_the_setup(tmp_path):
     import argparse
 
     from memfit.commands.estimate import add_setup_arguments, build_setup
@@ -252,6 +252,13 @@ def test_cli_flags_reach_the_setup():
     assert (setup.load_in_4bit, setup.bnb_4bit_quant_type, setup.bnb_4bit_compute_dtype,
             setup.bnb_4bit_use_double_quant, setup.kbit_prep, setup.optim) == \
         (True, "nf4", "bfloat16", True, False, "paged_adamw_8bit")
+    args_file = tmp_path / "a.json"
+    args_file.write_text(json.dumps({"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+                                     "optim": "paged_adamw_32bit"}))
+    args = p.parse_args(["gpt2", "--task", "causal-lm", "--lora-r", "4", "--args", str(args_file)])
+    args.func = None
+    setup, _, _ = build_setup(args)
+    assert (setup.load_in_4bit, setup.bnb_4bit_quant_type, setup.optim) == (True, "nf4", "paged_adamw_32bit")
     args = p.parse_args(["gpt2", "--task", "causal-lm", "--load-in-8bit"])
     args.func = None
     with pytest.raises(MemfitError, match="purely quantized"):

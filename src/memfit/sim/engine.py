@@ -45,6 +45,7 @@ from memfit.sim.optimizers import build_optimizer
 from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events, truncate_layers
 from memfit.sim.tracker import StorageTracker, TrackedEvent
 from memfit.trace import TraceEvent
+from memfit.units import format_bytes
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Simulation", "simulate"]
@@ -129,7 +130,7 @@ class _Runner:
                     self.notes.append(
                         f"peft's prepare_model_for_kbit_training was run on the model (as users and TRL do): it cast "
                         f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
-                        f"float32, +{cast * 2 / 2**30:,.2f} GiB of weights; --no-kbit-prep estimates without it")
+                        f"float32, +{format_bytes(cast * 2)} of weights; --no-kbit-prep estimates without it")
         if setup.lora_r is not None:
             model = self._apply_lora(model)
         if self.quant is not None:
