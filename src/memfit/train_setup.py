@@ -242,8 +242,10 @@ class TrainSetup:
     gpu_sm_count: int | None = None
     """SMs of the target GPU: bitsandbytes picks its 4-bit GEMM kernel by it; `estimate(gpu=...)` sets it."""
     kbit_prep: bool = True
-    """Run peft's `prepare_model_for_kbit_training` on a quantized model (as users and TRL do): it casts the
-    non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on."""
+    """Run peft's `prepare_model_for_kbit_training` on a quantized model (as peft's QLoRA recipes do): it casts the
+    non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on. TRL 1.16's SFTTrainer does
+    not call it (trl/trainer/sft_trainer.py goes straight to `get_peft_model`; only TRL's experimental trainers call
+    their own version, trl/experimental/utils.py, which freezes and checkpoints but casts nothing): False for those."""
     compute_capability: tuple[int, int] = (8, 0)
     """Of the target GPU: decides the SDPA backend and whether bf16 is allowed."""
     notes: list[str] = field(default_factory=list)

@@ -93,7 +93,8 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--double-quant", action="store_true", default=None,
                    help="bnb_4bit_use_double_quant: quantize the absmax statistics too")
     p.add_argument("--no-kbit-prep", action="store_true", default=None,
-                   help="do not model peft's prepare_model_for_kbit_training (float32 casts, checkpointing)")
+                   help="do not model peft's prepare_model_for_kbit_training (float32 casts, checkpointing); "
+                        "TRL's SFTTrainer does not call it")
     p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs and memfit settings (\"model\", \"max_length\", ...); "
                         "legacy names are read with a note, unknown names are an error; a flag wins over the file")
     if model_option:

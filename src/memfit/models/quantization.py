@@ -15,7 +15,8 @@ What a real load does, and what memfit runs of it:
   `quantized_storage` gives the same bytes as a formula; tests/test_quantization.py checks both against a
   real CPU quantization.
 * `peft.prepare_model_for_kbit_training` (peft/utils/other.py) is run for real on the meta model
-  (`kbit_prep`): it freezes everything and casts every fp16/bf16 parameter that is not quantized to
+  (`kbit_prep`; TRL 1.16's SFTTrainer does not call it, see TrainSetup.kbit_prep): it freezes everything and casts
+  every fp16/bf16 parameter that is not quantized to
   float32 (embeddings, norms, the LM head: "QLoRA uses more memory than LoRA"), and with its default
   `use_gradient_checkpointing=True` enables input gradients and gradient checkpointing (TrainSetup records
   that as `gradient_checkpointing=True`, with a note).

@@ -128,7 +128,8 @@ class _Runner:
                 cast = prepare_for_kbit_training(model)
                 if cast:
                     self.notes.append(
-                        f"peft's prepare_model_for_kbit_training was run on the model (as users and TRL do): it cast "
+                        f"peft's prepare_model_for_kbit_training was run on the model (as peft's QLoRA recipes do; "
+                        f"TRL 1.16's SFTTrainer does not call it: --no-kbit-prep for such a run): it cast "
                         f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
                         f"float32, +{format_bytes(cast * 2)} of weights; --no-kbit-prep estimates without it")
         if setup.lora_r is not None:
