@@ -335,3 +335,16 @@ def test_fused_4bit_gemm_allocates_only_its_output():
     unknown = _sim(load_in_4bit=True, bnb_4bit_compute_dtype="bf16", kbit_prep=False, max_length=16)
     assert unknown.quantization["gemm_4bit_paths"] == ["fallback-assumed"]
     assert any("unknown without --gpu" in n for n in unknown.notes)
+
+
+def test_train_args_file_refuses_quantization_config(tmp_path):
+    """`memfit train` loads real weights and does not quantize them: the key is an error, not silently dropped."""
+    from memfit.commands._args import train_kwargs_from_file
+    from memfit.train_setup import TrainSetup as TS
+
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps({"quantization_config": {"load_in_4bit": True}}))
+    import dataclasses
+
+    with pytest.raises(MemfitError, match="`quantization_config`.*does not take"):
+        train_kwargs_from_file(str(path), {f.name for f in dataclasses.fields(TS)})
