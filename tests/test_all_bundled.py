@@ -42,7 +42,10 @@ def test_bundled_model_estimates_with_its_default_task(model_id, monkeypatch):
     assert r.params > 1_000_000
     assert r.breakdown["weights"] > 0
     assert r.phase_breakdowns["optimizer"]["gradients"] > 0 and r.phase_breakdowns["optimizer"]["optimizer_state"] > 0
-    assert r.device_used_bytes >= r.peak_reserved_bytes >= r.peak_allocated_bytes
+    if r.fits:
+        assert r.device_used_bytes >= r.peak_reserved_bytes >= r.peak_allocated_bytes
+    else:  # a model too large to fine-tune fully on one A100-80GB (Llama-3.1-70B): the OOM is predicted
+        assert r.oom is not None and r.shortfall_bytes > 0 and r.peak_reserved_bytes <= r.capacity_bytes
 
 
 @pytest.mark.parametrize("model_id", ["t5-small", "facebook/bart-base"])

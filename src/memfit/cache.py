@@ -13,7 +13,7 @@ changes the result:
   `gpu="auto"` (measured now, by NVML) is not cached;
 * the allocator config as parsed, and the raw `PYTORCH_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`;
 * memfit's version and a hash of the source of the installed memfit package (every `.py` and
-  `.json` file under it), and the versions of torch, transformers, peft and accelerate.
+  `.json` file under it), and the versions of torch, transformers, peft, accelerate and bitsandbytes.
 
 Entries are written to a temporary file in the same folder and moved into place with
 `os.replace` (atomic on POSIX and Windows), so processes sharing the folder read either a whole
@@ -38,7 +38,7 @@ __all__ = ["cache_dir", "estimate_key", "load_entry", "store_entry", "source_has
 SCHEMA = "memfit.cache.estimate/1"
 _SUBDIR = "estimate-v1"
 #: Packages whose code runs in the simulation: their versions are part of every key.
-_PACKAGES = ("torch", "transformers", "peft", "accelerate")
+_PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes")  # bitsandbytes: quantized layers (issue 12)
 
 
 def cache_dir() -> Path:

@@ -121,6 +121,14 @@ class MemoryReport:
     reserved_at_peak_allocated_bytes: int = 0
     """Reserved memory at the moment of the allocated peak (the moment `breakdown` describes), from the
     same replay; minus `peak_allocated_bytes` it is what the cache held free for reuse at that moment."""
+    # -- quantization (issue 12) --
+    quantization: dict[str, Any] | None = None
+    """Quantized base weights (bitsandbytes): method, bits, quantized params and bytes, what stays in higher
+    precision, the dequantization temporaries live at the peak; None when the weights are not quantized."""
+    paged_bytes: int = 0
+    """Optimizer state of a paged bitsandbytes optimizer in CUDA managed memory (cudaMallocManaged): outside
+    PyTorch's allocator, so in no allocated/reserved figure; on the GPU while there is room, paged out to host
+    memory by the driver when there is not."""
     trace: list[TraceEvent] = field(repr=False, compare=False, default_factory=list)
 
     def __repr__(self) -> str:
@@ -255,6 +263,8 @@ def estimate(
             raise MemfitError(f"capacity_bytes `{capacity_bytes!r}` must be a positive number of bytes")
     if spec is not None and tuple(setup.compute_capability) != tuple(spec.compute_capability):
         setup = setup.replace(compute_capability=tuple(spec.compute_capability))
+    if spec is not None and setup.load_in_4bit and spec.sm_count and setup.gpu_sm_count != spec.sm_count:
+        setup = setup.replace(gpu_sm_count=spec.sm_count)  # bitsandbytes' 4-bit GEMM choice (issue 12)
     if alloc_conf is None:
         import os
 
@@ -339,6 +349,14 @@ def estimate(
         notes.append("fp16 weights with fp16 mixed precision: a real run stops at the first optimizer step "
                      "(GradScaler: 'Attempting to unscale FP16 gradients'); load the model in fp32 "
                      "(--weights-dtype fp32) or use bf16")
+    quantization = _quantization_report(sim.quantization, trace, tp.overall.event_index)
+    if sim.paged_bytes:
+        from memfit.units import format_bytes
+
+        notes.append(f"paged optimizer: {format_bytes(sim.paged_bytes)} of optimizer state is in CUDA managed memory "
+                     "(bitsandbytes F.get_paged -> cudaMallocManaged), outside PyTorch's allocator and outside every "
+                     "figure here: it occupies that much more GPU memory while the GPU has room and is paged to host "
+                     "memory when it has not (slower steps, no OOM)")
     phases = {p: tp.by_phase[p].bytes for p in REPORT_PHASES if p in tp.by_phase}
     if not setup.does_eval:
         phases["eval"] = 0
@@ -361,12 +379,35 @@ def estimate(
         shortfall_bytes=shortfall, uncapped_peak_reserved_bytes=bounded.uncapped.peak_reserved_bytes,
         steady_state=bounded.steady, trace=trace,
         reserved_at_peak_allocated_bytes=alloc.reserved_at_peak_allocated_bytes,
+        quantization=quantization, paged_bytes=sim.paged_bytes,
     )
     if key is not None:
         from memfit import cache as _cache
 
         _cache.store_entry(key, report.to_json())
     return report
+
+
+def _quantization_report(summary: dict[str, Any] | None, trace: list[TraceEvent], peak_index: int
+                         ) -> dict[str, Any] | None:
+    """The simulation's quantization summary plus the bytes allocated inside bitsandbytes ops (dequantized
+    weights, float32 absmax, int8 casts: memfit.sim.kernels.bnb) live at the allocated peak and at most."""
+    if summary is None:
+        return None
+    from memfit.sim.kernels.bnb import DEQUANT_LABEL
+
+    live: dict[int, int] = {}
+    total = most = at_peak = 0
+    for i, ev in enumerate(trace):
+        if ev.action == "alloc" and ev.module.startswith(DEQUANT_LABEL):
+            live[ev.id] = ev.size_bytes
+            total += ev.size_bytes
+            most = max(most, total)
+        elif ev.action == "free" and ev.id in live:
+            total -= live.pop(ev.id)
+        if i == peak_index:
+            at_peak = total
+    return {**summary, "dequant_temporaries_at_peak_bytes": at_peak, "dequant_temporaries_max_bytes": most}
 
 
 def _reserved_by_phase(alloc, does_eval: bool, stopped: bool) -> dict[str, int | None]:

@@ -18,7 +18,7 @@ from typing import Any
 from memfit.errors import MemfitError
 
 __all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
-           "normalize_arg_names", "suggest_name", "read_args_file"]
+           "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields"]
 
 #: task name -> the Auto class head it builds (transformers.AutoModelFor...).
 TASKS = {
@@ -42,6 +42,8 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 OPTIMIZERS = (
     "adamw_torch", "adamw_torch_fused",
     "adafactor", "sgd", "adamw_bnb_8bit", "adamw_8bit", "adagrad", "rmsprop",
+    # bitsandbytes paged / Lion optimizers (issue 12; memfit.sim.optimizers.BNB_OPTIMIZERS)
+    "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit",
 )
 
 #: The fields of `transformers.TrainingArguments` in transformers 5.24 (`dataclasses.fields(TrainingArguments)`;
@@ -123,7 +125,7 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments") 
         data: TrainingArguments kwargs and/or TrainSetup fields, as read from a JSON file.
         source: where they came from, for the messages (`--args a.json`).
     """
-    valid = TRAINING_ARGS_NAMES | _setup_field_names()
+    valid = TRAINING_ARGS_NAMES | _setup_field_names() | {"quantization_config"}
     out: dict[str, Any] = {}
     notes: list[str] = []
     for key, value in data.items():
@@ -218,6 +220,32 @@ class TrainSetup:
     """The lowest N blocks of the model's (first) stack of layers get no gradient."""
     offload_optimizer_state: bool = False
     """Optimizer state kept in host memory (DeepSpeed ZeRO-Offload); not on the GPU."""
+    # -- quantization (issue 12): BitsAndBytesConfig's fields and defaults (transformers 5.24
+    # utils/quantization_config.py `BitsAndBytesConfig.__init__`), simulated by memfit.models.quantization --
+    load_in_4bit: bool = False
+    """Base weights in 4 bits (bitsandbytes Linear4bit); needs LoRA on top (QLoRA)."""
+    load_in_8bit: bool = False
+    """Base weights in 8 bits (bitsandbytes LLM.int8 Linear8bitLt); needs LoRA on top."""
+    bnb_4bit_quant_type: str = "fp4"
+    """nf4 or fp4 (BitsAndBytesConfig's default is fp4; QLoRA recipes use nf4)."""
+    bnb_4bit_compute_dtype: str | None = None
+    """Dtype Linear4bit dequantizes to and computes in: fp32, fp16 or bf16; None is BitsAndBytesConfig's
+    default, float32."""
+    bnb_4bit_use_double_quant: bool = False
+    """Quantize the absmax statistics again (uint8 + fp32 per 256 blocks)."""
+    bnb_4bit_quant_storage: str = "uint8"
+    """Dtype of the packed 4-bit storage (uint8, int8, float16, bfloat16, float32, float64)."""
+    llm_int8_threshold: float = 6.0
+    """LLM.int8 outlier threshold (0 disables the mixed-precision decomposition)."""
+    llm_int8_skip_modules: list[str] | None = None
+    """Module names kept unquantized; None: transformers' default (the LM head, `get_keys_to_not_convert`)."""
+    gpu_sm_count: int | None = None
+    """SMs of the target GPU: bitsandbytes picks its 4-bit GEMM kernel by it; `estimate(gpu=...)` sets it."""
+    kbit_prep: bool = True
+    """Run peft's `prepare_model_for_kbit_training` on a quantized model (as peft's QLoRA recipes do): it casts the
+    non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on. TRL 1.16's SFTTrainer does
+    not call it (trl/trainer/sft_trainer.py goes straight to `get_peft_model`; only TRL's experimental trainers call
+    their own version, trl/experimental/utils.py, which freezes and checkpoints but casts nothing): False for those."""
     compute_capability: tuple[int, int] = (8, 0)
     """Of the target GPU: decides the SDPA backend and whether bf16 is allowed."""
     notes: list[str] = field(default_factory=list)
@@ -270,6 +298,7 @@ class TrainSetup:
             _positive_int("lora_r", self.lora_r)
         if not isinstance(self.freeze_layers, int) or isinstance(self.freeze_layers, bool) or self.freeze_layers < 0:
             raise MemfitError(f"`freeze_layers` must be 0 or a positive number of blocks; got `{self.freeze_layers!r}`")
+        _check_quantization(self)
         if self.task is None:  # last: it reads the model's config (a clear MemfitError when there is none)
             from memfit.models.build import default_task  # memfit.models imports this module
 
@@ -316,7 +345,8 @@ class TrainSetup:
         notes: list[str] = list(fields.pop("notes", []))
         setup_names = _setup_field_names()
         for key in fields:
-            if key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES:
+            if (key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES
+                    and key != "quantization_config"):
                 raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
                                   "TrainSetup fields mirror TrainingArguments names")
         source = args_source or "the training arguments"
@@ -385,6 +415,9 @@ def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str) ->
                     raise MemfitError("`fp16=True` and `bf16=True` were both given; choose one")
                 merged["precision"] = key
             continue
+        if key == "quantization_config":  # quantization (issue 12): a dict or a BitsAndBytesConfig
+            merged.update(quantization_fields(value, source=source))
+            continue
         if key in _NOT_MODELLED_ARGS and value not in (None, False, "", [], {}, 0):
             notes.append(f"`{key}` is set but not modelled by memfit: the estimate is of a run without it")
             continue
@@ -406,7 +439,7 @@ def _positive_int(name: str, value: Any) -> None:
 def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
     for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
-                 "offload_optimizer_state"):
+                 "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep"):
         value = getattr(setup, name)
         if not isinstance(value, bool):
             raise MemfitError(f"`{name}` must be true or false; got `{value!r}`")
@@ -416,7 +449,8 @@ def _check_types(setup: "TrainSetup") -> None:
             raise MemfitError(f"`{name}` must be a finite number; got `{value!r}`")
     if isinstance(setup.lora_alpha, bool) or not isinstance(setup.lora_alpha, (int, float)) or setup.lora_alpha <= 0:
         raise MemfitError(f"`lora_alpha` must be a positive number; got `{setup.lora_alpha!r}`")
-    for name in ("task", "precision", "weights_dtype", "optim", "eval_strategy", "attn_implementation"):
+    for name in ("task", "precision", "weights_dtype", "optim", "eval_strategy", "attn_implementation",
+                 "bnb_4bit_quant_type", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
         value = getattr(setup, name)
         if value is not None and not isinstance(value, str):
             raise MemfitError(f"`{name}` must be a string; got `{value!r}`")
@@ -431,3 +465,96 @@ def _check_types(setup: "TrainSetup") -> None:
         raise MemfitError(f"`compute_capability` must be two integers like `(8, 0)`; got `{cc!r}`")
     if not isinstance(setup.notes, list):
         raise MemfitError(f"`notes` must be a list of strings; got `{setup.notes!r}`")
+
+
+
+# -- quantization (issue 12) -------------------------------------------------------------------
+#: `bnb_4bit_compute_dtype` spellings -> torch dtype name (BitsAndBytesConfig takes a torch dtype or its name).
+_COMPUTE_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+                   "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+#: The `bnb_4bit_quant_storage` names BitsAndBytesConfig accepts (transformers 5.24 `BitsAndBytesConfig.__init__`).
+QUANT_STORAGE_DTYPES = ("float16", "float32", "int8", "uint8", "float64", "bfloat16")
+#: BitsAndBytesConfig keys -> TrainSetup field (`to_dict()` also writes `_load_in_4bit` / `_load_in_8bit`).
+_BNB_KEYS = {
+    "load_in_4bit": "load_in_4bit", "_load_in_4bit": "load_in_4bit",
+    "load_in_8bit": "load_in_8bit", "_load_in_8bit": "load_in_8bit",
+    "bnb_4bit_quant_type": "bnb_4bit_quant_type", "bnb_4bit_compute_dtype": "bnb_4bit_compute_dtype",
+    "bnb_4bit_use_double_quant": "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage": "bnb_4bit_quant_storage",
+    "llm_int8_threshold": "llm_int8_threshold", "llm_int8_skip_modules": "llm_int8_skip_modules",
+}
+#: BitsAndBytesConfig keys read but not changing the estimate when left at their defaults.
+_BNB_DEFAULT_ONLY = {"llm_int8_enable_fp32_cpu_offload": False, "llm_int8_has_fp16_weight": False}
+
+
+def quantization_fields(config: Any, *, source: str = "the arguments") -> dict[str, Any]:
+    """TrainSetup fields from a `quantization_config`: a dict (as JSON holds it) or a `BitsAndBytesConfig`.
+
+    Args:
+        config: the quantization config; an object with `to_dict()` (BitsAndBytesConfig) is read through it.
+        source: where it came from, for the messages.
+    """
+    if hasattr(config, "to_dict") and not isinstance(config, dict):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise MemfitError(f"`quantization_config` in {source} must be a dict or a BitsAndBytesConfig; "
+                          f"got `{type(config).__name__}`")
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if key == "quant_method":
+            method = str(getattr(value, "value", value))
+            if method != "bitsandbytes":
+                raise MemfitError(f"`quantization_config` quant_method `{method}` is not modelled; memfit simulates "
+                                  "bitsandbytes (`BitsAndBytesConfig`) only")
+        elif key in _BNB_DEFAULT_ONLY:
+            if value not in (None, _BNB_DEFAULT_ONLY[key]):
+                raise MemfitError(f"`quantization_config` {key}=`{value!r}` is not modelled; memfit simulates the "
+                                  f"default `{_BNB_DEFAULT_ONLY[key]}`")
+        elif key in _BNB_KEYS:
+            if key.endswith("_dtype") or key.endswith("_storage"):
+                value = None if value is None else str(value).removeprefix("torch.")
+            out[_BNB_KEYS[key]] = value
+        else:
+            raise MemfitError(f"unknown `quantization_config` key `{key}` in {source}"
+                              f"{suggest_name(key, set(_BNB_KEYS))}; memfit reads BitsAndBytesConfig's fields")
+    if out.get("bnb_4bit_quant_storage") is None:
+        out.pop("bnb_4bit_quant_storage", None)
+    return out
+
+
+def _check_quantization(setup: "TrainSetup") -> None:
+    """Bad quantization values and impossible combinations: one-line MemfitErrors."""
+    if setup.load_in_4bit and setup.load_in_8bit:
+        # BitsAndBytesConfig.__init__ raises the same ValueError
+        raise MemfitError("`load_in_4bit` and `load_in_8bit` are both true; only one can be used at the same time")
+    if setup.bnb_4bit_quant_type not in ("nf4", "fp4"):
+        raise MemfitError(f"bnb_4bit_quant_type `{setup.bnb_4bit_quant_type}` must be `nf4` or `fp4`")
+    if setup.bnb_4bit_compute_dtype is not None:
+        name = _COMPUTE_DTYPES.get(setup.bnb_4bit_compute_dtype.lower())
+        if name is None:
+            raise MemfitError(f"bnb_4bit_compute_dtype `{setup.bnb_4bit_compute_dtype}` must be one of fp32, fp16, bf16")
+        setup.bnb_4bit_compute_dtype = name
+        if name == "bfloat16" and setup.load_in_4bit and tuple(setup.compute_capability) < (8, 0):
+            raise MemfitError(f"bnb_4bit_compute_dtype `bf16` needs compute capability 8.0 or newer; this GPU has "
+                              f"`{tuple(setup.compute_capability)}`. Use `--bnb-4bit-compute-dtype fp16`")
+    if setup.bnb_4bit_quant_storage not in QUANT_STORAGE_DTYPES:
+        raise MemfitError(f"bnb_4bit_quant_storage `{setup.bnb_4bit_quant_storage}` must be one of "
+                          f"{', '.join(QUANT_STORAGE_DTYPES)}")
+    if setup.gpu_sm_count is not None:
+        _positive_int("gpu_sm_count", setup.gpu_sm_count)
+    t = setup.llm_int8_threshold
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise MemfitError(f"`llm_int8_threshold` must be a finite number >= 0; got `{t!r}`")
+    mods = setup.llm_int8_skip_modules
+    if mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
+        raise MemfitError(f"`llm_int8_skip_modules` must be a list of module names; got `{mods!r}`")
+    if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep and not setup.gradient_checkpointing:
+        # peft/utils/other.py prepare_model_for_kbit_training(use_gradient_checkpointing=True) calls
+        # model.gradient_checkpointing_enable(); Trainer never turns it off (it only enables it when asked)
+        setup.gradient_checkpointing = True
+        setup.notes = [*setup.notes, "gradient checkpointing is on: peft's prepare_model_for_kbit_training, which "
+                       "quantized models get (kbit_prep), enables it by default; --no-kbit-prep leaves it to you"]
+    if (setup.load_in_4bit or setup.load_in_8bit) and setup.lora_r is None:
+        # transformers 5.24 trainer_utils.validate_quantization_for_training, called by Trainer.__init__
+        raise MemfitError("a quantized model (`load_in_4bit`/`load_in_8bit`) cannot be fine-tuned without adapters: "
+                          "Trainer raises 'You cannot perform fine-tuning on purely quantized models'; add LoRA "
+                          "(`--lora-r 16`)")

@@ -58,7 +58,7 @@ def train_kwargs_from_file(path: str, setup_names: set[str]) -> tuple[dict[str, 
         elif key == "model":
             raise MemfitError(f"`model` in `{path}`: `memfit train` takes the model as its first argument "
                               "(`memfit train MODEL --data FILE`); remove it from the file")
-        elif key in setup_names:
+        elif key in setup_names or key == "quantization_config":  # quantization (issue 12): estimate/plan only
             raise MemfitError(f"`{key}` in `{path}` is a memfit estimate setting that `memfit train` does not take; "
                               "remove it from the file")
     for key, forced in FORCED_BY_TRAIN.items():

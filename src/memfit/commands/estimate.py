@@ -82,6 +82,19 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="attention implementation")
     p.add_argument("--freeze-embeddings", action="store_true", default=None, help="the input embeddings are frozen")
     p.add_argument("--freeze-layers", type=int, default=None, help="the lowest N blocks are frozen")
+    # quantization (issue 12): BitsAndBytesConfig's fields; `"quantization_config": {...}` in --args works too
+    p.add_argument("--load-in-4bit", action="store_true", default=None,
+                   help="base weights in 4 bits (bitsandbytes; QLoRA with --lora-r)")
+    p.add_argument("--load-in-8bit", action="store_true", default=None, help="base weights in 8 bits (LLM.int8)")
+    p.add_argument("--bnb-4bit-quant-type", choices=("nf4", "fp4"), default=None,
+                   help="4-bit data type (BitsAndBytesConfig default fp4)")
+    p.add_argument("--bnb-4bit-compute-dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="dtype 4-bit layers compute in (BitsAndBytesConfig default fp32)")
+    p.add_argument("--double-quant", action="store_true", default=None,
+                   help="bnb_4bit_use_double_quant: quantize the absmax statistics too")
+    p.add_argument("--no-kbit-prep", action="store_true", default=None,
+                   help="do not model peft's prepare_model_for_kbit_training (float32 casts, checkpointing); "
+                        "TRL's SFTTrainer does not call it")
     p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs and memfit settings (\"model\", \"max_length\", ...); "
                         "legacy names are read with a note, unknown names are an error; a flag wins over the file")
     if model_option:
@@ -117,10 +130,17 @@ def build_setup(args: argparse.Namespace):
                        ("max_grad_norm", "max_grad_norm"), ("gradient_checkpointing", "gradient_checkpointing"),
                        ("eval_strategy", "eval_strategy"), ("eval_accumulation_steps", "eval_accumulation_steps"),
                        ("eval_samples", "eval_samples"), ("lora_r", "lora_r"), ("attn", "attn_implementation"),
-                       ("freeze_embeddings", "freeze_embeddings"), ("freeze_layers", "freeze_layers")):
+                       ("freeze_embeddings", "freeze_embeddings"), ("freeze_layers", "freeze_layers"),
+                       # quantization (issue 12)
+                       ("load_in_4bit", "load_in_4bit"), ("load_in_8bit", "load_in_8bit"),
+                       ("bnb_4bit_quant_type", "bnb_4bit_quant_type"),
+                       ("bnb_4bit_compute_dtype", "bnb_4bit_compute_dtype"),
+                       ("double_quant", "bnb_4bit_use_double_quant")):
         value = getattr(args, flag)
         if value is not None:
             fields[name] = value
+    if getattr(args, "no_kbit_prep", None):
+        fields["kbit_prep"] = False
     if args.example_lengths:
         fields["example_lengths"] = _lengths(args.example_lengths)
     if args.no_truncation:
@@ -251,6 +271,26 @@ def reserved_lines(report) -> list[str]:
     return out
 
 
+def quantization_lines(report) -> list[str]:
+    """The quantized weights' part of the breakdown (issue 12): their storage, what stays in higher precision,
+    the dequantization temporaries, paged optimizer state."""
+    q = getattr(report, "quantization", None)
+    out = []
+    if q:
+        kind = f"{q['bits']}-bit" + (f" {q['quant_type']}" if q.get("quant_type") else "")
+        out.append(f"quantized weights ({q['method']}, {kind}): {q['quantized_params'] / 1e6:,.1f} M params in "
+                   f"{q['quantized_modules']} layers, {format_bytes(q['quantized_bytes'])} with their quant state")
+        for dtype, entry in sorted(q.get("higher_precision", {}).items()):
+            out.append(f"  kept in {dtype}: {entry['params'] / 1e6:,.1f} M params, {format_bytes(entry['bytes'])}")
+        out.append(f"  dequantization temporaries (inside bitsandbytes ops): "
+                   f"{format_bytes(q.get('dequant_temporaries_at_peak_bytes', 0))} at the peak, "
+                   f"{format_bytes(q.get('dequant_temporaries_max_bytes', 0))} at most")
+    if getattr(report, "paged_bytes", 0):
+        out.append(f"paged optimizer state (CUDA managed memory, not in the figures above): "
+                   f"{format_bytes(report.paged_bytes)}")
+    return out
+
+
 def render(report, *, is_seed: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -294,6 +334,8 @@ def render(report, *, is_seed: bool = False) -> None:
                          f"{100 * v / report.peak_allocated_bytes:.0f}%" if report.peak_allocated_bytes else "-")
     cats.add_row("[bold]allocated[/bold]", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]", "")
     console.print(cats)
+    for line in quantization_lines(report):
+        console.print(line)
     for line in reserved_lines(report):
         console.print(line)
     if report.gpu is not None:

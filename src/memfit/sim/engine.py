@@ -35,6 +35,9 @@ from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.errors import MemfitError
 from memfit.models.limits import check_sequence_lengths
 from memfit.models.build import ModelSpec, build_meta_model, resolve_config, to_empty_tied
+from memfit.models.quantization import (capture, meta_safe_deepcopy, parameter_count, prepare_for_kbit_training,
+                                        quant_spec, quant_state_tensors, quantization_summary, quantize_meta_model,
+                                        quiet_bnb_logs, restore)
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.cuda_patches import cuda_patches
@@ -42,6 +45,7 @@ from memfit.sim.optimizers import build_optimizer
 from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events, truncate_layers
 from memfit.sim.tracker import StorageTracker, TrackedEvent
 from memfit.trace import TraceEvent
+from memfit.units import format_bytes
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Simulation", "simulate"]
@@ -69,6 +73,8 @@ class Simulation:
     model_type: str = ""
     eval_steps_held: int = 0
     weights_dtype: str = "float32"
+    quantization: dict | None = None  #: memfit.models.quantization.quantization_summary (issue 12)
+    paged_bytes: int = 0  #: optimizer state in CUDA managed memory (paged optimizers), not in the trace
 
 
 def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) -> dict[str, torch.Tensor]:
@@ -112,8 +118,24 @@ class _Runner:
         self.spec = spec or resolve_config(setup.model)
         model = build_meta_model(setup, self.spec)
         self.notes += check_sequence_lengths(model, setup, self.spec.name, self.spec.config)
+        # quantization (issue 12): bitsandbytes layers as from_pretrained(quantization_config=...) builds them,
+        # then peft's prepare_model_for_kbit_training, before LoRA (memfit.models.quantization)
+        self.quant = quant_spec(setup)
+        self.quant_summary = None
+        if self.quant is not None:
+            quantize_meta_model(model, self.quant)
+            if setup.kbit_prep:
+                cast = prepare_for_kbit_training(model)
+                if cast:
+                    self.notes.append(
+                        f"peft's prepare_model_for_kbit_training was run on the model (as peft's QLoRA recipes do; "
+                        f"TRL 1.16's SFTTrainer does not call it: --no-kbit-prep for such a run): it cast "
+                        f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
+                        f"float32, +{format_bytes(cast * 2)} of weights; --no-kbit-prep estimates without it")
         if setup.lora_r is not None:
             model = self._apply_lora(model)
+        if self.quant is not None:
+            self.quant_summary = quantization_summary(model, self.quant, kbit_prep=setup.kbit_prep)
         if setup.freeze_embeddings:
             emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
             if emb is None:
@@ -133,11 +155,12 @@ class _Runner:
         self.cut = None
         if splice and not isinstance(setup.model, nn.Module):
             try:
-                self.cut, self.sizes, self.names = truncate_layers(model)
+                with meta_safe_deepcopy() if self.quant is not None else contextlib.nullcontext():
+                    self.cut, self.sizes, self.names = truncate_layers(model)
             except SpliceRefused:
                 self.cut = None
         self.checkpointing = None
-        if setup.gradient_checkpointing:
+        if setup.gradient_checkpointing:  # on for a quantized model with kbit_prep (TrainSetup says why)
             try:
                 self.checkpointing = enable_checkpointing(model)
                 if self.cut is not None:
@@ -191,9 +214,15 @@ class _Runner:
         tr = self.tracker
         tr.phase = "setup"
         tr.paused = True
+        quantized = {}
+        if self.quant is not None:  # to_empty drops the bitsandbytes parameters' quant states (issue 12)
+            quantized = {id(m): capture(m) for m in (self.model, self.cut) if m is not None}
         to_empty_tied(self.model, device="cpu")  # plain to_empty unties shared weights
         if self.cut is not None:
             to_empty_tied(self.cut, device="cpu")
+        for m in (self.model, self.cut):
+            if m is not None and id(m) in quantized:
+                restore(m, quantized[id(m)], "cpu")
         if not self.fake:
             # to_empty leaves garbage in real storages; a garbage `position_ids` buffer indexes out
             # of range. Zeros keep every real run well defined (values never change the trace).
@@ -203,10 +232,12 @@ class _Runner:
                         for tensor in list(module.parameters()) + list(module.buffers()):
                             tensor.zero_()
         tr.paused = False
-        for tensor in list(self.model.parameters()) + list(self.model.buffers()):
+        q_model = quant_state_tensors(self.model) if self.quant is not None else []
+        for tensor in list(self.model.parameters()) + list(self.model.buffers()) + q_model:
             tr.register(tensor, "weights")
         if self.cut is not None:
-            for tensor in list(self.cut.parameters()) + list(self.cut.buffers()):
+            q_cut = quant_state_tensors(self.cut) if self.quant is not None else []
+            for tensor in list(self.cut.parameters()) + list(self.cut.buffers()) + q_cut:
                 tr.ignore(tensor)
             self.tagger.index_params()
         if self.setup.precision == "fp16":
@@ -376,6 +407,10 @@ class _Runner:
                 rec = tr.record_of(step)
                 if rec is not None:
                     rec.category = "host"
+        for buf in getattr(self.optimizer, "paged_tensors", ()):  # paged optimizers: cudaMallocManaged (issue 12)
+            rec = tr.record_of(buf)
+            if rec is not None:
+                rec.category = "paged"
 
     def evaluate(self) -> int:
         tr = self.tracker
@@ -443,9 +478,20 @@ class _Runner:
 
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
         patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends)
+        bnb = contextlib.ExitStack()
+        kernels = None
+        if self.quant is not None:  # bitsandbytes' CUDA kernels, above the tracker (issue 12)
+            from memfit.sim.kernels.bnb import BnbCudaKernels, bnb_cuda_patches
+
+            kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low, compute_capability=s.compute_capability,
+                                     sm_count=s.gpu_sm_count)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with mode, self.tracker, patches, cuda_autocast_policy(self.low):
+            with mode, self.tracker, patches, cuda_autocast_policy(self.low), bnb:
+                if kernels is not None:
+                    bnb.enter_context(quiet_bnb_logs())
+                    bnb.enter_context(bnb_cuda_patches())
+                    bnb.enter_context(kernels)
                 self._materialize()
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
                 if optimizer_only:
@@ -469,17 +515,38 @@ class _Runner:
                     self.replay(first, last)
                     self.optimizer_step()
                 held = self.evaluate() if s.does_eval and not optimizer_only else 0
-                trace = [e for e in self.tracker.trace() if e.category != "host"]
+                trace = [e for e in self.tracker.trace() if e.category not in ("host", "paged")]
+                paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
         params = {id(p): p for p in self.model.parameters()}
         total = sum(p.numel() for p in params.values())
+        if self.quant_summary is not None:  # packed 4-bit weights hold several parameters per element
+            total = parameter_count(self.model)
         trainable = sum(p.numel() for p in params.values() if p.requires_grad)
         config = getattr(self.model, "config", None)
+        quantization = self._quant_report(kernels)
         return Simulation(
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
+            quantization=quantization, paged_bytes=paged,
         )
+
+    def _quant_report(self, kernels) -> dict | None:
+        if self.quant_summary is None:
+            return None
+        out = dict(self.quant_summary)
+        paths = sorted(kernels.gemm_paths) if kernels is not None else []
+        out["gemm_4bit_paths"] = paths
+        if "fallback-assumed" in paths:
+            self.notes.append(
+                "bitsandbytes gemm_4bit: at 5-1536 tokens per batch the CUDA kernel choice (fused vs dequantize + "
+                "F.linear) depends on the GPU's SM count (backends/cuda/ops.py `_gemm_4bit_use_custom_cuda`), "
+                "unknown without --gpu: memfit assumes the dequantizing path, the larger")
+        if self.quant.bits == 8:
+            self.notes.append("LLM.int8: the outlier columns depend on the values; memfit assumes none (their "
+                              "fp16 copy `subA`, saved for backward, is usually a few columns)")
+        return out
 
 
 def simulate(

@@ -22,7 +22,8 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["build_optimizer", "EmulatedAdamW8bit", "STATE_ON_HOST"]
+__all__ = ["build_optimizer", "EmulatedAdamW8bit", "EmulatedBnbOptimizer", "BNB_OPTIMIZERS", "STATE_ON_HOST",
+           "PAGED_MIN_NUMEL"]
 
 #: Optimizers whose per-parameter `step` counter is a CPU tensor on a CUDA run (not fused,
 #: not capturable: `_init_group` in torch/optim/adam.py). Those bytes never reach the GPU.
@@ -62,6 +63,69 @@ class EmulatedAdamW8bit(torch.optim.Optimizer):
         return None
 
 
+#: `optim` names Trainer maps to bitsandbytes (transformers 5.24 trainer_optimizer.py `_get_bitsandbytes_optimizer`:
+#: "paged" in the name -> is_paged, "8bit" -> optim_bits=8, "adam" -> AdamW (2 states), "lion" -> Lion (1 state))
+#: -> (states, bits, paged). The older adamw_bnb_8bit / adamw_8bit keep EmulatedAdamW8bit.
+BNB_OPTIMIZERS = {
+    "paged_adamw_32bit": (2, 32, True), "paged_adamw_8bit": (2, 8, True),
+    "lion_32bit": (1, 32, False), "lion_8bit": (1, 8, False),
+    "paged_lion_32bit": (1, 32, True), "paged_lion_8bit": (1, 8, True),
+}
+#: bitsandbytes optim/optimizer.py `Optimizer8bit.get_state_buffer`: a paged optimizer puts a state buffer in
+#: CUDA managed memory (`F.get_paged` -> cudaMallocManaged, outside PyTorch's caching allocator) only when the
+#: parameter has at least this many elements; smaller ones are ordinary `torch.zeros_like`.
+PAGED_MIN_NUMEL = 100_000
+_QMAP_ENTRIES = 256  # F.create_dynamic_map(): 256 float32 values ("dynamic", "udynamic"), moved to the device once
+
+
+class EmulatedBnbOptimizer(torch.optim.Optimizer):
+    """Memory stand-in for bitsandbytes' AdamW / Lion, 32- or 8-bit, paged or not (bitsandbytes
+    optim/optimizer.py `Optimizer2State.init_state` / `Optimizer1State.init_state`): per parameter `state1`
+    (and `state2` for Adam) of float32, or of uint8 with float32 `absmax` per 256-element block when
+    8-bit and the parameter has at least `min_8bit_size=4096` elements; the two 256-entry quantization maps
+    once on the device. Paged: state buffers of parameters of at least `PAGED_MIN_NUMEL` elements are in
+    `paged_tensors` (managed memory: the simulator takes them out of PyTorch's allocator). The update kernels
+    (`optimizer_update_32bit`, `optimizer_update_8bit_blockwise`) work in place: no temporaries."""
+
+    def __init__(self, params, *, states: int, bits: int, paged: bool, lr: float = 1e-3,
+                 weight_decay: float = 1e-2, **_: object) -> None:
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.n_states, self.bits, self.paged = states, bits, paged
+        self.paged_tensors: list[torch.Tensor] = []
+        self.qmaps: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.zeros_like(p, dtype=dtype)
+        if self.paged and p.numel() >= PAGED_MIN_NUMEL:
+            self.paged_tensors.append(buf)
+        return buf
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    eight = self.bits == 8 and p.numel() >= _BNB_MIN_8BIT
+                    names = ("state1", "state2")[: self.n_states]
+                    if eight:
+                        for q in ("dynamic", "udynamic")[: self.n_states]:
+                            if q not in self.qmaps:
+                                self.qmaps[q] = torch.zeros(_QMAP_ENTRIES, dtype=torch.float32, device=p.device)
+                        blocks = math.ceil(p.numel() / _BNB_BLOCK)
+                        for i, name in enumerate(names, 1):
+                            state[name] = self._buffer(p, torch.uint8)
+                            state[f"absmax{i}"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        for name in names:
+                            state[name] = self._buffer(p, torch.float32)
+                state["step"] += 1
+        return None
+
+
 def _training_args(optim: str, weight_decay: float):
     from transformers import TrainingArguments
 
@@ -86,6 +150,9 @@ def build_optimizer(model: nn.Module, optim: str, weight_decay: float) -> torch.
     groups = [g for g in groups if g["params"]]
     if optim in ("adamw_bnb_8bit", "adamw_8bit"):
         return EmulatedAdamW8bit(groups, lr=5e-5, weight_decay=weight_decay)
+    if optim in BNB_OPTIMIZERS:  # paged / Lion bitsandbytes optimizers (issue 12)
+        states, bits, paged = BNB_OPTIMIZERS[optim]
+        return EmulatedBnbOptimizer(groups, states=states, bits=bits, paged=paged, lr=5e-5, weight_decay=weight_decay)
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(_training_args(optim, weight_decay), model)
     kwargs = dict(kwargs)
     if cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
