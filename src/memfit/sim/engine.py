@@ -65,6 +65,8 @@ class Simulation:
     checkpointing: str | None  # "huggingface", "memfit" or None
     sdpa_backends: list[str]
     notes: list[str] = field(default_factory=list)
+    attn_kernels: list[str] = field(default_factory=list)
+    """Emulated attention kernels that ran (flash_attention_2, flash_attention_2:varlen, ...; issue 12)."""
     model_name: str = ""
     model_type: str = ""
     eval_steps_held: int = 0
@@ -110,7 +112,16 @@ class _Runner:
         self.low = _LOW[setup.precision]
         self.notes: list[str] = []
         self.spec = spec or resolve_config(setup.model)
-        model = build_meta_model(setup, self.spec)
+        # attention implementations (issue 12): flash models are built with sdpa, then switched
+        self.flash_log: list[str] | None = None
+        attn = setup.attn_implementation
+        flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
+        model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
+        if flash:
+            from memfit.sim.kernels.flash_attn import use_flash_attention
+
+            use_flash_attention(model, attn, compute_capability=setup.compute_capability, amp_dtype=self.low)
+            self.flash_log = []
         self.notes += check_sequence_lengths(model, setup, self.spec.name, self.spec.config)
         if setup.lora_r is not None:
             model = self._apply_lora(model)
@@ -429,7 +440,8 @@ class _Runner:
         from transformers import Trainer  # noqa: F401  (build_optimizer)
 
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
-        patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends)
+        patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends,
+                               flash_log=self.flash_log)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with mode, self.tracker, patches, cuda_autocast_policy(self.low):
@@ -464,6 +476,7 @@ class _Runner:
         return Simulation(
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
+            attn_kernels=sorted(set(self.flash_log or [])),
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
         )
