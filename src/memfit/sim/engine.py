@@ -66,6 +66,7 @@ class Simulation:
     sdpa_backends: list[str]
     notes: list[str] = field(default_factory=list)
     attn_kernels: list[str] = field(default_factory=list)
+    attn_implementation: str | None = None
     """Emulated attention kernels that ran (flash_attention_2, flash_attention_2:varlen, ...; issue 12)."""
     model_name: str = ""
     model_type: str = ""
@@ -477,6 +478,7 @@ class _Runner:
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
             attn_kernels=sorted(set(self.flash_log or [])),
+            attn_implementation=getattr(config, "_attn_implementation", None),
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
         )
