@@ -115,6 +115,7 @@ class _Runner:
         self.spec = spec or resolve_config(setup.model)
         # attention implementations (issue 12): flash models are built with sdpa, then switched
         self.flash_log: list[str] | None = None
+        self.liger_log: list[str] = []
         attn = setup.attn_implementation
         flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
         model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
@@ -443,9 +444,17 @@ class _Runner:
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
         patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends,
                                flash_log=self.flash_log)
+        liger = contextlib.nullcontext()
+        if s.use_liger_kernel:  # issue 12: Trainer's apply_liger_kernel, Triton emulated
+            from memfit.sim.kernels.liger import liger_emulation
+            from memfit.sim.kernels.sdpa_choice import _NUM_SMS
+
+            cc = tuple(s.compute_capability)
+            liger = liger_emulation([m for m in (self.model, self.cut) if m is not None], s.liger_kernel_config,
+                                    num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with mode, self.tracker, patches, cuda_autocast_policy(self.low):
+            with liger, mode, self.tracker, patches, cuda_autocast_policy(self.low):
                 self._materialize()
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
                 if optimizer_only:
@@ -477,7 +486,7 @@ class _Runner:
         return Simulation(
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
-            attn_kernels=sorted(set(self.flash_log or [])),
+            attn_kernels=sorted(set(self.flash_log or [])) + self.liger_log,
             attn_implementation=getattr(config, "_attn_implementation", None),
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
