@@ -116,6 +116,7 @@ class _Runner:
         # attention implementations (issue 12): flash models are built with sdpa, then switched
         self.flash_log: list[str] | None = None
         self.liger_log: list[str] = []
+        self._act_offload = None
         attn = setup.attn_implementation
         flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
         model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
@@ -152,11 +153,15 @@ class _Runner:
         self.checkpointing = None
         if setup.gradient_checkpointing:
             try:
-                self.checkpointing = enable_checkpointing(model)
+                ckpt_kwargs = setup.gradient_checkpointing_kwargs  # issue 12: use_reentrant, offload, every_n_layers
+                self.checkpointing = enable_checkpointing(model, ckpt_kwargs)
                 if self.cut is not None:
-                    enable_checkpointing(self.cut)
+                    enable_checkpointing(self.cut, ckpt_kwargs)
             except ValueError as err:
                 raise MemfitError(f"gradient checkpointing is not possible here: {err}") from err
+            if self.checkpointing == "memfit" and setup.gradient_checkpointing_kwargs:
+                self.notes.append("`gradient_checkpointing_kwargs` apply to Hugging Face's checkpointing; memfit's own "
+                                  "(non-reentrant, on the device) is simulated for this model")
             if self.checkpointing == "memfit":
                 self.notes.append(
                     f"{type(model).__name__} has no gradient checkpointing in transformers; "
@@ -243,7 +248,15 @@ class _Runner:
         batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
         self._register_batch(batch)
         start = len(tr.records)
-        out = self._forward(batch, training=True)
+        if self.setup.activation_offloading:  # TRL SFTTrainer wraps the forward (compute_loss) in it
+            from memfit.sim.offload import trl_activation_offloading
+
+            if self._act_offload is None:
+                self._act_offload = trl_activation_offloading(self.fwd_model, tr)
+            with self._act_offload():
+                out = self._forward(batch, training=True)
+        else:
+            out = self._forward(batch, training=True)
         loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
         del out, batch
         if accumulation > 1:
@@ -444,6 +457,11 @@ class _Runner:
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
         patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends,
                                flash_log=self.flash_log)
+        offload = contextlib.nullcontext()  # issue 12: checkpoint offload, TRL activation offloading
+        if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
+            from memfit.sim.offload import host_offload_patch
+
+            offload = host_offload_patch(self.tracker)
         liger = contextlib.nullcontext()
         if s.use_liger_kernel:  # issue 12: Trainer's apply_liger_kernel, Triton emulated
             from memfit.sim.kernels.liger import liger_emulation
@@ -454,7 +472,7 @@ class _Runner:
                                     num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with liger, mode, self.tracker, patches, cuda_autocast_policy(self.low):
+            with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low):
                 self._materialize()
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
                 if optimizer_only:

@@ -268,11 +268,12 @@ class _Flash(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         varlen, max_q, max_k, causal, softcap, version = ctx.meta
-        q, k, v = ctx.saved_tensors[:3]
+        saved = ctx.saved_tensors  # read once: checkpointing refuses a second unpack
+        q, k, v = saved[:3]
         dout = _contig(dout)  # _flash_attn_backward: maybe_contiguous(dout, q, k, v, out)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if varlen:
-            cu_q = ctx.saved_tensors[5]
+            cu_q = saved[5]
             batch = cu_q.numel() - 1
             sizes = flash_backward_bytes(version, batch=batch, seqlen_q=max_q, seqlen_k=max_k, heads=q.size(1),
                                          heads_k=k.size(1), head_dim=q.size(-1), itemsize=q.element_size(),
