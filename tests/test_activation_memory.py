@@ -69,7 +69,10 @@ def test_trl_activation_offloading_leaves_only_small_and_head_tensors():
     setup = TrainSetup(model=_cfg(), task="causal-lm", per_device_train_batch_size=2, max_length=S, precision="bf16")
     plain = _live_after_forward(simulate(setup, optimizer_steps=1).trace)
     off = _live_after_forward(simulate(setup.replace(activation_offloading=True), optimizer_steps=1).trace)
-    assert off < plain / 4
+    # what stays: tensors under 1024 bytes, the head's input, and storages saved twice (TRL's streams mode keeps
+    # the second reference on the device: the fp32 log-softmax of the loss, the SwiGLU products) -> 20.5 of 52.6 MB
+    assert off < plain / 2
+    assert off >= 2 * S * 1000 * 4  # the (B, S, V) fp32 log-softmax, saved by log_softmax and by nll_loss
 
 
 def test_bad_checkpoint_kwargs_are_clear_errors():
