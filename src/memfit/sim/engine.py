@@ -106,6 +106,16 @@ def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) ->
     return out
 
 
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Trainer.__init__ `model_accepts_loss_kwargs` (transformers 5.24): the unwrapped model's
+    `accepts_loss_kwargs`, else whether its forward takes **kwargs."""
+    unwrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(unwrapped, "accepts_loss_kwargs"):
+        return bool(unwrapped.accepts_loss_kwargs)
+    params = inspect.signature(unwrapped.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class _Runner:
     def __init__(self, setup: TrainSetup, *, fake: bool, splice: bool, spec: ModelSpec | None = None) -> None:
         self.setup = setup
@@ -247,6 +257,14 @@ class _Runner:
         seq = self.setup.sequence_length
         batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
         self._register_batch(batch)
+        # Trainer (transformers 5.24 get_batch_samples / compute_loss): a model whose forward takes loss kwargs gets
+        # `num_items_in_batch` (the window's label count, an int64 scalar moved to the device); ForCausalLMLoss then
+        # sums and divides (fixed_cross_entropy) and training_step does not divide by the accumulation (issue 12)
+        scaled_for_ga = False
+        if self.setup.task == "causal-lm" and "labels" in batch and _accepts_loss_kwargs(self.fwd_model):
+            batch["num_items_in_batch"] = torch.zeros((), dtype=torch.long)
+            self.tracker.register(batch["num_items_in_batch"], "inputs")
+            scaled_for_ga = True
         start = len(tr.records)
         if self.setup.activation_offloading:  # TRL SFTTrainer wraps the forward (compute_loss) in it
             from memfit.sim.offload import trl_activation_offloading
@@ -259,7 +277,7 @@ class _Runner:
             out = self._forward(batch, training=True)
         loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
         del out, batch
-        if accumulation > 1:
+        if accumulation > 1 and not scaled_for_ga:
             loss = loss / accumulation  # Trainer.training_step when the loss is not GA-normalised
         for rec in tr.records[start:]:
             if rec.alive and rec.category == "temporaries":
