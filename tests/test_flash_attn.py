@@ -188,3 +188,28 @@ def test_padding_free_batch_runs_transformers_varlen_path():
     assert log and set(log) == {"flash_attention_2:varlen"}
     lse = 4 * 64 * 4  # softmax_lse {H=4, total_q=64} fp32, one per layer
     assert sum(1 for a, rec, _, _ in tracker.events[start:] if a == "alloc" and rec.size_bytes == lse) >= 2
+
+
+def test_flex_attention_is_a_clear_not_modelled_error():
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    setup = TrainSetup(model=cfg, task="causal-lm", per_device_train_batch_size=1, max_length=64, precision="bf16",
+                       attn_implementation="flex_attention")
+    with pytest.raises(MemfitError, match="`flex_attention` is not modelled yet.*--attn sdpa"):
+        simulate(setup)
+
+
+@pytest.mark.parametrize("liger", [False, True])
+def test_flash_and_liger_fake_trace_equals_a_real_cpu_run(liger):
+    """The fake-tensor unpadding rule (one pad token) and the Liger scalar placeholders give the trace a real
+    CPU run of the same emulation gives, event for event."""
+    pytest.importorskip("liger_kernel")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300)
+    setup = TrainSetup(model=cfg, task="causal-lm", per_device_train_batch_size=2, max_length=48, precision="bf16",
+                       attn_implementation="flash_attention_2", use_liger_kernel=liger)
+    fake = simulate(setup, fake=True, splice=False)
+    real = simulate(setup, fake=False, splice=False)
+    key = lambda t: [(e.action, e.size_bytes, e.category, e.phase) for e in t]  # noqa: E731
+    assert key(fake.trace) == key(real.trace)
+    assert fake.attn_kernels == real.attn_kernels

@@ -128,7 +128,12 @@ class _Runner:
         self.liger_log: list[str] = []
         self._act_offload = None
         attn = setup.attn_implementation
-        flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
+        if attn == "flex_attention":
+            # torch.compile'd Triton kernel and BlockMask creation (create_block_mask, _compile=True): not emulated yet
+            raise MemfitError("attn_implementation `flex_attention` is not modelled yet (its compiled Triton kernel "
+                              "and block mask do not run on fake CPU tensors); estimate with `--attn sdpa` or "
+                              "`--attn flash_attention_2`, which save the same out + fp32 logsumexp per layer")
+        flash = attn is not None and attn not in ("eager", "sdpa")
         model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
         if flash:
             from memfit.sim.kernels.flash_attn import use_flash_attention

@@ -406,8 +406,10 @@ def flash_patches(*, compute_capability: tuple[int, int], log: list[str] | None 
         nnz, longest = _fake_mask_counts(attention_mask)
         seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
         flat = attention_mask.flatten()
-        indices = flat.new_empty((nnz,), dtype=torch.int64)  # torch.nonzero(...).flatten()
+        indices = flat.new_empty((nnz, 1), dtype=torch.int64).flatten()  # torch.nonzero(flat).flatten()
         del flat
+        top = seqlens.max()  # seqlens_in_batch.max().item(): a device scalar, read on the host
+        del top
         cu = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
         return indices, cu, longest
 
@@ -420,8 +422,12 @@ def flash_patches(*, compute_capability: tuple[int, int], log: list[str] | None 
     def flash_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                    attention_mask=None, **kwargs):
         if attention_mask is not None and _is_fake(attention_mask):
-            # `attention_mask.all()` cannot be read; the simulator's batches have one pad token (see above)
-            return attention_mask[:, -kv_length:]
+            # `attention_mask.all()` runs (a bool scalar) but cannot be read; the simulator's batches have one pad
+            # token (see above), so the mask is returned as a padded batch's is
+            sliced = attention_mask[:, -kv_length:]
+            everything = sliced.all()
+            del everything
+            return sliced
         extra = {} if mask_function is None else {"mask_function": mask_function}
         return plain_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                           **extra, **kwargs)
