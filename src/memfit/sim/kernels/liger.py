@@ -178,6 +178,7 @@ def liger_emulation(models: list[torch.nn.Module], config: dict | None, *, num_s
                                  (flce, "fused_linear_cross_entropy_backward"), (rms, "rms_norm_backward")]
     import liger_kernel.transformers.functional  # noqa: F401  (import before patching what it binds)
 
+    _discover_backends()
     with _saved_attrs(targets):
         for base in bases:
             _apply_liger_kernel_to_instance(model=base, **(config or {}))
@@ -189,6 +190,24 @@ def liger_emulation(models: list[torch.nn.Module], config: dict | None, *, num_s
             yield
         finally:
             log.extend(sorted({f"liger:{_kernel_family(n)}" for n in launches}))
+
+
+def _discover_backends() -> None:
+    """Liger's backend registry imports each op's alternative backends at its first dispatch
+    (liger_kernel/backends/registry.py `_discover`); do it now, outside the simulation's modes, so that
+    no import-time tensor lands in the first simulation's trace only."""
+    import logging
+
+    from liger_kernel.backends import registry
+
+    log = logging.getLogger("liger_kernel.backends.registry")
+    level = log.level
+    log.setLevel(logging.ERROR)  # "Backend impl ... could not be imported" (cutedsl, ascend): not ours to report
+    try:
+        for op in list(getattr(registry, "_DISCOVERY_MAP", {})):
+            registry._discover(op)
+    finally:
+        log.setLevel(level)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
