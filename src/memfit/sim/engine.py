@@ -138,7 +138,9 @@ class _Runner:
         if flash:
             from memfit.sim.kernels.flash_attn import use_flash_attention
 
-            use_flash_attention(model, attn, compute_capability=setup.compute_capability, amp_dtype=self.low)
+            name = use_flash_attention(model, attn, compute_capability=setup.compute_capability, amp_dtype=self.low)
+            if name != attn:
+                self.notes.append(f"`{attn}` is a build of flash-attn; simulated as {name} (the same kernels)")
             self.flash_log = []
         self.notes += check_sequence_lengths(model, setup, self.spec.name, self.spec.config)
         if setup.lora_r is not None:

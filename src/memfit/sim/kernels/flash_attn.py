@@ -57,8 +57,8 @@ from memfit.sim.kernels.sdpa_choice import _NUM_SMS, _ceil_div, _round_up
 from memfit.train_setup import ATTN_IMPLEMENTATIONS, HUB_FLASH_KERNELS
 
 __all__ = ["FLASH_IMPLEMENTATIONS", "HUB_FLASH_KERNELS", "ATTN_IMPLEMENTATIONS", "FlashRule", "flash_rule",
-           "check_flash_support", "canonical_attn_implementation", "flash_forward_bytes", "flash_backward_bytes",
-           "flash_patches", "padding_free_kwargs"]
+           "check_flash_support", "canonical_attn_implementation", "flash_backward_bytes", "flash_patches",
+           "padding_free_kwargs", "use_flash_attention"]
 
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 _HALF = (torch.float16, torch.bfloat16)
@@ -155,24 +155,6 @@ def _fa3_bwd_blocks(d_rounded: int, causal: bool, softcap: float) -> tuple[int, 
         bm = 64
     bn = 128 if d_rounded <= 128 else (96 if d_rounded <= 192 else 80)
     return bm, bn
-
-
-def flash_forward_bytes(version: int, *, batch: int, seqlen_q: int, heads: int, head_dim: int, itemsize: int,
-                        varlen_total_q: int | None = None) -> dict[str, int]:
-    """Bytes flash-attn's forward allocates (and keeps for backward) besides its inputs: `out`, `softmax_lse`,
-    `rng_state` (FA2). `head_dim` is the padded one (multiple of 8).
-
-    Args:
-        version: 2 or 3.
-        batch, seqlen_q, heads, head_dim: the query's shape (B, Sq, H, D).
-        itemsize: bytes per element of q.
-        varlen_total_q: total tokens of a varlen call (then `batch`/`seqlen_q` are ignored for the lse).
-    """
-    tokens = varlen_total_q if varlen_total_q is not None else batch * seqlen_q
-    out = {"out": tokens * heads * head_dim * itemsize, "softmax_lse": heads * tokens * 4}
-    if version == 2:
-        out["rng_state"] = 2 * 8
-    return out
 
 
 def flash_backward_bytes(version: int, *, batch: int, seqlen_q: int, seqlen_k: int, heads: int, heads_k: int,
@@ -379,8 +361,15 @@ def flash_patches(*, compute_capability: tuple[int, int], log: list[str] | None 
     kernels = {2: _make_kernels(2, cc), 3: _make_kernels(3, cc)}
     calls = log if log is not None else []
 
+    loaded: dict[str, Any] = {}  # lazy_import_flash_attention caches what it loaded; so does this
+
     def lazy_import(implementation, attention_wrapper=None, allow_all_kernels=False):
         name = canonical_attn_implementation(implementation or "flash_attention_2")
+        if name not in loaded:
+            loaded[name] = _load(name)
+        return loaded[name]
+
+    def _load(name):
         version = 3 if name == "flash_attention_3" else 2
         fn, varlen_fn = kernels[version]
 
@@ -473,15 +462,6 @@ def _cumsum(xs: list[int]) -> Iterator[int]:
     for x in xs:
         s += x
         yield s
-
-
-def attention_bytes_note(implementation: str) -> str:
-    """One line for the report: what this attention keeps per layer instead of an S x S matrix."""
-    if implementation in FLASH_IMPLEMENTATIONS:
-        return (f"{implementation}: out + fp32 logsumexp (B, H, S) saved per layer, no S x S matrix "
-                "(flash-attn kernels emulated from flash_api.cpp)")
-    return implementation
-
 
 
 def use_flash_attention(model: torch.nn.Module, implementation: str, *, compute_capability: tuple[int, int],
