@@ -145,7 +145,6 @@ def _peak(trace) -> int:
     return peak
 
 
-@pytest.mark.slow
 def test_flash_vs_sdpa_vs_eager_at_4k_tokens_on_a_llama_like_model():
     """No S x S tensor with flash; eager has one per head; flash's peak is the smallest."""
     S, H = 4096, 8
