@@ -118,6 +118,11 @@ class MemoryReport:
     steady_state: SteadyState | None = None
     """Reserved memory over many optimizer steps (memfit.allocator.bounded.steady_state), replayed with
     `capacity_bytes` (without a GPU: `required_bytes`); None without two optimizer steps."""
+    # -- attention and Liger kernels (issue 12) --
+    attn_implementation: str | None = None
+    """The attention implementation the simulated model ran (config._attn_implementation)."""
+    emulated_kernels: list[str] = field(default_factory=list)
+    """CUDA/Triton kernels that ran as emulations (flash_attention_2[:varlen], liger:fused_linear_cross_entropy, ...)."""
     reserved_at_peak_allocated_bytes: int = 0
     """Reserved memory at the moment of the allocated peak (the moment `breakdown` describes), from the
     same replay; minus `peak_allocated_bytes` it is what the cache held free for reuse at that moment."""
@@ -380,6 +385,7 @@ def estimate(
         steady_state=bounded.steady, trace=trace,
         reserved_at_peak_allocated_bytes=alloc.reserved_at_peak_allocated_bytes,
         quantization=quantization, paged_bytes=sim.paged_bytes,
+        attn_implementation=sim.attn_implementation, emulated_kernels=list(sim.attn_kernels),
     )
     if key is not None:
         from memfit import cache as _cache

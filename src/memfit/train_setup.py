@@ -17,7 +17,8 @@ from typing import Any
 
 from memfit.errors import MemfitError
 
-__all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
+__all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "ATTN_IMPLEMENTATIONS", "HUB_FLASH_KERNELS",
+           "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
            "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields"]
 
 #: task name -> the Auto class head it builds (transformers.AutoModelFor...).
@@ -88,8 +89,8 @@ LEGACY_ARG_NAMES = {
 }
 
 #: TrainingArguments settings that change GPU memory but that memfit does not simulate: a note when set.
-_NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "use_liger_kernel", "auto_find_batch_size",
-                      "torch_empty_cache_steps", "activation_checkpointing")
+_NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "auto_find_batch_size",
+                      "torch_empty_cache_steps")
 
 #: Names people guess for a TrainSetup field (the API's `estimate(model, batch_size=4)`) -> the field.
 _COMMON_GUESSES = {
@@ -159,7 +160,33 @@ _ARG_TO_FIELD = {
     "eval_accumulation_steps": "eval_accumulation_steps",
     "eval_strategy": "eval_strategy",
     "prediction_loss_only": "prediction_loss_only",
+    # attention / Liger / activation memory (issue 12): transformers 5.24 names, the deprecated aliases too
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+    "gradient_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+    "use_liger_kernel": "use_liger_kernel",
+    "liger_kernel_config": "liger_kernel_config",
 }
+
+# -- attention, Liger kernels, activation memory (issue 12) ------------------------------------
+#: `attn_implementation` values memfit simulates (memfit.sim.kernels.flash_attn emulates the flash kernels).
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+#: Hub kernels (`kernels` package) that are flash-attn builds -> the implementation whose allocations they have
+#: (transformers modeling_flash_attention_utils.FLASH_ATTN_KERNEL_FALLBACK: flash_attention_2 ->
+#: kernels-community/flash-attn2, flash_attention_3 -> kernels-community/vllm-flash-attn3).
+HUB_FLASH_KERNELS = {
+    "kernels-community/flash-attn2": "flash_attention_2",
+    "kernels-community/flash-attn": "flash_attention_2",
+    "kernels-community/flash-attn3": "flash_attention_3",
+    "kernels-community/vllm-flash-attn3": "flash_attention_3",
+}
+#: Keys of `gradient_checkpointing_kwargs` memfit models: torch.utils.checkpoint's `use_reentrant`, and
+#: transformers 5.24 `activation_checkpointing_enable`'s `offload` (save_on_cpu) and `every_n_layers`
+#: (Trainer pops the last two, trainer.py `_inner_training_loop`).
+CHECKPOINT_KWARGS = ("use_reentrant", "offload", "every_n_layers")
+#: liger_kernel_config keys `_apply_liger_kernel_to_instance` passes to `apply_liger_kernel_to_<model>`.
+LIGER_CONFIG_KEYS = ("rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "rms_norm",
+                     "layer_norm")
 
 
 @dataclass(kw_only=True)
@@ -207,7 +234,8 @@ class TrainSetup:
     """Examples in the eval set (sizes the on-device prediction buffer); None: 1000 examples."""
     prediction_loss_only: bool = False
     attn_implementation: str | None = None
-    """eager or sdpa; None keeps the model's default."""
+    """eager, sdpa, flash_attention_2, flash_attention_3, flex_attention, or a flash-attn hub kernel
+    (`kernels-community/flash-attn2`); None keeps the model's default (sdpa)."""
     lora_r: int | None = None
     """LoRA rank (peft); None trains the full model."""
     lora_alpha: int = 16
@@ -246,6 +274,18 @@ class TrainSetup:
     non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on. TRL 1.16's SFTTrainer does
     not call it (trl/trainer/sft_trainer.py goes straight to `get_peft_model`; only TRL's experimental trainers call
     their own version, trl/experimental/utils.py, which freezes and checkpoints but casts nothing): False for those."""
+    # -- Liger kernels and activation memory (issue 12) --
+    use_liger_kernel: bool = False
+    """Trainer's `use_liger_kernel`: `liger_kernel.transformers._apply_liger_kernel_to_instance` patches the model
+    (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU/GeGLU; the Triton kernels emulated, memfit.sim.kernels.liger)."""
+    liger_kernel_config: dict | None = None
+    """Keyword arguments of `_apply_liger_kernel_to_instance` (`{"rms_norm": False, ...}`)."""
+    gradient_checkpointing_kwargs: dict | None = None
+    """`use_reentrant` (transformers 5 default False), `offload` (checkpointed inputs kept in host memory,
+    torch.autograd.graph.save_on_cpu) and `every_n_layers`, as transformers 5.24 `activation_checkpointing_enable` takes them."""
+    activation_offloading: bool = False
+    """TRL's `activation_offloading` (trl.models.get_act_offloading_ctx_manager): tensors saved for backward move to
+    host memory, except those of the last module and parameters' views."""
     compute_capability: tuple[int, int] = (8, 0)
     """Of the target GPU: decides the SDPA backend and whether bf16 is allowed."""
     notes: list[str] = field(default_factory=list)
@@ -290,8 +330,11 @@ class TrainSetup:
             raise MemfitError(f"weight_decay `{self.weight_decay}` is negative; use 0 or more")
         if self.max_grad_norm is None or self.max_grad_norm < 0:
             raise MemfitError(f"max_grad_norm `{self.max_grad_norm}` must be 0 (off) or positive")
-        if self.attn_implementation not in (None, "eager", "sdpa"):
-            raise MemfitError(f"attn_implementation `{self.attn_implementation}` must be `eager` or `sdpa`")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS \
+                and self.attn_implementation not in HUB_FLASH_KERNELS:
+            raise MemfitError(f"attn_implementation `{self.attn_implementation}` is not modelled; use one of "
+                              f"{', '.join(ATTN_IMPLEMENTATIONS)} or a flash-attn hub kernel ({', '.join(HUB_FLASH_KERNELS)})")
+        _check_issue12_fields(self)
         if self.eval_strategy not in ("no", "steps", "epoch"):
             raise MemfitError(f"eval_strategy `{self.eval_strategy}` must be `no`, `steps` or `epoch`")
         if self.lora_r is not None:
@@ -439,7 +482,8 @@ def _positive_int(name: str, value: Any) -> None:
 def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
     for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
-                 "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep"):
+                 "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep",
+                 "use_liger_kernel", "activation_offloading"):
         value = getattr(setup, name)
         if not isinstance(value, bool):
             raise MemfitError(f"`{name}` must be true or false; got `{value!r}`")
@@ -558,3 +602,30 @@ def _check_quantization(setup: "TrainSetup") -> None:
         raise MemfitError("a quantized model (`load_in_4bit`/`load_in_8bit`) cannot be fine-tuned without adapters: "
                           "Trainer raises 'You cannot perform fine-tuning on purely quantized models'; add LoRA "
                           "(`--lora-r 16`)")
+def _check_issue12_fields(setup: "TrainSetup") -> None:
+    """Liger / checkpointing kwargs / offloading (issue 12): a MemfitError for a value memfit cannot read."""
+    for name, keys in (("liger_kernel_config", LIGER_CONFIG_KEYS), ("gradient_checkpointing_kwargs", CHECKPOINT_KWARGS)):
+        value = getattr(setup, name)
+        if value is None:
+            continue
+        if isinstance(value, str):  # TrainingArguments accepts a JSON string for these dicts
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise MemfitError(f"`{name}` `{value}` is not a JSON object ({err.msg}); pass a dict") from err
+        if not isinstance(value, dict):
+            raise MemfitError(f"`{name}` must be a dict; got `{value!r}`")
+        for key in value:
+            if key not in keys:
+                raise MemfitError(f"`{name}` key `{key}` is not modelled{suggest_name(key, set(keys))}; "
+                                  f"memfit reads {', '.join(keys)}")
+        setattr(setup, name, dict(value))
+    kw = setup.gradient_checkpointing_kwargs or {}
+    for key in ("use_reentrant", "offload"):
+        if key in kw and not isinstance(kw[key], bool):
+            raise MemfitError(f"`gradient_checkpointing_kwargs[{key!r}]` must be true or false; got `{kw[key]!r}`")
+    if "every_n_layers" in kw:
+        _positive_int("gradient_checkpointing_kwargs['every_n_layers']", kw["every_n_layers"])
+    for key, value in (setup.liger_kernel_config or {}).items():
+        if not isinstance(value, bool):
+            raise MemfitError(f"`liger_kernel_config[{key!r}]` must be true or false; got `{value!r}`")

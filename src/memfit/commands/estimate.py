@@ -79,7 +79,11 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--eval-samples", type=int, default=None, help="examples in the eval set (default 1000)")
     p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (peft)")
     p.add_argument("--lora-target-modules", default=None, help="comma-separated module names LoRA wraps")
-    p.add_argument("--attn", choices=("eager", "sdpa"), default=None, help="attention implementation")
+    # attention implementations and Liger kernels (issue 12)
+    p.add_argument("--attn", choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
+                   default=None, help="attention implementation (flash kernels emulated; default: the model's, sdpa)")
+    p.add_argument("--liger", action="store_true", default=None,
+                   help="Trainer's use_liger_kernel: Liger's fused linear cross-entropy, RMSNorm, RoPE, SwiGLU")
     p.add_argument("--freeze-embeddings", action="store_true", default=None, help="the input embeddings are frozen")
     p.add_argument("--freeze-layers", type=int, default=None, help="the lowest N blocks are frozen")
     # quantization (issue 12): BitsAndBytesConfig's fields; `"quantization_config": {...}` in --args works too
@@ -130,6 +134,7 @@ def build_setup(args: argparse.Namespace):
                        ("max_grad_norm", "max_grad_norm"), ("gradient_checkpointing", "gradient_checkpointing"),
                        ("eval_strategy", "eval_strategy"), ("eval_accumulation_steps", "eval_accumulation_steps"),
                        ("eval_samples", "eval_samples"), ("lora_r", "lora_r"), ("attn", "attn_implementation"),
+                       ("liger", "use_liger_kernel"),
                        ("freeze_embeddings", "freeze_embeddings"), ("freeze_layers", "freeze_layers"),
                        # quantization (issue 12)
                        ("load_in_4bit", "load_in_4bit"), ("load_in_8bit", "load_in_8bit"),
@@ -311,6 +316,7 @@ def render(report, *, is_seed: bool = False) -> None:
         f"{s['sequence_length']} tokens | {s['precision']} | {s['optim']}"
         + (f" | checkpointing: {report.checkpointing}" if report.checkpointing else "")
         + (f" | SDPA: {', '.join(report.sdpa_backends)}" if report.sdpa_backends else "")
+        + (f" | emulated: {', '.join(report.emulated_kernels)}" if report.emulated_kernels else "")  # issue 12
     )
     phases = Table(title="Peak allocated per phase", title_justify="left")
     phases.add_column("phase")

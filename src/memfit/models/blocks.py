@@ -73,15 +73,21 @@ def enable_block_checkpointing(model: nn.Module) -> int:
 def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> str:
     """Enable gradient checkpointing as Trainer would; fall back to memfit's per-block wrapper.
 
+    `kwargs` are TrainingArguments' `gradient_checkpointing_kwargs`: Trainer (transformers 5.24
+    `_inner_training_loop`) pops `every_n_layers` and `offload` for `activation_checkpointing_enable`
+    and passes the rest (`use_reentrant`) to torch.utils.checkpoint.
+
     Returns "huggingface" when the model's own implementation is used, "memfit" when memfit's
     wrapper is, and raises ValueError when the model has no repeated blocks to wrap.
     """
+    kwargs = dict(kwargs or {})
+    extra = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is not None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                enable(gradient_checkpointing_kwargs=kwargs)
+                enable(gradient_checkpointing_kwargs=kwargs or None, **extra)
             return "huggingface"
         except ValueError:
             pass  # e.g. XLNet: "does not support activation checkpointing"

@@ -10,6 +10,8 @@ so no replacement outlives the simulation, even when it raises:
 * `cuda_sdpa`: `F.scaled_dot_product_attention` routed to the CUDA backend emulation
   (memfit.sim.kernels.sdpa).
 * `cuda_grouped_mm` (memfit.sim.moe): `F.grouped_mm`, the MoE experts' GEMM, as CUDA allocates it.
+* `flash_patches` (memfit.sim.kernels.flash_attn): the flash-attn kernels transformers' flash path
+  loads (`lazy_import_flash_attention`) replaced by emulations, with fake-tensor-safe unpadding.
 * memfit.sim.autocast replaces `torch.clear_autocast_cache` through `patched` as well.
 
 Known limitations: patches are process-global, so two simulations must not run at the same
@@ -102,9 +104,19 @@ def cuda_sdpa(*, compute_capability: tuple[int, int], log: list[str]) -> context
 
 
 @contextlib.contextmanager
-def cuda_patches(*, compute_capability: tuple[int, int], sdpa_log: list[str]) -> Iterator[None]:
-    """All the function-level patches of a simulation run, entered together."""
+def cuda_patches(*, compute_capability: tuple[int, int], sdpa_log: list[str],
+                 flash_log: list[str] | None = None) -> Iterator[None]:
+    """All the function-level patches of a simulation run, entered together.
+
+    Args:
+        compute_capability: the emulated GPU's (major, minor).
+        sdpa_log: receives the SDPA backend of every SDPA call.
+        flash_log: receives the flash kernel of every flash-attention call (None: flash not patched).
+    """
+    from memfit.sim.kernels.flash_attn import flash_patches
     from memfit.sim.moe import cuda_grouped_mm  # MoE topic (issue 12): the experts' grouped GEMM
 
-    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log), cuda_one_hot(), cuda_grouped_mm():
+    flash = (flash_patches(compute_capability=compute_capability, log=flash_log) if flash_log is not None
+             else contextlib.nullcontext())
+    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log), cuda_one_hot(), cuda_grouped_mm(), flash:
         yield

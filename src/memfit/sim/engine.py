@@ -69,6 +69,9 @@ class Simulation:
     checkpointing: str | None  # "huggingface", "memfit" or None
     sdpa_backends: list[str]
     notes: list[str] = field(default_factory=list)
+    attn_kernels: list[str] = field(default_factory=list)
+    attn_implementation: str | None = None
+    """Emulated attention kernels that ran (flash_attention_2, flash_attention_2:varlen, ...; issue 12)."""
     model_name: str = ""
     model_type: str = ""
     eval_steps_held: int = 0
@@ -109,6 +112,16 @@ def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) ->
     return out
 
 
+def _accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Trainer.__init__ `model_accepts_loss_kwargs` (transformers 5.24): the unwrapped model's
+    `accepts_loss_kwargs`, else whether its forward takes **kwargs."""
+    unwrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(unwrapped, "accepts_loss_kwargs"):
+        return bool(unwrapped.accepts_loss_kwargs)
+    params = inspect.signature(unwrapped.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class _Runner:
     def __init__(self, setup: TrainSetup, *, fake: bool, splice: bool, spec: ModelSpec | None = None) -> None:
         self.setup = setup
@@ -116,7 +129,25 @@ class _Runner:
         self.low = _LOW[setup.precision]
         self.notes: list[str] = []
         self.spec = spec or resolve_config(setup.model)
-        model = build_meta_model(setup, self.spec)
+        # attention implementations (issue 12): flash models are built with sdpa, then switched
+        self.flash_log: list[str] | None = None
+        self.liger_log: list[str] = []
+        self._act_offload = None
+        attn = setup.attn_implementation
+        if attn == "flex_attention":
+            # torch.compile'd Triton kernel and BlockMask creation (create_block_mask, _compile=True): not emulated yet
+            raise MemfitError("attn_implementation `flex_attention` is not modelled yet (its compiled Triton kernel "
+                              "and block mask do not run on fake CPU tensors); estimate with `--attn sdpa` or "
+                              "`--attn flash_attention_2`, which save the same out + fp32 logsumexp per layer")
+        flash = attn is not None and attn not in ("eager", "sdpa")
+        model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
+        if flash:
+            from memfit.sim.kernels.flash_attn import use_flash_attention
+
+            name = use_flash_attention(model, attn, compute_capability=setup.compute_capability, amp_dtype=self.low)
+            if name != attn:
+                self.notes.append(f"`{attn}` is a build of flash-attn; simulated as {name} (the same kernels)")
+            self.flash_log = []
         self.notes += check_sequence_lengths(model, setup, self.spec.name, self.spec.config)
         # quantization (issue 12): bitsandbytes layers as from_pretrained(quantization_config=...) builds them,
         # then peft's prepare_model_for_kbit_training, before LoRA (memfit.models.quantization)
@@ -162,11 +193,15 @@ class _Runner:
         self.checkpointing = None
         if setup.gradient_checkpointing:  # on for a quantized model with kbit_prep (TrainSetup says why)
             try:
-                self.checkpointing = enable_checkpointing(model)
+                ckpt_kwargs = setup.gradient_checkpointing_kwargs  # issue 12: use_reentrant, offload, every_n_layers
+                self.checkpointing = enable_checkpointing(model, ckpt_kwargs)
                 if self.cut is not None:
-                    enable_checkpointing(self.cut)
+                    enable_checkpointing(self.cut, ckpt_kwargs)
             except ValueError as err:
                 raise MemfitError(f"gradient checkpointing is not possible here: {err}") from err
+            if self.checkpointing == "memfit" and setup.gradient_checkpointing_kwargs:
+                self.notes.append("`gradient_checkpointing_kwargs` apply to Hugging Face's checkpointing; memfit's own "
+                                  "(non-reentrant, on the device) is simulated for this model")
             if self.checkpointing == "memfit":
                 self.notes.append(
                     f"{type(model).__name__} has no gradient checkpointing in transformers; "
@@ -273,11 +308,27 @@ class _Runner:
         seq = self.setup.sequence_length
         batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
         self._register_batch(batch)
+        # Trainer (transformers 5.24 get_batch_samples / compute_loss): a model whose forward takes loss kwargs gets
+        # `num_items_in_batch` (the window's label count, an int64 scalar moved to the device); ForCausalLMLoss then
+        # sums and divides (fixed_cross_entropy) and training_step does not divide by the accumulation (issue 12)
+        scaled_for_ga = False
+        if self.setup.task == "causal-lm" and "labels" in batch and _accepts_loss_kwargs(self.fwd_model):
+            batch["num_items_in_batch"] = torch.zeros((), dtype=torch.long)
+            self.tracker.register(batch["num_items_in_batch"], "inputs")
+            scaled_for_ga = True
         start = len(tr.records)
-        out = self._forward(batch, training=True)
+        if self.setup.activation_offloading:  # TRL SFTTrainer wraps the forward (compute_loss) in it
+            from memfit.sim.offload import trl_activation_offloading
+
+            if self._act_offload is None:
+                self._act_offload = trl_activation_offloading(self.fwd_model, tr)
+            with self._act_offload():
+                out = self._forward(batch, training=True)
+        else:
+            out = self._forward(batch, training=True)
         loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
         del out, batch
-        if accumulation > 1:
+        if accumulation > 1 and not scaled_for_ga:
             loss = loss / accumulation  # Trainer.training_step when the loss is not GA-normalised
         for rec in tr.records[start:]:
             if rec.alive and rec.category == "temporaries":
@@ -477,7 +528,8 @@ class _Runner:
         from transformers import Trainer  # noqa: F401  (build_optimizer)
 
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
-        patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends)
+        patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends,
+                               flash_log=self.flash_log)
         bnb = contextlib.ExitStack()
         kernels = None
         if self.quant is not None:  # bitsandbytes' CUDA kernels, above the tracker (issue 12)
@@ -485,9 +537,22 @@ class _Runner:
 
             kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low, compute_capability=s.compute_capability,
                                      sm_count=s.gpu_sm_count)
+        offload = contextlib.nullcontext()  # issue 12: checkpoint offload, TRL activation offloading
+        if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
+            from memfit.sim.offload import host_offload_patch
+
+            offload = host_offload_patch(self.tracker)
+        liger = contextlib.nullcontext()
+        if s.use_liger_kernel:  # issue 12: Trainer's apply_liger_kernel, Triton emulated
+            from memfit.sim.kernels.liger import liger_emulation
+            from memfit.sim.kernels.sdpa_choice import _NUM_SMS
+
+            cc = tuple(s.compute_capability)
+            liger = liger_emulation([m for m in (self.model, self.cut) if m is not None], s.liger_kernel_config,
+                                    num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with mode, self.tracker, patches, cuda_autocast_policy(self.low), bnb:
+            with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low), bnb:
                 if kernels is not None:
                     bnb.enter_context(quiet_bnb_logs())
                     bnb.enter_context(bnb_cuda_patches())
@@ -527,6 +592,8 @@ class _Runner:
         return Simulation(
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
+            attn_kernels=sorted(set(self.flash_log or [])) + self.liger_log,
+            attn_implementation=getattr(config, "_attn_implementation", None),
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
             quantization=quantization, paged_bytes=paged,
