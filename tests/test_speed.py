@@ -1,0 +1,138 @@
+"""Issue 15, "first use is slow": each speed-up of the cold path changes no result.
+
+Every test here compares what the faster path produces with what the slower one did (the same
+optimizer, the same trace, the same report), or checks the condition that makes the speed-up exact.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, T5Config, Trainer
+
+from memfit.sim import optimizers
+from memfit.sim.engine import _Runner, simulate
+from memfit.train_setup import TrainSetup
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _trace_digest(trace) -> str:
+    return hashlib.sha256(repr(trace).encode()).hexdigest()
+
+
+# -- the optimizer without transformers.Trainer (memfit.sim.optimizers) ------------------------------------
+
+
+@pytest.mark.parametrize("optim", sorted(optimizers.TORCH_ADAMW))
+def test_adamw_class_and_kwargs_equal_the_trainers(optim):
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(optimizers._training_args(optim, 0.01), None)
+    assert cls is torch.optim.AdamW
+    assert kwargs == optimizers.TORCH_ADAMW[optim]
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if isinstance(config, T5Config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+@pytest.mark.parametrize("config", [
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+    T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16),
+], ids=["llama-rmsnorm", "t5-layer-norm"])
+def test_decay_parameter_names_equal_the_trainers(config):
+    model = _meta_model(config)
+    expected = Trainer.get_decay_parameter_names(None, model)
+    assert optimizers.decay_parameter_names(model) == expected
+    assert 0 < len(expected) < len(list(model.named_parameters()))  # some parameters decay, some do not
+
+
+def test_a_simulation_imports_no_trainer_and_traces_the_same(tiny_bert_dir):
+    """A fresh process simulates without importing transformers.Trainer (nor peft, nor bitsandbytes) and
+    writes the trace this process writes with the Trainer imported (tests/helpers imports it)."""
+    kwargs = dict(model=tiny_bert_dir, max_length=32, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                  eval_strategy="epoch", optim="adamw_torch_fused")
+    code = (
+        "import hashlib, json, sys\n"
+        "from memfit.sim.engine import simulate\n"
+        "from memfit.train_setup import TrainSetup\n"
+        f"sim = simulate(TrainSetup(**{kwargs!r}))\n"
+        "print(json.dumps({'digest': hashlib.sha256(repr(sim.trace).encode()).hexdigest(),\n"
+        "                  'imported': [m for m in ('transformers.trainer', 'transformers.training_args', 'peft',\n"
+        "                               'bitsandbytes') if m in sys.modules]}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    assert child["imported"] == []
+    assert "transformers.trainer" in sys.modules  # here the Trainer is imported: the old path's situation
+    assert child["digest"] == _trace_digest(simulate(TrainSetup(**kwargs)).trace)
+
+
+def test_other_optimizers_still_come_from_the_trainer(tiny_bert_dir):
+    setup = TrainSetup(model=tiny_bert_dir, max_length=16, optim="adafactor")
+    sim = simulate(setup, optimizer_steps=1, optimizer_only=True)
+    assert any(e.category == "optimizer_state" for e in sim.trace)
+
+
+# -- the cyclic collector paused (memfit.collector) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=3, eval_strategy="epoch", precision="fp16"),
+    dict(per_device_train_batch_size=1, gradient_checkpointing=True, optim="adamw_torch"),
+    dict(per_device_train_batch_size=2, lora_r=4, lora_target_modules=("query", "value")),
+], ids=["fp16-eval", "checkpointing", "lora"])
+def test_no_simulated_storage_is_left_to_the_cyclic_collector(tiny_bert_dir, kwargs):
+    """With the collector paused for the whole run, collecting afterwards frees no tracked storage: every
+    free of the trace came from reference counting, so pausing the collector cannot move or drop one."""
+    from memfit.collector import paused
+
+    setup = TrainSetup(model=tiny_bert_dir, max_length=32, **kwargs)
+    gc.collect()
+    with paused():
+        runner = _Runner(setup, fake=True, splice=True)
+        sim = runner.run()
+        before = len(runner.tracker.events)
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.collect()
+    assert len(runner.tracker.events) == before
+    assert _trace_digest(sim.trace) == _trace_digest(simulate(setup).trace)  # with the collector running
+
+
+def test_paused_restores_the_previous_state():
+    from memfit.collector import paused
+
+    gc.disable()
+    try:
+        with paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # was off: stays off
+    finally:
+        gc.enable()
+    with pytest.raises(ZeroDivisionError):
+        with paused():
+            1 / 0
+    assert gc.isenabled()
+
+
+def test_the_cli_pauses_the_collector_for_estimate_only_while_it_runs(tiny_bert_dir, monkeypatch, capsys):
+    import memfit.commands.estimate as est_cmd
+    from memfit.cli import main
+
+    seen = []
+    monkeypatch.setattr(est_cmd, "render", lambda report, **_: seen.append(gc.isenabled()))
+    assert main(["estimate", tiny_bert_dir, "--max-length", "16", "--no-cache"]) == 0
+    assert seen == [False] and gc.isenabled()
