@@ -60,7 +60,8 @@ def main() -> None:
     medians: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as tmp:
         for name, argv in CASES.items():
-            cold = [_run(["estimate", *argv], os.path.join(tmp, f"{name}-cold-{i}"), f"{name}_cold") for i in range(runs)]
+            cold = [_run(["estimate", *argv], os.path.join(tmp, f"{name}-cold-{i}"), f"{name}_cold")
+                    for i in range(runs)]
             warm_dir = os.path.join(tmp, f"{name}-cold-0")  # filled by the first cold run
             warm = [_run(["estimate", *argv], warm_dir, f"{name}_warm") for _ in range(runs)]
             medians[f"{name}_cold"] = statistics.median(cold)

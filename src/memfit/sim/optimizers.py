@@ -28,7 +28,8 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["build_optimizer", "EmulatedAdamW8bit", "STATE_ON_HOST", "TORCH_ADAMW", "import_for", "decay_parameter_names"]
+__all__ = ["build_optimizer", "EmulatedAdamW8bit", "STATE_ON_HOST", "TORCH_ADAMW", "import_for",
+           "decay_parameter_names"]
 
 #: Optimizers whose per-parameter `step` counter is a CPU tensor on a CUDA run (not fused,
 #: not capturable: `_init_group` in torch/optim/adam.py). Those bytes never reach the GPU.
