@@ -15,6 +15,9 @@ from memfit.errors import MemfitError
 __all__ = ["main"]
 
 VERBS = ("estimate", "plan", "diagnose", "train", "replay")
+#: Verbs that run with Python's cyclic collector paused (memfit.collector: imports and simulations, seconds
+#: saved, no result changed); not `train`, a long real training run that needs it.
+_COLLECTOR_PAUSED = ("estimate", "plan", "diagnose", "replay")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.verb in _COLLECTOR_PAUSED:
+            from memfit.collector import paused
+
+            with paused():
+                return int(args.func(args) or 0)
         return int(args.func(args) or 0)
     except MemfitError as err:
         print(f"memfit {args.verb}: error: {one_line(err)}", file=sys.stderr)

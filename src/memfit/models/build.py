@@ -193,9 +193,24 @@ def to_empty_tied(module: nn.Module, *, device: str | torch.device) -> nn.Module
     parameter shared by two modules becomes two. The aliases are put back afterwards.
     """
     aliases = shared_parameter_names(module)
-    module.to_empty(device=device)
+    module._apply(_empty_like_on(device))  # what `Module.to_empty(device=device)` runs (torch/nn/modules/module.py)
     _retie(module, aliases)
     return module
+
+
+def _empty_like_on(device: str | torch.device):
+    """`lambda t: torch.empty_like(t, device=device)`, `Module.to_empty`'s function, built with `torch.empty` where
+    that is the same tensor: for a contiguous `t`, `empty_like`'s default `memory_format=torch.preserve_format`
+    gives the contiguous strides `torch.empty` gives (aten/src/ATen/native/TensorFactories.cpp `empty_like`), with
+    the same shape, dtype and layout, and neither copies `requires_grad`. Under FakeTensorMode `empty` skips
+    converting each meta-built input into a FakeTensor first (issue 15: measured 0.14 -> 0.05 CPU s for
+    xlnet-large-cased's 414 tensors)."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and t.is_contiguous():
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return torch.empty_like(t, device=device)
+
+    return empty
 
 
 def _to_meta_tied(module: nn.Module) -> nn.Module:

@@ -59,22 +59,61 @@ class PhasePeaks(NamedTuple):
     sim: Any  #: the simulation (memfit.sim.engine.simulate): params, trainable_params
 
 
+class _Counts(NamedTuple):
+    """What a fit reads of a simulation besides its trace (memfit.sim.engine.Simulation's fields)."""
+
+    params: int
+    trainable_params: int
+
+
 @dataclass
 class Simulations:
     """Runs the planner's simulations and counts them (`PlanResult.simulations`)."""
 
     count: int = 0
+    #: the setup as it is and its full estimate (step 1), whose first micro-steps a fit may reuse (`_reused`)
+    baseline: tuple[TrainSetup, MemoryReport] | None = None
 
     def phase_peaks(self, setup: TrainSetup, **kwargs: Any) -> PhasePeaks:
         """Per-phase peaks of a partial simulation of `setup` (kwargs: memfit.sim.engine.simulate's).
 
         Evaluation runs only in an evaluation-only simulation (`train=False`)."""
         train = kwargs.get("train", True)
-        sim = simulate(setup.replace(eval_strategy=setup.eval_strategy if not train else "no"), **kwargs)
+        setup = setup.replace(eval_strategy=setup.eval_strategy if not train else "no")
+        reused = self._reused(setup, kwargs)
+        if reused is not None:
+            return reused
+        sim = simulate(setup, **kwargs)
         self.count += 1
         tp = peaks(sim.trace)
         return PhasePeaks({p: pk.bytes for p, pk in tp.by_phase.items()},
                           {p: dict(pk.breakdown) for p, pk in tp.by_phase.items()}, sim)
+
+    def _reused(self, setup: TrainSetup, kwargs: dict[str, Any]) -> PhasePeaks | None:
+        """The peaks of `simulate(setup, optimizer_steps=0)` read from the baseline's trace, when that
+        simulation is the baseline's beginning: the same setup but for accumulation (2 here, at least 2
+        there: both simulate two micro-steps, each dividing the loss by it, memfit.sim.engine `run` and
+        `micro_step`) and evaluation (which runs after the optimizer steps). Its events are then those of the
+        baseline before the first optimizer-step event, less the cuBLAS workspaces `estimate` adds
+        (memfit.estimator `_with_workspaces`). None otherwise. tests/test_speed.py compares it with the simulation."""
+        if self.baseline is None or kwargs != {"optimizer_steps": 0} or setup.gradient_accumulation_steps != 2:
+            return None
+        base, report = self.baseline
+        if not report.trace or base.gradient_accumulation_steps < 2 or \
+                setup != base.replace(gradient_accumulation_steps=2, eval_strategy="no"):
+            return None
+        events = []
+        for ev in report.trace:
+            if ev.phase == "optimizer":
+                break
+            if ev.category != "workspaces":
+                events.append(ev)
+        else:
+            return None  # no optimizer step in the baseline: nothing marks where the micro-steps end
+        tp = peaks(events)
+        return PhasePeaks({p: pk.bytes for p, pk in tp.by_phase.items()},
+                          {p: dict(pk.breakdown) for p, pk in tp.by_phase.items()},
+                          _Counts(report.params, report.trainable_params))
 
     def estimate(self, setup: TrainSetup, budget: Budget, alloc_conf: str | None) -> MemoryReport:
         """A full estimate (simulation + allocator replay) of `setup` with the budget's capacity."""

@@ -269,6 +269,7 @@ class _Baseline(NamedTuple):
 def _estimate_baseline(setup: TrainSetup, budget: Budget, alloc_conf: str | None, sims: Simulations) -> _Baseline:
     """Estimate the setup as it is (full simulation + allocator replay with the budget's capacity)."""
     report = sims.estimate(setup, budget, alloc_conf)
+    sims.baseline = (setup, report)  # its first micro-steps are a training fit's (memory_model.Simulations._reused)
     need = report.required_bytes if report.required_bytes is not None else report.peak_reserved_bytes
     ratio = max(1.0, need / max(1, report.peak_allocated_bytes))
     timer = StepTimer.for_setup(setup, budget.spec)

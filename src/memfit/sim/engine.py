@@ -525,7 +525,9 @@ class _Runner:
         # module-level constants as allocations (peft's LoHa `torch.tensor(...)` class attributes,
         # imported by transformers.Trainer) and, on a fake run, leave them FakeTensors for good.
         import accelerate.utils  # noqa: F401  (convert_to_fp32 in _forward)
-        from transformers import Trainer  # noqa: F401  (build_optimizer)
+        from memfit.sim.optimizers import import_for
+
+        import_for(s.optim)  # build_optimizer's imports (transformers.Trainer only where it is needed: issue 15)
 
         mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
         patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends,

@@ -11,6 +11,12 @@ passes `foreach=True` explicitly to reproduce the multi-tensor temporaries CUDA 
 bitsandbytes allocates (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state`):
 uint8 `state1`/`state2` and fp32 `absmax1`/`absmax2` per 256-element block for tensors of
 at least `min_8bit_size=4096` elements, fp32 states below that. Its update runs in place.
+
+Importing `transformers.Trainer` (or `TrainingArguments`, whose module imports peft, which imports
+bitsandbytes, which builds `torch.compile` kernels) takes about as long as the whole simulated
+step; for the optimizers whose class and kwargs are plain constants (`TORCH_ADAMW`) memfit builds
+them without that import, from the same transformers code paths (`trainer_pt_utils.get_parameter_names`
+with the Trainer's patterns); `tests/test_speed.py` checks they equal what the Trainer builds.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 from torch import nn
 
 __all__ = ["build_optimizer", "EmulatedAdamW8bit", "EmulatedBnbOptimizer", "BNB_OPTIMIZERS", "STATE_ON_HOST",
-           "PAGED_MIN_NUMEL"]
+           "PAGED_MIN_NUMEL", "TORCH_ADAMW", "import_for", "decay_parameter_names"]
 
 #: Optimizers whose per-parameter `step` counter is a CPU tensor on a CUDA run (not fused,
 #: not capturable: `_init_group` in torch/optim/adam.py). Those bytes never reach the GPU.
@@ -31,6 +37,21 @@ STATE_ON_HOST = {"step"}
 
 _BNB_BLOCK = 256  # bitsandbytes blockwise optimizer block size (functional.py, optimizer_update_8bit_blockwise)
 _BNB_MIN_8BIT = 4096  # Optimizer8bit min_8bit_size default
+
+#: `Trainer.get_decay_parameter_names` (transformers 5 trainer.py): parameters whose lowercased name matches one
+#: of these (or inside an nn.LayerNorm) get no weight decay.
+_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+#: What `Trainer.get_optimizer_cls_and_kwargs` returns for these optims with memfit's TrainingArguments (all
+#: defaults but optim and weight_decay): trainer_optimizer.py `_get_adamw_torch` -> torch.optim.AdamW with
+#: `{"lr": learning_rate, "betas": (adam_beta1, adam_beta2), "eps": adam_epsilon}`, plus `fused=True` for
+#: ADAMW_TORCH_FUSED; the defaults learning_rate=5e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8
+#: (training_args.py `TrainingArguments`). Checked against the Trainer in tests/test_speed.py.
+TORCH_ADAMW = {
+    "adamw_torch": {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8},
+    "adamw_torch_fused": {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8, "fused": True},
+}
+#: optims whose optimizer memfit builds without transformers' Trainer (EmulatedAdamW8bit needs only the groups)
+_WITHOUT_TRAINER = (*TORCH_ADAMW, "adamw_bnb_8bit", "adamw_8bit")
 
 
 class EmulatedAdamW8bit(torch.optim.Optimizer):
@@ -137,11 +158,25 @@ def _training_args(optim: str, weight_decay: float):
         )
 
 
+def import_for(optim: str) -> None:
+    """Import what `build_optimizer(model, optim, ...)` imports (call it before the simulation's modes: a
+    first import under the tracker records module-level tensors as allocations)."""
+    import transformers.trainer_pt_utils  # noqa: F401  (decay_parameter_names)
+
+    if optim not in _WITHOUT_TRAINER and optim not in BNB_OPTIMIZERS:
+        from transformers import Trainer  # noqa: F401
+
+
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """`Trainer.get_decay_parameter_names(model)`, without importing the Trainer."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return get_parameter_names(model, [nn.LayerNorm], list(_NO_DECAY_PATTERNS))
+
+
 def build_optimizer(model: nn.Module, optim: str, weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer `Trainer.create_optimizer` builds, with CUDA's foreach default."""
-    from transformers import Trainer
-
-    decay = set(Trainer.get_decay_parameter_names(None, model))
+    decay = set(decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
@@ -153,8 +188,13 @@ def build_optimizer(model: nn.Module, optim: str, weight_decay: float) -> torch.
     if optim in BNB_OPTIMIZERS:  # paged / Lion bitsandbytes optimizers (issue 12)
         states, bits, paged = BNB_OPTIMIZERS[optim]
         return EmulatedBnbOptimizer(groups, states=states, bits=bits, paged=paged, lr=5e-5, weight_decay=weight_decay)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(_training_args(optim, weight_decay), model)
-    kwargs = dict(kwargs)
+    if optim in TORCH_ADAMW:
+        cls, kwargs = torch.optim.AdamW, dict(TORCH_ADAMW[optim])
+    else:
+        from transformers import Trainer
+
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(_training_args(optim, weight_decay), model)
+        kwargs = dict(kwargs)
     if cls.__module__.startswith("torch.optim") and not kwargs.get("fused"):
         if "foreach" in cls.__init__.__code__.co_varnames:
             kwargs["foreach"] = True
