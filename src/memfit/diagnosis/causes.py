@@ -36,6 +36,12 @@ R reserved, C capacity; a figure the message does not print is unknown, never 0)
 * "Process N has X in use" without a "this process" line is this very process when
   X + R exceeds what is in use (C - F), or when X is R plus a context's worth.
 
+What allocated: the innermost frames name the operation (memfit.diagnosis.operations: the
+logits over the vocabulary, the S x S attention matrix, a bitsandbytes dequantization, an FSDP /
+ZeRO-3 parameter gather, generation's KV cache, NCCL's buffers), whose advice comes before the
+phase's. NCCL's own out-of-memory reports (``NCCL WARN Cuda failure 'out of memory'``) are
+diagnosed too: they bypass PyTorch's allocator, so they carry no allocator figures.
+
 MPS messages are read with MPSAllocator.mm's arithmetic: MPS allocated + other
 allocations + T > max allowed is the high-watermark limit; below it Metal itself refused.
 """
@@ -50,6 +56,7 @@ from pathlib import Path
 
 from memfit.allocator.caching import K_SMALL_BUFFER
 from memfit.errors import MemfitError
+from memfit.diagnosis.operations import OPERATION_ADVICE, Operation, detect_operation, logits_shape_for, nccl_oom_line
 from memfit.diagnosis.strings import t
 from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, decode_log, find_ooms, normalize_log
 from memfit.trace import DIAGNOSED_PHASES
@@ -60,6 +67,7 @@ __all__ = [
     "Diagnosis",
     "diagnose",
     "detect_phase",
+    "detect_operation",
     "read_log",
     "PHASES",
     "FRAGMENTATION_MIN_BYTES",
@@ -114,7 +122,8 @@ class Cause:
 CAUSE_KINDS = ("shortfall", "fragmentation", "memory_cap", "free_exceeds_request", "backend_limit",
                "non_pytorch", "other_processes", "self_pid", "inconsistent_free", "unknown_free",
                "mps_watermark", "mps_other_allocations", "mps_system", "cpu_ram", "truncated", "cuda_error",
-               "xpu_runtime_error", "cublas_alloc_failed", "cudnn_alloc_failed", "cudnn_not_supported")
+               "xpu_runtime_error", "cublas_alloc_failed", "cudnn_alloc_failed", "cudnn_not_supported",
+               "nccl", "logits", "operation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +140,9 @@ class Diagnosis:
     phase_frame: str = ""  #: the traceback frame that decided the phase
     lang: str = "en"
     plan: object = None  #: memfit.planner.search.PlanResult when a setup was given
+    operation: str = "unknown"  #: memfit.diagnosis.operations.OPERATIONS: what allocated
+    operation_frame: str = ""  #: the frame (or code line) that decided the operation
+    operation_context: tuple[str, ...] = ()  #: operations further out in the traceback, innermost first
 
     @property
     def non_pytorch_bytes(self) -> int | None:
@@ -537,11 +549,30 @@ _PHASE_ADVICE = {
 }
 
 
-def _rank_advice(first: list[str], phase: str, primary_is_shortfall: bool) -> list[str]:
-    """Cause-specific remedies first; on a true shortfall the phase's remedies come before
-    expandable_segments, which then only trims a contributing fragmentation."""
+#: Advice that only helps while training: Liger's fused linear cross-entropy skips the logits only
+#: when the model is in training mode with labels (liger_kernel/transformers/model/llama.py
+#: lce_forward: `if self.training and (labels is not None)`); evaluation still materialises them.
+_TRAINING_ONLY_ADVICE = {"liger_kernel"}
+
+
+def _operation_advice(op: Operation, phase: str) -> list[str]:
+    """The operation's advice, then that of the operations around it (outermost last)."""
+    ids = [a for name in (op.name, *op.context) for a in OPERATION_ADVICE.get(name, ())]
+    if phase == "eval":
+        ids = [a for a in ids if a not in _TRAINING_ONLY_ADVICE]
+    return ids
+
+
+def _rank_advice(first: list[str], phase: str, primary_is_shortfall: bool, op: Operation = Operation()) -> list[str]:
+    """Cause-specific remedies first (the message's arithmetic, then the operation's); on a true
+    shortfall the phase's remedies come before expandable_segments, which then only trims a
+    contributing fragmentation. In the evaluation loop the phase's remedies (eval batch size,
+    accumulation, preprocess_logits) come before the operation's."""
     late = ["expandable_segments"] if primary_is_shortfall and "expandable_segments" in first else []
-    ids = [a for a in first if a not in late] + list(_PHASE_ADVICE[phase]) + late
+    op_ids = _operation_advice(op, phase)
+    phase_ids = list(_PHASE_ADVICE[phase])
+    middle = phase_ids + op_ids if phase == "eval" else op_ids + phase_ids
+    ids = [a for a in first if a not in late] + middle + late
     return list(dict.fromkeys(ids))
 
 
@@ -610,10 +641,16 @@ def diagnose(source: str | os.PathLike[str] | bytes | BaseException, *, lang: st
     text = normalize_log(raw)
     ooms = find_ooms(raw)
     if not ooms:
-        return Diagnosis(False, None, "unknown", (), (), 0, lang=lang)
+        nccl = nccl_oom_line(text)
+        if nccl is None:
+            return Diagnosis(False, None, "unknown", (), (), 0, lang=lang)
+        offset, line, n = nccl
+        ooms = [OomMessage(format="nccl", raw=line, offset=offset, backend="cuda", tried_to_allocate_bytes=n)]
     m = ooms[-1]
     prev_end = ooms[-2].offset + 1 if len(ooms) > 1 else 0
-    phase, frame = detect_phase(_traceback_for(text, m, prev_end, len(text)))
+    phase_tb = _traceback_for(text, m, prev_end, len(text))
+    phase, frame = detect_phase(phase_tb)
+    op = _operation_for(text, m, prev_end, phase_tb)
 
     tried = _fmt(m.tried_to_allocate_bytes, lang)
     first: list[str] = []
@@ -622,25 +659,70 @@ def diagnose(source: str | os.PathLike[str] | bytes | BaseException, *, lang: st
         ids = ["cpu_ram"]
     elif m.format == "mps":
         causes, first = _mps_causes(m, lang)
-        ids = _rank_advice(first, phase, False)
+        ids = _rank_advice(first, phase, False, op)
     elif m.format == "mps_buffer_size":
         causes = [Cause("backend_limit", m.tried_to_allocate_bytes, t("cause.backend_limit.mps", lang, tried=tried),
                         True)]
-        ids = _rank_advice(["split_allocation.mps"], phase, False)
+        ids = _rank_advice(["split_allocation.mps"], phase, False, op)
     elif m.has_numbers:
         causes, first = _allocator_causes(m, lang, raw)
-        ids = _rank_advice(first, phase, causes[0].kind == "shortfall")
+        ids = _rank_advice(first, phase, causes[0].kind == "shortfall", op)
+    elif m.format == "nccl":
+        causes = [Cause("nccl", m.tried_to_allocate_bytes, t("cause.no_numbers.nccl", lang, tried=tried), True)]
+        ids = _rank_advice(["check_nvidia_smi"], phase, True, op)
     else:
         kind = "truncated" if m.format in ALLOCATOR_FORMATS + ("truncated",) else m.format
         causes = [Cause(kind, None, t(f"cause.no_numbers.{kind}", lang, tried=tried), True)]
         first = ["cudnn_check"] if m.format == "cudnn_not_supported" else ["check_nvidia_smi"]
-        ids = _rank_advice(first, phase, True) + (["cuda_launch_blocking"] if m.backend in ("cuda", None) else [])
+        ids = _rank_advice(first, phase, True, op) + (["cuda_launch_blocking"] if m.backend in ("cuda", None) else [])
+    if op.name != "unknown" and m.format != "cpu_allocator":
+        causes.append(Cause("operation", None, t(f"operation.{op.name}.why", lang)))
+        logits = _logits_cause(m, op, setup, lang) if setup is not None else None
+        if logits is not None:
+            causes.append(logits)
     pids = ", ".join(str(pid) for pid, _ in m.other_processes) or "?"
     no_hf_ckpt = _without_hf_checkpointing(text, setup)
     advice = tuple(_advice_text(a, lang, pids=pids, tool=_TOOLS.get(m.backend, "nvidia-smi"), no_hf_ckpt=no_hf_ckpt)
                    for a in ids)
     planned = _plan_for(setup, m) if setup is not None else None
-    return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang, planned)
+    return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang, planned,
+                     op.name, op.frame, op.context)
+
+
+def _operation_for(text: str, m: OomMessage, previous_end: int, phase_traceback: str) -> Operation:
+    """The operation of the lines just before `m` (from the last traceback header, if any, up to the
+    message's own line), else of the traceback the phase was read from."""
+    before = text[previous_end : m.offset]
+    before = before[: before.rfind("\n") + 1] if "\n" in before else ""
+    head = before.rfind("Traceback (most recent call last)")
+    region = before[head:] if head >= 0 else before[-20000:]
+    op = detect_operation(region, nccl=m.format == "nccl")
+    if op.name == "unknown" and phase_traceback != region:
+        op = detect_operation(phase_traceback, nccl=m.format == "nccl")
+    return op
+
+
+def _logits_cause(m: OomMessage, op: Operation, setup: object, lang: str) -> Cause | None:
+    """With a setup: the request is exactly the B x S x V logits (float32 or the model's dtype)."""
+    if op.name not in ("lm_loss", "lm_head") or not m.tried_to_allocate_bytes:
+        return None
+    from memfit.models.build import resolve_config
+
+    config = resolve_config(getattr(setup, "model", None)).config
+    text_config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    vocab = getattr(text_config, "vocab_size", None)
+    batch = getattr(setup, "per_device_train_batch_size", None)
+    seq = getattr(setup, "sequence_length", None)
+    if not isinstance(vocab, int) or not isinstance(batch, int) or not isinstance(seq, int):
+        return None
+    shape = logits_shape_for(m.tried_to_allocate_bytes, _print_tol(m.tried_to_allocate_bytes),
+                             batch=batch, seq=seq, vocab=vocab)
+    if shape is None:
+        return None
+    tokens, vocab, per = shape
+    return Cause("logits", m.tried_to_allocate_bytes,
+                 t("cause.logits", lang, tried=_fmt(m.tried_to_allocate_bytes, lang), tokens=tokens, vocab=vocab,
+                   dtype="float32" if per == 4 else "bf16/fp16", per=per))
 
 
 def _advice_text(advice_id: str, lang: str, *, pids: str, tool: str, no_hf_ckpt: bool) -> str:
