@@ -160,6 +160,9 @@ class Diagnosis:
 
 
 _FRAME_RE = re.compile(r'^[ \t]*File "(?P<file>[^"]+)", line \d+, in (?P<func>[^\s]+)[ \t]*$', re.M)
+# A frame pasted without its start: 'efficient_cross_entropy.py", line 108, in forward' (the file's
+# opening `File "` cut off, mgmalek/efficient_cross_entropy#9) or `line 3479, in cross_entropy`.
+_PART_FRAME_RE = re.compile(r'^[ \t]*(?:(?P<file>[^\s"]+)", )?line \d+, in (?P<func>[^\s]+)[ \t]*$', re.M)
 
 _SAVE_FUNCS = {"_save_checkpoint", "save_model", "_save", "save_pretrained", "_save_optimizer_and_scheduler",
                "save_state", "_save_rng_state", "save_file"}
@@ -167,7 +170,9 @@ _EVAL_FUNCS = {"evaluate", "_evaluate", "evaluation_loop", "prediction_step", "p
 _LOAD_FUNCS = {"from_pretrained", "_load_from_checkpoint", "_move_model_to_device", "_load_pretrained_model",
                "_load_state_dict_into_meta_model", "load_state_dict", "dispatch_model",
                "load_checkpoint_and_dispatch", "load_checkpoint_in_model"}
-_FORWARD_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "compute_loss", "training_step"}
+# FSDP's forward hooks (FSDP2 _fsdp_state.py _pre_forward, _fsdp_param_group.py pre_forward) run in the forward.
+_FORWARD_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "compute_loss", "training_step", "_pre_forward",
+                  "pre_forward"}
 # DeepSpeed (deepspeedai/DeepSpeed edaa7221): runtime/engine.py DeepSpeedEngine.step -> _take_model_step;
 # zero/stage_1_and_2.py and zero/stage3.py step -> _optimizer_step, unscale_and_clip_grads, update_lp_params,
 # stage3 _pre_step/_post_step; pipe/engine.py _exec_optimizer_step; fp16/fused_optimizer.py and
@@ -183,7 +188,10 @@ _BACKWARD_FUNCS = {"backward", "_engine_run_backward", "allreduce_gradients", "_
                    "_backward_epilogue", "reduce_gradients", "reduce_ipg_grads", "average_tensor",
                    "reduce_ready_partitions_and_remove_grads", "reduce_independent_p_g_buckets_and_remove_grads",
                    "grad_handling_hook", "partition_grads", "reduce_partition_and_remove_grads",
-                   "_exec_backward_pass"}
+                   "_exec_backward_pass",
+                   # FSDP1 torch/distributed/fsdp/_runtime_utils.py _pre_backward_hook; FSDP2 _fsdp_state.py
+                   # _pre_backward and _fsdp_param_group.py pre_backward (unshard for the backward pass).
+                   "_pre_backward_hook", "_pre_backward", "pre_backward"}
 
 
 def _is_load_best(file: str, func: str, code: str) -> bool:
@@ -242,13 +250,15 @@ _PHASE_ORDER = (
 
 
 def _frames(text: str) -> list[tuple[str, str, str, str]]:
-    """(file, func, code, frame line) for each ``File "...", line N, in f`` frame in `text`."""
+    """(file, func, code, frame line) for each ``File "...", line N, in f`` frame in `text` (file "" for a
+    frame pasted without it)."""
     out = []
-    for m in _FRAME_RE.finditer(text):
+    # _PART_FRAME_RE never matches a whole frame line (its file part has no quote or space before `", `)
+    for m in sorted([*_FRAME_RE.finditer(text), *_PART_FRAME_RE.finditer(text)], key=lambda m: m.start()):
         rest = text[m.end() + 1 :]
         nxt = rest.split("\n", 1)[0]
         code = "" if _FRAME_RE.match(nxt) else nxt.strip()
-        file = m.group("file").replace("\\", "/")
+        file = (m.group("file") or "").replace("\\", "/")
         out.append((file, m.group("func"), code, " ".join(m.group(0).split())))
     return out
 
@@ -269,7 +279,7 @@ def _traceback_for(text: str, oom: OomMessage, previous_end: int, next_start: in
     head = before.rfind("Traceback (most recent call last)")
     if head >= 0:
         return before[head:]
-    if _FRAME_RE.search(before[-20000:]):
+    if _FRAME_RE.search(before[-20000:]) or _PART_FRAME_RE.search(before[-20000:]):
         return before[-20000:]
     return text[oom.offset : min(next_start, oom.offset + 20000)]
 
@@ -667,9 +677,9 @@ def diagnose(source: str | os.PathLike[str] | bytes | BaseException, *, lang: st
     elif m.has_numbers:
         causes, first = _allocator_causes(m, lang, raw)
         ids = _rank_advice(first, phase, causes[0].kind == "shortfall", op)
-    elif m.format == "nccl":
+    elif m.format == "nccl":  # NCCL's buffers first, then what else holds the GPU, then the phase's remedies
         causes = [Cause("nccl", m.tried_to_allocate_bytes, t("cause.no_numbers.nccl", lang, tried=tried), True)]
-        ids = _rank_advice(["check_nvidia_smi"], phase, True, op)
+        ids = list(dict.fromkeys(["nccl_buffers", "check_nvidia_smi"] + _rank_advice([], phase, True, op)))
     else:
         kind = "truncated" if m.format in ALLOCATOR_FORMATS + ("truncated",) else m.format
         causes = [Cause(kind, None, t(f"cause.no_numbers.{kind}", lang, tried=tried), True)]

@@ -28,6 +28,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from memfit.oom_text import normalize_log
+
 __all__ = ["Operation", "detect_operation", "nccl_oom_line", "OPERATIONS", "OPERATION_ADVICE",
            "NCCL_OOM_RE", "logits_shape_for"]
 
@@ -299,7 +301,7 @@ def detect_operation(traceback_text: str, *, nccl: bool = False) -> Operation:
         traceback_text: the traceback (or the lines) just before the OOM message.
         nccl: the OOM message itself is NCCL's: the operation is ``nccl`` whatever the frames say.
     """
-    frames = _frames(traceback_text)
+    frames = _frames(normalize_log(traceback_text))  # rank prefixes, ANSI codes and CRLF go
     found: list[tuple[str, str]] = []  # (operation, frame), innermost first, one per operation
     for file, func, code in reversed(frames):
         for name, rule in _SPECIFIC:
