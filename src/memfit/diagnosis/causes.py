@@ -725,8 +725,11 @@ def _logits_cause(m: OomMessage, op: Operation, setup: object, lang: str) -> Cau
     seq = getattr(setup, "sequence_length", None)
     if not isinstance(vocab, int) or not isinstance(batch, int) or not isinstance(seq, int):
         return None
+    # the model's own logits are in its compute dtype (2 bytes under bf16 / fp16 autocast), the loss's upcast
+    # in float32; an fp32 run has float32 logits only
+    per = (4,) if getattr(setup, "precision", "fp32") == "fp32" else (4, 2)
     shape = logits_shape_for(m.tried_to_allocate_bytes, _print_tol(m.tried_to_allocate_bytes),
-                             batch=batch, seq=seq, vocab=vocab)
+                             batch=batch, seq=seq, vocab=vocab, element_bytes=per)
     if shape is None:
         return None
     tokens, vocab, per = shape

@@ -323,8 +323,8 @@ def detect_operation(traceback_text: str, *, nccl: bool = False) -> Operation:
 # ----------------------------------------------------------------------------- logits size
 
 
-def logits_shape_for(tried_bytes: int, tolerance_bytes: int, *, batch: int, seq: int,
-                     vocab: int) -> tuple[int, int, int] | None:
+def logits_shape_for(tried_bytes: int, tolerance_bytes: int, *, batch: int, seq: int, vocab: int,
+                     element_bytes: tuple[int, ...] = (4, 2)) -> tuple[int, int, int] | None:
     """(tokens, vocabulary, bytes per element) when `tried_bytes` is one B x S x V logits tensor.
 
     transformers' ForCausalLMLoss upcasts the logits to float32 (4 bytes; loss_utils.py
@@ -338,8 +338,9 @@ def logits_shape_for(tried_bytes: int, tolerance_bytes: int, *, batch: int, seq:
         batch: per-device batch size B.
         seq: sequence length S.
         vocab: vocabulary size V (the model config's vocab_size).
+        element_bytes: the element sizes the logits can have in this run (float32 only in fp32 runs).
     """
-    for per in (4, 2):
+    for per in element_bytes:
         for tokens in (batch * seq, batch * (seq - 1)):
             if tokens > 0 and abs(tokens * vocab * per - tried_bytes) <= tolerance_bytes:
                 return tokens, vocab, per
