@@ -11,7 +11,8 @@ import pytest
 
 from memfit.cli import main
 from memfit.diagnosis.causes import CAUSE_KINDS, detect_phase, diagnose
-from memfit.diagnosis.operations import OPERATION_ADVICE, OPERATIONS, detect_operation, logits_shape_for
+from memfit.diagnosis.operations import (ADVICE_REMEDY, OPERATION_ADVICE, OPERATIONS, detect_operation,
+                                         logits_shape_for)
 from memfit.diagnosis.strings import MESSAGES
 from memfit.units import GiB, MiB
 
@@ -256,3 +257,15 @@ def test_cli_nccl_log(tmp_path, capsys):
     assert main(["diagnose", "--json", str(log)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["format"] == "nccl" and out["operation"] == "nccl" and out["advice_ids"][0] == "nccl_buffers"
+
+
+def test_advice_remedy_table_matches_the_remedies():
+    from memfit.remedies import remedy_for_advice
+
+    ids = {a for advice in OPERATION_ADVICE.values() for a in advice}
+    assert ids <= set(ADVICE_REMEDY)
+    for advice_id, remedy in ADVICE_REMEDY.items():
+        if remedy is not None:  # a None entry is claimed by a remedy's own `advice` when one is added
+            assert remedy_for_advice(advice_id).name == remedy
+    d = diagnose(tb(*TRAIN, (f"{SP}/transformers/loss/loss_utils.py", "ForCausalLMLoss", "logits = logits.float()")))
+    assert "micro_batch" in d.remedies and "sequence_length" in d.remedies

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from memfit.oom_text import normalize_log
 
-__all__ = ["Operation", "detect_operation", "nccl_oom_line", "OPERATIONS", "OPERATION_ADVICE",
+__all__ = ["Operation", "detect_operation", "nccl_oom_line", "OPERATIONS", "OPERATION_ADVICE", "ADVICE_REMEDY",
            "NCCL_OOM_RE", "logits_shape_for"]
 
 
@@ -65,6 +65,22 @@ OPERATION_ADVICE: dict[str, tuple[str, ...]] = {
     "collective": ("collective_output",),
     "nccl": ("nccl_buffers",),
     "unknown": (),
+}
+
+#: Which memfit remedy (memfit.remedies.REGISTRY name) each operation advice id stands for.
+#: The link itself is the remedy's: a Remedy lists the ids it answers in its `advice`, and
+#: memfit.remedies.remedy_for_advice (hence `Diagnosis.remedies` and the planner) finds it from
+#: there, so a remedy added later picks its id up without a change here. None: no remedy of this
+#: version simulates it (Liger's fused cross-entropy, flash attention, DPO's precomputed reference,
+#: FSDP / ZeRO-3 settings, NCCL, generation): the advice is text only until a remedy claims the id.
+#: tests/test_diagnose_operations.py checks every named remedy against remedy_for_advice.
+ADVICE_REMEDY: dict[str, str | None] = {
+    "liger_kernel": None, "logits_to_keep": None, "flash_attention": None, "bnb_compute_dtype": None,
+    "kbit_prep_cast": None, "precompute_ref_log_probs": None, "peft_reference": None, "generation_kv_cache": None,
+    "fsdp_reshard": None, "fsdp_cpu_offload": None, "more_gpus": None, "zero3_live_params": None,
+    "zero_offload_param": None, "zero_bucket_sizes": None, "collective_output": None, "nccl_buffers": None,
+    "micro_batch": "micro_batch", "shorter_sequences": "sequence_length",
+    "gradient_checkpointing": "gradient_checkpointing", "smaller_model_load": None,
 }
 
 # ----------------------------------------------------------------------------- frames
