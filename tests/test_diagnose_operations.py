@@ -35,7 +35,7 @@ def tb(*frames: tuple[str, str, str], tried: str = "4.00 GiB") -> str:
     return "\n".join(lines + [MSG.format(tried=tried), ""])
 
 
-TRAIN = [(f"{SP}/transformers/trainer.py", "training_step", "loss = self.compute_loss(model, inputs)"),
+TRAIN = [(f"{SP}/transformers/trainer.py", "training_step", "loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)"),
          (f"{SP}/transformers/trainer.py", "compute_loss", "outputs = model(**inputs)")]
 
 
@@ -103,7 +103,7 @@ def test_torch_nccl_error_with_out_of_memory():
 # ------------------------------------------------------------------ frames from the packages' own code
 
 
-@pytest.mark.parametrize("frames, operation", [
+PACKAGE_FRAMES = [
     (TRAIN + [(f"{SP}/transformers/models/llama/modeling_llama.py", "forward",
                "loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)"),
               (f"{SP}/transformers/loss/loss_utils.py", "ForCausalLMLoss", "logits = logits.float()")], "lm_loss"),
@@ -114,23 +114,28 @@ def test_torch_nccl_error_with_out_of_memory():
                "logsumexp_values = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])")], "lm_loss"),
     (TRAIN + [(f"{SP}/trl/trainer/utils.py", "entropy_from_logits", "logps = F.log_softmax(chunk, dim=-1)")],
      "lm_loss"),
-    (TRAIN + [(f"{SP}/transformers/models/qwen3/modeling_qwen3.py", "forward",
-               "logits = self.lm_head(hidden_states[:, slice_indices, :])")], "lm_head"),
+    (TRAIN + [(f"{SP}/transformers/models/llama/modeling_llama.py", "forward", "logits = self.lm_head(hidden_states)")],
+     "lm_head"),
     (TRAIN + [(f"{SP}/transformers/models/llama/modeling_llama.py", "eager_attention_forward",
                "attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling")], "attention_scores"),
     (TRAIN + [(f"{SP}/transformers/integrations/sdpa_attention.py", "sdpa_attention_forward",
                "attn_output = torch.nn.functional.scaled_dot_product_attention(")], "attention_sdpa"),
     (TRAIN + [(f"{SP}/bitsandbytes/nn/modules.py", "forward",
-               "return bnb.matmul_4bit(x, weight, bias=bias, quant_state=self.weight.quant_state).to(inp_dtype)"),
-              (f"{SP}/bitsandbytes/autograd/_functions.py", "forward",
-               "output = torch.nn.functional.linear(A, F.dequantize_4bit(B, ctx.state).to(A.dtype), bias)"),
+               "return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=quant_state).to(inp_dtype)"),
+              (f"{SP}/bitsandbytes/autograd/_functions.py", "matmul_4bit",
+               "B_dq = F.dequantize_4bit(B, quant_state).to(A.dtype)"),
               (f"{SP}/bitsandbytes/functional.py", "dequantize_4bit",
-               "out = torch.empty(quant_state.shape, dtype=quant_state.dtype, device=A.device)")], "bnb_dequant"),
+               "out = torch.ops.bitsandbytes.dequantize_4bit.default(")], "bnb_dequant"),
+    ([(f"{SP}/torch/autograd/function.py", "apply", "return user_fn(self, *args)"),
+      (f"{SP}/bitsandbytes/autograd/_functions.py", "backward",
+       "grad_A = torch.matmul(grad_output, F.dequantize_4bit(B, ctx.state).to(grad_output.dtype))")], "bnb_dequant"),
     ([("train.py", "<module>", "model = prepare_model_for_kbit_training(model)"),
       (f"{SP}/peft/utils/other.py", "prepare_model_for_kbit_training", "param.data = param.data.to(torch.float32)")],
      "kbit_prep"),
-    (TRAIN + [(f"{SP}/trl/trainer/dpo_trainer.py", "compute_ref_log_probs",
-               "ref_outputs = self.ref_model(**model_kwargs)")], "dpo_reference"),
+    (TRAIN + [(f"{SP}/trl/trainer/dpo_trainer.py", "_compute_loss",
+               "ref_outputs = self.ref_model(**ref_model_kwargs, labels=labels, fused_lm_head=True)")], "dpo_reference"),
+    (TRAIN + [(f"{SP}/trl/trainer/dpo_trainer.py", "_compute_loss",
+               "ref_outputs = self.model(**ref_model_kwargs, labels=labels, fused_lm_head=True)")], "dpo_reference"),
     (TRAIN + [(f"{SP}/transformers/generation/utils.py", "generate", "result = decoding_method("),
               (f"{SP}/transformers/generation/utils.py", "_sample", "outputs = self(**model_inputs, return_dict=True)"),
               (f"{SP}/transformers/cache_utils.py", "update",
@@ -138,23 +143,50 @@ def test_torch_nccl_error_with_out_of_memory():
     ([(f"{SP}/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "unshard",
        "self._all_gather_result = foreach_all_gather("),
       (f"{SP}/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_all_gather",
-       "all_gather_output = torch.empty("),
+       "flat_foreach_copy_input = torch.empty("),
       (f"{SP}/torch/distributed/distributed_c10d.py", "all_gather_into_tensor",
-       "work = group._allgather_base(output_tensor, input_tensor, opts)")], "fsdp_unshard"),
+       "work = group.all_gather_single(output_tensor, input_tensor, opts)")], "fsdp_unshard"),
     ([(f"{SP}/deepspeed/runtime/zero/partitioned_param_coordinator.py", "fetch_sub_module",
        "self.__all_gather_params(params_to_fetch, forward)"),
       (f"{SP}/deepspeed/runtime/zero/partition_parameters.py", "all_gather_coalesced",
        "flat_tensor = torch.empty(partition_sz * world_size,")], "zero3_fetch"),
-    ([(f"{SP}/deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ipg_grads", "self.average_tensor(bucket.buffer)"),
-      (f"{SP}/deepspeed/runtime/zero/stage_1_and_2.py", "average_tensor", "tensor_to_reduce = tensor.to(")],
+    ([(f"{SP}/deepspeed/runtime/zero/stage_1_and_2.py", "reduce_ipg_grads",
+       "self.average_tensor(bucket.buffer[bucket.index].narrow(0, 0, bucket.elements), comm_dtype)")],
      "zero_buckets"),
-])
+]
+
+
+@pytest.mark.parametrize("frames, operation", PACKAGE_FRAMES)
 def test_operation_from_package_frames(frames, operation):
     op = detect_operation(tb(*frames))
     assert op.name == operation
     d = diagnose(tb(*frames))
     assert d.operation == operation and d.operation_frame == op.frame
     assert d.advice_ids[0] == OPERATION_ADVICE[operation][0]
+
+
+def _installed_source(rel: str) -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(rel.split("/", 1)[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]).parent / rel
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def test_package_frames_quote_the_installed_code():
+    """Each code line the rules are tested on is in the installed package (an upgrade that moves
+    the allocation fails here); the function it is attributed to is defined in that file."""
+    for frames, _ in PACKAGE_FRAMES:
+        for file, func, code in frames:
+            if not file.startswith(SP):
+                continue
+            source = _installed_source(file[len(SP) + 1 :])
+            if source is None:  # the package is an optional extra not installed here
+                continue
+            assert code in source, (file, code)
+            assert f"def {func}(" in source or func == "<module>", (file, func)
 
 
 def test_innermost_wins_and_outer_operations_are_context():
@@ -171,9 +203,10 @@ def test_innermost_wins_and_outer_operations_are_context():
 
 def test_collective_only_when_nothing_outside_is_specific():
     inner = (f"{SP}/torch/distributed/distributed_c10d.py", "all_gather_into_tensor",
-             "work = group._allgather_base(output_tensor, input_tensor, opts)")
+             "work = group.all_gather_single(output_tensor, input_tensor, opts)")
     assert detect_operation(tb(inner)).name == "collective"
-    outer = (f"{SP}/deepspeed/runtime/zero/partition_parameters.py", "_all_gather", "handles = dist.all_gather(")
+    outer = (f"{SP}/deepspeed/runtime/zero/partition_parameters.py", "_all_gather",
+             "handle = self._allgather_param(param, async_op=async_op, hierarchy=hierarchy)")
     assert detect_operation(tb(outer, inner)).name == "zero3_fetch"
 
 

@@ -178,11 +178,13 @@ def _is_attention_sdpa(file: str, func: str, code: str) -> bool:
     return func == "sdpa_attention_forward" or "scaled_dot_product_attention(" in code
 
 
-# bitsandbytes 0.50: functional.py dequantize_4bit / dequantize_blockwise; autograd/_functions.py
-# MatMul4Bit.forward (`F.dequantize_4bit(B, ctx.state).to(A.dtype)`), matmul_4bit, MatMul8bitLt;
-# nn/modules.py Linear4bit.forward -> bnb.matmul_4bit.
+# bitsandbytes 0.50: nn/modules.py Linear4bit.forward -> bnb.matmul_4bit; autograd/_functions.py MatMul4Bit
+# (backward: `F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)`; matmul_4bit: `B_dq =
+# F.dequantize_4bit(B, quant_state).to(A.dtype)`), MatMul8bitLt; functional.py dequantize_4bit /
+# dequantize_blockwise; backends/cuda/ops.py _dequant_linear_fallback (`B_dq = torch.empty(shapeB, ...)`).
 _BNB_FUNCS = {"dequantize_4bit", "dequantize_blockwise", "dequantize_nf4", "dequantize_fp4", "matmul_4bit",
-              "int8_vectorwise_dequant", "int8_mm_dequant", "mm_dequant", "matmul"}
+              "int8_vectorwise_dequant", "int8_mm_dequant", "mm_dequant", "matmul", "_dequant_linear_fallback",
+              "_dequantize_4bit_impl", "gemm_4bit"}
 
 
 def _is_bnb_dequant(file: str, func: str, code: str) -> bool:
@@ -197,12 +199,13 @@ def _is_kbit_prep(file: str, func: str, code: str) -> bool:
     return func == "prepare_model_for_kbit_training" or "prepare_model_for_kbit_training(" in code
 
 
-# trl/trainer/dpo_trainer.py compute_ref_log_probs (reference forward under use_adapter(...,
-# adapter_name=None) for peft models, else self.ref_model), _precompute_ref_logps; older TRL
-# null_ref_context / concatenated_forward(self.ref_model, ...).
+# trl 1.16 trl/trainer/dpo_trainer.py: the per-batch reference forward in _compute_loss
+# (`ref_outputs = self.ref_model(**ref_model_kwargs, ...)`, or with peft `ref_outputs = self.model(...)` under
+# use_adapter(..., adapter_name=None)); compute_ref_log_probs / _precompute_ref_logps when precomputing;
+# older TRL null_ref_context / concatenated_forward(self.ref_model, ...).
 def _is_dpo_reference(file: str, func: str, code: str) -> bool:
     return (func in {"compute_ref_log_probs", "null_ref_context", "_precompute_ref_logps", "_compute_ref_log_probs"}
-            or bool(re.search(r"\bref_model\(|concatenated_forward\(\s*self\.ref_model", code)))
+            or bool(re.search(r"\bref_model\(|concatenated_forward\(\s*self\.ref_model|\bref_outputs\s*=\s*self\.", code)))
 
 
 # transformers/generation/utils.py generate -> _sample / _beam_search (older: beam_sample, sample,

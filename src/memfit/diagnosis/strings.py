@@ -115,13 +115,15 @@ MESSAGES: dict[str, dict[str, str]] = {
         "但在任意掩码、dropout 或不支持的数据类型 / GPU 上会退回到 math 内核，而 math 内核会生成该矩阵。",
     },
     "operation.bnb_dequant.why": {
-        "en": "What allocated: bitsandbytes dequantizing a 4-bit / 8-bit weight for a matmul "
-        "(autograd/_functions.py MatMul4Bit: `F.dequantize_4bit(B, quant_state).to(A.dtype)`). Each quantized "
-        "linear layer briefly holds its whole weight in the compute dtype, in the forward pass and again in the "
-        "backward pass; with transformers' default bnb_4bit_compute_dtype (float32) that is 4 bytes per weight.",
-        "zh": "分配来源：bitsandbytes 为矩阵乘法把 4 位 / 8 位权重反量化（autograd/_functions.py MatMul4Bit："
-        "`F.dequantize_4bit(B, quant_state).to(A.dtype)`）。每个量化线性层在前向和反向传播中都会临时以计算精度"
-        "保存整层权重；transformers 默认的 bnb_4bit_compute_dtype（float32）下每个权重 4 字节。",
+        "en": "What allocated: bitsandbytes dequantizing a 4-bit / 8-bit weight for a matmul. The backward pass "
+        "rebuilds each quantized layer's whole weight in the compute dtype (autograd/_functions.py MatMul4Bit.backward: "
+        "`F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)`), and so does the forward pass for large batches "
+        "(bitsandbytes 0.50 backends/cuda/ops.py _dequant_linear_fallback; always in older versions); with "
+        "transformers' default bnb_4bit_compute_dtype (float32) that is 4 bytes per weight.",
+        "zh": "分配来源：bitsandbytes 为矩阵乘法把 4 位 / 8 位权重反量化。反向传播会以计算精度重建每个量化层的整层权重"
+        "（autograd/_functions.py MatMul4Bit.backward：`F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)`），"
+        "大批次时前向传播也是如此（bitsandbytes 0.50 backends/cuda/ops.py _dequant_linear_fallback；更早的版本总是如此）；"
+        "transformers 默认的 bnb_4bit_compute_dtype（float32）下每个权重 4 字节。",
     },
     "operation.kbit_prep.why": {
         "en": "What allocated: peft's prepare_model_for_kbit_training, which casts every float16 / bfloat16 "
@@ -132,9 +134,10 @@ MESSAGES: dict[str, dict[str, str]] = {
         "加载时它们的显存翻倍。",
     },
     "operation.dpo_reference.why": {
-        "en": "What allocated: the DPO reference model's forward pass (TRL DPOTrainer compute_ref_log_probs), "
-        "which runs on every batch next to the policy model.",
-        "zh": "分配来源：DPO 参考模型的前向传播（TRL DPOTrainer compute_ref_log_probs），它在每个批次上与策略模型一起运行。",
+        "en": "What allocated: the DPO reference model's forward pass (TRL DPOTrainer: `self.ref_model(...)`, or the "
+        "peft model with its adapter disabled), which runs on every batch next to the policy model.",
+        "zh": "分配来源：DPO 参考模型的前向传播（TRL DPOTrainer：`self.ref_model(...)`，或禁用适配器的 peft 模型），"
+        "它在每个批次上与策略模型一起运行。",
     },
     "operation.generation.why": {
         "en": "What allocated: generation inside training or evaluation (generate / _sample; TRL GRPO's "
