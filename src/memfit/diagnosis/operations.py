@@ -85,42 +85,43 @@ ADVICE_REMEDY: dict[str, str | None] = {
 
 # ----------------------------------------------------------------------------- frames
 
-_FILE_FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in (?P<func>\S+)\s*$')
+_FILE_FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\s*$')
 # A frame cut before its file ("line 3479, in cross_entropy", hiyouga/LlamaFactory#6800) or after
 # the file's closing quote ('efficient_cross_entropy.py", line 108, in forward').
-_PART_FRAME_RE = re.compile(r'^\s*(?:(?P<file>[^\s"]+)", )?line \d+, in (?P<func>\S+)\s*$')
+_PART_FRAME_RE = re.compile(r'^\s*(?:(?P<file>[^\s"]+)", )?line (?P<line>\d+), in (?P<func>\S+)\s*$')
 # rich's boxed traceback: the failing line is marked ❱ ("│ ❱  629 │   │   attention_probs = ... │").
 _RICH_CODE_RE = re.compile(r"❱\s*\d+\s*[│|]\s*(?P<code>.*?)\s*[│|]?\s*$")
 _NOISE_RE = re.compile(r"^[\s^~▔]*$")
 
 
-def _frames(traceback_text: str) -> list[tuple[str, str, str]]:
-    """(file, func, code) per frame, outermost first; code-only frames have file = func = ""."""
-    out: list[tuple[str, str, str]] = []
+def _frames(traceback_text: str) -> list[tuple[str, str, str, str]]:
+    """(file, func, code, frame line) per frame, outermost first; code-only frames have file = func = ""
+    and no frame line. The frame line reads as memfit.diagnosis.causes writes the phase's frame."""
+    out: list[tuple[str, str, str, str]] = []
     want_code = False
     lines = traceback_text.splitlines()
     for raw in lines:
         line = raw.rstrip()
         m = _FILE_FRAME_RE.match(line) or _PART_FRAME_RE.match(line)
         if m:
-            out.append(((m.group("file") or "").replace("\\", "/"), m.group("func"), ""))
+            out.append(((m.group("file") or "").replace("\\", "/"), m.group("func"), "", " ".join(line.split())))
             want_code = True
             continue
         r = _RICH_CODE_RE.search(line)
         if r:
-            out.append(("", "", r.group("code").replace("│", "").strip()))
+            out.append(("", "", r.group("code").replace("│", "").strip(), ""))
             want_code = False
             continue
         if want_code and line.strip() and not _NOISE_RE.match(line):
-            file, func, _ = out[-1]
-            out[-1] = (file, func, line.strip())
+            file, func, _, where = out[-1]
+            out[-1] = (file, func, line.strip(), where)
             want_code = False
     if not out:  # a bare code line pasted above the message (huggingface/autotrain-advanced#376)
         for raw in reversed(lines):
             line = raw.strip()
             if line and not _NOISE_RE.match(line):
                 if not re.match(r"^[\w.]*(?:Error|Exception|Warning)\b", line):
-                    out.append(("", "", line))
+                    out.append(("", "", line, ""))
                 break
     return out
 
@@ -308,8 +309,7 @@ def nccl_oom_line(text: str) -> tuple[int, str, int | None] | None:
     return last.start(), " ".join(last.group(0).split()), (sizes[-1] if sizes else None)
 
 
-def _describe(file: str, func: str, code: str) -> str:
-    where = f'File "{file}", in {func}' if file else (f"in {func}" if func else "")
+def _describe(where: str, code: str) -> str:
     return " | ".join(p for p in (where, code) if p)
 
 
@@ -322,20 +322,20 @@ def detect_operation(traceback_text: str, *, nccl: bool = False) -> Operation:
     """
     frames = _frames(normalize_log(traceback_text))  # rank prefixes, ANSI codes and CRLF go
     found: list[tuple[str, str]] = []  # (operation, frame), innermost first, one per operation
-    for file, func, code in reversed(frames):
+    for file, func, code, where in reversed(frames):
         for name, rule in _SPECIFIC:
             if rule(file, func, code):
                 if all(name != n for n, _ in found):
-                    found.append((name, _describe(file, func, code)))
+                    found.append((name, _describe(where, code)))
                 break
     if nccl:
         return Operation("nccl", found[0][1] if found else "", tuple(n for n, _ in found))
     if found:
         return Operation(found[0][0], found[0][1], tuple(n for n, _ in found[1:]))
-    for file, func, code in reversed(frames):
+    for file, func, code, where in reversed(frames):
         for name, rule in _GENERIC:
             if rule(file, func, code):
-                return Operation(name, _describe(file, func, code))
+                return Operation(name, _describe(where, code))
     return Operation()
 
 
