@@ -201,6 +201,21 @@ def test_innermost_wins_and_outer_operations_are_context():
     assert d.advice_ids.index("flash_attention") < d.advice_ids.index("generation_kv_cache")
 
 
+def test_trl_0x_dpo_concatenated_forward_names_the_logits_only_as_innermost_frame():
+    # TRL 0.x DPOTrainer.concatenated_forward (code search: `all_logits = model(...).logits.to(torch.float32)`);
+    # not in the installed TRL 1.16, so not in PACKAGE_FRAMES
+    dpo = (f"{SP}/trl/trainer/dpo_trainer.py", "concatenated_forward",
+           "all_logits = model(batch['concatenated_input_ids'], attention_mask=batch['concatenated_attention_mask'])"
+           ".logits.to(torch.float32)")
+    assert detect_operation(tb(*TRAIN, dpo)).name == "lm_loss"
+    bare = (f"{SP}/trl/trainer/dpo_trainer.py", "concatenated_forward", "len_chosen = batch['chosen_labels'].shape[0]")
+    assert detect_operation(tb(*TRAIN, bare)).name == "lm_loss"
+    attention = (f"{SP}/transformers/models/llama/modeling_llama.py", "eager_attention_forward",
+                 "attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling")
+    op = detect_operation(tb(*TRAIN, bare, attention))
+    assert op.name == "attention_scores" and op.context == ()
+
+
 def test_collective_only_when_nothing_outside_is_specific():
     inner = (f"{SP}/torch/distributed/distributed_c10d.py", "all_gather_into_tensor",
              "work = group.all_gather_single(output_tensor, input_tensor, opts)")

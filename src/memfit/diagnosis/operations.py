@@ -135,12 +135,15 @@ Rule = Callable[[str, str, str], bool]
 # fixed_cross_entropy -> nn.functional.cross_entropy; the models call `self.loss_function(`.
 # torch/nn/functional.py cross_entropy -> torch._C._nn.cross_entropy_loss; log_softmax / nll_loss.
 # trl/trainer/utils.py selective_log_softmax, entropy_from_logits, selective_log_softmax_and_entropy;
-# trl/trainer/grpo_trainer.py _get_per_token_logps_and_entropies; DPO log-probs gathered from
-# `logits.log_softmax(-1)` (modelscope/ms-swift#2044).
+# trl/trainer/grpo_trainer.py _get_per_token_logps_and_entropies; TRL 0.x DPOTrainer.get_batch_logps
+# `per_token_logps = torch.gather(logits.log_softmax(-1), dim=2, ...)` (reused by ms-swift:
+# modelscope/ms-swift#2044) and concatenated_forward `...logits.to(torch.float32)` (the chosen and
+# rejected halves in one batch of 2 B).
 _LOSS_FUNCS = {"cross_entropy", "nll_loss", "log_softmax", "cross_entropy_loss", "selective_log_softmax",
                "entropy_from_logits", "selective_log_softmax_and_entropy", "_get_per_token_logps",
                "_get_per_token_logps_and_entropies", "get_batch_logps", "fixed_cross_entropy", "ForCausalLMLoss"}
-_LOSS_CODE_RE = re.compile(r"\blogits\s*\.\s*float\(\)|\bcross_entropy(?:_loss)?\(|\blogits\s*\.\s*log_softmax\("
+_LOSS_CODE_RE = re.compile(r"\blogits\s*\.\s*float\(\)|\blogits\s*\.\s*to\(\s*torch\.float32|\bcross_entropy(?:_loss)?\("
+                           r"|\blogits\s*\.\s*log_softmax\("
                            r"|log_softmax\(\s*logits|\bself\.loss_function\(|\bselective_log_softmax\("
                            r"|\bentropy_from_logits\(")
 
@@ -285,6 +288,10 @@ _SPECIFIC: tuple[tuple[str, Rule], ...] = (
     ("zero_buckets", _is_zero_buckets),
 )
 _GENERIC: tuple[tuple[str, Rule], ...] = (("collective", _is_collective),)
+# Functions that name the operation only as the innermost frame: an OOM on a line of TRL 0.x
+# DPOTrainer.concatenated_forward itself is on its logits (the model's forward has returned), but
+# the frame around an attention or LM-head OOM says nothing about them.
+_INNERMOST_ONLY: tuple[tuple[str, Rule], ...] = (("lm_loss", lambda file, func, code: func == "concatenated_forward"),)
 
 # NCCL's own allocation failures (they bypass PyTorch's allocator): `include/alloc.h:178 NCCL WARN
 # Cuda failure 'out of memory'` (NVIDIA/nccl#1235), `enqueue.cc:1085 NCCL WARN Cuda failure 'out of
@@ -322,6 +329,9 @@ def detect_operation(traceback_text: str, *, nccl: bool = False) -> Operation:
     """
     frames = _frames(normalize_log(traceback_text))  # rank prefixes, ANSI codes and CRLF go
     found: list[tuple[str, str]] = []  # (operation, frame), innermost first, one per operation
+    if frames:
+        file, func, code, where = frames[-1]
+        found += [(name, _describe(where, code)) for name, rule in _INNERMOST_ONLY if rule(file, func, code)][:1]
     for file, func, code, where in reversed(frames):
         for name, rule in _SPECIFIC:
             if rule(file, func, code):
