@@ -560,8 +560,9 @@ _PHASE_ADVICE = {
 
 
 #: Advice that only helps while training: Liger's fused linear cross-entropy skips the logits only
-#: when the model is in training mode with labels (liger_kernel/transformers/model/llama.py
-#: lce_forward: `if self.training and (labels is not None)`); evaluation still materialises them.
+#: in training mode with labels (liger-kernel 0.8.5 liger_kernel/transformers/model/llama.py
+#: lce_forward: `skip_logits = self.training and (labels is not None or shift_labels is not None)`);
+#: evaluation still materialises them.
 _TRAINING_ONLY_ADVICE = {"liger_kernel"}
 
 
