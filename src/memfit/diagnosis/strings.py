@@ -796,10 +796,10 @@ MESSAGES: dict[str, dict[str, str]] = {
     },
     "advice.nccl_buffers": {
         "en": "Leave room for NCCL outside PyTorch's cache: every communicator (process group) allocates its own "
-        "buffers (about 1 GiB each was measured in pytorch/pytorch#153302), so create fewer process groups, "
+        "buffers (about 1 GiB each, as reported in pytorch/pytorch#153302), so create fewer process groups, "
         "lower NCCL_BUFFSIZE (default 4 MiB, NCCL docs), and keep the training's own peak below the card's size.",
         "zh": "在 PyTorch 缓存之外为 NCCL 留出空间：每个通信器（进程组）都会分配自己的缓冲区（pytorch/pytorch#153302 "
-        "中测得每个约 1 GiB），所以减少进程组数量、降低 NCCL_BUFFSIZE（NCCL 文档：默认 4 MiB），并让训练本身的峰值低于显卡容量。",
+        "中报告每个约 1 GiB），所以减少进程组数量、降低 NCCL_BUFFSIZE（NCCL 文档：默认 4 MiB），并让训练本身的峰值低于显卡容量。",
     },
     "advice.cudnn_check": {
         "en": "Try a smaller batch; if it persists, make the input contiguous (.contiguous()) or set "
