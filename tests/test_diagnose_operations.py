@@ -12,7 +12,7 @@ import pytest
 from memfit.cli import main
 from memfit.diagnosis.causes import CAUSE_KINDS, detect_phase, diagnose
 from memfit.diagnosis.operations import (ADVICE_REMEDY, OPERATION_ADVICE, OPERATIONS, detect_operation,
-                                         logits_shape_for)
+                                         logits_shape_for, traceback_frames)
 from memfit.diagnosis.strings import MESSAGES
 from memfit.units import GiB, MiB
 
@@ -214,6 +214,38 @@ def test_trl_0x_dpo_concatenated_forward_names_the_logits_only_as_innermost_fram
                  "attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling")
     op = detect_operation(tb(*TRAIN, bare, attention))
     assert op.name == "attention_scores" and op.context == ()
+
+
+# hiyouga/LlamaFactory#70 (Llama-65B with DeepSpeed ZeRO-3): a rich traceback whose frame path wraps onto a
+# second box line; copied as the thread has it, cut where the thread's excerpt ends
+RICH_ZERO3 = """\
+│    24 │   │   @functools.wraps(func)                                                             │
+│    25 │   │   def decorate_context(*args, **kwargs):                                             │
+│    26 │   │   │   with self.clone():                                                             │
+│ ❱  27 │   │   │   │   return func(*args, **kwargs)                                               │
+│    28 │   │   return cast(F, decorate_context)                                                   │
+│    29 │                                                                                          │
+│    30 │   def _wrap_generator(self, func):                                                       │
+│                                                                                                  │
+│ /home/jovyan/.local/lib/python3.7/site-packages/deepspeed/runtime/zero/partitioned_param_coordin │
+│ ator.py:338 in fetch_sub_module                                                                  │
+│                                                                                                  │
+│   335 │   │   │   │   if logger.isEnabledFor(logging.DEBUG):                                     │
+│   336 │   │   │   │   │   for param in params_to_prefetch:                                       │
+"""
+
+
+def test_rich_traceback_with_a_wrapped_path():
+    op = detect_operation(RICH_ZERO3)
+    assert op.name == "zero3_fetch" and "partitioned_param_coordinator.py:338 in fetch_sub_module" in op.frame
+    frames = [f for f in traceback_frames(RICH_ZERO3) if f[0]]
+    assert [f[1] for f in frames] == ["fetch_sub_module"]  # the wrapped second half is not a frame of its own
+    # the rich frame of a training step decides the phase as a plain one does
+    rich_step = ("│ /opt/venv/lib/python3.11/site-packages/torch/optim/adamw.py:420 in _multi_tensor_adamw │\n"
+                 "│ ❱ 420 │   exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs) │\n")
+    assert detect_phase(rich_step)[0] == "optimizer"
+    d = diagnose(rich_step + MSG.format(tried="1.00 GiB"))
+    assert d.phase == "optimizer" and d.operation == "unknown"
 
 
 def test_collective_only_when_nothing_outside_is_specific():

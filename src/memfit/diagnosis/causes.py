@@ -56,7 +56,8 @@ from pathlib import Path
 
 from memfit.allocator.caching import K_SMALL_BUFFER
 from memfit.errors import MemfitError
-from memfit.diagnosis.operations import OPERATION_ADVICE, Operation, detect_operation, logits_shape_for, nccl_oom_line
+from memfit.diagnosis.operations import (OPERATION_ADVICE, Operation, detect_operation, logits_shape_for,
+                                         nccl_oom_line, traceback_frames)
 from memfit.diagnosis.strings import t
 from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, decode_log, find_ooms, normalize_log
 from memfit.trace import DIAGNOSED_PHASES
@@ -264,8 +265,10 @@ def _frames(text: str) -> list[tuple[str, str, str, str]]:
 
 
 def detect_phase(traceback_text: str) -> tuple[str, str]:
-    """The training phase a traceback points at, and the deciding frame line (``unknown``, "")."""
-    frames = _frames(normalize_log(traceback_text))
+    """The training phase a traceback points at, and the deciding frame line (``unknown``, ""). A
+    traceback without plain frames is read as rich's boxed one (memfit.diagnosis.operations)."""
+    text = normalize_log(traceback_text)
+    frames = _frames(text) or [f for f in traceback_frames(text) if f[0]]
     for phase, test in _PHASE_ORDER:
         for file, func, code, line in reversed(frames):  # innermost first
             if test(file, func, code):
@@ -279,8 +282,9 @@ def _traceback_for(text: str, oom: OomMessage, previous_end: int, next_start: in
     head = before.rfind("Traceback (most recent call last)")
     if head >= 0:
         return before[head:]
-    if _FRAME_RE.search(before[-20000:]) or _PART_FRAME_RE.search(before[-20000:]):
-        return before[-20000:]
+    tail = before[-20000:]
+    if _FRAME_RE.search(tail) or _PART_FRAME_RE.search(tail) or "❱" in tail:  # ❱: rich's boxed traceback
+        return tail
     return text[oom.offset : min(next_start, oom.offset + 20000)]
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from memfit.oom_text import normalize_log
 
-__all__ = ["Operation", "detect_operation", "nccl_oom_line", "OPERATIONS", "OPERATION_ADVICE", "ADVICE_REMEDY",
+__all__ = ["Operation", "detect_operation", "traceback_frames", "nccl_oom_line", "OPERATIONS", "OPERATION_ADVICE", "ADVICE_REMEDY",
            "NCCL_OOM_RE", "logits_shape_for"]
 
 
@@ -89,18 +89,36 @@ _FILE_FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in
 # A frame cut before its file ("line 3479, in cross_entropy", hiyouga/LlamaFactory#6800) or after
 # the file's closing quote ('efficient_cross_entropy.py", line 108, in forward').
 _PART_FRAME_RE = re.compile(r'^\s*(?:(?P<file>[^\s"]+)", )?line (?P<line>\d+), in (?P<func>\S+)\s*$')
-# rich's boxed traceback: the failing line is marked ❱ ("│ ❱  629 │   │   attention_probs = ... │").
+# rich's boxed traceback (`rich.traceback`, as accelerate and kohya print it): a frame is a box line
+# `│ /path/file.py:629 in _attention │`, its path wrapped onto the next box line when long
+# (`... zero/partitioned_param_coordin │` / `│ ator.py:338 in fetch_sub_module │`, hiyouga/LlamaFactory#70),
+# and the failing line is marked ❱ (`│ ❱  629 │   │   attention_probs = ... │`, bitsandbytes#758).
 _RICH_CODE_RE = re.compile(r"❱\s*\d+\s*[│|]\s*(?P<code>.*?)\s*[│|]?\s*$")
+_RICH_HEADER_RE = re.compile(r"^(?P<file>\S+?):(?P<line>\d+) in (?P<func>\S+)$")
 _NOISE_RE = re.compile(r"^[\s^~▔]*$")
 
 
-def _frames(traceback_text: str) -> list[tuple[str, str, str, str]]:
-    """(file, func, code, frame line) per frame, outermost first; code-only frames have file = func = ""
-    and no frame line. The frame line reads as memfit.diagnosis.causes writes the phase's frame."""
+def _box_content(line: str) -> str | None:
+    """The text inside one rich box line (`│ ... │`), else None."""
+    stripped = line.strip()
+    if not stripped.startswith("│"):
+        return None
+    return stripped.strip("│").strip()
+
+
+def traceback_frames(traceback_text: str) -> list[tuple[str, str, str, str]]:
+    """(file, func, code, frame line) per frame, outermost first, from plain Python tracebacks
+    (``File "...", line N, in f`` and frames pasted without their start) and rich's boxed ones;
+    code-only frames have file = func = "" and no frame line; when no frame is left at all, the
+    last line is taken as the code line (see the module doc). The frame line reads as
+    memfit.diagnosis.causes writes the phase's frame."""
     out: list[tuple[str, str, str, str]] = []
     want_code = False
     lines = traceback_text.splitlines()
-    for raw in lines:
+    skip = -1  # the second half of a wrapped rich header, already read
+    for i, raw in enumerate(lines):
+        if i == skip:
+            continue
         line = raw.rstrip()
         m = _FILE_FRAME_RE.match(line) or _PART_FRAME_RE.match(line)
         if m:
@@ -109,7 +127,24 @@ def _frames(traceback_text: str) -> list[tuple[str, str, str, str]]:
             continue
         r = _RICH_CODE_RE.search(line)
         if r:
-            out.append(("", "", r.group("code").replace("│", "").strip(), ""))
+            code = r.group("code").replace("│", "").strip()
+            if out and out[-1][3].startswith("rich:") and not out[-1][2]:
+                file, func, _, where = out[-1]
+                out[-1] = (file, func, code, where)
+            else:
+                out.append(("", "", code, ""))
+            want_code = False
+            continue
+        box = _box_content(line)
+        if box is not None:
+            h = _RICH_HEADER_RE.match(box)
+            if h is None and box and " " not in box and i + 1 < len(lines):
+                nxt = _box_content(lines[i + 1])
+                h = _RICH_HEADER_RE.match(box + nxt) if nxt else None
+                skip = i + 1 if h is not None else skip
+            if h is not None:
+                file = h.group("file").replace("\\", "/")
+                out.append((file, h.group("func"), "", f'rich: {file}:{h.group("line")} in {h.group("func")}'))
             want_code = False
             continue
         if want_code and line.strip() and not _NOISE_RE.match(line):
@@ -327,7 +362,7 @@ def detect_operation(traceback_text: str, *, nccl: bool = False) -> Operation:
         traceback_text: the traceback (or the lines) just before the OOM message.
         nccl: the OOM message itself is NCCL's: the operation is ``nccl`` whatever the frames say.
     """
-    frames = _frames(normalize_log(traceback_text))  # rank prefixes, ANSI codes and CRLF go
+    frames = traceback_frames(normalize_log(traceback_text))  # rank prefixes, ANSI codes and CRLF go
     found: list[tuple[str, str]] = []  # (operation, frame), innermost first, one per operation
     if frames:
         file, func, code, where = frames[-1]
