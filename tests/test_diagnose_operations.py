@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memfit.cli import main
 from memfit.diagnosis.causes import CAUSE_KINDS, detect_phase, diagnose
@@ -281,6 +283,7 @@ def test_logits_shape_arithmetic():
     assert logits_shape_for(n + 10 * MiB, 5 * MiB, batch=2, seq=4096, vocab=128256) is None
 
 
+@pytest.mark.slow  # imports transformers (about 5 s when it is the first test to)
 def test_logits_cause_needs_a_setup_and_the_vocab(monkeypatch):
     from transformers import LlamaConfig
 
@@ -349,3 +352,11 @@ def test_advice_remedy_table_matches_the_remedies():
             assert remedy_for_advice(advice_id).name == remedy
     d = diagnose(tb(*TRAIN, (f"{SP}/transformers/loss/loss_utils.py", "ForCausalLMLoss", "logits = logits.float()")))
     assert "micro_batch" in d.remedies and "sequence_length" in d.remedies
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list('│❱╭╰ File"line,in:0123456789ab./_\n^')), max_size=300))
+def test_frame_reading_never_crashes(text):
+    op = detect_operation(text)
+    assert op.name in OPERATIONS
+    assert all(len(f) == 4 for f in traceback_frames(text))
