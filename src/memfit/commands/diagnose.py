@@ -85,6 +85,9 @@ def to_json(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> dict:
         "other_processes": [{"pid": pid, "bytes": b} for pid, b in (m.other_processes if m else ())],
         "phase": d.phase,
         "phase_frame": d.phase_frame,
+        "operation": d.operation,
+        "operation_frame": d.operation_frame,
+        "operation_context": list(d.operation_context),
         "causes": [{"kind": c.kind, "bytes": c.bytes, "text": c.text, "primary": c.primary} for c in d.causes],
         "advice": list(d.advice),
         "advice_ids": list(d.advice_ids),
@@ -113,6 +116,13 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
     console.print(f"[bold]{t('label.phase', lang)}:[/bold] {t('phase.' + d.phase, lang)}")
     if d.phase_frame:
         console.print(f"[bold]{t('label.frame', lang)}:[/bold] {escape(d.phase_frame)}", markup=True)
+    if d.operation != "unknown":
+        inside = ", ".join(t("operation." + o, lang) for o in d.operation_context)
+        extra = f" ({t('label.operation_context', lang)}: {inside})" if inside else ""
+        console.print(f"[bold]{t('label.operation', lang)}:[/bold] {escape(t('operation.' + d.operation, lang) + extra)}",
+                      markup=True)
+        if d.operation_frame and d.operation_frame != d.phase_frame:
+            console.print(f"[bold]{t('label.frame', lang)}:[/bold] {escape(d.operation_frame)}", markup=True)
     rows: list[tuple[str, int | None, bool]] = []  # (label, value, shown when unknown)
     if m.has_numbers:
         rows = [("num.tried", m.tried_to_allocate_bytes, True), ("num.total", m.total_bytes, True),

@@ -36,6 +36,12 @@ R reserved, C capacity; a figure the message does not print is unknown, never 0)
 * "Process N has X in use" without a "this process" line is this very process when
   X + R exceeds what is in use (C - F), or when X is R plus a context's worth.
 
+What allocated: the innermost frames name the operation (memfit.diagnosis.operations: the
+logits over the vocabulary, the S x S attention matrix, a bitsandbytes dequantization, an FSDP /
+ZeRO-3 parameter gather, generation's KV cache, NCCL's buffers), whose advice comes before the
+phase's. NCCL's own out-of-memory reports (``NCCL WARN Cuda failure 'out of memory'``) are
+diagnosed too: they bypass PyTorch's allocator, so they carry no allocator figures.
+
 MPS messages are read with MPSAllocator.mm's arithmetic: MPS allocated + other
 allocations + T > max allowed is the high-watermark limit; below it Metal itself refused.
 """
@@ -50,6 +56,8 @@ from pathlib import Path
 
 from memfit.allocator.caching import K_SMALL_BUFFER
 from memfit.errors import MemfitError
+from memfit.diagnosis.operations import (OPERATION_ADVICE, Operation, detect_operation, logits_shape_for,
+                                         nccl_oom_line, traceback_frames)
 from memfit.diagnosis.strings import t
 from memfit.oom_text import ALLOCATOR_FORMATS, OomMessage, decode_log, find_ooms, normalize_log
 from memfit.trace import DIAGNOSED_PHASES
@@ -60,6 +68,7 @@ __all__ = [
     "Diagnosis",
     "diagnose",
     "detect_phase",
+    "detect_operation",
     "read_log",
     "PHASES",
     "FRAGMENTATION_MIN_BYTES",
@@ -114,7 +123,8 @@ class Cause:
 CAUSE_KINDS = ("shortfall", "fragmentation", "memory_cap", "free_exceeds_request", "backend_limit",
                "non_pytorch", "other_processes", "self_pid", "inconsistent_free", "unknown_free",
                "mps_watermark", "mps_other_allocations", "mps_system", "cpu_ram", "truncated", "cuda_error",
-               "xpu_runtime_error", "cublas_alloc_failed", "cudnn_alloc_failed", "cudnn_not_supported")
+               "xpu_runtime_error", "cublas_alloc_failed", "cudnn_alloc_failed", "cudnn_not_supported",
+               "nccl", "logits", "operation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +141,9 @@ class Diagnosis:
     phase_frame: str = ""  #: the traceback frame that decided the phase
     lang: str = "en"
     plan: object = None  #: memfit.planner.search.PlanResult when a setup was given
+    operation: str = "unknown"  #: memfit.diagnosis.operations.OPERATIONS: what allocated
+    operation_frame: str = ""  #: the frame (or code line) that decided the operation
+    operation_context: tuple[str, ...] = ()  #: operations further out in the traceback, innermost first
 
     @property
     def non_pytorch_bytes(self) -> int | None:
@@ -148,6 +161,9 @@ class Diagnosis:
 
 
 _FRAME_RE = re.compile(r'^[ \t]*File "(?P<file>[^"]+)", line \d+, in (?P<func>[^\s]+)[ \t]*$', re.M)
+# A frame pasted without its start: 'efficient_cross_entropy.py", line 108, in forward' (the file's
+# opening `File "` cut off, mgmalek/efficient_cross_entropy#9) or `line 3479, in cross_entropy`.
+_PART_FRAME_RE = re.compile(r'^[ \t]*(?:(?P<file>[^\s"]+)", )?line \d+, in (?P<func>[^\s]+)[ \t]*$', re.M)
 
 _SAVE_FUNCS = {"_save_checkpoint", "save_model", "_save", "save_pretrained", "_save_optimizer_and_scheduler",
                "save_state", "_save_rng_state", "save_file"}
@@ -155,7 +171,9 @@ _EVAL_FUNCS = {"evaluate", "_evaluate", "evaluation_loop", "prediction_step", "p
 _LOAD_FUNCS = {"from_pretrained", "_load_from_checkpoint", "_move_model_to_device", "_load_pretrained_model",
                "_load_state_dict_into_meta_model", "load_state_dict", "dispatch_model",
                "load_checkpoint_and_dispatch", "load_checkpoint_in_model"}
-_FORWARD_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "compute_loss", "training_step"}
+# FSDP's forward hooks (FSDP2 _fsdp_state.py _pre_forward, _fsdp_param_group.py pre_forward) run in the forward.
+_FORWARD_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "compute_loss", "training_step", "_pre_forward",
+                  "pre_forward"}
 # DeepSpeed (deepspeedai/DeepSpeed edaa7221): runtime/engine.py DeepSpeedEngine.step -> _take_model_step;
 # zero/stage_1_and_2.py and zero/stage3.py step -> _optimizer_step, unscale_and_clip_grads, update_lp_params,
 # stage3 _pre_step/_post_step; pipe/engine.py _exec_optimizer_step; fp16/fused_optimizer.py and
@@ -171,7 +189,10 @@ _BACKWARD_FUNCS = {"backward", "_engine_run_backward", "allreduce_gradients", "_
                    "_backward_epilogue", "reduce_gradients", "reduce_ipg_grads", "average_tensor",
                    "reduce_ready_partitions_and_remove_grads", "reduce_independent_p_g_buckets_and_remove_grads",
                    "grad_handling_hook", "partition_grads", "reduce_partition_and_remove_grads",
-                   "_exec_backward_pass"}
+                   "_exec_backward_pass",
+                   # FSDP1 torch/distributed/fsdp/_runtime_utils.py _pre_backward_hook; FSDP2 _fsdp_state.py
+                   # _pre_backward and _fsdp_param_group.py pre_backward (unshard for the backward pass).
+                   "_pre_backward_hook", "_pre_backward", "pre_backward"}
 
 
 def _is_load_best(file: str, func: str, code: str) -> bool:
@@ -230,20 +251,24 @@ _PHASE_ORDER = (
 
 
 def _frames(text: str) -> list[tuple[str, str, str, str]]:
-    """(file, func, code, frame line) for each ``File "...", line N, in f`` frame in `text`."""
+    """(file, func, code, frame line) for each ``File "...", line N, in f`` frame in `text` (file "" for a
+    frame pasted without it)."""
     out = []
-    for m in _FRAME_RE.finditer(text):
+    # _PART_FRAME_RE never matches a whole frame line (its file part has no quote or space before `", `)
+    for m in sorted([*_FRAME_RE.finditer(text), *_PART_FRAME_RE.finditer(text)], key=lambda m: m.start()):
         rest = text[m.end() + 1 :]
         nxt = rest.split("\n", 1)[0]
         code = "" if _FRAME_RE.match(nxt) else nxt.strip()
-        file = m.group("file").replace("\\", "/")
+        file = (m.group("file") or "").replace("\\", "/")
         out.append((file, m.group("func"), code, " ".join(m.group(0).split())))
     return out
 
 
 def detect_phase(traceback_text: str) -> tuple[str, str]:
-    """The training phase a traceback points at, and the deciding frame line (``unknown``, "")."""
-    frames = _frames(normalize_log(traceback_text))
+    """The training phase a traceback points at, and the deciding frame line (``unknown``, ""). A
+    traceback without plain frames is read as rich's boxed one (memfit.diagnosis.operations)."""
+    text = normalize_log(traceback_text)
+    frames = _frames(text) or [f for f in traceback_frames(text) if f[0]]
     for phase, test in _PHASE_ORDER:
         for file, func, code, line in reversed(frames):  # innermost first
             if test(file, func, code):
@@ -257,8 +282,9 @@ def _traceback_for(text: str, oom: OomMessage, previous_end: int, next_start: in
     head = before.rfind("Traceback (most recent call last)")
     if head >= 0:
         return before[head:]
-    if _FRAME_RE.search(before[-20000:]):
-        return before[-20000:]
+    tail = before[-20000:]
+    if _FRAME_RE.search(tail) or _PART_FRAME_RE.search(tail) or "❱" in tail:  # ❱: rich's boxed traceback
+        return tail
     return text[oom.offset : min(next_start, oom.offset + 20000)]
 
 
@@ -537,11 +563,31 @@ _PHASE_ADVICE = {
 }
 
 
-def _rank_advice(first: list[str], phase: str, primary_is_shortfall: bool) -> list[str]:
-    """Cause-specific remedies first; on a true shortfall the phase's remedies come before
-    expandable_segments, which then only trims a contributing fragmentation."""
+#: Advice that only helps while training: Liger's fused linear cross-entropy skips the logits only
+#: in training mode with labels (liger-kernel 0.8.5 liger_kernel/transformers/model/llama.py
+#: lce_forward: `skip_logits = self.training and (labels is not None or shift_labels is not None)`);
+#: evaluation still materialises them.
+_TRAINING_ONLY_ADVICE = {"liger_kernel"}
+
+
+def _operation_advice(op: Operation, phase: str) -> list[str]:
+    """The operation's advice, then that of the operations around it (outermost last)."""
+    ids = [a for name in (op.name, *op.context) for a in OPERATION_ADVICE.get(name, ())]
+    if phase == "eval":
+        ids = [a for a in ids if a not in _TRAINING_ONLY_ADVICE]
+    return ids
+
+
+def _rank_advice(first: list[str], phase: str, primary_is_shortfall: bool, op: Operation = Operation()) -> list[str]:
+    """Cause-specific remedies first (the message's arithmetic, then the operation's); on a true
+    shortfall the phase's remedies come before expandable_segments, which then only trims a
+    contributing fragmentation. In the evaluation loop the phase's remedies (eval batch size,
+    accumulation, preprocess_logits) come before the operation's."""
     late = ["expandable_segments"] if primary_is_shortfall and "expandable_segments" in first else []
-    ids = [a for a in first if a not in late] + list(_PHASE_ADVICE[phase]) + late
+    op_ids = _operation_advice(op, phase)
+    phase_ids = list(_PHASE_ADVICE[phase])
+    middle = phase_ids + op_ids if phase == "eval" else op_ids + phase_ids
+    ids = [a for a in first if a not in late] + middle + late
     return list(dict.fromkeys(ids))
 
 
@@ -610,10 +656,16 @@ def diagnose(source: str | os.PathLike[str] | bytes | BaseException, *, lang: st
     text = normalize_log(raw)
     ooms = find_ooms(raw)
     if not ooms:
-        return Diagnosis(False, None, "unknown", (), (), 0, lang=lang)
+        nccl = nccl_oom_line(text)
+        if nccl is None:
+            return Diagnosis(False, None, "unknown", (), (), 0, lang=lang)
+        offset, line, n = nccl
+        ooms = [OomMessage(format="nccl", raw=line, offset=offset, backend="cuda", tried_to_allocate_bytes=n)]
     m = ooms[-1]
     prev_end = ooms[-2].offset + 1 if len(ooms) > 1 else 0
-    phase, frame = detect_phase(_traceback_for(text, m, prev_end, len(text)))
+    phase_tb = _traceback_for(text, m, prev_end, len(text))
+    phase, frame = detect_phase(phase_tb)
+    op = _operation_for(text, m, prev_end, phase_tb)
 
     tried = _fmt(m.tried_to_allocate_bytes, lang)
     first: list[str] = []
@@ -622,25 +674,73 @@ def diagnose(source: str | os.PathLike[str] | bytes | BaseException, *, lang: st
         ids = ["cpu_ram"]
     elif m.format == "mps":
         causes, first = _mps_causes(m, lang)
-        ids = _rank_advice(first, phase, False)
+        ids = _rank_advice(first, phase, False, op)
     elif m.format == "mps_buffer_size":
         causes = [Cause("backend_limit", m.tried_to_allocate_bytes, t("cause.backend_limit.mps", lang, tried=tried),
                         True)]
-        ids = _rank_advice(["split_allocation.mps"], phase, False)
+        ids = _rank_advice(["split_allocation.mps"], phase, False, op)
     elif m.has_numbers:
         causes, first = _allocator_causes(m, lang, raw)
-        ids = _rank_advice(first, phase, causes[0].kind == "shortfall")
+        ids = _rank_advice(first, phase, causes[0].kind == "shortfall", op)
+    elif m.format == "nccl":  # NCCL's buffers first, then what else holds the GPU, then the phase's remedies
+        causes = [Cause("nccl", m.tried_to_allocate_bytes, t("cause.no_numbers.nccl", lang, tried=tried), True)]
+        ids = list(dict.fromkeys(["nccl_buffers", "check_nvidia_smi"] + _rank_advice([], phase, True, op)))
     else:
         kind = "truncated" if m.format in ALLOCATOR_FORMATS + ("truncated",) else m.format
         causes = [Cause(kind, None, t(f"cause.no_numbers.{kind}", lang, tried=tried), True)]
         first = ["cudnn_check"] if m.format == "cudnn_not_supported" else ["check_nvidia_smi"]
-        ids = _rank_advice(first, phase, True) + (["cuda_launch_blocking"] if m.backend in ("cuda", None) else [])
+        ids = _rank_advice(first, phase, True, op) + (["cuda_launch_blocking"] if m.backend in ("cuda", None) else [])
+    if op.name != "unknown" and m.format != "cpu_allocator":
+        causes.append(Cause("operation", None, t(f"operation.{op.name}.why", lang)))
+        logits = _logits_cause(m, op, setup, lang) if setup is not None else None
+        if logits is not None:
+            causes.append(logits)
     pids = ", ".join(str(pid) for pid, _ in m.other_processes) or "?"
     no_hf_ckpt = _without_hf_checkpointing(text, setup)
     advice = tuple(_advice_text(a, lang, pids=pids, tool=_TOOLS.get(m.backend, "nvidia-smi"), no_hf_ckpt=no_hf_ckpt)
                    for a in ids)
     planned = _plan_for(setup, m) if setup is not None else None
-    return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang, planned)
+    return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang, planned,
+                     op.name, op.frame, op.context)
+
+
+def _operation_for(text: str, m: OomMessage, previous_end: int, phase_traceback: str) -> Operation:
+    """The operation of the lines just before `m` (from the last traceback header, if any, up to the
+    message's own line), else of the traceback the phase was read from."""
+    before = text[previous_end : m.offset]
+    before = before[: before.rfind("\n") + 1] if "\n" in before else ""
+    head = before.rfind("Traceback (most recent call last)")
+    region = before[head:] if head >= 0 else before[-20000:]
+    op = detect_operation(region, nccl=m.format == "nccl")
+    if op.name == "unknown" and phase_traceback != region:
+        op = detect_operation(phase_traceback, nccl=m.format == "nccl")
+    return op
+
+
+def _logits_cause(m: OomMessage, op: Operation, setup: object, lang: str) -> Cause | None:
+    """With a setup: the request is exactly the B x S x V logits (float32 or the model's dtype)."""
+    if op.name not in ("lm_loss", "lm_head") or not m.tried_to_allocate_bytes:
+        return None
+    from memfit.models.build import resolve_config
+
+    config = resolve_config(getattr(setup, "model", None)).config
+    text_config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    vocab = getattr(text_config, "vocab_size", None)
+    batch = getattr(setup, "per_device_train_batch_size", None)
+    seq = getattr(setup, "sequence_length", None)
+    if not isinstance(vocab, int) or not isinstance(batch, int) or not isinstance(seq, int):
+        return None
+    # the model's own logits are in its compute dtype (2 bytes under bf16 / fp16 autocast), the loss's upcast
+    # in float32; an fp32 run has float32 logits only
+    per = (4,) if getattr(setup, "precision", "fp32") == "fp32" else (4, 2)
+    shape = logits_shape_for(m.tried_to_allocate_bytes, _print_tol(m.tried_to_allocate_bytes),
+                             batch=batch, seq=seq, vocab=vocab, element_bytes=per)
+    if shape is None:
+        return None
+    tokens, vocab, per = shape
+    return Cause("logits", m.tried_to_allocate_bytes,
+                 t("cause.logits", lang, tried=_fmt(m.tried_to_allocate_bytes, lang), tokens=tokens, vocab=vocab,
+                   dtype="float32" if per == 4 else "bf16/fp16", per=per))
 
 
 def _advice_text(advice_id: str, lang: str, *, pids: str, tool: str, no_hf_ckpt: bool) -> str:

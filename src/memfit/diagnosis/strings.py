@@ -65,6 +65,131 @@ MESSAGES: dict[str, dict[str, str]] = {
     "phase.data_collation": {"en": "building the batch (data collation)", "zh": "构建批次（数据整理 collate）"},
     "phase.model_loading": {"en": "loading the model / moving it to the GPU", "zh": "加载模型 / 移动到 GPU"},
     "phase.unknown": {"en": "unknown (no traceback frames)", "zh": "未知（没有调用栈信息）"},
+    # ------------------------------------------------------------------ operations (memfit.diagnosis.operations)
+    "label.operation": {"en": "Operation", "zh": "操作"},
+    "label.operation_context": {"en": "inside", "zh": "所在调用"},
+    "operation.lm_loss": {"en": "loss / log-probabilities over the vocabulary (B × S × V logits)",
+                          "zh": "在整个词表上计算损失 / 对数概率（B × S × V 的 logits）"},
+    "operation.lm_head": {"en": "the LM head producing the logits (B × S × V)", "zh": "LM head 生成 logits（B × S × V）"},
+    "operation.attention_scores": {"en": "eager attention materialising the S × S score matrix",
+                                   "zh": "eager 注意力生成 S × S 的注意力分数矩阵"},
+    "operation.attention_sdpa": {"en": "scaled_dot_product_attention (SDPA)", "zh": "scaled_dot_product_attention（SDPA）"},
+    "operation.bnb_dequant": {"en": "bitsandbytes dequantizing a quantized weight", "zh": "bitsandbytes 反量化权重"},
+    "operation.kbit_prep": {"en": "peft prepare_model_for_kbit_training casting to float32",
+                            "zh": "peft prepare_model_for_kbit_training 转换为 float32"},
+    "operation.dpo_reference": {"en": "the DPO reference model's forward pass", "zh": "DPO 参考模型的前向传播"},
+    "operation.generation": {"en": "text generation (KV cache)", "zh": "文本生成（KV 缓存）"},
+    "operation.fsdp_unshard": {"en": "FSDP all-gathering (unsharding) parameters", "zh": "FSDP 全收集（unshard）参数"},
+    "operation.zero3_fetch": {"en": "DeepSpeed ZeRO-3 fetching (all-gathering) parameters",
+                              "zh": "DeepSpeed ZeRO-3 获取（全收集）参数"},
+    "operation.zero_buckets": {"en": "DeepSpeed ZeRO gradient reduction buckets", "zh": "DeepSpeed ZeRO 梯度归约桶"},
+    "operation.collective": {"en": "a torch.distributed collective's output buffer", "zh": "torch.distributed 集合通信的输出缓冲区"},
+    "operation.nccl": {"en": "NCCL's own buffers (outside PyTorch's allocator)", "zh": "NCCL 自身的缓冲区（在 PyTorch 分配器之外）"},
+    "operation.unknown": {"en": "unknown (no frame memfit recognises)", "zh": "未知（没有 memfit 能识别的调用帧）"},
+    "operation.lm_loss.why": {
+        "en": "What allocated: the loss over the vocabulary. transformers' ForCausalLMLoss upcasts the logits to "
+        "float32 (loss_utils.py `logits = logits.float()`) and cross-entropy / log-softmax allocates another "
+        "tensor of the same size: batch × sequence × vocabulary × 4 bytes each, which dominates memory for "
+        "128k-256k vocabularies (Llama 3, Gemma, Qwen3).",
+        "zh": "分配来源：在整个词表上计算损失。transformers 的 ForCausalLMLoss 会把 logits 转为 float32"
+        "（loss_utils.py `logits = logits.float()`），交叉熵 / log-softmax 还会再分配同样大小的张量：每个都是"
+        "批次 × 序列 × 词表 × 4 字节，对 128k-256k 的词表（Llama 3、Gemma、Qwen3）这是显存的大头。",
+    },
+    "operation.lm_head.why": {
+        "en": "What allocated: the LM head, which turns hidden states into logits of batch × sequence × "
+        "vocabulary; with a large vocabulary this one tensor can be several GiB.",
+        "zh": "分配来源：LM head 把隐藏状态变成 批次 × 序列 × 词表 的 logits；词表很大时这一个张量就可达数 GiB。",
+    },
+    "operation.attention_scores.why": {
+        "en": "What allocated: eager attention, which materialises the batch × heads × S × S score matrix "
+        "(`torch.matmul(query, key.transpose(...))`, then a float32 softmax): it grows with the square of the "
+        "sequence length.",
+        "zh": "分配来源：eager 注意力会生成 批次 × 头数 × S × S 的注意力分数矩阵（`torch.matmul(query, key.transpose(...))`，"
+        "再做 float32 softmax）：它随序列长度的平方增长。",
+    },
+    "operation.attention_sdpa.why": {
+        "en": "What allocated: scaled_dot_product_attention. Its flash and memory-efficient kernels keep no S × S "
+        "matrix, but with an arbitrary mask, dropout or an unsupported dtype / GPU it falls back to the math "
+        "kernel, which does.",
+        "zh": "分配来源：scaled_dot_product_attention。它的 flash 和 memory-efficient 内核不保存 S × S 矩阵，"
+        "但在任意掩码、dropout 或不支持的数据类型 / GPU 上会退回到 math 内核，而 math 内核会生成该矩阵。",
+    },
+    "operation.bnb_dequant.why": {
+        "en": "What allocated: bitsandbytes dequantizing a 4-bit / 8-bit weight for a matmul. The backward pass "
+        "rebuilds each quantized layer's whole weight in the compute dtype (autograd/_functions.py MatMul4Bit.backward: "
+        "`F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)`), and so does the forward pass for large batches "
+        "(bitsandbytes 0.50 backends/cuda/ops.py _dequant_linear_fallback; always in older versions); with "
+        "transformers' default bnb_4bit_compute_dtype (float32) that is 4 bytes per weight.",
+        "zh": "分配来源：bitsandbytes 为矩阵乘法把 4 位 / 8 位权重反量化。反向传播会以计算精度重建每个量化层的整层权重"
+        "（autograd/_functions.py MatMul4Bit.backward：`F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)`），"
+        "大批次时前向传播也是如此（bitsandbytes 0.50 backends/cuda/ops.py _dequant_linear_fallback；更早的版本总是如此）；"
+        "transformers 默认的 bnb_4bit_compute_dtype（float32）下每个权重 4 字节。",
+    },
+    "operation.kbit_prep.why": {
+        "en": "What allocated: peft's prepare_model_for_kbit_training, which casts every float16 / bfloat16 "
+        "parameter that is not 4-bit (embeddings, norms, the LM head) to float32 (peft/utils/other.py "
+        "`param.data = param.data.to(torch.float32)`): twice their memory, at load time.",
+        "zh": "分配来源：peft 的 prepare_model_for_kbit_training 会把所有非 4 位的 float16 / bfloat16 参数"
+        "（嵌入层、归一化层、LM head）转成 float32（peft/utils/other.py `param.data = param.data.to(torch.float32)`）："
+        "加载时它们的显存翻倍。",
+    },
+    "operation.dpo_reference.why": {
+        "en": "What allocated: the DPO reference model's forward pass (TRL DPOTrainer: `self.ref_model(...)`, or the "
+        "peft model with its adapter disabled), which runs on every batch next to the policy model.",
+        "zh": "分配来源：DPO 参考模型的前向传播（TRL DPOTrainer：`self.ref_model(...)`，或禁用适配器的 peft 模型），"
+        "它在每个批次上与策略模型一起运行。",
+    },
+    "operation.generation.why": {
+        "en": "What allocated: generation inside training or evaluation (generate / _sample; TRL GRPO's "
+        "completions, predict_with_generate). The KV cache holds 2 × layers × sequences × KV heads × tokens × "
+        "head size values and grows with every generated token.",
+        "zh": "分配来源：训练或评估中的文本生成（generate / _sample；TRL GRPO 的补全、predict_with_generate）。"
+        "KV 缓存保存 2 × 层数 × 序列数 × KV 头数 × token 数 × 头维度 个值，并随每个生成的 token 增长。",
+    },
+    "operation.fsdp_unshard.why": {
+        "en": "What allocated: FSDP all-gathering a unit's full parameters (unshard / foreach_all_gather). "
+        "While a unit computes, its whole unsharded weights are on every GPU, plus the next unit's when "
+        "prefetching.",
+        "zh": "分配来源：FSDP 全收集某个单元的完整参数（unshard / foreach_all_gather）。一个单元计算时，"
+        "它的完整参数在每块 GPU 上，预取时还要加上下一个单元的参数。",
+    },
+    "operation.zero3_fetch.why": {
+        "en": "What allocated: DeepSpeed ZeRO-3 fetching a submodule's parameters (fetch_sub_module -> "
+        "all-gather). Up to stage3_max_live_parameters gathered parameters stay on the GPU, and "
+        "stage3_prefetch_bucket_size more are fetched ahead.",
+        "zh": "分配来源：DeepSpeed ZeRO-3 获取子模块的参数（fetch_sub_module -> 全收集）。GPU 上最多保留 "
+        "stage3_max_live_parameters 个已收集的参数，并提前获取 stage3_prefetch_bucket_size 个。",
+    },
+    "operation.zero_buckets.why": {
+        "en": "What allocated: DeepSpeed ZeRO's gradient buckets (stage_1_and_2.py reduce_ipg_grads / "
+        "average_tensor): buffers of reduce_bucket_size and allgather_bucket_size elements.",
+        "zh": "分配来源：DeepSpeed ZeRO 的梯度桶（stage_1_and_2.py reduce_ipg_grads / average_tensor）："
+        "大小为 reduce_bucket_size 和 allgather_bucket_size 个元素的缓冲区。",
+    },
+    "operation.collective.why": {
+        "en": "What allocated: a torch.distributed collective's output (an all_gather returns world size × its "
+        "input).",
+        "zh": "分配来源：torch.distributed 集合通信的输出（all_gather 返回的是输入的 world size 倍）。",
+    },
+    "operation.nccl.why": {
+        "en": "What allocated: NCCL itself (communicator buffers, channels, proxies), with cudaMalloc outside "
+        "PyTorch's caching allocator, so PyTorch's cache could not make room for it.",
+        "zh": "分配来源：NCCL 自身（通信器缓冲区、通道、代理），它在 PyTorch 缓存分配器之外调用 cudaMalloc，"
+        "所以 PyTorch 的缓存无法为它腾出空间。",
+    },
+    "cause.no_numbers.nccl": {
+        "en": "NCCL ran out of GPU memory (`Cuda failure 'out of memory'`) allocating {tried} for its own "
+        "buffers: the GPU was already full of this process's PyTorch cache, other processes or other "
+        "communicators. NCCL prints no allocator figures.",
+        "zh": "NCCL 在为自身缓冲区分配 {tried} 时显存不足（`Cuda failure 'out of memory'`）：GPU 已经被本进程的 "
+        "PyTorch 缓存、其他进程或其他通信器占满。NCCL 不输出分配器数据。",
+    },
+    "cause.logits": {
+        "en": "The failed {tried} request is exactly one logits tensor of {tokens} tokens × {vocab} vocabulary × "
+        "{per} bytes ({dtype}), as the run's batch size, sequence length and the model's vocab_size give.",
+        "zh": "失败的 {tried} 请求正好是一个 logits 张量：{tokens} 个 token × 词表 {vocab} × {per} 字节（{dtype}），"
+        "与本次训练的批次大小、序列长度和模型的 vocab_size 一致。",
+    },
     # ------------------------------------------------------------------ causes
     "cause.fragmentation.fits": {
         "en": "Fragmentation: {unalloc} sits unused in PyTorch's cache ({reserved} reserved − {allocated} "
@@ -568,6 +693,113 @@ MESSAGES: dict[str, dict[str, str]] = {
     "advice.cuda_launch_blocking": {
         "en": "Rerun with CUDA_LAUNCH_BLOCKING=1 so the traceback points at the operation that failed.",
         "zh": "使用 CUDA_LAUNCH_BLOCKING=1 重新运行，使调用栈指向真正失败的操作。",
+    },
+    # ------------------------------------------------------------------ advice for operations
+    "advice.liger_kernel": {
+        "en": "Use Liger's fused linear cross-entropy, which computes the loss chunk by chunk and never "
+        "materialises the full logits: `pip install liger-kernel` and TrainingArguments / SFTConfig "
+        "(use_liger_kernel=True).",
+        "zh": "使用 Liger 的融合线性交叉熵，它分块计算损失，从不生成完整的 logits：`pip install liger-kernel`，"
+        "并设置 TrainingArguments / SFTConfig(use_liger_kernel=True)。",
+    },
+    "advice.logits_to_keep": {
+        "en": "Where not every position needs logits (generation, GRPO completions, scoring only the last "
+        "tokens), pass logits_to_keep=N to the model's forward so the LM head runs on the last N positions only.",
+        "zh": "如果不是每个位置都需要 logits（生成、GRPO 补全、只对最后几个 token 打分），给模型 forward 传入 "
+        "logits_to_keep=N，让 LM head 只计算最后 N 个位置。",
+    },
+    "advice.flash_attention": {
+        "en": "Load the model with attn_implementation=\"flash_attention_2\" (`pip install flash-attn`; Ampere "
+        "or newer, fp16 / bf16) or attn_implementation=\"sdpa\": neither keeps the S × S attention matrix.",
+        "zh": "加载模型时使用 attn_implementation=\"flash_attention_2\"（`pip install flash-attn`；Ampere 及更新的 "
+        "GPU，fp16 / bf16）或 attn_implementation=\"sdpa\"：两者都不保存 S × S 注意力矩阵。",
+    },
+    "advice.bnb_compute_dtype": {
+        "en": "Set BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.bfloat16) (and dtype=torch.bfloat16 when "
+        "loading): transformers defaults to float32, so each dequantized weight takes 4 bytes per element "
+        "instead of 2.",
+        "zh": "设置 BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.bfloat16)（加载时也用 dtype=torch.bfloat16）："
+        "transformers 默认使用 float32，每个反量化权重每元素占 4 字节而不是 2 字节。",
+    },
+    "advice.kbit_prep_cast": {
+        "en": "The float32 cast is for numerical stability, not required: to keep those parameters in bf16, skip "
+        "prepare_model_for_kbit_training and call model.gradient_checkpointing_enable() and "
+        "model.enable_input_require_grads() yourself.",
+        "zh": "float32 转换是为了数值稳定，并非必需：若要让这些参数保持 bf16，跳过 prepare_model_for_kbit_training，"
+        "自行调用 model.gradient_checkpointing_enable() 和 model.enable_input_require_grads()。",
+    },
+    "advice.precompute_ref_log_probs": {
+        "en": "Set DPOConfig(precompute_ref_log_probs=True): the reference log-probabilities are computed once "
+        "before training, and the reference model does not run (or stay on the GPU) during it.",
+        "zh": "设置 DPOConfig(precompute_ref_log_probs=True)：参考模型的对数概率在训练前一次算好，训练期间参考模型"
+        "不再运行（也不必留在 GPU 上）。",
+    },
+    "advice.peft_reference": {
+        "en": "With a peft (LoRA) model, pass no ref_model: TRL then uses the same model with the adapter "
+        "disabled as the reference, so no second copy of the weights is loaded.",
+        "zh": "使用 peft（LoRA）模型时不要传入 ref_model：TRL 会用禁用适配器的同一个模型作为参考模型，"
+        "不会再加载一份权重。",
+    },
+    "advice.generation_kv_cache": {
+        "en": "Shrink the KV cache: fewer new tokens (max_new_tokens, GRPO's max_completion_length, "
+        "generation_max_length with predict_with_generate), fewer sequences per generate call (num_generations, "
+        "generation_batch_size, per_device_eval_batch_size, num_beams), or generate outside the training "
+        "process (GRPOConfig(use_vllm=True)).",
+        "zh": "缩小 KV 缓存：减少新生成的 token（max_new_tokens、GRPO 的 max_completion_length、predict_with_generate "
+        "时的 generation_max_length），减少每次 generate 的序列数（num_generations、generation_batch_size、"
+        "per_device_eval_batch_size、num_beams），或在训练进程之外生成（GRPOConfig(use_vllm=True)）。",
+    },
+    "advice.fsdp_reshard": {
+        "en": "Free each unit's gathered parameters after its forward: FSDP2 fully_shard(reshard_after_forward=True) "
+        "(accelerate fsdp_reshard_after_forward), FSDP1 sharding_strategy FULL_SHARD rather than SHARD_GRAD_OP, "
+        "with limit_all_gathers=True and smaller wrap units.",
+        "zh": "每个单元前向结束后释放收集来的参数：FSDP2 用 fully_shard(reshard_after_forward=True)（accelerate 的 "
+        "fsdp_reshard_after_forward），FSDP1 用 FULL_SHARD 而不是 SHARD_GRAD_OP，并设置 limit_all_gathers=True、"
+        "使用更小的包装单元。",
+    },
+    "advice.fsdp_cpu_offload": {
+        "en": "Offload parameters to the CPU: FSDP2 offload_policy=CPUOffloadPolicy(), FSDP1 "
+        "cpu_offload=CPUOffload(offload_params=True), Trainer fsdp=\"full_shard offload\" (slower).",
+        "zh": "把参数卸载到 CPU：FSDP2 用 offload_policy=CPUOffloadPolicy()，FSDP1 用 "
+        "cpu_offload=CPUOffload(offload_params=True)，Trainer 用 fsdp=\"full_shard offload\"（更慢）。",
+    },
+    "advice.more_gpus": {
+        "en": "Shard over more GPUs: each GPU's share of the parameters, gradients and optimizer state shrinks "
+        "with the number of GPUs.",
+        "zh": "在更多 GPU 上分片：每块 GPU 分到的参数、梯度和优化器状态随 GPU 数量减少。",
+    },
+    "advice.zero3_live_params": {
+        "en": "Lower stage3_max_live_parameters (default 1e9) and stage3_prefetch_bucket_size (default 5e7) in "
+        "the DeepSpeed config's zero_optimization, and stage3_max_reuse_distance with them: fewer gathered "
+        "parameters stay on the GPU.",
+        "zh": "在 DeepSpeed 配置的 zero_optimization 中降低 stage3_max_live_parameters（默认 1e9）和 "
+        "stage3_prefetch_bucket_size（默认 5e7），同时降低 stage3_max_reuse_distance：留在 GPU 上的已收集参数更少。",
+    },
+    "advice.zero_offload_param": {
+        "en": "Offload parameters with ZeRO-3: \"offload_param\": {{\"device\": \"cpu\"}} in zero_optimization "
+        "(slower; optimizer state with \"offload_optimizer\").",
+        "zh": "用 ZeRO-3 卸载参数：在 zero_optimization 中设置 \"offload_param\": {{\"device\": \"cpu\"}}"
+        "（更慢；优化器状态用 \"offload_optimizer\"）。",
+    },
+    "advice.zero_bucket_sizes": {
+        "en": "Lower reduce_bucket_size and allgather_bucket_size (default 5e8 elements each) in zero_optimization, "
+        "e.g. to 5e7: the buckets are that many elements of the gradient dtype.",
+        "zh": "在 zero_optimization 中降低 reduce_bucket_size 和 allgather_bucket_size（默认各 5e8 个元素），"
+        "例如降到 5e7：每个桶就是这么多个梯度精度的元素。",
+    },
+    "advice.collective_output": {
+        "en": "Gather less at once: all_gather's output is world size × its input. If FSDP or ZeRO-3 issues it, "
+        "see their settings (reshard_after_forward, stage3_prefetch_bucket_size); in your own code gather in "
+        "chunks or to the CPU.",
+        "zh": "一次少收集一些：all_gather 的输出是输入的 world size 倍。若由 FSDP 或 ZeRO-3 发起，调整它们的设置"
+        "（reshard_after_forward、stage3_prefetch_bucket_size）；若在自己的代码里，分块收集或收集到 CPU。",
+    },
+    "advice.nccl_buffers": {
+        "en": "Leave room for NCCL outside PyTorch's cache: every communicator (process group) allocates its own "
+        "buffers (about 1 GiB each, as reported in pytorch/pytorch#153302), so create fewer process groups, "
+        "lower NCCL_BUFFSIZE (default 4 MiB, NCCL docs), and keep the training's own peak below the card's size.",
+        "zh": "在 PyTorch 缓存之外为 NCCL 留出空间：每个通信器（进程组）都会分配自己的缓冲区（pytorch/pytorch#153302 "
+        "中报告每个约 1 GiB），所以减少进程组数量、降低 NCCL_BUFFSIZE（NCCL 文档：默认 4 MiB），并让训练本身的峰值低于显卡容量。",
     },
     "advice.cudnn_check": {
         "en": "Try a smaller batch; if it persists, make the input contiguous (.contiguous()) or set "
