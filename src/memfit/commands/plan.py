@@ -22,11 +22,11 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="the fastest configuration that fits a GPU, and the exact change",
         description="Search gradient checkpointing, mixed precision, optimizers, micro-batch vs accumulation, "
-                     "evaluation and allocator settings (and, with --allow, truncation, LoRA, freezing, offload) for "
+                     "evaluation and allocator settings, FlashAttention-2 and Liger kernels (and, with --allow, truncation, LoRA, QLoRA, freezing, offload) for "
                      "the fastest configuration that fits the GPU, verified by simulation.",
     )
     add_setup_arguments(p)
-    p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, freeze, offload (comma-separated)")
+    p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload (comma-separated)")
     p.add_argument("--margin", type=float, default=None, help="fraction of the GPU kept free (default 0.05)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 (with one line on stderr) when the setup as given does not fit, even when a plan "

@@ -71,11 +71,11 @@ OPERATION_ADVICE: dict[str, tuple[str, ...]] = {
 #: The link itself is the remedy's: a Remedy lists the ids it answers in its `advice`, and
 #: memfit.remedies.remedy_for_advice (hence `Diagnosis.remedies` and the planner) finds it from
 #: there, so a remedy added later picks its id up without a change here. None: no remedy of this
-#: version simulates it (Liger's fused cross-entropy, flash attention, DPO's precomputed reference,
-#: FSDP / ZeRO-3 settings, NCCL, generation): the advice is text only until a remedy claims the id.
+#: version simulates it (DPO's precomputed reference, FSDP / ZeRO-3 settings, NCCL, generation): the
+#: advice is text only until a remedy claims the id.
 #: tests/test_diagnose_operations.py checks every named remedy against remedy_for_advice.
 ADVICE_REMEDY: dict[str, str | None] = {
-    "liger_kernel": None, "logits_to_keep": None, "flash_attention": None, "bnb_compute_dtype": None,
+    "liger_kernel": "liger", "logits_to_keep": None, "flash_attention": "flash_attention", "bnb_compute_dtype": None,
     "kbit_prep_cast": None, "precompute_ref_log_probs": None, "peft_reference": None, "generation_kv_cache": None,
     "fsdp_reshard": None, "fsdp_cpu_offload": None, "more_gpus": None, "zero3_live_params": None,
     "zero_offload_param": None, "zero_bucket_sizes": None, "collective_output": None, "nccl_buffers": None,

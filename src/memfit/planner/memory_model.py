@@ -19,10 +19,12 @@ offload is modelled as "no optimizer state on the GPU".
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
+from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.gpus.catalog import GpuSpec
 from memfit.peaks import peaks
@@ -30,11 +32,13 @@ from memfit.sim.engine import simulate
 from memfit.trace import TRAIN_PHASES
 from memfit.train_setup import TrainSetup
 
-__all__ = ["TRAINABLE_KEYS", "Budget", "Simulations", "PhasePeaks", "OptimizerCost", "LinearFit", "EvalFit",
+__all__ = ["TRAINABLE_KEYS", "WEIGHT_KEYS", "Budget", "Simulations", "PhasePeaks", "OptimizerCost", "LinearFit", "EvalFit",
            "EvalChoice", "TrainPeaks", "Axes", "MemoryModel", "fit_memory_model", "train_peaks", "eval_choice"]
 
 #: TrainSetup fields that change which parameters train (their fits simulate the optimizer too)
 TRAINABLE_KEYS = ("lora_r", "freeze_embeddings", "freeze_layers")
+#: TrainSetup fields that change the weights' storage (their fits, too, share no constant part with the setup's)
+WEIGHT_KEYS = ("load_in_4bit", "load_in_8bit")
 
 #: a candidate: one variant dict per axis (memfit.remedies' `variants`), in the order of `Axes.combos`
 Combo = tuple[dict[str, Any], ...]
@@ -182,15 +186,18 @@ class Axes:
     freezes: list[dict[str, Any]]
     offloads: list[dict[str, Any]]
     micro_batches: list[int]  #: divisors of the effective batch size
+    #: kernels and weight storage (memfit.remedies attention, liger, qlora): the setup's own, then the leaner ones
+    kernels: list[dict[str, Any]] = dataclasses.field(default_factory=lambda: [{}])
 
     def memory_combos(self) -> Iterator[Combo]:
         """The combinations that change the forward / backward peaks (each gets a `LinearFit`)."""
-        return itertools.product(self.precisions, self.checkpointing, self.lengths, self.loras, self.freezes)
+        return itertools.product(self.precisions, self.checkpointing, self.lengths, self.loras, self.freezes,
+                                 self.kernels)
 
     def combos(self) -> Iterator[Combo]:
-        """Every combination: `memory_combos` x optimizers x offload."""
+        """Every combination: `memory_combos` x optimizers x offload (`optim` at index 6, offload at 7)."""
         return itertools.product(self.precisions, self.checkpointing, self.lengths, self.loras, self.freezes,
-                                 self.optimizers, self.offloads)
+                                 self.kernels, self.optimizers, self.offloads)
 
 
 def _combo_key(parts: Combo) -> tuple:
@@ -206,9 +213,10 @@ class MemoryModel:
     fits: dict[tuple, LinearFit]  #: memory combination (`_combo_key`) -> its fit
     eval_fit: EvalFit | None  #: None: the setup does not evaluate
 
-    def fit_for(self, combo: Combo) -> LinearFit:
-        """The fit of a full combination (`Axes.combos`): that of its memory part."""
-        return self.fits[_combo_key(combo[:5])]
+    def fit_for(self, combo: Combo) -> LinearFit | None:
+        """The fit of a full combination (`Axes.combos`): that of its memory part; None when that
+        combination cannot run (its simulation refused it, e.g. FlashAttention in fp32)."""
+        return self.fits.get(_combo_key(combo[:6]))
 
 
 def fit_memory_model(setup: TrainSetup, base_report: MemoryReport, axes: Axes, sims: Simulations) -> MemoryModel:
@@ -249,10 +257,15 @@ def _linear_fits(setup: TrainSetup, axes: Axes, sims: Simulations) -> dict[tuple
     const: dict[str, int] | None = None  #: phase -> bytes that do not grow with the micro-batch
     for combo in axes.memory_combos():
         changes = {k: v for part in combo for k, v in part.items() if getattr(setup, k) != v}
-        method = any(k in changes for k in TRAINABLE_KEYS)
+        method = any(k in changes for k in TRAINABLE_KEYS + WEIGHT_KEYS)
         steps = 2 if method else 0  # a changed set of trainable parameters: simulate its optimizer too
-        s2 = setup.replace(**changes, per_device_train_batch_size=min(2, e), gradient_accumulation_steps=min(2, e))
-        p2, bd2, sim = sims.phase_peaks(s2, optimizer_steps=steps)
+        try:
+            s2 = setup.replace(**changes, per_device_train_batch_size=min(2, e), gradient_accumulation_steps=min(2, e))
+            p2, bd2, sim = sims.phase_peaks(s2, optimizer_steps=steps)
+        except MemfitError:
+            if not changes:
+                raise
+            continue  # a combination that cannot run (FlashAttention with fp32, ...): no candidate
         keys = ("forward", "backward", "optimizer") if method else ("forward", "backward")
         if method or not changes or const is None:
             p1 = sims.phase_peaks(s2.replace(per_device_train_batch_size=1), optimizer_steps=steps).peak_bytes \

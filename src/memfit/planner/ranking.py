@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.gpus.catalog import GpuSpec
-from memfit.planner.memory_model import TRAINABLE_KEYS, Axes, Budget, MemoryModel, eval_choice, train_peaks
+from memfit.planner.memory_model import TRAINABLE_KEYS, WEIGHT_KEYS, Axes, Budget, MemoryModel, eval_choice, train_peaks
 from memfit.planner.throughput import StepCost, step_time_s
 from memfit.train_setup import TrainSetup
 
 __all__ = ["OPT_IN_KEYS", "StepTimer", "Candidate", "rank"]
 
 #: TrainSetup fields of the opt-in remedies (method changes that rank last)
-OPT_IN_KEYS = ("max_length",) + TRAINABLE_KEYS + ("offload_optimizer_state",)
+OPT_IN_KEYS = ("max_length",) + TRAINABLE_KEYS + WEIGHT_KEYS + ("offload_optimizer_state",)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ class StepTimer:
         """Modelled seconds of one optimizer step of `s`."""
         cost = StepCost(params, trainable_params, self.n_layer, self.d_model, s.sequence_length,
                         s.per_device_train_batch_size, s.gradient_accumulation_steps, s.precision,
-                        s.gradient_checkpointing, s.optim)
+                        s.gradient_checkpointing, s.optim,
+                        quantized_params=(params - trainable_params) if (s.load_in_4bit or s.load_in_8bit) else 0,
+                        quantized_bits=4 if s.load_in_4bit else 8)
         return step_time_s(cost, self.spec)
 
 
@@ -90,8 +92,10 @@ def rank(setup: TrainSetup, axes: Axes, model: MemoryModel, *, budget: Budget, n
     ranked = []
     for combo in axes.combos():
         fit = model.fit_for(combo)
+        if fit is None:
+            continue  # its simulation refused the combination
         merged = {k: v for part in combo for k, v in part.items()}
-        optim, offload = combo[5]["optim"], bool(combo[6])
+        optim, offload = combo[6]["optim"], bool(combo[7])
         if fit.has_state and optim != setup.optim:
             continue  # LoRA / frozen embeddings: the optimizer is not where the memory is
         # method changes (optimizer, opt-ins) rank after plans that keep the method

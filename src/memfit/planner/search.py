@@ -175,7 +175,8 @@ def plan(
     Args:
         setup: a TrainSetup, or a model id (its defaults).
         gpu: catalog name, size (e.g. "24GiB"), "auto" or GpuSpec of the GPU to plan for.
-        allow: opt-in remedies (memfit.remedies.OPT_IN: truncation, lora, freeze, offload) the search may use.
+        allow: opt-in remedies (memfit.remedies.OPT_IN: truncation, lora, qlora, freeze, offload) the search may
+            use; `qlora` allows `lora` too.
         margin: fraction of the GPU kept free, in [0, 0.5).
         alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, for every allocator replay.
         verify_top: how many of the best-ranked plans to verify by a full simulation before giving up.
@@ -225,6 +226,8 @@ def _check_options(*, margin: float, allow: tuple[str, ...] | list[str], exclude
     unknown = [a for a in allow if a not in OPT_IN]
     if unknown:
         raise MemfitError(f"cannot allow `{unknown[0]}`; opt-in remedies are: {', '.join(sorted(OPT_IN))}")
+    if "qlora" in allow and "lora" not in allow:  # a 4-bit base trains only through adapters
+        allow += ("lora",)
     return allow
 
 
@@ -296,7 +299,29 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
         lengths=axis("sequence_length", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
         offloads=axis("offload", {}),
         micro_batches=[b for b in range(1, e + 1) if e % b == 0],
+        kernels=_kernel_axis(setup, spec, verdicts, allow=allow, exclude=exclude),
     )
+
+
+def _kernel_axis(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], *, allow: tuple[str, ...],
+                 exclude: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The setup's kernels, then all the leaner kernels that apply together (FlashAttention-2 and Liger cost
+    no speed, so they are one step, not a product), then QLoRA on top of them when allowed: at most three
+    entries, so that the search does not multiply its simulations."""
+    def usable(name: str) -> bool:
+        r = REGISTRY[name]
+        return verdicts[name].applies and name not in exclude and (not r.opt_in or r.opt_in in allow)
+
+    lean: dict[str, Any] = {}
+    for name in ("flash_attention", "liger"):
+        if usable(name):
+            lean.update(REGISTRY[name].variants(setup, spec)[0])
+    out: list[dict[str, Any]] = [{}]
+    if lean:
+        out.append(lean)
+    if usable("qlora"):
+        out.append({**lean, **REGISTRY["qlora"].variants(setup, spec)[0]})
+    return out
 
 
 class _Verified(NamedTuple):

@@ -26,6 +26,15 @@ Step time = micro-steps x (compute time of a micro-batch) + optimizer pass.
   (AdamW fp32: param, grad, two states read + param, two states written = 28 B; 8-bit
   AdamW: 4+4+2 read, 4+2 written = 16 B; Adafactor: ~16 B; SGD without momentum: 12 B)
   divided by the memory bandwidth, once per optimizer step.
+* Quantized base weights (bitsandbytes 4/8-bit, memfit.remedies.quantization): every quantized
+  matmul dequantizes its weight before the GEMM (bitsandbytes `MatMul4Bit`: `dequantize_4bit` in the
+  forward and again in the backward for the input gradient; memfit.sim.kernels.bnb), a memory-bound
+  pass reading the packed weight (bits/8 bytes per parameter) and writing it in 16 bits (2 bytes):
+  per micro-step 2 passes (3 with gradient checkpointing's recomputed forward), divided by the memory
+  bandwidth. The quantized parameters are taken as the frozen ones (the LM head and embeddings, which
+  stay unquantized, are counted too: an overestimate of a few percent of the pass). An assumption
+  from the kernels' data movement, not a measurement; FlashAttention and Liger are modelled as
+  costing no time (their authors measure them as faster, which is not credited).
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ class StepCost:
     precision: str
     checkpointing: bool
     optim: str
+    quantized_params: int = 0  #: base parameters stored quantized (dequantized in every matmul)
+    quantized_bits: int = 4
 
 
 def _rate_flops(gpu: GpuSpec, precision: str) -> float:
@@ -78,5 +89,8 @@ def step_time_s(cost: StepCost, gpu: GpuSpec) -> float:
         per_token += 2 * cost.params + attention / 3
     efficiency = tokens / (tokens + T_HALF_TOKENS)
     micro_s = per_token * tokens / (_rate_flops(gpu, cost.precision) * efficiency)
+    if cost.quantized_params:
+        passes = 3 if cost.checkpointing else 2
+        micro_s += passes * cost.quantized_params * (cost.quantized_bits / 8 + 2) / (gpu.memory_bandwidth_gbps * 1e9)
     opt_s = _OPT_BYTES_PER_PARAM.get(cost.optim, 28) * cost.trainable_params / (gpu.memory_bandwidth_gbps * 1e9)
     return cost.accumulation * micro_s + opt_s

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from memfit.remedies.base import Remedy, Applicability
 from memfit.remedies import (
-    allocator, checkpointing, eval_settings, freeze, lora, micro_batch, mixed_precision, offload, optimizer,
-    padding, sequence_length,
+    allocator, attention, checkpointing, eval_settings, freeze, liger, lora, micro_batch, mixed_precision, offload,
+    optimizer, padding, quantization, sequence_length,
 )
 
 __all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "remedy_for_field", "remedy_for_advice", "conflict"]
@@ -23,7 +23,7 @@ REGISTRY: dict[str, Remedy] = {
     for r in (
         mixed_precision.REMEDY, checkpointing.REMEDY, optimizer.REMEDY, micro_batch.REMEDY,
         sequence_length.REMEDY, lora.REMEDY, freeze.REMEDY, offload.REMEDY, eval_settings.REMEDY,
-        allocator.REMEDY, padding.REMEDY,
+        allocator.REMEDY, padding.REMEDY, attention.REMEDY, liger.REMEDY, quantization.REMEDY,
     )
 }
 #: `--allow` names of the remedies that change the method and need the user's consent.
