@@ -41,6 +41,7 @@ from memfit.sim.cuda_patches import cuda_patches
 from memfit.sim.optimizers import build_optimizer
 from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events, truncate_layers
 from memfit.sim.tracker import StorageTracker, TrackedEvent
+from memfit.sim import trl_steps
 from memfit.trace import TraceEvent
 from memfit.train_setup import TrainSetup
 
@@ -112,6 +113,9 @@ class _Runner:
         self.spec = spec or resolve_config(setup.model)
         model = build_meta_model(setup, self.spec)
         self.notes += check_sequence_lengths(model, setup, self.spec.name, self.spec.config)
+        trl_steps.prepare_model(model, setup)  # TRL (issue 13): the fused LM head, before peft
+        self.ref_model = trl_steps.build_reference(setup, self.spec)
+        self.notes += trl_steps.notes(setup)
         if setup.lora_r is not None:
             model = self._apply_lora(model)
         if setup.freeze_embeddings:
@@ -226,13 +230,16 @@ class _Runner:
         first_event = len(tr.events)
         if self.cut is not None:
             self.tagger.reset()
-        seq = self.setup.sequence_length
-        batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
-        self._register_batch(batch)
-        start = len(tr.records)
-        out = self._forward(batch, training=True)
-        loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
-        del out, batch
+        if self.setup.trainer != "trainer":  # TRL (issue 13): SFT / DPO batch and loss
+            loss, start = trl_steps.micro_loss(self)
+        else:
+            seq = self.setup.sequence_length
+            batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
+            self._register_batch(batch)
+            start = len(tr.records)
+            out = self._forward(batch, training=True)
+            loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
+            del out, batch
         if accumulation > 1:
             loss = loss / accumulation  # Trainer.training_step when the loss is not GA-normalised
         for rec in tr.records[start:]:
@@ -432,8 +439,9 @@ class _Runner:
         patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with mode, self.tracker, patches, cuda_autocast_policy(self.low):
+            with mode, self.tracker, patches, cuda_autocast_policy(self.low), trl_steps.kernels(s):
                 self._materialize()
+                trl_steps.materialize_reference(self)  # TRL (issue 13): DPO's reference copy
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
                 if optimizer_only:
                     for _ in range(optimizer_steps):
@@ -483,7 +491,7 @@ def simulate(
     for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
     """
     kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
-    if splice and train and not optimizer_only:
+    if splice and train and not optimizer_only and trl_steps.wants_splice(setup):
         try:
             return _Runner(setup, fake=fake, splice=True).run(**kwargs)
         except SpliceRefused:
