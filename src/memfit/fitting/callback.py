@@ -127,10 +127,11 @@ class MemfitCallback(TrainerCallback):
         gpu = self.gpu
         if budget is None and self.measure is not None and hasattr(self.measure, "limit_bytes"):
             budget, gpu = self.measure.limit_bytes, None  # the emulated GPU being measured
-        if gpu == "auto" and budget is None:
+        if gpu == "auto":
             import torch
 
-            gpu = "auto" if torch.cuda.is_available() else None  # `auto` without CUDA: no GPU to check against
+            # an emulated budget replaces `auto`; `auto` without CUDA has no GPU to check against
+            gpu = "auto" if budget is None and torch.cuda.is_available() else None
         pause = self.measure.paused() if self.measure is not None else contextlib.nullcontext()
         with pause:  # the estimate's own CPU tensors are not the run's memory
             self.preflight = preflight(view, gpu, budget_bytes=budget)

@@ -164,8 +164,9 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
         state = trl_adapter.sft_state(trainer)
         if getattr(trainer.args, "completion_only_loss", None) is None and state["completion_only_loss"] is not None:
             fields["completion_only_loss"] = bool(state["completion_only_loss"])
-        if state["packing"] and lengths:
-            fields["max_length"] = int(trainer.args.max_length)  # packs hold up to max_length tokens
+        if lengths and getattr(trainer.args, "max_length", None):
+            # the truncation limit (packs hold up to max_length tokens); the example lengths give the worst batch
+            fields["max_length"] = int(trainer.args.max_length)
         return lengths
     if kind == "dpo":
         fields["trainer"] = "dpo"
@@ -174,7 +175,7 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
         lengths = trl_adapter.dpo_example_lengths(trainer.train_dataset, max_length)
         if lengths:
             fields["example_lengths"] = lengths
-            fields["max_length"] = max(lengths)
+            fields["max_length"] = int(max_length) if max_length else max(lengths)
         return lengths
     return lengths
 
