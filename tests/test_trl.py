@@ -318,3 +318,16 @@ def test_callback_rejects_bad_arguments():
         MemfitCallback(on_oom="halt")
     with pytest.raises(MemfitError, match="memory_budget"):
         MemfitCallback(measure=object())
+
+
+def test_estimate_cli_takes_trl_flags(tmp_path, capsys):
+    from memfit.cli import main
+
+    LLAMA.save_pretrained(tmp_path)
+    assert main(["estimate", str(tmp_path), "--trainer", "sft", "--packing", "--batch-size", "2", "--max-length", "16",
+                 "--json", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{"):])
+    assert any("padding-free SFT batch (32 tokens" in n for n in report["notes"])
+    assert main(["estimate", str(tmp_path), "--packing", "wrapped"]) == 2  # packing without --trainer sft
+    assert "SFTTrainer setting" in capsys.readouterr().err

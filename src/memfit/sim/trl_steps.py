@@ -68,8 +68,9 @@ def wants_splice(setup: Any) -> bool:
 def notes(setup: Any) -> list[str]:
     out = []
     if setup.trainer == "sft" and setup.is_padding_free and setup.attn_implementation not in VARLEN_ATTENTION:
+        attn = f"`{setup.attn_implementation}`" if setup.attn_implementation else "the model's default"
         out.append(f"padding-free SFT batch ({setup.padding_free_tokens} tokens in one row) with "
-                   f"`{setup.attn_implementation or 'the default'}` attention: transformers builds a block-diagonal "
+                   f"{attn} attention: transformers builds a block-diagonal "
                    "[T, T] mask over the row (masking_utils find_packed_sequence_indices), quadratic in T; a varlen "
                    "kernel (attn_implementation='flash_attention_2') attends per example")
     if setup.trainer == "sft" and (setup.completion_only_loss or setup.assistant_only_loss):
