@@ -331,3 +331,59 @@ def test_estimate_cli_takes_trl_flags(tmp_path, capsys):
     assert any("padding-free SFT batch (32 tokens" in n for n in report["notes"])
     assert main(["estimate", str(tmp_path), "--packing", "wrapped"]) == 2  # packing without --trainer sft
     assert "SFTTrainer setting" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_dataset_lengths_are_what_the_trl_trainers_tokenize(tok, tmp_path):
+    """memfit's token lengths of a JSONL file equal those of the dataset SFTTrainer / DPOTrainer prepare."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    from memfit.fitting.trl_data import dataset_lengths
+    from memfit.sim._trl_adapter import dpo_example_lengths
+
+    _quiet()
+    chat_tok = copy.deepcopy(tok)
+    chat_tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                              "{% if add_generation_prompt %}assistant: {% endif %}")
+    words = ["alpha", "beta gamma", "delta epsilon zeta", "eta"]
+    sets = {
+        "text": [{"text": " ".join(words[: i % 4 + 1]) * (i % 3 + 1)} for i in range(6)],
+        "prompt-completion": [{"prompt": words[i % 4], "completion": " ".join(words[: i % 3 + 1])} for i in range(6)],
+        "messages": [{"messages": [{"role": "user", "content": words[i % 4]},
+                                   {"role": "assistant", "content": " ".join(words[: i % 3 + 1])}]} for i in range(6)],
+    }
+    model = _llama(tok)
+    for fmt, rows in sets.items():
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        t = chat_tok if fmt == "messages" else tok
+        args = SFTConfig(output_dir=str(tmp_path), max_length=1024, report_to=[], use_cpu=True, bf16=False)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=t)
+        got = dataset_lengths(path, t, trainer="sft")
+        assert got.format == fmt
+        assert got.lengths == [len(x) for x in trainer.train_dataset["input_ids"]], fmt
+    pref = [{"prompt": words[i % 4], "chosen": words[(i + 1) % 4], "rejected": " ".join(words[: i % 4 + 1])}
+            for i in range(6)]
+    dargs = DPOConfig(output_dir=str(tmp_path), max_length=None, report_to=[], use_cpu=True, bf16=False)
+    dpo = DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=dargs, train_dataset=Dataset.from_list(pref),
+                     processing_class=tok)
+    got = dataset_lengths(pref, tok, trainer="dpo")
+    assert got.format == "preference" and got.lengths == dpo_example_lengths(dpo.train_dataset, None)
+    # the worst micro-batch these lengths give: the longest example, truncated to max_length
+    setup = TrainSetup(model=model.config, trainer="dpo", example_lengths=got.lengths, max_length=4)
+    assert setup.sequence_length == min(4, got.longest)
+
+
+def test_dataset_lengths_bad_input(tmp_path):
+    from memfit.fitting.trl_data import dataset_lengths
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "x"}\n')
+    with pytest.raises(MemfitError, match="columns `question`"):
+        dataset_lengths(path, None, trainer="sft")
+    path.write_text('{"text": "x"}\nnot json\n')
+    with pytest.raises(MemfitError, match="line 2"):
+        dataset_lengths(path, None)
+    with pytest.raises(MemfitError, match="does not exist"):
+        dataset_lengths(tmp_path / "nope.jsonl", None)

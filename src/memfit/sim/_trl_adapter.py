@@ -18,6 +18,8 @@ this file:
   position (`compact=False`). On CUDA it scores only the positions whose label is not -100
   (`hidden_states[mask]`, a data-dependent shape a FakeTensor cannot have); scoring every position is
   the upper bound, equal when every label counts (no completion-only / assistant-only masking).
+- `trl.data_utils._tokenize`: how SFTTrainer / DPOTrainer tokenize one example (the chat template for a
+  list of messages, the tokenizer's call for text), for memfit's token lengths of a JSONL file.
 - trainer attributes read by preflight: `SFTTrainer.padding_free` (bfd packing implies it),
   `SFTTrainer.completion_only_loss`, `DPOTrainer.ref_model`, `DPOTrainer.precompute_ref_logps`.
 """
@@ -28,7 +30,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["add_fused_lm_head", "cuda_kernels", "trainer_kind", "sft_state", "dpo_state", "dpo_example_lengths",
+__all__ = ["tokenize", "add_fused_lm_head", "cuda_kernels", "trainer_kind", "sft_state", "dpo_state", "dpo_example_lengths",
            "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS"]
 
 #: `outputs=` of add_fused_lm_head in SFTTrainer.__init__ and DPOTrainer.__init__ (TRL 1.16).
@@ -113,3 +115,10 @@ def dpo_example_lengths(dataset: Any, max_length: int | None, limit: int = 200_0
         n = max(len(p) + len(c), len(p) + len(r))
         out.append(min(n, max_length) if max_length else n)
     return out or None
+
+
+def tokenize(tokenizer: Any, value: Any) -> list[int]:
+    """The token ids TRL's dataset preparation gives `value` (a string, or a list of chat messages)."""
+    from trl.data_utils import _tokenize
+
+    return list(_tokenize(tokenizer, value)["input_ids"])
