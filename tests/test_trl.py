@@ -387,3 +387,91 @@ def test_dataset_lengths_bad_input(tmp_path):
         dataset_lengths(path, None)
     with pytest.raises(MemfitError, match="does not exist"):
         dataset_lengths(tmp_path / "nope.jsonl", None)
+
+
+# -- recovery: memfit.fit(sft_trainer) / fit(dpo_trainer) ----------------------------------------------
+
+def _inject_oom_above(trainer, numel):
+    """A real-format CUDA OOM in every training forward whose input_ids hold more than `numel` tokens."""
+    from helpers import oom_error
+
+    original = trainer.compute_loss
+
+    def compute_loss(model, inputs, *a, **k):
+        if model.training and inputs["input_ids"].numel() > numel:
+            raise oom_error()
+        return original(model, inputs, *a, **k)
+
+    trainer.compute_loss = compute_loss
+
+
+def _sft_trainer(tok, out, **kw):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    texts = [{"text": "hello world " * (i % 7 + 1)} for i in range(16)]
+    args = SFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, max_length=32, report_to=[],
+                     use_cpu=True, save_strategy="no", bf16=False, gradient_checkpointing=False, seed=3,
+                     gradient_accumulation_steps=2, **kw)
+    return SFTTrainer(model=_llama(tok), args=args, train_dataset=Dataset.from_list(texts), processing_class=tok)
+
+
+def _close(a, b, tol=1e-5):
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters())) < tol
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(packing=True)], ids=["bfd-padding-free"])  # padded/wrapped: row splits (test_fit)
+def test_fit_recovers_sft_oom_with_the_same_weights(tok, tmp_path, kw):
+    import memfit.fitting.run as mf
+
+    _quiet()
+    base = _sft_trainer(tok, tmp_path / "a", **kw)
+    base_report = mf.fit(base, plan=False)
+    t = _sft_trainer(tok, tmp_path / "b", **kw)
+    first = next(iter(t.get_train_dataloader()))
+    _inject_oom_above(t, first["input_ids"].numel() // 2 + 1)  # the full micro-batch fails, half of it runs
+    report = mf.fit(t, plan=False)
+    assert report.oom_recoveries and report.steps_completed == base_report.steps_completed == 2
+    assert report.micro_batch_chunks >= 2
+    assert _close(base.model, t.model)
+
+
+@pytest.mark.slow
+def test_fit_recovers_dpo_oom_keeping_pairs_together(tok, tmp_path):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    import memfit.fitting.run as mf
+
+    _quiet()
+    pref = [{"prompt": "q " * (i % 3 + 1), "chosen": "good " * (i % 4 + 1), "rejected": "bad " * (i % 5 + 1)}
+            for i in range(8)]
+
+    def make(out):
+        model = _llama(tok)
+        args = DPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, max_length=16, report_to=[],
+                         use_cpu=True, save_strategy="no", bf16=False, gradient_checkpointing=False, seed=3)
+        return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args,
+                          train_dataset=Dataset.from_list(pref), processing_class=tok)
+
+    base = make(tmp_path / "a")
+    mf.fit(base, plan=False)
+    t = make(tmp_path / "b")
+    original = t.compute_loss
+    seen = []
+
+    def compute_loss(model, inputs, *a, **k):
+        if model.training:
+            if inputs["input_ids"].shape[0] > 4:
+                from helpers import oom_error
+
+                raise oom_error()
+            seen.append(inputs["completion_mask"].shape[0])
+        return original(model, inputs, *a, **k)
+
+    t.compute_loss = compute_loss
+    report = mf.fit(t, plan=False)
+    assert report.oom_recoveries and report.steps_completed == 2
+    assert seen and all(n == 4 for n in seen)  # 2 pairs per chunk: chosen and rejected of each together
+    assert _close(base.model, t.model)
