@@ -12,6 +12,9 @@ gradient it would have seen, no optimizer step is lost, the effective batch size
 data order are unchanged. The loss reported for the earlier micro-steps was already
 counted and is not counted again.
 
+TRL's batches (issue 13): a padding-free row (SFTTrainer with padding_free or bfd packing) is split into
+chunks of whole examples, a DPO batch into chunks of preference pairs (chosen and rejected together).
+
 With DDP, the micro-steps run without collectives and memfit averages the gradients after
 the window (memfit.fitting.distributed), so a rank that recovers does not leave the others
 waiting inside DDP's all-reduce.
