@@ -133,3 +133,22 @@ def live_by_category(trace):
         if i == last_opt:
             at_end = dict(by_cat)
     return at_end, max_grads
+
+
+# -- TRL (issue 13) --------------------------------------------------------------------------------------
+
+import contextlib as _contextlib
+
+
+@_contextlib.contextmanager
+def like_fake():
+    """Make transformers' masking_utils treat real tensors as it treats FakeTensors (`is_tracing` true), so a
+    real CPU simulation takes the branch a fake one takes (tests/test_exactness.py explains why)."""
+    from transformers import masking_utils
+
+    plain = masking_utils.is_tracing
+    masking_utils.is_tracing = lambda tensor=None: True
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = plain

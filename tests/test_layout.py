@@ -60,11 +60,11 @@ def test_each_module_imports_on_its_own(order):
 LAYERS = [
     {"errors", "units", "trace", "oom_text", "files", "collector"},  # collector: issue 15 speed
     {"train_setup", "models", "gpus", "allocator", "peaks", "cache"},  # TrainSetup asks models for the default task
-    {"sim", "remedies"},
+    {"sim", "remedies"},  # sim.trl_steps + sim._trl_adapter (TRL, issue 13: the one module on TRL internals)
     {"estimator"},
     {"planner"},
     {"diagnosis"},
-    {"fitting", "testing"},
+    {"fitting", "testing"},  # fitting.callback (MemfitCallback), fitting.trl_data (issue 13)
     {"cli", "commands"},
 ]
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from memfit.errors import MemfitError
     from memfit.estimator import MemoryReport, estimate
     from memfit.fitting.preflight import PreflightReport, preflight
+    from memfit.fitting.callback import MemfitCallback
     from memfit.fitting.run import FitReport, fit
     from memfit.planner.search import PlanResult, plan
     from memfit.train_setup import TrainSetup
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TrainSetup", "estimate", "plan", "diagnose", "preflight", "fit",
     "MemoryReport", "PlanResult", "Diagnosis", "PreflightReport", "FitReport", "MemfitError",
+    "MemfitCallback",  # TRL (issue 13)
 ]
 __version__ = "0.1.0"
 
@@ -47,6 +49,7 @@ _LAZY = {
     "PreflightReport": "memfit.fitting.preflight",
     "preflight": "memfit.fitting.preflight",
     "MemfitError": "memfit.errors",
+    "MemfitCallback": "memfit.fitting.callback",
 }
 
 

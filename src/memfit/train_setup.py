@@ -19,7 +19,8 @@ from memfit.errors import MemfitError
 
 __all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "ATTN_IMPLEMENTATIONS", "HUB_FLASH_KERNELS",
            "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
-           "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields"]
+           "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields", "TRL_TRAINERS",
+           "TRL_CONFIG_NAMES"]
 
 #: task name -> the Auto class head it builds (transformers.AutoModelFor...).
 TASKS = {
@@ -92,6 +93,37 @@ LEGACY_ARG_NAMES = {
 _NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "auto_find_batch_size",
                       "torch_empty_cache_steps")
 
+# -- TRL (issue 13) ---------------------------------------------------------------------------------------
+#: `trainer` values: transformers' Trainer, TRL's SFTTrainer, TRL's DPOTrainer.
+TRL_TRAINERS = ("trainer", "sft", "dpo")
+#: SFTConfig / DPOConfig fields (TRL 1.16) that TrainingArguments does not have (`dataclasses.fields(SFTConfig)`
+#: minus TRAINING_ARGS_NAMES; tests/test_trl.py checks these lists against the installed TRL). Kept as text so
+#: that reading an arguments file does not import TRL. Read when `trainer` is `sft` / `dpo`, rejected otherwise.
+TRL_CONFIG_NAMES = {
+    "sft": frozenset("""
+activation_offloading assistant_only_loss chat_template_path completion_only_loss dataset_kwargs dataset_num_proc
+dataset_text_field eos_token eval_packing loss_type max_length model_init_kwargs packing packing_strategy
+pad_to_multiple_of pad_token padding_free router_aux_loss_coef shuffle_dataset truncation_mode trust_remote_code
+""".split()),
+    "dpo": frozenset("""
+activation_offloading beta dataset_num_proc disable_dropout discopop_tau f_alpha_divergence_coef f_divergence_type
+label_smoothing ld_alpha loss_type loss_weights max_length model_init_kwargs pad_to_multiple_of pad_token
+padding_free precompute_ref_batch_size precompute_ref_log_probs ref_model_mixup_alpha ref_model_sync_steps
+router_aux_loss_coef sync_ref_model truncation_mode trust_remote_code use_weighting
+""".split()),
+}
+#: TRL settings that change GPU memory but that memfit does not simulate: a note when set.
+_TRL_NOT_MODELLED = ("sync_ref_model", "pad_to_multiple_of")  # activation_offloading: a TrainSetup field (issue 12)
+#: TRL config names removed before TRL 1.16 -> why they are ignored (read with a note, not a TypeError).
+_TRL_REMOVED = {
+    "max_prompt_length": "DPOConfig 1.x has no prompt limit: DataCollatorForPreference truncates prompt + completion "
+                         "to `max_length` (keep_start/keep_end, trl/trainer/dpo_trainer.py)",
+    "max_completion_length": "DPOConfig 1.x truncates prompt + completion together to `max_length`",
+}
+#: packing_strategy values of SFTConfig in TRL 1.16 (sft_config.py `packing_strategy` choices).
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
+
+
 #: Names people guess for a TrainSetup field (the API's `estimate(model, batch_size=4)`) -> the field.
 _COMMON_GUESSES = {
     "batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
@@ -117,7 +149,8 @@ def _setup_field_names() -> set[str]:
     return {f.name for f in dataclasses.fields(TrainSetup)} - {"notes"}
 
 
-def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments") -> tuple[dict[str, Any], list[str]]:
+def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
+                        trainer: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """Check the names of a dict of TrainingArguments kwargs (or TrainSetup fields): legacy names are
     renamed (or dropped when the setting is gone) with a note; an unknown name is a MemfitError naming the
     closest valid one. Returns (the renamed dict, notes).
@@ -125,13 +158,19 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments") 
     Args:
         data: TrainingArguments kwargs and/or TrainSetup fields, as read from a JSON file.
         source: where they came from, for the messages (`--args a.json`).
+        trainer: `sft` / `dpo` accept that TRL config's names too (TRL_CONFIG_NAMES); None: `data["trainer"]`.
     """
-    valid = TRAINING_ARGS_NAMES | _setup_field_names() | {"quantization_config"}
+    trainer = trainer if trainer is not None else data.get("trainer")
+    trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if isinstance(trainer, str) else frozenset()
+    valid = TRAINING_ARGS_NAMES | _setup_field_names() | trl_names | {"quantization_config"}
     out: dict[str, Any] = {}
     notes: list[str] = []
     for key, value in data.items():
         if not isinstance(key, str):
             raise MemfitError(f"setting name `{key!r}` in {source} is not a string")
+        if trl_names and key in _TRL_REMOVED:  # TRL (issue 13)
+            notes.append(f"`{key}` in {source} is not a TRL 1.16 setting ({_TRL_REMOVED[key]}); ignored")
+            continue
         if key in LEGACY_ARG_NAMES:
             new = LEGACY_ARG_NAMES[key]
             if new is None:
@@ -143,6 +182,10 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments") 
                 raise MemfitError(f"{source} gives both `{key}` and its new name `{new}`; keep only `{new}`")
             key = new
         elif key not in valid:
+            trl = [t for t, names in TRL_CONFIG_NAMES.items() if key in names]
+            if trl:  # TRL (issue 13): an SFTConfig / DPOConfig name without the trainer that reads it
+                raise MemfitError(f"`{key}` in {source} is a TRL {trl[0].upper()}Config setting; say which trainer "
+                                  f"runs it: `trainer={trl[0]!r}` (`--trainer {trl[0]}`)")
             raise MemfitError(f"unknown setting `{key}` in {source}{suggest_name(key, valid)}; it is neither a "
                               "TrainingArguments argument (transformers 5) nor a memfit TrainSetup field")
         out[key] = value
@@ -286,6 +329,22 @@ class TrainSetup:
     activation_offloading: bool = False
     """TRL's `activation_offloading` (trl.models.get_act_offloading_ctx_manager): tensors saved for backward move to
     host memory, except those of the last module and parameters' views."""
+    # -- TRL (issue 13) -------------------------------------------------------------------------
+    trainer: str = "trainer"
+    """Which trainer runs the step: `trainer` (transformers.Trainer), `sft` (TRL SFTTrainer) or `dpo` (TRL
+    DPOTrainer); TRL's steps are simulated by memfit.sim.trl_steps."""
+    packing: bool = False
+    """SFTConfig.packing: examples packed into sequences of `max_length` tokens."""
+    packing_strategy: str = "bfd"
+    """SFTConfig.packing_strategy: bfd, bfd_split (both imply padding-free, sft_trainer.py) or wrapped."""
+    padding_free: bool = False
+    """SFTConfig.padding_free: the micro-batch flattened to one row with position_ids (needs a varlen kernel)."""
+    completion_only_loss: bool | None = None
+    """SFTConfig.completion_only_loss (None: TRL's default, True for prompt/completion data)."""
+    assistant_only_loss: bool = False
+    """SFTConfig.assistant_only_loss: only assistant turns count in the loss."""
+    precompute_ref_log_probs: bool = False
+    """DPOConfig.precompute_ref_log_probs: the reference forward runs before training, not in each step."""
     compute_capability: tuple[int, int] = (8, 0)
     """Of the target GPU: decides the SDPA backend and whether bf16 is allowed."""
     notes: list[str] = field(default_factory=list)
@@ -342,11 +401,15 @@ class TrainSetup:
         if not isinstance(self.freeze_layers, int) or isinstance(self.freeze_layers, bool) or self.freeze_layers < 0:
             raise MemfitError(f"`freeze_layers` must be 0 or a positive number of blocks; got `{self.freeze_layers!r}`")
         _check_quantization(self)
+        _check_trl(self)  # TRL (issue 13)
         if self.task is None:  # last: it reads the model's config (a clear MemfitError when there is none)
             from memfit.models.build import default_task  # memfit.models imports this module
 
             self.task, why = default_task(self.model)
             self.notes = [*self.notes, why]
+        if self.trainer != "trainer" and self.task != "causal-lm":  # TRL (issue 13)
+            raise MemfitError(f"trainer `{self.trainer}` trains a causal language model, but the task is "
+                              f"`{self.task}`; use `task='causal-lm'` (a *ForCausalLM model)")
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -356,6 +419,31 @@ class TrainSetup:
             return self.max_length
         longest = max(self.example_lengths)
         return min(longest, self.max_length) if self.truncation else longest
+
+    # -- TRL (issue 13) ----------------------------------------------------------------------
+    @property
+    def is_padding_free(self) -> bool:
+        """Whether the micro-batch is flattened to one row: `padding_free`, or packing with a bfd strategy
+        (SFTTrainer.__init__: `args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})`)."""
+        return self.trainer == "sft" and (self.padding_free or (self.packing and self.packing_strategy != "wrapped"))
+
+    @property
+    def padding_free_tokens(self) -> int:
+        """Tokens of the flattened row of the worst padding-free micro-batch.
+
+        Packed: `per_device_train_batch_size` packs of at most `max_length` tokens each (TRL's pack_dataset
+        fills each pack up to max_length), at most the dataset's tokens. Not packed: the B longest examples
+        untruncated (TRL enforces no max_length there: SFTTrainer raises when padding_free is set without
+        packing and max_length is not None)."""
+        b = self.per_device_train_batch_size
+        if self.packing:
+            full = b * self.max_length
+            if self.example_lengths is None:
+                return full
+            return max(1, min(full, sum(min(n, self.max_length) for n in self.example_lengths)))
+        if self.example_lengths is None:
+            return b * self.max_length
+        return sum(sorted(self.example_lengths, reverse=True)[:b])
 
     @property
     def effective_batch_size(self) -> int:
@@ -387,14 +475,18 @@ class TrainSetup:
         """
         notes: list[str] = list(fields.pop("notes", []))
         setup_names = _setup_field_names()
+        trainer = fields.get("trainer", (training_args or {}).get("trainer"))  # TRL (issue 13)
+        trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if isinstance(trainer, str) else frozenset()
         for key in fields:
             if (key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES
-                    and key != "quantization_config"):
+                    and key != "quantization_config" and key not in trl_names
+                    and not (trl_names and key in _TRL_REMOVED)):
                 raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
                                   "TrainSetup fields mirror TrainingArguments names")
         source = args_source or "the training arguments"
-        base = _merge_arg_values(training_args or {}, notes, source=source)
-        over = _merge_arg_values({k: v for k, v in fields.items() if k not in setup_names}, notes, source="the keywords")
+        base = _merge_arg_values(training_args or {}, notes, source=source, trainer=trainer)
+        over = _merge_arg_values({k: v for k, v in fields.items() if k not in setup_names}, notes, source="the keywords",
+                                 trainer=trainer)
         over.update({k: v for k, v in fields.items() if k in setup_names})
         for key, value in over.items():
             if key in base and base[key] != value and key != "model":
@@ -408,15 +500,29 @@ class TrainSetup:
 
     @classmethod
     def from_training_args(cls, args: Any, model: Any = None, **fields: Any) -> "TrainSetup":
-        """Build from a `transformers.TrainingArguments` object."""
+        """Build from a `transformers.TrainingArguments` object, or TRL's `SFTConfig` / `DPOConfig` (read as
+        `trainer="sft"` / `"dpo"` with their max_length, packing, padding_free, ... unless `fields` say otherwise)."""
         kwargs = {name: getattr(args, name) for name in list(_ARG_TO_FIELD) + ["fp16", "bf16"] if hasattr(args, name)}
+        trainer = fields.get("trainer") or _TRL_CONFIG_CLASSES.get(type(args).__name__)  # TRL (issue 13)
+        if trainer in ("sft", "dpo"):
+            kwargs["trainer"] = trainer
+            for name in _TRL_READ[trainer]:
+                value = getattr(args, name, None)
+                if value is not None:
+                    kwargs[name] = value
+            if getattr(args, "max_length", 1) is None:
+                kwargs.pop("max_length", None)
+                fields.setdefault("notes", []).append(
+                    f"{type(args).__name__}.max_length is None (no truncation); memfit uses the example lengths "
+                    "or its own max_length")
         return cls.from_kwargs(model, training_args=kwargs, **fields)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, model: Any = None, **fields: Any) -> "TrainSetup":
         """Build from a JSON file of TrainingArguments kwargs, e.g. `{"per_device_train_batch_size": 1, ...}`;
         TrainSetup fields (`"model"`, `"max_length"`) may be in it too. `fields` win over the file."""
-        data, notes = normalize_arg_names(read_args_file(path), source=f"`{path}`")
+        raw = read_args_file(path)
+        data, notes = normalize_arg_names(raw, source=f"`{path}`", trainer=fields.get("trainer", raw.get("trainer")))
         fields["notes"] = [*fields.get("notes", []), *notes]
         return cls.from_kwargs(model, training_args=data, args_source=f"`{path}`", **fields)
 
@@ -443,9 +549,19 @@ def read_args_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str) -> dict[str, Any]:
+#: TRL config class name -> `trainer` (TRL (issue 13)); by name, so that TrainSetup does not import TRL.
+_TRL_CONFIG_CLASSES = {"SFTConfig": "sft", "DPOConfig": "dpo"}
+#: TRL config fields that are TrainSetup fields (read from an SFTConfig / DPOConfig object).
+_TRL_READ = {
+    "sft": ("max_length", "packing", "packing_strategy", "padding_free", "completion_only_loss", "assistant_only_loss",
+            "activation_offloading", "use_liger_kernel"),
+    "dpo": ("max_length", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model", "use_liger_kernel"),
+}
+
+
+def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str, trainer: Any = None) -> dict[str, Any]:
     """TrainingArguments kwargs (and TrainSetup fields) -> TrainSetup fields; appends notes."""
-    data, more = normalize_arg_names(data, source=source)
+    data, more = normalize_arg_names(data, source=source, trainer=trainer)
     notes.extend(more)
     setup_names = _setup_field_names()
     merged: dict[str, Any] = {}
@@ -460,6 +576,9 @@ def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str) ->
             continue
         if key == "quantization_config":  # quantization (issue 12): a dict or a BitsAndBytesConfig
             merged.update(quantization_fields(value, source=source))
+            continue
+        if key in _TRL_NOT_MODELLED and value not in (None, False, "", [], {}, 0):  # TRL (issue 13)
+            notes.append(f"`{key}` (TRL) is set but not modelled by memfit: the estimate is of a run without it")
             continue
         if key in _NOT_MODELLED_ARGS and value not in (None, False, "", [], {}, 0):
             notes.append(f"`{key}` is set but not modelled by memfit: the estimate is of a run without it")
@@ -602,6 +721,8 @@ def _check_quantization(setup: "TrainSetup") -> None:
         raise MemfitError("a quantized model (`load_in_4bit`/`load_in_8bit`) cannot be fine-tuned without adapters: "
                           "Trainer raises 'You cannot perform fine-tuning on purely quantized models'; add LoRA "
                           "(`--lora-r 16`)")
+
+
 def _check_issue12_fields(setup: "TrainSetup") -> None:
     """Liger / checkpointing kwargs / offloading (issue 12): a MemfitError for a value memfit cannot read."""
     for name, keys in (("liger_kernel_config", LIGER_CONFIG_KEYS), ("gradient_checkpointing_kwargs", CHECKPOINT_KWARGS)):
@@ -629,3 +750,36 @@ def _check_issue12_fields(setup: "TrainSetup") -> None:
     for key, value in (setup.liger_kernel_config or {}).items():
         if not isinstance(value, bool):
             raise MemfitError(f"`liger_kernel_config[{key!r}]` must be true or false; got `{value!r}`")
+
+
+def _check_trl(setup: "TrainSetup") -> None:
+    """TRL (issue 13): the TRL fields' values, and the combinations TRL 1.16 itself refuses or changes."""
+    if setup.trainer not in TRL_TRAINERS:
+        raise MemfitError(f"trainer `{setup.trainer}` is not one of {', '.join(TRL_TRAINERS)}")
+    for name in ("packing", "padding_free", "assistant_only_loss", "precompute_ref_log_probs"):
+        if not isinstance(getattr(setup, name), bool):
+            raise MemfitError(f"`{name}` must be true or false; got `{getattr(setup, name)!r}`")
+    if setup.completion_only_loss is not None and not isinstance(setup.completion_only_loss, bool):
+        raise MemfitError(f"`completion_only_loss` must be true, false or null; got `{setup.completion_only_loss!r}`")
+    strategy = {"bfd-requeue": "bfd_split"}.get(setup.packing_strategy, setup.packing_strategy)  # sft_config.py rename
+    if strategy not in PACKING_STRATEGIES:
+        raise MemfitError(f"packing_strategy `{setup.packing_strategy}` is not one of {', '.join(PACKING_STRATEGIES)} "
+                          "(SFTConfig, TRL 1.16)")
+    setup.packing_strategy = strategy
+    sft_only = [n for n in ("packing", "assistant_only_loss") if getattr(setup, n)]
+    if setup.completion_only_loss:
+        sft_only.append("completion_only_loss")
+    if sft_only and setup.trainer != "sft":
+        raise MemfitError(f"`{sft_only[0]}` is an SFTTrainer setting but trainer is `{setup.trainer}`; "
+                          "pass `trainer='sft'` (`--trainer sft`)")
+    if setup.precompute_ref_log_probs and setup.trainer != "dpo":
+        raise MemfitError("`precompute_ref_log_probs` is a DPOTrainer setting but trainer is "
+                          f"`{setup.trainer}`; pass `trainer='dpo'` (`--trainer dpo`)")
+    if setup.padding_free and setup.trainer == "dpo":
+        # DPOTrainer.__init__ (TRL 1.16): "padding_free=True is temporarily unavailable ... Falling back"
+        setup.padding_free = False
+        setup.notes = [*setup.notes, "DPOTrainer (TRL 1.16) ignores padding_free=True and pads (dpo_trainer.py); "
+                                     "simulated padded"]
+    elif setup.padding_free and setup.trainer != "sft":
+        raise MemfitError(f"`padding_free` is an SFTTrainer setting but trainer is `{setup.trainer}`; "
+                          "pass `trainer='sft'` (`--trainer sft`)")

@@ -99,6 +99,15 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--no-kbit-prep", action="store_true", default=None,
                    help="do not model peft's prepare_model_for_kbit_training (float32 casts, checkpointing); "
                         "TRL's SFTTrainer does not call it")
+    # TRL (issue 13): SFTConfig / DPOConfig settings, under their TRL names
+    p.add_argument("--trainer", choices=("trainer", "sft", "dpo"), default=None,
+                   help="the trainer: transformers' Trainer (default), TRL's SFTTrainer or DPOTrainer")
+    p.add_argument("--packing", nargs="?", const="bfd", choices=("bfd", "bfd_split", "wrapped"), default=None,
+                   help="SFT packing, with its strategy (default bfd, which is padding-free)")
+    p.add_argument("--padding-free", action="store_true", default=None, help="SFT padding-free batches")
+    p.add_argument("--completion-only-loss", action="store_true", default=None, help="SFT loss on completions only")
+    p.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
+                   help="DPO reference log-probs computed before training")
     p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs and memfit settings (\"model\", \"max_length\", ...); "
                         "legacy names are read with a note, unknown names are an error; a flag wins over the file")
     if model_option:
@@ -146,6 +155,11 @@ def build_setup(args: argparse.Namespace):
             fields[name] = value
     if getattr(args, "no_kbit_prep", None):
         fields["kbit_prep"] = False
+    for flag in ("trainer", "padding_free", "completion_only_loss", "precompute_ref_log_probs"):  # TRL (issue 13)
+        if getattr(args, flag, None) is not None:
+            fields[flag] = getattr(args, flag)
+    if getattr(args, "packing", None) is not None:
+        fields["packing"], fields["packing_strategy"] = True, args.packing
     if args.example_lengths:
         fields["example_lengths"] = _lengths(args.example_lengths)
     if args.no_truncation:

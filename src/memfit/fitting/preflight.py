@@ -136,10 +136,48 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
         if p is not None:
             fields["weights_dtype"] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
                 p.dtype, "fp32")
+    lengths = _trl_fields(trainer, fields, lengths)  # TRL (issue 13)
     setup = TrainSetup.from_training_args(trainer.args, model=config, **fields)
     if setup.eval_strategy == "no" and eval_ds is not None and getattr(trainer.args, "do_eval", False):
         setup = setup.replace(eval_strategy="epoch")
     return setup, lengths
+
+
+def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None) -> list[int] | None:
+    """TRL (issue 13): the SFTTrainer / DPOTrainer settings and token lengths; updates `fields`, returns the
+    lengths preflight reports (packs for a packed SFT dataset, the longer sequence of each pair for DPO).
+    A peft model's LoRA settings are read for every trainer (DPO's reference depends on them)."""
+    from memfit.sim import _trl_adapter as trl_adapter
+
+    peft_config = getattr(trainer.model, "peft_config", None)
+    if isinstance(peft_config, dict) and peft_config:
+        cfg = next(iter(peft_config.values()))
+        if getattr(cfg, "peft_type", None) is not None and str(getattr(cfg.peft_type, "value", cfg.peft_type)) == "LORA":
+            fields["lora_r"] = int(cfg.r)
+            fields["lora_alpha"] = cfg.lora_alpha
+            fields["lora_dropout"] = float(cfg.lora_dropout)
+            targets = cfg.target_modules
+            fields["lora_target_modules"] = sorted(targets) if isinstance(targets, (set, list, tuple)) else None
+    kind = trl_adapter.trainer_kind(trainer)
+    if kind == "sft":
+        fields["trainer"] = "sft"
+        state = trl_adapter.sft_state(trainer)
+        if getattr(trainer.args, "completion_only_loss", None) is None and state["completion_only_loss"] is not None:
+            fields["completion_only_loss"] = bool(state["completion_only_loss"])
+        if lengths and getattr(trainer.args, "max_length", None):
+            # the truncation limit (packs hold up to max_length tokens); the example lengths give the worst batch
+            fields["max_length"] = int(trainer.args.max_length)
+        return lengths
+    if kind == "dpo":
+        fields["trainer"] = "dpo"
+        fields["precompute_ref_log_probs"] = trl_adapter.dpo_state(trainer)["precompute_ref_log_probs"]
+        max_length = getattr(trainer.args, "max_length", None)
+        lengths = trl_adapter.dpo_example_lengths(trainer.train_dataset, max_length)
+        if lengths:
+            fields["example_lengths"] = lengths
+            fields["max_length"] = int(max_length) if max_length else max(lengths)
+        return lengths
+    return lengths
 
 
 def budget_spec(budget_bytes: int):

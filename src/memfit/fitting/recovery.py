@@ -12,6 +12,9 @@ gradient it would have seen, no optimizer step is lost, the effective batch size
 data order are unchanged. The loss reported for the earlier micro-steps was already
 counted and is not counted again.
 
+TRL's batches (issue 13): a padding-free row (SFTTrainer with padding_free or bfd packing) is split into
+chunks of whole examples, a DPO batch into chunks of preference pairs (chosen and rejected together).
+
 With DDP, the micro-steps run without collectives and memfit averages the gradients after
 the window (memfit.fitting.distributed), so a rank that recovers does not leave the others
 waiting inside DDP's all-reduce.
@@ -131,6 +134,10 @@ def _batch_size(inputs: dict[str, Any]) -> int:
 
 
 def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
+    if _is_padding_free(inputs):  # TRL (issue 13): one flattened row of several examples
+        return _split_padding_free(inputs, c)
+    if "completion_mask" in inputs and "labels" not in inputs:  # TRL (issue 13): a DPO batch, chosen then rejected
+        return _split_pairs(inputs, c)
     n = _batch_size(inputs)
     c = max(1, min(c, n))
     bounds = [round(i * n / c) for i in range(c + 1)]
@@ -140,6 +147,84 @@ def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
             continue
         parts.append({k: (v[a:b] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v)
                       for k, v in inputs.items()})
+    return parts
+
+
+# -- TRL (issue 13): micro-batches that are not split along their first dimension -------------------------
+
+def _splittable(inputs: dict[str, Any]) -> int:
+    """The most chunks a micro-batch splits into: examples of a padding-free row, pairs of a DPO batch,
+    else its batch size."""
+    if _is_padding_free(inputs):
+        return int(inputs["cu_seq_lens_q"].numel()) - 1
+    if "completion_mask" in inputs and "labels" not in inputs:
+        return max(1, _batch_size(inputs) // 2)
+    return _batch_size(inputs)
+
+
+def _is_padding_free(inputs: dict[str, Any]) -> bool:
+    """TRL's padding-free batch (DataCollatorForLanguageModeling(padding_free=True)): one row, position_ids
+    and cu_seq_lens_q, no attention mask."""
+    ids = inputs.get("input_ids")
+    return (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 and "attention_mask" not in inputs
+            and isinstance(inputs.get("cu_seq_lens_q"), torch.Tensor))
+
+
+def _split_padding_free(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
+    """Chunks of whole examples of a padding-free row, each a padding-free row of its own (its cu_seq_lens,
+    max lengths and seq_idx rebuilt as the collator builds them). Each example attends only to itself
+    (varlen kernels, or transformers' block-diagonal mask from the restarting position_ids), so the
+    chunks' per-token losses are those of the whole row."""
+    cu = [int(x) for x in inputs["cu_seq_lens_q"].tolist()]
+    docs = len(cu) - 1
+    c = max(1, min(c, docs))
+    bounds = [round(i * docs / c) for i in range(c + 1)]
+    width = inputs["input_ids"].shape[1]
+    parts = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b <= a:
+            continue
+        start, end = cu[a], cu[b]
+        part: dict[str, Any] = {}
+        for k, v in inputs.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == (1, width):
+                part[k] = v[:, start:end]
+            else:
+                part[k] = v
+        new_cu = inputs["cu_seq_lens_q"][a:b + 1] - start
+        part["cu_seq_lens_q"] = new_cu
+        if "cu_seq_lens_k" in inputs:
+            part["cu_seq_lens_k"] = new_cu
+        longest = int(new_cu.diff().max())
+        for k in ("max_length_q", "max_length_k"):
+            if k in inputs:
+                part[k] = longest
+        if isinstance(inputs.get("seq_idx"), torch.Tensor):
+            part["seq_idx"] = inputs["seq_idx"][:, start:end] - a
+        parts.append(part)
+    return parts
+
+
+def _split_pairs(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
+    """Chunks of preference pairs of a DPO batch (DataCollatorForPreference: rows [chosen_0..chosen_B-1,
+    rejected_0..rejected_B-1]); a pair's chosen and rejected stay in the same chunk, in that order."""
+    n = _batch_size(inputs)
+    pairs = n // 2
+    c = max(1, min(c, pairs))
+    bounds = [round(i * pairs / c) for i in range(c + 1)]
+    parts = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b <= a:
+            continue
+        part: dict[str, Any] = {}
+        for k, v in inputs.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
+                part[k] = torch.cat([v[a:b], v[pairs + a:pairs + b]])
+            elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == pairs:  # ref_*_logps
+                part[k] = v[a:b]
+            else:
+                part[k] = v
+        parts.append(part)
     return parts
 
 
@@ -263,7 +348,7 @@ class ChunkedTrainingStep:
         device = trainer.args.device
         while True:
             cause, tried = failure
-            micro = _batch_size(self.window[-1][0])
+            micro = _splittable(self.window[-1][0])
             if len(self.recoveries) >= self.max_recoveries or self.chunks >= micro:
                 raise torch.OutOfMemoryError(
                     f"memfit: out of memory at optimizer step {trainer.state.global_step} even with the micro-batch "

@@ -44,6 +44,7 @@ from memfit.sim.cuda_patches import cuda_patches
 from memfit.sim.optimizers import build_optimizer
 from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events, truncate_layers
 from memfit.sim.tracker import StorageTracker, TrackedEvent
+from memfit.sim import trl_steps
 from memfit.trace import TraceEvent
 from memfit.units import format_bytes
 from memfit.train_setup import TrainSetup
@@ -163,6 +164,9 @@ class _Runner:
                         f"TRL 1.16's SFTTrainer does not call it: --no-kbit-prep for such a run): it cast "
                         f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
                         f"float32, +{format_bytes(cast * 2)} of weights; --no-kbit-prep estimates without it")
+        trl_steps.prepare_model(model, setup)  # TRL (issue 13): the fused LM head, before peft
+        self.ref_model = trl_steps.build_reference(setup, self.spec)
+        self.notes += trl_steps.notes(setup)
         if setup.lora_r is not None:
             model = self._apply_lora(model)
         if self.quant is not None:
@@ -305,29 +309,32 @@ class _Runner:
         first_event = len(tr.events)
         if self.cut is not None:
             self.tagger.reset()
-        seq = self.setup.sequence_length
-        batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
-        self._register_batch(batch)
-        # Trainer (transformers 5.24 get_batch_samples / compute_loss): a model whose forward takes loss kwargs gets
-        # `num_items_in_batch` (the window's label count, an int64 scalar moved to the device); ForCausalLMLoss then
-        # sums and divides (fixed_cross_entropy) and training_step does not divide by the accumulation (issue 12)
         scaled_for_ga = False
-        if self.setup.task == "causal-lm" and "labels" in batch and _accepts_loss_kwargs(self.fwd_model):
-            batch["num_items_in_batch"] = torch.zeros((), dtype=torch.long)
-            self.tracker.register(batch["num_items_in_batch"], "inputs")
-            scaled_for_ga = True
-        start = len(tr.records)
-        if self.setup.activation_offloading:  # TRL SFTTrainer wraps the forward (compute_loss) in it
-            from memfit.sim.offload import trl_activation_offloading
-
-            if self._act_offload is None:
-                self._act_offload = trl_activation_offloading(self.fwd_model, tr)
-            with self._act_offload():
-                out = self._forward(batch, training=True)
+        if self.setup.trainer != "trainer":  # TRL (issue 13): SFT / DPO batch and loss
+            loss, start = trl_steps.micro_loss(self)
         else:
-            out = self._forward(batch, training=True)
-        loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
-        del out, batch
+            seq = self.setup.sequence_length
+            batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
+            self._register_batch(batch)
+            # Trainer (transformers 5.24 get_batch_samples / compute_loss): a model whose forward takes loss kwargs gets
+            # `num_items_in_batch` (the window's label count, an int64 scalar moved to the device); ForCausalLMLoss then
+            # sums and divides (fixed_cross_entropy) and training_step does not divide by the accumulation (issue 12)
+            if self.setup.task == "causal-lm" and "labels" in batch and _accepts_loss_kwargs(self.fwd_model):
+                batch["num_items_in_batch"] = torch.zeros((), dtype=torch.long)
+                self.tracker.register(batch["num_items_in_batch"], "inputs")
+                scaled_for_ga = True
+            start = len(tr.records)
+            if self.setup.activation_offloading:  # TRL SFTTrainer wraps the forward (compute_loss) in it
+                from memfit.sim.offload import trl_activation_offloading
+
+                if self._act_offload is None:
+                    self._act_offload = trl_activation_offloading(self.fwd_model, tr)
+                with self._act_offload():
+                    out = self._forward(batch, training=True)
+            else:
+                out = self._forward(batch, training=True)
+            loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
+            del out, batch
         if accumulation > 1 and not scaled_for_ga:
             loss = loss / accumulation  # Trainer.training_step when the loss is not GA-normalised
         for rec in tr.records[start:]:
@@ -559,7 +566,9 @@ class _Runner:
                     bnb.enter_context(quiet_bnb_logs())
                     bnb.enter_context(bnb_cuda_patches())
                     bnb.enter_context(kernels)
+            with mode, self.tracker, patches, cuda_autocast_policy(self.low), trl_steps.kernels(s):
                 self._materialize()
+                trl_steps.materialize_reference(self)  # TRL (issue 13): DPO's reference copy
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
                 if optimizer_only:
                     for _ in range(optimizer_steps):
@@ -632,7 +641,7 @@ def simulate(
     for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
     """
     kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
-    if splice and train and not optimizer_only:
+    if splice and train and not optimizer_only and trl_steps.wants_splice(setup):
         try:
             return _Runner(setup, fake=fake, splice=True).run(**kwargs)
         except SpliceRefused:

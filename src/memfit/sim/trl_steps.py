@@ -1,0 +1,246 @@
+"""TRL's training steps (issue 13): what SFTTrainer and DPOTrainer (TRL 1.16) run in a micro-step.
+
+memfit.sim.engine runs the Trainer's step; for `setup.trainer` `sft` / `dpo` it asks this module for the
+batch and the loss, and everything else (backward, clipping, the optimizer, accumulation) is the
+Trainer's, which both TRL trainers inherit.
+
+Both trainers put TRL's fused LM head on the model (`add_fused_lm_head`, memfit.sim._trl_adapter): the
+loss is computed from per-token log-probs in `[4096, 32768]` tiles and the `[batch, length, vocab]`
+logits are never materialized, unlike the plain Trainer's causal-LM loss.
+
+SFTTrainer (sft_trainer.py, `DataCollatorForLanguageModeling.torch_call`, `compute_loss`):
+
+- padded (no packing, not padding-free): `[B, S]` input_ids / labels / attention_mask, S the longest
+  example of the batch. transformers skips the attention mask when it is all ones
+  (masking_utils `_ignore_causal_mask_sdpa`); memfit builds it when the worst batch is padded.
+- packing `wrapped`: `B` packs of exactly `max_length` tokens, an all-ones mask (no mask is built with
+  sdpa), so the kernel sees what a padded batch of `B x max_length` full sequences gives it.
+- padding-free (`padding_free=True`, or packing `bfd` / `bfd_split`, which imply it): the batch is
+  flattened to one row `[1, T]` of the real tokens with `position_ids` restarting per example, and
+  `cu_seq_lens_q/k`, `seq_idx` for varlen kernels; no attention mask. With sdpa or eager, transformers
+  sees restarting positions and builds a block-diagonal `[1, 1, T, T]` mask (masking_utils
+  `find_packed_sequence_indices`, always taken on FakeTensors, `is_tracing`), so the attention is
+  quadratic in T; a varlen kernel (flash_attention_2) attends per example. The attention kernel is the
+  model's own code: when memfit emulates flash attention, the varlen path needs nothing here.
+- loss: `-log_probs.sum() / label_mask.sum()` of the fused head.
+
+DPOTrainer (dpo_trainer.py `DataCollatorForPreference.torch_call`, `_compute_loss`):
+
+- chosen and rejected concatenated in one forward: `[2B, S]` input_ids / attention_mask /
+  completion_mask, S the longest prompt+completion truncated to `max_length` (TRL 1.16 has no
+  `max_prompt_length`), labels = input_ids masked where completion_mask is 0.
+- the reference: a second frozen copy of the model (weights, no gradients, no optimizer state) run
+  under `no_grad`; with peft (`lora_r`) the same model with its adapter disabled (no copy);
+  with `precompute_ref_log_probs` no reference forward in the step (its log-probs come with the batch,
+  two `[B]` fp32 tensors). The precompute pass before training (a no-grad forward) is not simulated.
+- loss: sigmoid DPO `-logsigmoid(beta * (chosen_logratios - rejected_logratios)).mean()`.
+
+Not simulated: TRL's logging metrics (a few device scalars), evaluation (Trainer's evaluation loop is
+simulated, with full logits, an upper bound), activation offloading, liger kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.sim import _trl_adapter as trl_adapter
+from memfit.sim.autocast import cuda_autocast
+
+__all__ = ["prepare_model", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch",
+           "dpo_batch", "wants_splice", "notes"]
+
+#: Attention implementations that attend per example on a flattened row (cu_seq_lens), in transformers 5.
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def wants_splice(setup: Any) -> bool:
+    """Layer splicing stands the cut model for the full one; DPO's reference forward runs a second model
+    whose events the splice would not tag, so DPO is simulated on the full model."""
+    return setup.trainer != "dpo"
+
+
+def notes(setup: Any) -> list[str]:
+    out = []
+    if setup.trainer == "sft" and setup.is_padding_free and setup.attn_implementation not in VARLEN_ATTENTION:
+        attn = f"`{setup.attn_implementation}`" if setup.attn_implementation else "the model's default"
+        out.append(f"padding-free SFT batch ({setup.padding_free_tokens} tokens in one row) with "
+                   f"{attn} attention: transformers builds a block-diagonal "
+                   "[T, T] mask over the row (masking_utils find_packed_sequence_indices), quadratic in T; a varlen "
+                   "kernel (attn_implementation='flash_attention_2') attends per example")
+    if setup.trainer == "sft" and (setup.completion_only_loss or setup.assistant_only_loss):
+        out.append("completion/assistant-only loss: the fused LM head is simulated scoring every position (its CPU "
+                   "path); on CUDA it scores only the tokens that count, so the head's memory is an upper bound")
+    if setup.trainer in ("sft", "dpo") and setup.does_eval:
+        out.append(f"evaluation of the {setup.trainer.upper()} trainer is simulated as Trainer's (full logits), "
+                   "an upper bound: TRL's fused head keeps no logits")
+    return out
+
+
+def prepare_model(model: nn.Module, setup: Any) -> None:
+    """TRL's fused LM head on the (meta) model, before peft wraps it, as SFTTrainer / DPOTrainer do."""
+    if setup.trainer == "sft":
+        trl_adapter.add_fused_lm_head(model, trl_adapter.SFT_FUSED_OUTPUTS)
+    elif setup.trainer == "dpo":
+        trl_adapter.add_fused_lm_head(model, trl_adapter.DPO_FUSED_OUTPUTS)
+
+
+def kernels(setup: Any):
+    """The context a TRL simulation runs in: TRL's log-prob kernels allocate as on CUDA."""
+    return trl_adapter.cuda_kernels() if setup.trainer in ("sft", "dpo") else contextlib.nullcontext()
+
+
+def build_reference(setup: Any, spec: Any) -> nn.Module | None:
+    """DPO's reference model on the meta device: a second copy of the model (None with peft, where the
+    adapter-disabled model is the reference, or with precomputed reference log-probs)."""
+    if setup.trainer != "dpo" or setup.precompute_ref_log_probs or setup.lora_r is not None:
+        return None
+    from memfit.models.build import build_meta_model
+
+    ref = build_meta_model(setup, spec)
+    ref.requires_grad_(False)
+    ref.eval()  # DPOTrainer: accelerator.prepare_model(ref_model, evaluation_mode=True), dropout disabled
+    trl_adapter.add_fused_lm_head(ref, trl_adapter.DPO_FUSED_OUTPUTS)
+    return ref
+
+
+def materialize_reference(runner: Any) -> None:
+    """`ref_model.to("cuda")`: its parameters and buffers are weights on the device."""
+    ref = runner.ref_model
+    if ref is None:
+        return
+    from memfit.models.build import to_empty_tied
+
+    tr = runner.tracker
+    tr.paused = True
+    to_empty_tied(ref, device="cpu")
+    if not runner.fake:
+        with torch.no_grad():
+            for t in list(ref.parameters()) + list(ref.buffers()):
+                t.zero_()
+    tr.paused = False
+    for t in list(ref.parameters()) + list(ref.buffers()):
+        tr.register(t, "weights")
+
+
+# -- batches ---------------------------------------------------------------------------------------
+
+def _longs(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.long)
+
+
+def _padded(setup: Any, seq: int) -> bool:
+    """Whether the worst batch has padding (so the attention mask is built): unknown lengths count as padded."""
+    if setup.example_lengths is None:
+        return True
+    cut = [min(n, setup.max_length) if setup.truncation else n for n in setup.example_lengths]
+    return min(cut) < seq
+
+
+def sft_batch(setup: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors the collator hands the device, the model's keyword arguments) of the worst SFT micro-batch."""
+    b = setup.per_device_train_batch_size
+    if setup.is_padding_free:
+        t = setup.padding_free_tokens
+        cu = torch.zeros(b + 1, dtype=torch.int32)  # cu_seq_lens_q is cu_seq_lens_k: one tensor
+        tensors = {"input_ids": _longs(1, t), "labels": _longs(1, t), "position_ids": _longs(1, t),
+                   "cu_seq_lens": cu, "seq_idx": torch.zeros(1, t, dtype=torch.int32)}
+        kwargs = {"input_ids": tensors["input_ids"], "labels": tensors["labels"],
+                  "position_ids": tensors["position_ids"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                  "max_length_q": min(t, setup.max_length), "max_length_k": min(t, setup.max_length),
+                  "seq_idx": tensors["seq_idx"]}
+        return tensors, kwargs
+    seq = setup.max_length if setup.packing else setup.sequence_length  # wrapped packs are max_length long
+    tensors = {"input_ids": _longs(b, seq), "labels": _longs(b, seq), "attention_mask": torch.ones(b, seq, dtype=torch.long)}
+    kwargs = {"input_ids": tensors["input_ids"], "labels": tensors["labels"]}
+    if not setup.packing and _padded(setup, seq):
+        # A padded batch: see engine._make_batch (one pad token makes transformers build the mask, as a
+        # FakeTensor, which it cannot read, always does).
+        tensors["attention_mask"][-1, -1:].zero_()
+        kwargs["attention_mask"] = tensors["attention_mask"]
+    # else: an all-ones mask, which transformers drops for sdpa (_ignore_causal_mask_sdpa) and which
+    # eager replaces by the causal mask it builds anyway: the model is called without it.
+    return tensors, kwargs
+
+
+def dpo_batch(setup: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors of DataCollatorForPreference on the device, the model's keyword arguments): chosen then rejected."""
+    b2, seq = 2 * setup.per_device_train_batch_size, setup.sequence_length
+    tensors = {"input_ids": _longs(b2, seq), "attention_mask": torch.ones(b2, seq, dtype=torch.long),
+               "completion_mask": _longs(b2, seq)}
+    tensors["attention_mask"][-1, -1:].zero_()  # chosen and rejected differ in length: padded
+    if setup.precompute_ref_log_probs:
+        tensors["ref_chosen_logps"] = torch.zeros(b2 // 2)
+        tensors["ref_rejected_logps"] = torch.zeros(b2 // 2)
+    return tensors, {"input_ids": tensors["input_ids"], "attention_mask": tensors["attention_mask"]}
+
+
+# -- losses ----------------------------------------------------------------------------------------
+
+def _forward(runner: Any, model: nn.Module, kwargs: dict[str, Any]):
+    """model(**kwargs) as accelerate runs a prepared model: under autocast, outputs converted to fp32."""
+    with cuda_autocast(runner.low):
+        out = model(**kwargs, use_cache=False, fused_lm_head=True)
+    if runner.low is not None:
+        from accelerate.utils import convert_to_fp32
+
+        out = convert_to_fp32(out)
+    return out
+
+
+def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
+    """The loss of one TRL micro-step (forward phase), and the index of the first record after the batch."""
+    s = runner.setup
+    if s.trainer == "sft":
+        tensors, kwargs = sft_batch(s)
+    elif s.trainer == "dpo":
+        tensors, kwargs = dpo_batch(s)
+    else:  # pragma: no cover - the engine only calls this for TRL trainers
+        raise MemfitError(f"trainer `{s.trainer}` has no TRL step")
+    for t in tensors.values():
+        runner.tracker.register(t, "inputs")
+    start = len(runner.tracker.records)
+    if s.trainer == "sft":
+        out = _forward(runner, runner.fwd_model, kwargs)
+        per_token_loss = -out.log_probs  # SFTTrainer.compute_loss: zero on ignored positions
+        num_tokens = out.label_mask.sum()
+        loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+        del out, per_token_loss, num_tokens
+    else:
+        loss = _dpo_loss(runner, tensors, kwargs)
+    del tensors, kwargs
+    return loss, start
+
+
+def _dpo_loss(runner: Any, tensors: dict[str, Any], kwargs: dict[str, Any]) -> torch.Tensor:
+    """DPOTrainer._compute_loss with the default sigmoid loss, beta 0.1 (values do not change the trace)."""
+    s = runner.setup
+    completion_mask = tensors["completion_mask"]
+    seq_len = completion_mask[..., 1:].size(1)
+    labels = tensors["input_ids"].masked_fill(completion_mask == 0, -100)
+    out = _forward(runner, runner.fwd_model, {**kwargs, "labels": labels})
+    logps = out.log_probs[:, -seq_len:].sum(dim=1)
+    del out
+    chosen_logps, rejected_logps = logps.chunk(2, dim=0)
+    if s.precompute_ref_log_probs:
+        ref_chosen, ref_rejected = tensors["ref_chosen_logps"], tensors["ref_rejected_logps"]
+    else:
+        with torch.no_grad():
+            if runner.ref_model is None:  # peft: the adapter-disabled model is the reference
+                with runner.model.disable_adapter():
+                    ref_out = _forward(runner, runner.fwd_model, {**kwargs, "labels": labels})
+            else:
+                ref_out = _forward(runner, runner.ref_model, {**kwargs, "labels": labels})
+            ref_logps = ref_out.log_probs[:, -seq_len:].sum(dim=1)
+            del ref_out
+        ref_chosen, ref_rejected = ref_logps.chunk(2, dim=0)
+    chosen_logratios = chosen_logps - ref_chosen
+    rejected_logratios = rejected_logps - ref_rejected
+    delta = chosen_logratios - rejected_logratios
+    loss = 0.0 + (-F.logsigmoid(0.1 * delta)).mean() * 1.0
+    return loss
