@@ -561,12 +561,12 @@ class _Runner:
                                     num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low), bnb:
+            with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low), bnb, \
+                    trl_steps.kernels(s):  # TRL (issue 13): its Triton kernels' CPU fallbacks stood in for
                 if kernels is not None:
                     bnb.enter_context(quiet_bnb_logs())
                     bnb.enter_context(bnb_cuda_patches())
                     bnb.enter_context(kernels)
-            with mode, self.tracker, patches, cuda_autocast_policy(self.low), trl_steps.kernels(s):
                 self._materialize()
                 trl_steps.materialize_reference(self)  # TRL (issue 13): DPO's reference copy
                 self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
