@@ -61,7 +61,7 @@ LAYERS = [
     {"errors", "units", "trace", "oom_text", "files"},
     {"train_setup", "models", "gpus", "allocator", "peaks", "cache"},  # TrainSetup asks models for the default task
     {"sim", "remedies"},
-    {"estimator"},
+    {"estimator", "parallel"},  # parallel: per-rank multi-GPU estimates (issue 14); estimator calls it
     {"planner"},
     {"diagnosis"},
     {"fitting", "testing"},

@@ -121,6 +121,10 @@ class MemoryReport:
     reserved_at_peak_allocated_bytes: int = 0
     """Reserved memory at the moment of the allocated peak (the moment `breakdown` describes), from the
     same replay; minus `peak_allocated_bytes` it is what the cache held free for reuse at that moment."""
+    # -- multi-GPU (issue 14): rank 0 of a ParallelSetup; None on one GPU --
+    parallel: dict[str, Any] | None = None
+    """Strategy, world size, nodes, the rank's buffers, host memory for offload (per rank and per node),
+    NCCL bytes outside PyTorch and what nvidia-smi shows per GPU (memfit.parallel)."""
     trace: list[TraceEvent] = field(repr=False, compare=False, default_factory=list)
 
     def __repr__(self) -> str:
@@ -206,6 +210,7 @@ def estimate(
     non_pytorch_bytes: int | None = None,
     capacity_bytes: int | None = None,
     cache: bool = False,
+    parallel: Any = None,
     **fields: Any,
 ) -> MemoryReport:
     """Simulate `setup` (or `TrainSetup(**fields)`, or `TrainSetup(model=setup, **fields)` for a
@@ -223,6 +228,8 @@ def estimate(
             needs `gpu`.
         cache: read and write memfit's cache of results (memfit.cache; the CLI's default). A result
             read from it has no `trace`.
+        parallel: a memfit.parallel.ParallelSetup (DDP, FSDP2, ZeRO-1/2/3 over several GPUs): the report is
+            rank 0's, with `parallel` saying what differs per rank and the host memory offload needs.
         **fields: TrainSetup fields (or TrainingArguments names such as `fp16=True`).
     """
     started = time.perf_counter()
@@ -264,6 +271,8 @@ def estimate(
     else:
         conf = alloc_conf
     key = None
+    if parallel is not None:  # multi-GPU (issue 14): not in the cache's key, so not cached
+        cache = False
     if cache and not (isinstance(gpu, str) and gpu.strip().lower() == "auto"):
         from memfit import cache as _cache
 
@@ -282,7 +291,15 @@ def estimate(
                                        "--no-cache simulates again)"])
     from memfit.sim.engine import simulate
 
-    sim = simulate(setup)
+    rank = None
+    if parallel is not None:  # multi-GPU (issue 14): rank 0's trace from memfit.parallel
+        from memfit.parallel.rank import simulate_rank
+
+        rank = simulate_rank(setup, parallel)
+        sim = rank.sim
+        sim.notes = list(sim.notes) + rank.notes
+    else:
+        sim = simulate(setup)
     notes = list(sim.notes) + [n for n in conf.notes if "cudaMallocAsync" not in n]
     if conf.backend == "cudaMallocAsync":
         notes.insert(0, CUDA_MALLOC_ASYNC_NOTE)
@@ -298,6 +315,8 @@ def estimate(
             notes.append("memory outside PyTorch measured by NVML in this process (context and loaded kernels)")
     np_est = _non_pytorch_table(spec) if spec is not None and non_pytorch_bytes is None else None
     outside = np_est.total_bytes if np_est is not None else (non_pytorch_bytes or 0)
+    if rank is not None:
+        outside += rank.nccl_bytes  # NCCL's buffers: outside PyTorch's allocator (memfit.parallel.nccl)
     capacity = spec.total_bytes - outside if spec is not None else None
     if capacity_bytes is not None:
         capacity = capacity_bytes
@@ -361,12 +380,24 @@ def estimate(
         shortfall_bytes=shortfall, uncapped_peak_reserved_bytes=bounded.uncapped.peak_reserved_bytes,
         steady_state=bounded.steady, trace=trace,
         reserved_at_peak_allocated_bytes=alloc.reserved_at_peak_allocated_bytes,
+        parallel=None if rank is None else _parallel_json(parallel, rank, peak_reserved + outside),
     )
     if key is not None:
         from memfit import cache as _cache
 
         _cache.store_entry(key, report.to_json())
     return report
+
+
+def _parallel_json(parallel, rank, device_used_bytes: int) -> dict[str, Any]:
+    """The multi-GPU part of the report (issue 14)."""
+    return {
+        **parallel.to_json(), "rank": 0, "host_bytes_per_rank": rank.host_bytes,
+        "host_bytes_per_node": rank.host_bytes * parallel.gpus_per_node, "nccl_bytes": rank.nccl_bytes,
+        "nvidia_smi_per_gpu_bytes": device_used_bytes, "buffers": rank.buffers,
+        "deepspeed_model_states": rank.deepspeed_model_states,
+        "ranks_differ": "no: every rank holds the same shard sizes (the last rank's padding aside)",
+    }
 
 
 def _reserved_by_phase(alloc, does_eval: bool, stopped: bool) -> dict[str, int | None]:
