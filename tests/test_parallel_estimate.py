@@ -1,0 +1,65 @@
+"""`memfit estimate --gpus / --strategy / --deepspeed / --fsdp` and `estimate(parallel=...)` (issue 14)."""
+
+import json
+
+import pytest
+
+from memfit.cli import main
+from memfit.estimator import estimate
+from memfit.parallel import ParallelSetup
+
+
+def _json(capsys):
+    return json.loads(capsys.readouterr().out)
+
+
+def test_fsdp_json_report(tiny_bert_dir, capsys):
+    assert main(["estimate", tiny_bert_dir, "--batch-size", "2", "--max-length", "16", "--eval-strategy", "no",
+                 "--gpus", "4xT4", "--fsdp", "full_shard auto_wrap", "--json", "--no-cache"]) == 0
+    data = _json(capsys)
+    par = data["parallel"]
+    assert (par["strategy"], par["world_size"], par["reshard_after_forward"], data["gpu"]["name"]) == ("fsdp", 4, True, "T4")
+    assert par["nvidia_smi_per_gpu_bytes"] == data["device_used_bytes"]
+    assert data["non_pytorch_bytes"] >= par["nccl_bytes"] > 0
+
+
+def test_sharding_divides_the_model_states(tiny_bert_dir):
+    kw = dict(per_device_train_batch_size=2, max_length=16, eval_strategy="no", weights_dtype="fp32")
+    one = estimate(tiny_bert_dir, **kw)
+    fsdp = estimate(tiny_bert_dir, parallel=ParallelSetup(world_size=4, strategy="fsdp"), **kw)
+    assert fsdp.breakdown["optimizer_state"] < one.breakdown["optimizer_state"] / 3  # Adam's state: 1/4 per rank
+    z3 = estimate(tiny_bert_dir, parallel=ParallelSetup(world_size=4, strategy="zero3"), **kw)
+    bufs = {b["name"]: b for b in z3.parallel["buffers"]}
+    assert bufs["Adam exp_avg + exp_avg_sq"]["bytes"] == 8 * -(-one.trainable_params // 4)
+    assert z3.parallel["deepspeed_model_states"]["gpu_bytes"] > 0
+    ddp = estimate(tiny_bert_dir, parallel=ParallelSetup(world_size=4, strategy="ddp"), **kw)
+    view = estimate(tiny_bert_dir, parallel=ParallelSetup(world_size=4, strategy="ddp", gradient_as_bucket_view=True), **kw)
+    assert view.peak_allocated_bytes < ddp.peak_allocated_bytes  # buckets hold the gradients instead of a copy
+
+
+def test_deepspeed_cli_with_auto_and_offload(tiny_bert_dir, tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                    "stage3_prefetch_bucket_size": "auto",
+                                                    "stage3_param_persistence_threshold": "auto",
+                                                    "offload_optimizer": {"device": "cpu"}}}))
+    assert main(["estimate", tiny_bert_dir, "--batch-size", "2", "--max-length", "16", "--eval-strategy", "no",
+                 "--world-size", "2", "--deepspeed", str(ds), "--json", "--no-cache"]) == 0
+    par = _json(capsys)["parallel"]
+    assert par["strategy"] == "zero3" and par["zero"]["reduce_bucket_size"] == 64 * 64  # hidden_size 64
+    assert par["host_bytes_per_rank"] > 0 and par["host_bytes_per_node"] == 2 * par["host_bytes_per_rank"]
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--gpus", "A100"], "COUNTxGPU"),
+    (["--gpus", "2xT4", "--world-size", "4"], "differ"),
+    (["--gpus", "2xT4", "--gpu", "A100-80GB"], "different GPUs"),
+    (["--world-size", "6", "--nodes", "4"], "multiple"),
+    (["--world-size", "2", "--fsdp", "hybrid_shard"], "FSDP1-only"),
+    (["--world-size", "2", "--strategy", "zero2", "--fsdp", "full_shard"], "--strategy fsdp"),
+    (["--world-size", "2", "--deepspeed", "missing.json"], "cannot read"),
+])
+def test_bad_multi_gpu_flags_are_one_line_errors(tiny_bert_dir, flags, match, capsys):
+    assert main(["estimate", tiny_bert_dir, "--max-length", "16", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1
