@@ -126,47 +126,63 @@ _DROPPED = ("weights", "gradients", "optimizer_state")
 
 
 def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[TraceEvent]:
+    """The simulated trace with ZeRO's GPU buffers in place of weights, gradients and optimizer state."""
     nid = _next_id(trace)
     gpu = [b for b in buffers if b.device == "gpu" and b.size_bytes > 0]
 
-    def make(b: ZeroBuffer, phase: str) -> TraceEvent:
+    def make(lifetime: str, phase: str) -> list[TraceEvent]:
         nonlocal nid
-        nid += 1
-        return TraceEvent("alloc", nid - 1, b.size_bytes, b.category, phase, f"DeepSpeed {b.name}")
+        out_ = []
+        for b in gpu:
+            if b.lifetime == lifetime:
+                out_.append(TraceEvent("alloc", nid, b.size_bytes, b.category, phase, f"DeepSpeed {b.name}"))
+                nid += 1
+        return out_
 
-    def free(ev: TraceEvent) -> TraceEvent:
-        return TraceEvent("free", ev.id, ev.size_bytes, ev.category, ev.phase, ev.module)
+    def free(evs: list[TraceEvent], phase: str) -> list[TraceEvent]:
+        return [TraceEvent("free", e.id, e.size_bytes, e.category, phase, e.module) for e in evs]
 
-    out: list[TraceEvent] = [make(b, "setup") for b in gpu if b.lifetime == "setup"]
-    made = {"backward": False, "step": False}
-    working: list[TraceEvent] = []
-    prev_phase = "setup"
+    out: list[TraceEvent] = make("setup", "setup")
+    step_made = False
+    working: list[TraceEvent] = []    # fwd_bwd: the stage-3 all-gathered working set
+    in_bwd: list[TraceEvent] = []     # backward: ipg buffers
+    to_step: list[TraceEvent] = []    # backward_to_step: the rank's gradient partition
+    prev = "setup"
     for ev in trace:
         phase = ev.phase
-        if phase != prev_phase:
+        if phase != prev:
+            if prev == "backward":
+                out.extend(free(in_bwd, prev))
+                in_bwd = []
+                out.extend(free(working, prev))
+                working = []
+            if prev == "eval":
+                out.extend(free(working, prev))
+                working = []
             if phase in ("forward", "eval") and not working:
-                working = [make(b, phase) for b in gpu if b.lifetime == "fwd_bwd"]
+                # stage 3: the module trace is complete after the first optimizer step (not for eval's new order)
+                working = make("fwd_bwd" if step_made and phase == "forward" else "fwd_bwd_first", phase)
                 out.extend(working)
-            if phase == "backward" and not made["backward"]:
-                out.extend(make(b, "backward") for b in gpu if b.lifetime == "backward")
-                made["backward"] = True
+            if phase == "backward":
+                if not to_step:
+                    to_step = make("backward_to_step", phase)
+                    out.extend(to_step)
+                in_bwd = make("backward", phase)
+                out.extend(in_bwd)
             if phase == "optimizer":
-                out.extend(free(w) for w in working)
-                working = []
-                if not made["step"]:
-                    out.extend(make(b, "optimizer") for b in gpu if b.lifetime == "step")
-                    made["step"] = True
-                temps = [make(b, "optimizer") for b in gpu if b.lifetime == "step_temp"]
+                if not step_made:
+                    out.extend(make("step", phase))
+                    step_made = True
+                temps = make("step_temp", phase)
                 out.extend(temps)
-                out.extend(free(t) for t in temps)
-            if prev_phase == "eval" and phase != "eval":
-                out.extend(free(w) for w in working)
-                working = []
-            prev_phase = phase
+                out.extend(free(temps, phase))
+                out.extend(free(to_step, phase))
+                to_step = []
+            prev = phase
         if ev.category in _DROPPED or phase == "optimizer":
             continue
         out.append(ev)
-    out.extend(free(w) for w in working)
+    out.extend(free(in_bwd + working + to_step, prev))
     return out
 
 

@@ -45,6 +45,7 @@ _DS_PREFETCH_BUCKET_SIZE = int(5e7)     # prefetch_bucket_size (stage3_prefetch_
 _DS_PERSISTENCE_THRESHOLD = int(1e5)    # param_persistence_threshold: pp_int(1e5)
 _DS_MAX_LIVE_PARAMETERS = int(1e9)      # max_live_parameters: pp_int(1e9)
 _DS_SUB_GROUP_SIZE = int(1e9)           # sub_group_size: pp_int(1e9)
+_DS_MAX_REUSE_DISTANCE = int(1e9)       # max_reuse_distance (stage3_max_reuse_distance): pp_int(1e9)
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
               "stage3_max_live_parameters", "stage3_param_persistence_threshold", "contiguous_gradients",
@@ -78,6 +79,9 @@ class ZeroSettings:
     """DeepSpeedZeroConfig.overlap_comm_valid: None -> True for stage 3, else False."""
     offload_optimizer: bool = False
     offload_param: bool = False
+    max_reuse_distance: int = _DS_MAX_REUSE_DISTANCE
+    torch_adam: bool = False
+    """`optimizer.params.torch_adam`: DeepSpeed steps torch's Adam (temporaries) instead of FusedAdam (none)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,14 @@ def _enabled(config: dict[str, Any], section: str, trainer_value: bool) -> bool:
     return _flag(value, f"{section}.enabled", False)
 
 
+def _torch_adam(config: dict[str, Any]) -> bool:
+    opt = config.get("optimizer")
+    if not isinstance(opt, dict):
+        return False  # no optimizer section: the Trainer's own (adamw_torch_fused by default) is wrapped
+    params = opt.get("params") or {}
+    return bool(isinstance(params, dict) and params.get("torch_adam") is True)
+
+
 def zero_settings_from_deepspeed(config: dict[str, Any] | str | Path, *, hidden_size: int | None,
                                  precision: str = "fp32") -> tuple[ZeroSettings, list[str]]:
     """The ZeRO settings of a DeepSpeed JSON, `"auto"` resolved as transformers resolves it.
@@ -268,6 +280,9 @@ def zero_settings_from_deepspeed(config: dict[str, Any] | str | Path, *, hidden_
                                            "stage3_param_persistence_threshold",
                                            10 * hidden_size if hidden_size else None),
         sub_group_size=_count(zero.get("sub_group_size", _DS_SUB_GROUP_SIZE), "sub_group_size", None),
+        max_reuse_distance=_count(zero.get("stage3_max_reuse_distance", _DS_MAX_REUSE_DISTANCE),
+                                  "stage3_max_reuse_distance", None),
+        torch_adam=_torch_adam(config),
         contiguous_gradients=_flag(zero.get("contiguous_gradients"), "zero_optimization.contiguous_gradients", True),
         overlap_comm=_flag(zero.get("overlap_comm"), "zero_optimization.overlap_comm", int(stage) == 3),
         offload_optimizer=_offload(zero.get("offload_optimizer"), "offload_optimizer") or bool(zero.get("cpu_offload")),

@@ -20,9 +20,16 @@ Stage 1 / 2 (deepspeed/runtime/zero/stage_1_and_2.py, `DeepSpeedZeroOptimizer`):
   (b*T) until the step (`reduce_gradients` at the boundary);
 * `setup_buckets`: with `contiguous_gradients`, one ipg buffer of `reduce_bucket_size` elements per
   dtype (ZeRO-1 in the fp32 accumulation dtype, ZeRO-2 in b: `_gradient_reduction_buffer_dtype`), two
-  with `overlap_comm` ("double buffers");
-* step: the rank's gradient partition as one fp32 tensor (`single_grad_partition =
-  flat_grad_partition.to(fp32)`, 4*T/N) while the optimizer steps;
+  with `overlap_comm` ("double buffers"), made as a backward starts and dropped by `_release_ipg_buffers`
+  at its epilogue (`independent_gradient_partition_epilogue`), which drops `grads_in_partition` too
+  (`averaged_gradients` holds it until the step);
+* step: the rank's gradient partition flattened (`flat_grad_partition = self.flatten(self.averaged_gradients[i])`:
+  `averaged_gradients` is the list of views `get_flat_partition(..., return_tensor_list=True)` gave, so
+  this is a copy, b*T/N) and as fp32 (`.to(fp32)`: 4*T/N when b is 2; with fp32 `.to` returns the
+  same tensor);
+* with `optimizer.params.torch_adam`, torch's Adam steps the flat fp32 partition: one temporary of
+  its size (torch/optim/adam.py: `denom = exp_avg_sq.sqrt() / ...`); DeepSpeed's FusedAdam, and the
+  Trainer's fused AdamW, step in place;
 * with `offload_optimizer`: `temp_grad_buffer_for_gpu_offload` (largest parameter, b bytes each) on
   the GPU; master, gradient (`single_partition_of_fp32_groups[i].grad`, pinned) and Adam state on the host.
 
@@ -33,9 +40,14 @@ Stage 3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py `Ini
   `param.ds_persist = True`), which stay whole on every rank;
 * forward and backward all-gather each module's parameters before it runs and release them after,
   prefetching up to `stage3_prefetch_bucket_size` elements ahead and never holding more than
-  `stage3_max_live_parameters` (partitioned_param_coordinator.py `fetch_sub_module`): modelled as a
-  working set of b * min(largest module + prefetch bucket, max live, P), alive through forward and
-  backward (a bound: the real set rises and falls module by module);
+  `stage3_max_live_parameters` (partitioned_param_coordinator.py `fetch_sub_module`). In the first
+  optimizer step the module trace is being recorded and every module's parameters are released
+  after it: a working set of b * min(largest module + prefetch bucket, max live, P), alive through
+  forward and backward (a bound: the real set rises and falls module by module). Once the trace is
+  complete, `__params_to_release` keeps any parameter that is used again within
+  `stage3_max_reuse_distance` elements: a forward module at x elements from the start is used again
+  in the backward 2*(P - x) elements later, so min(P, distance / 2) elements stay gathered from the
+  forward into the backward (with the default 1e9, the whole model for models under 2e9);
 * the ipg bucket: `reduce_bucket_size` elements of b, made at construction (`bucket.buffer = torch.empty(
   self.reduce_bucket_size, ...)` when `contiguous_gradients`);
 * `grad_partitions_flat_buffer`: T/N elements of the accumulation dtype (b), on `self.device` (the host
@@ -82,8 +94,9 @@ class ZeroBuffer:
     device: str
     """`gpu` or `host`."""
     lifetime: str
-    """`setup` (made at construction, kept), `backward` (made at the first backward, kept), `step` (made at the
-    first optimizer step, kept), `step_temp` (only during the step), `fwd_bwd` (during forward and backward)."""
+    """`setup` (made at construction, kept), `step` (made at the first optimizer step, kept), `step_temp` (only
+    during the step), `fwd_bwd` (from each forward to the end of its backward), `backward` (during each backward),
+    `backward_to_step` (from the first backward of an optimizer step to that step)."""
     category: str
     rule: str
 
@@ -113,23 +126,32 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int) -> list[
                               "torch Adam _init_group at the first step, on the fp32 partition"))
         if z.stage == 2:
             out.append(ZeroBuffer("grads_in_partition", b * t_part, "host" if z.offload_optimizer else "gpu",
-                                  "backward", "gradients", "stage_1_and_2.py copy_grads_in_partition"))
+                                  "backward_to_step", "gradients",
+                                  "stage_1_and_2.py copy_grads_in_partition; _release_ipg_buffers drops the name at the "
+                                  "backward epilogue, averaged_gradients keeps it until step() sets it None"))
         else:
-            out.append(ZeroBuffer("bit16 gradients (until the step)", b * T, "gpu", "backward", "gradients",
+            out.append(ZeroBuffer("bit16 gradients (until the step)", b * T, "gpu", "backward_to_step", "gradients",
                                   "stage_1_and_2.py reduce_gradients: ZeRO-1 reduces at the boundary"))
         if z.contiguous_gradients:
             ipg_b = 4 if z.stage == 1 else b  # _gradient_reduction_buffer_dtype
             count = 2 if z.overlap_comm else 1
             out.append(ZeroBuffer(f"ipg buffer x{count}", count * ipg_b * z.reduce_bucket_size, "gpu", "backward",
-                                  "temporaries", "stage_1_and_2.py setup_buckets (double with overlap_comm)"))
+                                  "temporaries", "stage_1_and_2.py setup_buckets (double with overlap_comm); freed by "
+                                  "_release_ipg_buffers at the backward epilogue"))
         if z.offload_optimizer:
             out.append(ZeroBuffer("temp_grad_buffer_for_gpu_offload", b * inv.largest_param_numel, "gpu", "setup",
                                   "temporaries", "stage_1_and_2.py __init__ (cpu_offload)"))
             out.append(ZeroBuffer("fp32 gradient partition (pinned)", 4 * t_part, "host", "setup", "gradients",
                                   "stage_1_and_2.py initialize_optimizer_states (kept with cpu_offload)"))
         else:
-            out.append(ZeroBuffer("fp32 gradient partition", 4 * t_part, "gpu", "step_temp", "temporaries",
-                                  "stage_1_and_2.py step: single_grad_partition = flat.to(fp32)"))
+            out.append(ZeroBuffer("flat gradient partition", b * t_part, "gpu", "step_temp", "temporaries",
+                                  "stage_1_and_2.py step: flat_grad_partition = self.flatten(averaged_gradients[i])"))
+            if b != 4:
+                out.append(ZeroBuffer("fp32 gradient partition", 4 * t_part, "gpu", "step_temp", "temporaries",
+                                      "stage_1_and_2.py step: single_grad_partition = flat.to(fp32)"))
+            if z.torch_adam:
+                out.append(ZeroBuffer("torch Adam temporary", 4 * t_part, "gpu", "step_temp", "temporaries",
+                                      "torch/optim/adam.py: denom = exp_avg_sq.sqrt() / ..."))
         return out
     # stage 3
     part = -(-(P - inv.persistent_params) // n)
@@ -139,10 +161,16 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int) -> list[
     if inv.persistent_params:
         out.append(ZeroBuffer("persistent parameters (whole)", b * inv.persistent_params, "gpu", "setup", "weights",
                               "partition_parameters.py: ds_numel <= stage3_param_persistence_threshold -> ds_persist"))
-    working = min(inv.largest_layer_params + z.prefetch_bucket_size, z.max_live_parameters, P - inv.persistent_params)
-    out.append(ZeroBuffer("all-gathered parameters (working set)", b * working, "gpu", "fwd_bwd", "weights",
-                          "partitioned_param_coordinator.py fetch_sub_module: largest module + prefetch bucket, "
-                          "at most stage3_max_live_parameters"))
+    gathered = P - inv.persistent_params
+    first = min(inv.largest_layer_params + z.prefetch_bucket_size, z.max_live_parameters, gathered)
+    later = min(max(first, z.max_reuse_distance // 2 + inv.largest_layer_params + z.prefetch_bucket_size),
+                z.max_live_parameters, gathered)
+    out.append(ZeroBuffer("all-gathered parameters (trace being recorded)", b * first, "gpu", "fwd_bwd_first",
+                          "weights", "partitioned_param_coordinator.py fetch_sub_module: largest module + prefetch "
+                          "bucket, at most stage3_max_live_parameters"))
+    out.append(ZeroBuffer("all-gathered parameters (trace complete)", b * later, "gpu", "fwd_bwd", "weights",
+                          "partitioned_param_coordinator.py __params_to_release: reused within "
+                          "stage3_max_reuse_distance -> kept"))
     if z.contiguous_gradients:
         out.append(ZeroBuffer("ipg bucket", b * z.reduce_bucket_size, "gpu", "setup", "temporaries",
                               "stage3.py __init__: bucket.buffer = torch.empty(reduce_bucket_size)"))
@@ -153,8 +181,15 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int) -> list[
     out.append(ZeroBuffer("Adam exp_avg + exp_avg_sq", 8 * t_part, opt_dev, "step", "optimizer_state",
                           "torch Adam / DeepSpeedCPUAdam state on the fp32 partitions"))
     if not z.offload_optimizer:
-        out.append(ZeroBuffer("fp32 gradient of a sub-group", 4 * min(t_part, z.sub_group_size), "gpu", "step_temp",
-                              "temporaries", "stage3.py _prepare_fp32_grad_for_sub_group"))
+        sub = min(t_part, z.sub_group_size)
+        out.append(ZeroBuffer("flat gradient of a sub-group", b * sub, "gpu", "step_temp", "temporaries",
+                              "stage3.py _prepare_fp32_grad_for_sub_group: self.flatten(averaged_gradients)"))
+        if b != 4:
+            out.append(ZeroBuffer("fp32 gradient of a sub-group", 4 * sub, "gpu", "step_temp", "temporaries",
+                                  "stage3.py _prepare_fp32_grad_for_sub_group: .to(fp32)"))
+        if z.torch_adam:
+            out.append(ZeroBuffer("torch Adam temporary", 4 * sub, "gpu", "step_temp", "temporaries",
+                                  "torch/optim/adam.py: denom = exp_avg_sq.sqrt() / ..."))
     return out
 
 
