@@ -124,4 +124,10 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
             raise MemfitError(f"--strategy `{args.strategy}` with --fsdp: give --strategy fsdp or leave it out")
         par, _ = parallel_from_fsdp_args(args.fsdp or True, args.fsdp_config, world_size=world, nodes=nodes)
         return par, gpu
-    return ParallelSetup(world_size=world, nodes=nodes, strategy=args.strategy or "ddp"), gpu
+    strategy = args.strategy or "ddp"
+    if strategy.startswith("zero"):  # no DeepSpeed file: DeepSpeed's defaults, in the Trainer's precision ("auto")
+        zero, notes = zero_settings_from_deepspeed({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+                                                    "zero_optimization": {"stage": int(strategy[-1])}},
+                                                   hidden_size=None, precision=setup.precision)
+        return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy, zero=zero, notes=tuple(notes)), gpu
+    return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy), gpu

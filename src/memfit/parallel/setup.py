@@ -105,6 +105,8 @@ class ParallelSetup:
     reduce_dtype: str | None = None
     # DeepSpeed
     zero: ZeroSettings | None = None
+    """Resolved ZeRO settings (`zero_settings_from_deepspeed`); None with a zero strategy: DeepSpeed's defaults in fp32
+    (the CLI passes the Trainer's precision, as `"auto"` would)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
