@@ -95,3 +95,20 @@ def test_peft_t0_3b_zero3_offload_record():
     assert abs(resident - begin) <= 0.01 * begin
     peak = record["value_mib"] * 2**20
     assert abs(r.peak_allocated_bytes - peak) <= 0.20 * peak  # measured -16.9%
+
+
+def test_fsdp_frees_unsharded_parameters_after_each_block(tiny_bert_dir):
+    """FSDP2 frees unsharded parameters by resizing their storage to 0 (seen through
+    memfit.parallel._dist_adapter.fsdp_storage_hooks): with reshard_after_forward they are freed in the forward
+    and the backward; without it they stay from the forward into the backward."""
+    from memfit.parallel.fsdp import simulate_fsdp
+    from memfit.train_setup import TrainSetup
+
+    setup = TrainSetup.from_kwargs(tiny_bert_dir, per_device_train_batch_size=2, max_length=16, eval_strategy="no",
+                                   weights_dtype="fp32")
+    freed = {}
+    for reshard in (True, False):
+        sim = simulate_fsdp(setup, ParallelSetup(world_size=2, strategy="fsdp", reshard_after_forward=reshard))
+        freed[reshard] = sum(e.size_bytes for e in sim.trace
+                             if e.action == "free" and e.category == "weights" and e.phase == "forward")
+    assert freed[True] > 0 and freed[False] == 0

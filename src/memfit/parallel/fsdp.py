@@ -58,6 +58,9 @@ class ShardTracker(StorageTracker):
     def storage_freed(self, tensor) -> None:
         rec = super().record_of(tensor)
         if rec is not None and not self.paused:
+            # only unsharded parameters (all-gather outputs) are freed by a resize: weights for their whole life,
+            # also the first one, which an op made (a temporary, or an activation when alive across the forward)
+            rec.category = "weights"
             self._free(rec)
 
     def storage_allocated(self, tensor) -> None:
