@@ -61,7 +61,7 @@ LAYERS = [
     {"errors", "units", "trace", "oom_text", "files", "collector"},  # collector: issue 15 speed
     {"train_setup", "models", "gpus", "allocator", "peaks", "cache"},  # TrainSetup asks models for the default task
     {"sim", "remedies"},  # sim.trl_steps + sim._trl_adapter (TRL, issue 13: the one module on TRL internals)
-    {"estimator"},
+    {"estimator", "parallel"},  # parallel: per-rank multi-GPU estimates (issue 14); estimator calls it
     {"planner"},
     {"diagnosis"},
     {"fitting", "testing"},  # fitting.callback (MemfitCallback), fitting.trl_data (issue 13)

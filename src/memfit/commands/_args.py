@@ -76,3 +76,58 @@ def flag_wins(kwargs: dict[str, Any], name: str, value: Any, flag: str, notes: l
 
 def args_source(args: argparse.Namespace) -> str | None:
     return getattr(args, "args_file", None)
+
+
+# -- multi-GPU flags (issue 14): --gpus, --world-size, --nodes, --strategy, --deepspeed, --fsdp, --fsdp-config --
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-GPU (rank 0 of a DDP / FSDP2 / DeepSpeed ZeRO run)")
+    g.add_argument("--gpus", default=None, metavar="NxGPU", help="e.g. 8xA100-80GB: world size and GPU in one")
+    g.add_argument("--world-size", type=int, default=None, help="ranks in all (one GPU each)")
+    g.add_argument("--nodes", type=int, default=None, help="nodes the ranks are spread over (default 1)")
+    g.add_argument("--strategy", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None)
+    g.add_argument("--deepspeed", default=None, metavar="DS.json", help="DeepSpeed config (\"auto\" filled as transformers fills it)")
+    g.add_argument("--fsdp", default=None, help="TrainingArguments fsdp options, e.g. \"full_shard auto_wrap\"")
+    g.add_argument("--fsdp-config", default=None, metavar="FILE", help="TrainingArguments fsdp_config JSON")
+
+
+def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None]:
+    """(ParallelSetup or None, the GPU name --gpus gave or None) from the multi-GPU flags."""
+    from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, parse_gpus, zero_settings_from_deepspeed
+
+    gpu = None
+    world = getattr(args, "world_size", None)
+    if getattr(args, "gpus", None):
+        count, gpu = parse_gpus(args.gpus)
+        if world is not None and world != count:
+            raise MemfitError(f"--gpus `{args.gpus}` and --world-size `{world}` differ; give one of them")
+        world = count
+    given = [f for f in ("strategy", "deepspeed", "fsdp", "fsdp_config", "nodes") if getattr(args, f, None) is not None]
+    if world is None and not given:
+        return None, gpu
+    world = world or 1
+    nodes = args.nodes or 1
+    if args.deepspeed and args.fsdp:
+        raise MemfitError("--deepspeed and --fsdp are two engines; give one")
+    if args.deepspeed:
+        from memfit.models.build import resolve_config
+
+        config = resolve_config(setup.model).config
+        hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
+        zero, notes = zero_settings_from_deepspeed(args.deepspeed, hidden_size=hidden, precision=setup.precision)
+        if args.strategy and args.strategy != f"zero{zero.stage}":
+            raise MemfitError(f"--strategy `{args.strategy}` and `zero_optimization.stage` `{zero.stage}` of "
+                              f"`{args.deepspeed}` differ; drop --strategy or change the file")
+        return ParallelSetup(world_size=world, nodes=nodes, strategy=f"zero{zero.stage}", zero=zero,
+                             notes=tuple(notes)), gpu
+    if args.fsdp or args.fsdp_config:
+        if args.strategy not in (None, "fsdp"):
+            raise MemfitError(f"--strategy `{args.strategy}` with --fsdp: give --strategy fsdp or leave it out")
+        par, _ = parallel_from_fsdp_args(args.fsdp or True, args.fsdp_config, world_size=world, nodes=nodes)
+        return par, gpu
+    strategy = args.strategy or "ddp"
+    if strategy.startswith("zero"):  # no DeepSpeed file: DeepSpeed's defaults, in the Trainer's precision ("auto")
+        zero, notes = zero_settings_from_deepspeed({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+                                                    "zero_optimization": {"stage": int(strategy[-1])}},
+                                                   hidden_size=None, precision=setup.precision)
+        return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy, zero=zero, notes=tuple(notes)), gpu
+    return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy), gpu

@@ -38,6 +38,9 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
                     "1 does not fit (with --check), 2 bad input.",
     )
     add_setup_arguments(p)
+    from memfit.commands._args import add_parallel_arguments  # multi-GPU flags (issue 14)
+
+    add_parallel_arguments(p)
     p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
     p.add_argument("--snapshot", default=None, metavar="FILE.pickle",
                    help="also write the simulated run as a torch.cuda.memory snapshot (open it at pytorch.org/memory_viz)")
@@ -231,7 +234,14 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.check and gpu is None:
         raise MemfitError("`--check` needs a GPU to check against: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
                           "or `--gpu auto` on a machine with a GPU")
-    report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf,
+    from memfit.commands._args import parallel_from_args  # multi-GPU (issue 14)
+
+    parallel, gpus_name = parallel_from_args(args, setup)
+    if gpus_name is not None:
+        if gpu is not None and args.gpu is not None and args.gpu != gpus_name:
+            raise MemfitError(f"--gpu `{args.gpu}` and --gpus `{args.gpus}` name different GPUs; give one")
+        gpu = gpus_name
+    report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf, parallel=parallel,
                       cache=not args.no_cache and args.snapshot is None)  # a snapshot needs the trace
     if args.snapshot is not None:
         from memfit.allocator.export import write_run_snapshot
@@ -244,6 +254,12 @@ def estimate_command(args: argparse.Namespace) -> int:
         print()
     else:
         render(report, is_seed=is_seed)
+        if report.parallel is not None:  # multi-GPU (issue 14)
+            par = report.parallel
+            print(f"per rank ({par['strategy']}, {par['world_size']} GPUs on {par['nodes']} node(s); rank 0 shown, "
+                  f"the others hold the same): nvidia-smi per GPU {format_bytes(par['nvidia_smi_per_gpu_bytes'])} "
+                  f"(NCCL {format_bytes(par['nccl_bytes'])}); host memory for offload "
+                  f"{format_bytes(par['host_bytes_per_rank'])} per rank, {format_bytes(par['host_bytes_per_node'])} per node")
     if args.check and not report.fits:
         print(f"memfit estimate --check: {check_line(report)}", file=sys.stderr)
         return 1

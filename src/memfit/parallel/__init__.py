@@ -1,0 +1,20 @@
+"""Per-rank memory beyond one GPU: DDP, FSDP2 and DeepSpeed ZeRO-1/2/3 (issue 14, items 1-3).
+
+    from memfit import estimate
+    from memfit.parallel import ParallelSetup
+    report = estimate("meta-llama/Llama-3.2-1B", gpu="A100-80GB", parallel=ParallelSetup(world_size=8, strategy="fsdp"))
+    report.parallel["rank0_device_used_bytes"], report.parallel["host_bytes_per_node"]
+
+Modules: `setup` (the settings and their parsing: DeepSpeed JSON with transformers' `"auto"`,
+`TrainingArguments(fsdp=..., fsdp_config=...)`), `_dist_adapter` (the one module touching private
+torch.distributed), `fsdp` (FSDP2's real `fully_shard` under fake tensors and a fake process group),
+`ddp` (DDP's gradient buckets, assigned by DDP's own C++ function), `zero` (ZeRO-1/2/3 emulated from
+DeepSpeed's source; DeepSpeed's own model-state estimators reproduced), `nccl` (NCCL's buffers outside
+PyTorch) and `rank` (the trace one rank sees). Importing this package does not import torch.
+"""
+
+from memfit.parallel.setup import (STRATEGIES, ParallelSetup, ZeroSettings, parallel_from_fsdp_args, parse_gpus,
+                                   zero_settings_from_deepspeed)
+
+__all__ = ["ParallelSetup", "ZeroSettings", "STRATEGIES", "parse_gpus", "zero_settings_from_deepspeed",
+           "parallel_from_fsdp_args"]

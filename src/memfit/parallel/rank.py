@@ -1,0 +1,236 @@
+"""The trace one rank sees, per strategy, and what it holds in host memory and outside PyTorch.
+
+* `fsdp`: FSDP2's real code (memfit.parallel.fsdp).
+* `ddp`: the single-GPU simulation plus DDP's gradient buckets (torch/nn/parallel/distributed.py
+  `_ddp_init_helper`; torch/csrc/distributed/c10d/reducer.cpp): one flat tensor per bucket, the
+  buckets assigned by DDP's own `_compute_bucket_assignment_by_size` over the trainable parameters
+  with limits `[first_bucket, bucket_cap]` (1 MiB first bucket only with the default cap), made when
+  DDP wraps the model and kept; rebuilt once in the execution order at the second forward
+  (`Reducer::rebuild_buckets`: the new ones are made before the old ones go). Without
+  `gradient_as_bucket_view` autograd's gradients stay as they are and the buckets are a second
+  copy; with it the reducer copies each new gradient into its bucket view and makes `param.grad`
+  that view (`Reducer::mark_variable_ready_dense`), so the gradient tensor autograd made is freed at
+  once and `zero_grad(set_to_none=True)` frees nothing.
+* `zero1`/`zero2`/`zero3`: the simulation of the model in DeepSpeed's dtype without autocast (the engine
+  casts the module: `_configure_distributed_model`), keeping its activations, inputs, temporaries and
+  evaluation outputs; weights, gradients, optimizer state and the optimizer phase are replaced by
+  memfit.parallel.zero's per-rank buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.parallel.nccl import nccl_buffer_bytes
+from memfit.parallel.setup import ParallelSetup
+from memfit.parallel.zero import ParamInventory, ZeroBuffer, deepspeed_model_states_bytes, zero_buffers
+from memfit.trace import TraceEvent
+from memfit.train_setup import TrainSetup
+
+__all__ = ["RankResult", "simulate_rank", "param_inventory", "ddp_bucket_bytes"]
+
+
+@dataclass
+class RankResult:
+    """Rank 0's simulation and what it needs beyond its trace."""
+
+    sim: Any  # memfit.sim.engine.Simulation
+    host_bytes: int = 0
+    nccl_bytes: int = 0
+    buffers: list[dict[str, Any]] = field(default_factory=list)
+    deepspeed_model_states: dict[str, int] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _meta_model(setup: TrainSetup):
+    from memfit.sim.engine import _Runner
+
+    return _Runner(setup, fake=True, splice=False).model
+
+
+def param_inventory(model, persistence_threshold: int = 0) -> ParamInventory:
+    """Parameter counts of a (meta) model, shared parameters once (as DeepSpeed's `model_to_params`)."""
+    seen: dict[int, Any] = {}
+    for p in model.parameters():
+        seen.setdefault(id(p), p)
+    params = list(seen.values())
+    largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return ParamInventory(
+        total_params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        largest_layer_params=largest_layer,
+        largest_param_numel=max((p.numel() for p in params), default=0),
+        persistent_params=sum(p.numel() for p in params if p.numel() <= persistence_threshold),
+    )
+
+
+def ddp_bucket_bytes(model, bucket_cap_mb: float | None) -> list[int]:
+    """DDP's bucket sizes in bytes over the model's trainable parameters (module docstring)."""
+    from memfit.parallel import _dist_adapter as dadapter
+
+    params, seen = [], set()
+    for m in model.modules():  # DDP `_build_params_for_reducer`: module order, requires_grad, shared once
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
+    first = dadapter.DDP_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    buckets = dadapter.ddp_bucket_assignment(params, [first, cap])
+    return [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
+
+
+def _next_id(trace: list[TraceEvent]) -> int:
+    return max((e.id for e in trace), default=0) + 1
+
+
+def _ddp_trace(trace: list[TraceEvent], buckets: list[int], as_view: bool) -> list[TraceEvent]:
+    nid = _next_id(trace)
+    out: list[TraceEvent] = []
+    old = []
+    for size in buckets:
+        old.append(TraceEvent("alloc", nid, size, "gradients", "setup", "DDP bucket"))
+        nid += 1
+    grad_ids = set()
+    seen_optimizer = False
+    rebuilt = False
+    inserted = False
+    for ev in trace:
+        if not inserted and ev.phase != "setup":
+            out.extend(old)
+            inserted = True
+        if ev.phase == "optimizer":
+            seen_optimizer = True
+        if seen_optimizer and not rebuilt and ev.phase == "forward":
+            new = []
+            for size in buckets:  # Reducer::rebuild_buckets: new buckets, then the old ones freed
+                new.append(TraceEvent("alloc", nid, size, "gradients", "forward", "DDP bucket (rebuilt)"))
+                nid += 1
+            out.extend(new)
+            out.extend(TraceEvent("free", e.id, e.size_bytes, e.category, "forward", e.module) for e in old)
+            rebuilt = True
+        if as_view and ev.category == "gradients":
+            if ev.action == "alloc":
+                grad_ids.add(ev.id)
+                out.append(TraceEvent("alloc", ev.id, ev.size_bytes, "temporaries", ev.phase, ev.module))
+                out.append(TraceEvent("free", ev.id, ev.size_bytes, "temporaries", ev.phase, ev.module))
+            continue  # its free at zero_grad: the view goes, the bucket stays
+        out.append(ev)
+    if not inserted:
+        out.extend(old)
+    return out
+
+
+_DROPPED = ("weights", "gradients", "optimizer_state")
+
+
+def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[TraceEvent]:
+    """The simulated trace with ZeRO's GPU buffers in place of weights, gradients and optimizer state."""
+    nid = _next_id(trace)
+    gpu = [b for b in buffers if b.device == "gpu" and b.size_bytes > 0]
+
+    def make(lifetime: str, phase: str) -> list[TraceEvent]:
+        nonlocal nid
+        out_ = []
+        for b in gpu:
+            if b.lifetime == lifetime:
+                out_.append(TraceEvent("alloc", nid, b.size_bytes, b.category, phase, f"DeepSpeed {b.name}"))
+                nid += 1
+        return out_
+
+    def free(evs: list[TraceEvent], phase: str) -> list[TraceEvent]:
+        return [TraceEvent("free", e.id, e.size_bytes, e.category, phase, e.module) for e in evs]
+
+    out: list[TraceEvent] = make("setup", "setup")
+    step_made = False
+    working: list[TraceEvent] = []    # fwd_bwd: the stage-3 all-gathered working set
+    in_bwd: list[TraceEvent] = []     # backward: ipg buffers
+    to_step: list[TraceEvent] = []    # backward_to_step: the rank's gradient partition
+    prev = "setup"
+    for ev in trace:
+        phase = ev.phase
+        if phase != prev:
+            if prev == "backward":
+                out.extend(free(in_bwd, prev))
+                in_bwd = []
+                out.extend(free(working, prev))
+                working = []
+            if prev == "eval":
+                out.extend(free(working, prev))
+                working = []
+            if phase in ("forward", "eval") and not working:
+                # stage 3: the module trace is complete after the first optimizer step (not for eval's new order)
+                working = make("fwd_bwd" if step_made and phase == "forward" else "fwd_bwd_first", phase)
+                out.extend(working)
+            if phase == "backward":
+                if not to_step:
+                    to_step = make("backward_to_step", phase)
+                    out.extend(to_step)
+                in_bwd = make("backward", phase)
+                out.extend(in_bwd)
+            if phase == "optimizer":
+                if not step_made:
+                    out.extend(make("step", phase))
+                    step_made = True
+                temps = make("step_temp", phase)
+                out.extend(temps)
+                out.extend(free(temps, phase))
+                out.extend(free(to_step, phase))
+                to_step = []
+            prev = phase
+        if ev.category in _DROPPED or phase == "optimizer":
+            continue
+        out.append(ev)
+    out.extend(free(in_bwd + working + to_step, prev))
+    return out
+
+
+def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
+    """Rank 0's trace under `parallel` and what it holds beyond it (module docstring)."""
+    from memfit.sim.engine import simulate
+
+    nccl = nccl_buffer_bytes(parallel.world_size, parallel.nodes)
+    notes = list(parallel.notes)
+    if nccl:
+        notes.append(f"NCCL buffers ({nccl // 2**20} MiB per rank, an estimate: memfit.parallel.nccl) are counted "
+                     "outside PyTorch")
+    if parallel.strategy == "fsdp":
+        from memfit.parallel.fsdp import simulate_fsdp
+
+        sim = simulate_fsdp(setup, parallel)
+        host = 0
+        if parallel.cpu_offload:
+            inv = param_inventory(_meta_model(setup))
+            # CPUOffloadPolicy: fp32 shards of parameters, gradients and Adam's two states on the host
+            host = -(-inv.total_params // parallel.world_size) * 4 + -(-inv.trainable_params // parallel.world_size) * 12
+        return RankResult(sim, host_bytes=host, nccl_bytes=nccl, notes=notes)
+    if parallel.strategy == "ddp":
+        model = _meta_model(setup)
+        buckets = ddp_bucket_bytes(model, parallel.bucket_cap_mb)
+        sim = simulate(setup)
+        sim.trace = _ddp_trace(sim.trace, buckets, parallel.gradient_as_bucket_view)
+        notes.append(f"DDP: {len(buckets)} gradient buckets of {sum(buckets) / 2**20:.1f} MiB in all"
+                     + (" (gradient_as_bucket_view: the gradients are views of them)"
+                        if parallel.gradient_as_bucket_view else " (a second copy of the gradients)"))
+        return RankResult(sim, nccl_bytes=nccl, buffers=[{"name": "DDP buckets", "sizes_bytes": buckets}], notes=notes)
+    z = parallel.zero
+    dtype = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}[z.dtype]
+    base = setup.replace(precision="fp32", weights_dtype=dtype)
+    model = _meta_model(base)
+    inv = param_inventory(model, z.param_persistence_threshold if z.stage == 3 else 0)
+    buffers = zero_buffers(z, inv, parallel.world_size)
+    sim = simulate(base)
+    sim.trace = _zero_trace(sim.trace, buffers)
+    cpu, gpu = deepspeed_model_states_bytes(z.stage, inv, gpus_per_node=parallel.gpus_per_node, nodes=parallel.nodes,
+                                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param)
+    host = sum(b.size_bytes for b in buffers if b.device == "host")
+    if setup.precision != "fp32" and z.dtype == "fp32":
+        notes.append(f"the DeepSpeed config enables neither fp16 nor bf16: DeepSpeed trains in fp32, and the "
+                     f"Trainer's `{setup.precision}` is not applied to the model")
+    notes.append(f"DeepSpeed ZeRO-{z.stage} emulated from its source (memfit.parallel.zero); DeepSpeed's own "
+                 f"model-state estimator says {gpu / 2**30:.2f} GiB per GPU, {cpu / 2**30:.2f} GiB host")
+    return RankResult(sim, host_bytes=host, nccl_bytes=nccl,
+                      buffers=[{"name": b.name, "bytes": b.size_bytes, "device": b.device, "lifetime": b.lifetime,
+                                "rule": b.rule} for b in buffers],
+                      deepspeed_model_states={"cpu_bytes": cpu, "gpu_bytes": gpu}, notes=notes)

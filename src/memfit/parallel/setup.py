@@ -1,0 +1,377 @@
+"""The settings of a multi-GPU run: strategy, world size, and each engine's own knobs.
+
+* DDP (`torch.nn.parallel.DistributedDataParallel.__init__`): `bucket_cap_mb` (default 25), the
+  first bucket of 1 MiB (`dist._DEFAULT_FIRST_BUCKET_BYTES`), `gradient_as_bucket_view` (default False).
+* FSDP2 (`torch.distributed.fsdp.fully_shard`), as transformers configures it from
+  `TrainingArguments(fsdp=..., fsdp_config=...)` (`TrainingArguments._process_fsdp_args` and
+  `_apply_legacy_fsdp_to_config`): `"full_shard"` -> `reshard_after_forward=True`, `"shard_grad_op"`
+  -> False, `"offload"` -> `cpu_offload`, `"auto_wrap"` a no-op (each decoder block is wrapped);
+  `fsdp_config` keys with or without the `fsdp_` prefix; the hybrid strategies are FSDP1-only there
+  and an error here too.
+* DeepSpeed ZeRO from the JSON passed as `TrainingArguments(deepspeed=...)`, `"auto"` filled as
+  transformers fills it (transformers/integrations/deepspeed.py, `HfTrainerDeepSpeedConfig.
+  trainer_config_process`: `fp16.enabled` / `bf16.enabled` from the Trainer's precision;
+  `trainer_config_finalize`: `reduce_bucket_size` = hidden^2, and for stage 3
+  `stage3_prefetch_bucket_size` = int(0.9 * hidden^2), `stage3_param_persistence_threshold` =
+  10 * hidden), and DeepSpeed's defaults for what the JSON leaves out
+  (deepspeed/runtime/zero/config.py `DeepSpeedZeroConfig`).
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = ["STRATEGIES", "ParallelSetup", "ZeroSettings", "parse_gpus", "zero_settings_from_deepspeed",
+           "parallel_from_fsdp_args", "read_json_file"]
+
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+
+#: DDP defaults: `DistributedDataParallel.__init__(bucket_cap_mb=None)` -> 25 MiB
+#: (torch/nn/parallel/distributed.py: `bucket_cap_mb = 25` when None; `_DEFAULT_FIRST_BUCKET_BYTES` = 1 MiB).
+DDP_BUCKET_CAP_MB = 25.0
+
+#: DeepSpeed's defaults (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig fields), in elements.
+_DS_REDUCE_BUCKET_SIZE = int(5e8)       # reduce_bucket_size: Field(pp_int(5e8))
+_DS_ALLGATHER_BUCKET_SIZE = int(5e8)    # allgather_bucket_size: Field(pp_int(5e8))
+_DS_PREFETCH_BUCKET_SIZE = int(5e7)     # prefetch_bucket_size (stage3_prefetch_bucket_size): pp_int(5e7)
+_DS_PERSISTENCE_THRESHOLD = int(1e5)    # param_persistence_threshold: pp_int(1e5)
+_DS_MAX_LIVE_PARAMETERS = int(1e9)      # max_live_parameters: pp_int(1e9)
+_DS_SUB_GROUP_SIZE = int(1e9)           # sub_group_size: pp_int(1e9)
+_DS_MAX_REUSE_DISTANCE = int(1e9)       # max_reuse_distance (stage3_max_reuse_distance): pp_int(1e9)
+
+_ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+              "stage3_max_live_parameters", "stage3_param_persistence_threshold", "contiguous_gradients",
+              "overlap_comm", "offload_optimizer", "offload_param", "sub_group_size", "reduce_scatter",
+              "allgather_partitions", "round_robin_gradients", "stage3_max_reuse_distance",
+              "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+              "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+              "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "mics_shard_size",
+              "memory_efficient_linear", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
+              "stage3_model_persistence_threshold", "use_multi_rank_bucket_allreduce", "log_trace_cache_warnings",
+              "module_granularity_threshold", "stage3_module_granularity_threshold", "zeropp_loco_param",
+              "pipeline_loading_checkpoint", "override_module_apply", "leaf_module", "stage3_use_all_reduce_for_fetch_params",
+              "allgather_sequential", "save_muon_momentum_buffer_in_memory", "log_trace_cache_warnings"}
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """DeepSpeed ZeRO settings after `"auto"` resolution; sizes in elements, as DeepSpeed counts them."""
+
+    stage: int
+    dtype: str
+    """`fp16`, `bf16` or `fp32`: the dtype DeepSpeed casts the model to (engine `_configure_distributed_model`)."""
+    reduce_bucket_size: int = _DS_REDUCE_BUCKET_SIZE
+    allgather_bucket_size: int = _DS_ALLGATHER_BUCKET_SIZE
+    prefetch_bucket_size: int = _DS_PREFETCH_BUCKET_SIZE
+    max_live_parameters: int = _DS_MAX_LIVE_PARAMETERS
+    param_persistence_threshold: int = _DS_PERSISTENCE_THRESHOLD
+    sub_group_size: int = _DS_SUB_GROUP_SIZE
+    contiguous_gradients: bool = True
+    overlap_comm: bool = False
+    """DeepSpeedZeroConfig.overlap_comm_valid: None -> True for stage 3, else False."""
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    max_reuse_distance: int = _DS_MAX_REUSE_DISTANCE
+    torch_adam: bool = False
+    """`optimizer.params.torch_adam`: DeepSpeed steps torch's Adam (temporaries) instead of FusedAdam (none)."""
+
+
+@dataclass(frozen=True)
+class ParallelSetup:
+    """How a run is spread over GPUs. `world_size` ranks over `nodes` nodes, one GPU per rank."""
+
+    world_size: int = 1
+    nodes: int = 1
+    strategy: str = "ddp"
+    # DDP
+    bucket_cap_mb: float | None = None
+    """DDP `bucket_cap_mb` (TrainingArguments `ddp_bucket_cap_mb`); None: DDP's default of 25 MiB with a first
+    bucket of 1 MiB (`_BucketCapacityConfig.create`: the 1 MiB first bucket only when the cap is the default)."""
+    gradient_as_bucket_view: bool = False
+    # FSDP2
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    """FSDP2 `CPUOffloadPolicy`: sharded parameters, gradients and optimizer state live in host memory."""
+    param_dtype: str | None = None
+    """FSDP2 `MixedPrecisionPolicy(param_dtype=...)`: `bf16`, `fp16`, or None (the parameters' own dtype)."""
+    reduce_dtype: str | None = None
+    # DeepSpeed
+    zero: ZeroSettings | None = None
+    """Resolved ZeRO settings (`zero_settings_from_deepspeed`); None with a zero strategy: DeepSpeed's defaults in fp32
+    (the CLI passes the Trainer's precision, as `"auto"` would)."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "nodes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MemfitError(f"{name} `{v!r}` must be a whole number of at least 1")
+        if self.world_size % self.nodes:
+            raise MemfitError(f"world size `{self.world_size}` is not a multiple of nodes `{self.nodes}`; "
+                              "give the same number of GPUs on each node")
+        if self.strategy not in STRATEGIES:
+            raise MemfitError(f"strategy `{self.strategy}` is not one of {', '.join(STRATEGIES)}")
+        if self.bucket_cap_mb is not None and not (isinstance(self.bucket_cap_mb, (int, float))
+                                                   and not isinstance(self.bucket_cap_mb, bool) and self.bucket_cap_mb > 0):
+            raise MemfitError(f"bucket_cap_mb `{self.bucket_cap_mb!r}` must be a positive number of MiB (DDP's default is 25)")
+        for name in ("param_dtype", "reduce_dtype"):
+            v = getattr(self, name)
+            if v not in (None, "fp32", "fp16", "bf16"):
+                raise MemfitError(f"FSDP {name} `{v}` is not fp32, fp16 or bf16")
+        if self.strategy.startswith("zero"):
+            stage = int(self.strategy[-1])
+            if self.zero is None:
+                object.__setattr__(self, "zero", ZeroSettings(stage=stage, dtype="fp32",
+                                                              overlap_comm=stage == 3))
+            elif self.zero.stage != stage:
+                raise MemfitError(f"strategy `{self.strategy}` and the DeepSpeed config's stage `{self.zero.stage}` "
+                                  f"differ; use --strategy zero{self.zero.stage} or change `zero_optimization.stage`")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+    def replace(self, **changes: Any) -> "ParallelSetup":
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        out = asdict(self)
+        out["notes"] = list(self.notes)
+        return out
+
+
+_GPUS = re.compile(r"^\s*(\d+)\s*[x×*]\s*(\S+)\s*$", re.IGNORECASE)
+
+
+def parse_gpus(text: str) -> tuple[int, str]:
+    """`8xA100-80GB` -> (8, "A100-80GB")."""
+    m = _GPUS.match(str(text))
+    if not m or int(m.group(1)) < 1:
+        raise MemfitError(f"--gpus `{text}` is not COUNTxGPU; write e.g. `8xA100-80GB`")
+    return int(m.group(1)), m.group(2)
+
+
+def read_json_file(path: str | Path, what: str) -> dict[str, Any]:
+    """A JSON object from a file, or a clear MemfitError."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise MemfitError(f"cannot read {what} `{path}`: {err.strerror or err}") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MemfitError(f"{what} `{path}` is not valid JSON (line {err.lineno}: {err.msg})") from err
+    if not isinstance(data, dict):
+        raise MemfitError(f"{what} `{path}` must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def _count(value: Any, key: str, auto: int | None) -> int:
+    """A DeepSpeed size (elements): an int, a float such as 5e8, or `"auto"` (filled with `auto`)."""
+    if value == "auto":
+        if auto is None:
+            raise MemfitError(f"`zero_optimization.{key}` is `\"auto\"` but the model's config has no `hidden_size` "
+                              "(transformers fills it from hidden_size); give a number")
+        return int(auto)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise MemfitError(f"`zero_optimization.{key}` `{value!r}` must be a non-negative number of elements or \"auto\"")
+    return int(value)
+
+
+def _flag(value: Any, key: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    raise MemfitError(f"`{key}` `{value!r}` must be true or false")
+
+
+def _offload(section: Any, key: str) -> bool:
+    """`offload_optimizer` / `offload_param`: {"device": "cpu"|"none"|"nvme"}; nvme is not modelled."""
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        raise MemfitError(f"`zero_optimization.{key}` `{section!r}` must be an object such as {{\"device\": \"cpu\"}}")
+    device = section.get("device", "none")
+    if device in (None, "none"):
+        return False
+    if device == "cpu":
+        return True
+    if device == "nvme":
+        raise MemfitError(f"`zero_optimization.{key}.device` `nvme` is not modelled by memfit; use `cpu` or `none`")
+    raise MemfitError(f"`zero_optimization.{key}.device` `{device}` is not cpu, nvme or none")
+
+
+def _enabled(config: dict[str, Any], section: str, trainer_value: bool) -> bool:
+    """`fp16.enabled` / `bf16.enabled`: `"auto"` takes the Trainer's value (trainer_config_process fill_match)."""
+    sec = config.get(section)
+    if sec is None:
+        return False
+    if not isinstance(sec, dict):
+        raise MemfitError(f"`{section}` `{sec!r}` in the DeepSpeed config must be an object such as {{\"enabled\": true}}")
+    value = sec.get("enabled", False)
+    if value == "auto":
+        return trainer_value
+    return _flag(value, f"{section}.enabled", False)
+
+
+def _torch_adam(config: dict[str, Any]) -> bool:
+    opt = config.get("optimizer")
+    if not isinstance(opt, dict):
+        return False  # no optimizer section: the Trainer's own (adamw_torch_fused by default) is wrapped
+    params = opt.get("params") or {}
+    return bool(isinstance(params, dict) and params.get("torch_adam") is True)
+
+
+def zero_settings_from_deepspeed(config: dict[str, Any] | str | Path, *, hidden_size: int | None,
+                                 precision: str = "fp32") -> tuple[ZeroSettings, list[str]]:
+    """The ZeRO settings of a DeepSpeed JSON, `"auto"` resolved as transformers resolves it.
+
+    Args:
+        config: the parsed JSON, or a path to it.
+        hidden_size: the model config's `hidden_size` (or the largest of `hidden_sizes`), which the
+            `"auto"` bucket sizes are computed from; None when the config has none.
+        precision: the Trainer's mixed precision (`fp16`, `bf16`, `fp32`), which `"auto"` in
+            `fp16.enabled` / `bf16.enabled` takes.
+
+    Returns (settings, notes).
+    """
+    if not isinstance(config, dict):
+        config = read_json_file(config, "DeepSpeed config")
+    notes: list[str] = []
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise MemfitError(f"`zero_optimization` `{zero!r}` in the DeepSpeed config must be an object")
+    unknown = sorted(set(zero) - _ZERO_KEYS)
+    if unknown:
+        notes.append(f"DeepSpeed zero_optimization keys memfit does not model: {', '.join(unknown)}")
+    stage = zero.get("stage", 0)
+    if stage == "auto":
+        raise MemfitError("`zero_optimization.stage` `\"auto\"` is not resolved by transformers; give 1, 2 or 3")
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise MemfitError(f"`zero_optimization.stage` `{stage!r}` must be 1, 2 or 3 (stage 0 is plain data "
+                          "parallelism: use --strategy ddp)")
+    fp16 = _enabled(config, "fp16", precision == "fp16")
+    bf16 = _enabled(config, "bf16", precision == "bf16")
+    if fp16 and bf16:
+        raise MemfitError("the DeepSpeed config enables both `fp16` and `bf16`; enable one")
+    dtype = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    h2 = hidden_size * hidden_size if hidden_size else None
+    if "cpu_offload" in zero:  # legacy key (deepspeed/runtime/zero/config.py read_zero_config_deprecated)
+        notes.append("`zero_optimization.cpu_offload` is DeepSpeed's deprecated spelling of offload_optimizer.device=cpu")
+    settings = ZeroSettings(
+        stage=int(stage), dtype=dtype,
+        reduce_bucket_size=_count(zero.get("reduce_bucket_size", _DS_REDUCE_BUCKET_SIZE), "reduce_bucket_size", h2),
+        allgather_bucket_size=_count(zero.get("allgather_bucket_size", _DS_ALLGATHER_BUCKET_SIZE),
+                                     "allgather_bucket_size", None),
+        prefetch_bucket_size=_count(zero.get("stage3_prefetch_bucket_size", _DS_PREFETCH_BUCKET_SIZE),
+                                    "stage3_prefetch_bucket_size", int(0.9 * h2) if h2 else None),
+        max_live_parameters=_count(zero.get("stage3_max_live_parameters", _DS_MAX_LIVE_PARAMETERS),
+                                   "stage3_max_live_parameters", None),
+        param_persistence_threshold=_count(zero.get("stage3_param_persistence_threshold", _DS_PERSISTENCE_THRESHOLD),
+                                           "stage3_param_persistence_threshold",
+                                           10 * hidden_size if hidden_size else None),
+        sub_group_size=_count(zero.get("sub_group_size", _DS_SUB_GROUP_SIZE), "sub_group_size", None),
+        max_reuse_distance=_count(zero.get("stage3_max_reuse_distance", _DS_MAX_REUSE_DISTANCE),
+                                  "stage3_max_reuse_distance", None),
+        torch_adam=_torch_adam(config),
+        contiguous_gradients=_flag(zero.get("contiguous_gradients"), "zero_optimization.contiguous_gradients", True),
+        overlap_comm=_flag(zero.get("overlap_comm"), "zero_optimization.overlap_comm", int(stage) == 3),
+        offload_optimizer=_offload(zero.get("offload_optimizer"), "offload_optimizer") or bool(zero.get("cpu_offload")),
+        offload_param=_offload(zero.get("offload_param"), "offload_param"),
+    )
+    if settings.offload_param and settings.stage != 3:
+        raise MemfitError(f"`zero_optimization.offload_param` needs stage 3 (the config has stage `{stage}`); "
+                          "remove it or set `\"stage\": 3`")
+    return settings, notes
+
+
+_FSDP_OPTIONS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap")
+
+
+def _bool_text(value: Any, key: str) -> bool:
+    """transformers' `str_to_bool(str(value).lower())`."""
+    text = str(value).lower()
+    if text in ("true", "1", "yes", "y", "on", "t"):
+        return True
+    if text in ("false", "0", "no", "n", "off", "f"):
+        return False
+    raise MemfitError(f"fsdp_config `{key}` `{value!r}` must be true or false")
+
+
+def parallel_from_fsdp_args(fsdp: str | list[str] | bool, fsdp_config: dict[str, Any] | str | Path | None = None, *,
+                            world_size: int = 1, nodes: int = 1) -> tuple[ParallelSetup, list[str]]:
+    """`TrainingArguments(fsdp=..., fsdp_config=...)` as FSDP2 settings (transformers 5 `_process_fsdp_args`).
+
+    Args:
+        fsdp: `"full_shard auto_wrap"`, a list of such options, or True (everything from fsdp_config).
+        fsdp_config: a dict, or the path of a JSON file, as TrainingArguments takes it.
+        world_size: ranks in all.
+        nodes: nodes the ranks are spread over.
+
+    Returns (settings, notes); `activation_checkpointing: true` is a note telling the caller to turn on
+    gradient checkpointing in the TrainSetup (FSDP's own checkpointing recomputes each block as HF's does).
+    """
+    if fsdp_config is None:
+        cfg: dict[str, Any] = {}
+    elif isinstance(fsdp_config, dict):
+        cfg = dict(fsdp_config)
+    else:
+        cfg = read_json_file(fsdp_config, "fsdp_config")
+    cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in cfg.items()}
+    notes: list[str] = []
+    version = cfg.get("version", 2)
+    if str(version) != "2":
+        raise MemfitError(f"fsdp_config `version` `{version}` is not modelled: memfit models FSDP2 "
+                          "(`fully_shard`, transformers' default); set `\"version\": 2`")
+    if fsdp is True:
+        items: list[str] = []
+    elif isinstance(fsdp, str):
+        items = fsdp.split()
+    elif isinstance(fsdp, (list, tuple)):
+        items = [str(x) for x in fsdp]
+    else:
+        raise MemfitError(f"fsdp `{fsdp!r}` must be options such as `full_shard auto_wrap`, or true")
+    for item in items:
+        if item not in _FSDP_OPTIONS:
+            raise MemfitError(f"fsdp option `{item}` is not one of {', '.join(_FSDP_OPTIONS)}")
+        if item in ("no_shard", "hybrid_shard", "hybrid_shard_zero2"):
+            raise MemfitError(f"fsdp option `{item}` is FSDP1-only in transformers 5 (`_apply_legacy_fsdp_to_config`); "
+                              "use `full_shard` or `shard_grad_op` with FSDP2")
+        if item == "full_shard":
+            cfg.setdefault("reshard_after_forward", True)
+        elif item == "shard_grad_op":
+            cfg.setdefault("reshard_after_forward", False)
+        elif item == "offload":
+            cfg.setdefault("cpu_offload", True)
+    reshard = _bool_text(cfg.get("reshard_after_forward", True), "reshard_after_forward")
+    offload = _bool_text(cfg.get("cpu_offload", False), "cpu_offload")
+    param_dtype = reduce_dtype = None
+    mp = cfg.get("mixed_precision_policy") or cfg.get("mixed_precision")
+    if mp is not None:
+        names = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
+        if isinstance(mp, str):
+            mp = {"param_dtype": mp, "reduce_dtype": mp}
+        if not isinstance(mp, dict):
+            raise MemfitError(f"fsdp_config `mixed_precision_policy` `{mp!r}` must be an object or a dtype name")
+        for key in ("param_dtype", "reduce_dtype"):
+            v = mp.get(key)
+            if v is not None and str(v).removeprefix("torch.") not in names:
+                raise MemfitError(f"fsdp_config mixed precision `{key}` `{v}` is not bfloat16, float16 or float32")
+        param_dtype = names.get(str(mp.get("param_dtype")).removeprefix("torch.")) if mp.get("param_dtype") else None
+        reduce_dtype = names.get(str(mp.get("reduce_dtype")).removeprefix("torch.")) if mp.get("reduce_dtype") else None
+    if _bool_text(cfg.get("activation_checkpointing", False), "activation_checkpointing"):
+        notes.append("fsdp_config activation_checkpointing: simulated as gradient checkpointing of each block")
+    out = ParallelSetup(world_size=world_size, nodes=nodes, strategy="fsdp", reshard_after_forward=reshard,
+                        cpu_offload=offload, param_dtype=param_dtype, reduce_dtype=reduce_dtype, notes=tuple(notes))
+    return out, notes

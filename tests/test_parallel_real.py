@@ -1,0 +1,117 @@
+"""memfit.parallel against REAL 2-process CPU runs (gloo) of DDP and FSDP2: each rank's live tensor bytes
+(memory_budget's counting, rounded to 512; DTensors counted as their local shards; FSDP2's resize-based
+frees and re-allocations seen through the same hook memfit's simulation uses) vs memfit's rank-0 trace."""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from memfit.testing import round_size
+
+STEP_TENSORS_BYTES = 28 * 512
+"""Adam's `step` counters: one scalar per parameter (the tiny GPT-2 has 28) that CUDA keeps on the host
+(torch/optim/adam.py `_init_group`, not capturable / fused), which memfit leaves out of the GPU trace and
+this CPU run counts. The rest of the gap is held under 1% of the peak (measured: DDP peak 26112 B of
+2.73 MB above the prediction, final 15360 B; FSDP2 peak 2048 B of 1.86 MB, final 18432 B): scalars of the
+CPU code paths (loss, grad-norm parts), not explained one by one."""
+
+
+def _config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
+def _worker(rank, world, init, out, strategy):
+    import torch.distributed as dist
+    from torch.utils._pytree import tree_flatten
+    from transformers import GPT2LMHeadModel
+
+    from memfit.parallel import _dist_adapter as da
+    from memfit.testing import MemoryBudget
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+
+    class Shards(MemoryBudget):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in tree_flatten(result)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._track(da.local_tensor(t).untyped_storage())
+            return result
+
+        def on_free(self, t):
+            size = self._seen.pop(t.untyped_storage(), None)
+            if size:
+                self.live_bytes -= size
+
+        def on_alloc(self, t):
+            self._track(t.untyped_storage())
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(_config())
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[-1, -1] = 0  # memfit's simulated batch: one pad token
+    res = {}
+    budget = Shards(1 << 40, count=[model])
+    before = budget.live_bytes
+    with budget, da.fsdp_storage_hooks(budget.on_alloc, budget.on_free):
+        if strategy == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            for block in model.transformer.h:
+                da.fully_shard(block)
+            da.fully_shard(model)
+        res["wrap"] = budget.live_bytes - before
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        for _ in range(2):
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        res["final"] = budget.live_bytes
+        res["peak"] = budget.peak_bytes
+    with open(os.path.join(out, f"{rank}.json"), "w") as fh:
+        json.dump(res, fh)
+    dist.destroy_process_group()
+
+
+def _real(strategy):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(2, os.path.join(d, "init"), d, strategy), nprocs=2, join=True)
+        return [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
+
+
+def _predicted(strategy):
+    from memfit.parallel import ParallelSetup
+    from memfit.parallel.rank import simulate_rank
+    from memfit.train_setup import TrainSetup
+
+    setup = TrainSetup.from_kwargs(_config(), task="causal-lm", per_device_train_batch_size=2, max_length=16,
+                                   optim="adamw_torch", eval_strategy="no", weights_dtype="fp32")
+    r = simulate_rank(setup, ParallelSetup(world_size=2, strategy=strategy))
+    live = peak = 0
+    for e in r.sim.trace:
+        live += round_size(e.size_bytes) if e.action == "alloc" else -round_size(e.size_bytes)
+        peak = max(peak, live)
+    return {"peak": peak, "final": live, "buckets": sum(round_size(b) for b in (r.buffers[0]["sizes_bytes"] if r.buffers else []))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_per_rank_prediction_matches_a_real_gloo_run(strategy):
+    real = _real(strategy)
+    assert [(r["peak"], r["final"]) for r in real] == [(real[0]["peak"], real[0]["final"])] * 2  # ranks agree
+    pred = _predicted(strategy)
+    if strategy == "ddp":
+        # DDP's gradient buckets: exact. A rank may still hold the flat tensor of DDP's initial broadcast
+        # (`_sync_module_states`, freed when the C++ side lets go of it: seen on either rank, in no fixed order)
+        assert min(r["wrap"] for r in real) == pred["buckets"]
+    for key in ("peak", "final"):
+        gap = real[0][key] - pred[key]
+        assert 0 <= gap <= STEP_TENSORS_BYTES + real[0]["peak"] // 100, (key, real[0][key], pred[key])
