@@ -152,3 +152,25 @@ def like_fake():
         yield
     finally:
         masking_utils.is_tracing = plain
+
+
+def trace_key(trace):
+    """(action, size, category, phase) per event, and for a free the position of its alloc: what two traces
+    must share event for event to be the same run (tests/test_exactness.py and its siblings)."""
+    pos, out = {}, []
+    for i, ev in enumerate(trace):
+        if ev.action == "alloc":
+            pos[ev.id] = i
+            out.append((ev.action, ev.size_bytes, ev.category, ev.phase))
+        else:
+            out.append((ev.action, ev.size_bytes, ev.category, ev.phase, pos.get(ev.id)))
+    return out
+
+
+def trace_peak_bytes(trace) -> int:
+    """The largest sum of live bytes over a trace (sizes as recorded, no rounding)."""
+    cur = peak = 0
+    for e in trace:
+        cur += e.size_bytes if e.action == "alloc" else -e.size_bytes
+        peak = max(peak, cur)
+    return peak

@@ -23,7 +23,7 @@ import contextlib
 import pytest
 import torch
 import transformers.masking_utils as masking_utils
-from helpers import B, SEQ, TINY_TASK as TASK, tiny_config as _config
+from helpers import B, SEQ, TINY_TASK as TASK, tiny_config as _config, trace_key
 from memfit.peaks import peaks
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
@@ -47,16 +47,7 @@ def _like_fake():
         masking_utils.is_tracing = plain
 
 
-def _key(trace):
-    """(action, size, category, phase) per event, and for a free the position of its alloc."""
-    pos, out = {}, []
-    for i, ev in enumerate(trace):
-        if ev.action == "alloc":
-            pos[ev.id] = i
-            out.append((ev.action, ev.size_bytes, ev.category, ev.phase))
-        else:
-            out.append((ev.action, ev.size_bytes, ev.category, ev.phase, pos.get(ev.id)))
-    return out
+_key = trace_key  # tests/helpers.py
 
 
 @pytest.fixture(scope="module", autouse=True)

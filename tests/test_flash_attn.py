@@ -14,6 +14,7 @@ from memfit.sim.engine import simulate
 from memfit.sim.kernels import flash_attn as fa
 from memfit.sim.tracker import StorageTracker
 from memfit.train_setup import TrainSetup
+from helpers import trace_peak_bytes
 
 
 def _allocs(tracker: StorageTracker, start: int) -> list[int]:
@@ -137,12 +138,7 @@ def test_unknown_and_hub_attention_names():
     assert fa.canonical_attn_implementation("kernels-community/vllm-flash-attn3") == "flash_attention_3"
 
 
-def _peak(trace) -> int:
-    cur = peak = 0
-    for e in trace:
-        cur += e.size_bytes if e.action == "alloc" else -e.size_bytes
-        peak = max(peak, cur)
-    return peak
+_peak = trace_peak_bytes  # tests/helpers.py
 
 
 def test_flash_vs_sdpa_vs_eager_at_4k_tokens_on_a_llama_like_model():

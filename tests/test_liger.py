@@ -16,6 +16,7 @@ from memfit.sim.engine import simulate  # noqa: E402
 from memfit.sim.kernels import liger as lg  # noqa: E402
 from memfit.sim.tracker import StorageTracker  # noqa: E402
 from memfit.train_setup import TrainSetup  # noqa: E402
+from helpers import trace_peak_bytes
 
 
 def test_installed_flce_chunking_rule_is_the_one_memfit_models():
@@ -78,12 +79,7 @@ def test_module_patches_are_undone_after_the_simulation():
     assert after == before
 
 
-def _peak(trace) -> int:
-    cur = peak = 0
-    for e in trace:
-        cur += e.size_bytes if e.action == "alloc" else -e.size_bytes
-        peak = max(peak, cur)
-    return peak
+_peak = trace_peak_bytes  # tests/helpers.py
 
 
 def test_liger_removes_the_logits_from_the_peak():

@@ -21,6 +21,7 @@ from memfit.errors import MemfitError
 from memfit.sim import moe
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
+from helpers import trace_key
 
 B, SEQ = 2, 16
 TOKENS = B * SEQ
@@ -110,15 +111,7 @@ EXPERTS = (transformers.models.mixtral.modeling_mixtral.MixtralExperts,
            transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts)
 
 
-def _key(trace):
-    pos, out = {}, []
-    for i, ev in enumerate(trace):
-        if ev.action == "alloc":
-            pos[ev.id] = i
-            out.append((ev.action, ev.size_bytes, ev.category, ev.phase))
-        else:
-            out.append((ev.action, ev.size_bytes, ev.category, ev.phase, pos.get(ev.id)))
-    return out
+_key = trace_key  # tests/helpers.py
 
 
 @pytest.fixture(scope="module", autouse=True)

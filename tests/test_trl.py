@@ -13,7 +13,7 @@ import pytest
 
 trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
-from helpers import like_fake, tiny_config  # noqa: E402
+from helpers import like_fake, tiny_config, trace_key  # noqa: E402
 
 from memfit import MemfitCallback, TrainSetup, estimate, preflight  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
@@ -84,15 +84,7 @@ def test_bad_trl_settings_are_one_line_errors(kw, match):
 
 # -- the simulated steps -----------------------------------------------------------------------------
 
-def _key(trace):
-    pos, out = {}, []
-    for i, ev in enumerate(trace):
-        if ev.action == "alloc":
-            pos[ev.id] = i
-            out.append((ev.action, ev.size_bytes, ev.category, ev.phase))
-        else:
-            out.append((ev.action, ev.size_bytes, ev.category, ev.phase, pos.get(ev.id)))
-    return out
+_key = trace_key  # tests/helpers.py
 
 
 CASES = [
