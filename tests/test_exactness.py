@@ -18,12 +18,9 @@ The real run here is told it is tracing, and everything else must match exactly.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import transformers.masking_utils as masking_utils
-from helpers import B, SEQ, TINY_TASK as TASK, tiny_config as _config, trace_key
+from helpers import B, SEQ, TINY_TASK as TASK, tiny_config as _config, trace_key, like_fake
 from memfit.peaks import peaks
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
@@ -36,15 +33,7 @@ def _setup(arch: str, **kw) -> TrainSetup:
                       per_device_eval_batch_size=B, max_length=SEQ, **kw)
 
 
-@contextlib.contextmanager
-def _like_fake():
-    """Make masking_utils treat real tensors as it treats FakeTensors (see the module docstring)."""
-    plain = masking_utils.is_tracing
-    masking_utils.is_tracing = lambda tensor=None: True
-    try:
-        yield
-    finally:
-        masking_utils.is_tracing = plain
+_like_fake = like_fake  # tests/helpers.py: masking_utils treats real tensors as FakeTensors
 
 
 _key = trace_key  # tests/helpers.py

@@ -15,13 +15,12 @@ import contextlib
 import pytest
 import torch
 import transformers
-import transformers.masking_utils as masking_utils
 
 from memfit.errors import MemfitError
 from memfit.sim import moe
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
-from helpers import trace_key
+from helpers import like_fake, trace_key
 
 B, SEQ = 2, 16
 TOKENS = B * SEQ
@@ -67,15 +66,7 @@ def _setup(arch: str, **kw) -> TrainSetup:
     return TrainSetup(model=CONFIGS[arch](), task="causal-lm", per_device_train_batch_size=B, max_length=SEQ, **kw)
 
 
-@contextlib.contextmanager
-def _like_fake():
-    """masking_utils reads the mask of real tensors only (see tests/test_exactness.py)."""
-    plain = masking_utils.is_tracing
-    masking_utils.is_tracing = lambda tensor=None: True
-    try:
-        yield
-    finally:
-        masking_utils.is_tracing = plain
+_like_fake = like_fake  # tests/helpers.py: masking_utils treats real tensors as FakeTensors
 
 
 def _routing(kind: str, experts: int, top_k: int) -> torch.Tensor:
