@@ -346,11 +346,11 @@ def test_plan_file_that_is_binary_is_a_one_line_error(tmp_path, capsys):
     plan.write_bytes(bytes(range(256)))
     assert main(["diagnose", str(log), "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "binary.json" in err and "not text" in err and "`" in err
+    assert err.count("\n") == 1 and "binary.json" in err and "not UTF-8 text" in err and "`" in err
     plan.write_text("{not json")
     assert main(["diagnose", str(log), "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not JSON" in err
+    assert err.count("\n") == 1 and "not valid JSON" in err
     assert main(["diagnose", str(log), "--plan", str(tmp_path)]) == 2
     assert "directory" in capsys.readouterr().err
 

@@ -42,8 +42,12 @@ def test_deepspeed_file_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(MemfitError, match="not valid JSON"):
         zero_settings_from_deepspeed(bad, hidden_size=8)
-    with pytest.raises(MemfitError, match="cannot read"):
+    with pytest.raises(MemfitError, match="does not exist"):
         zero_settings_from_deepspeed(tmp_path / "missing.json", hidden_size=8)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes('{"zero_optimization": {"stage": 2}, "note": "caf\xe9"}'.encode("latin-1"))
+    with pytest.raises(MemfitError, match="not UTF-8"):  # was a UnicodeDecodeError traceback
+        zero_settings_from_deepspeed(latin, hidden_size=8)
 
 
 def test_fsdp_training_args():

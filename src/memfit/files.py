@@ -1,4 +1,9 @@
-"""Files memfit writes: whole or not at all.
+"""Files memfit reads and writes: JSON read with one-line errors, written whole or not at all.
+
+`read_json_object` reads a JSON object a user named (an `--args` file, a saved plan, a DeepSpeed
+JSON, an FSDP config); everything that can be wrong with it (missing, a folder, unreadable, not
+UTF-8, not JSON, nested too deeply, not an object) is a one-line MemfitError naming the file, what
+it should be and how to get one. A UTF-8 byte-order mark (what Windows editors write) is accepted.
 
 `write_json_atomic` writes to a temporary file in the target's folder and moves it into place with
 `os.replace` (atomic on POSIX and Windows), so a reader, another process or a crash never sees a
@@ -13,7 +18,39 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["write_json_atomic"]
+from memfit.errors import MemfitError
+
+__all__ = ["read_json_object", "write_json_atomic"]
+
+
+def read_json_object(path: str | os.PathLike[str], what: str, hint: str) -> dict[str, Any]:
+    """The JSON object in the file at `path`, or a one-line MemfitError.
+
+    Args:
+        path: the file the user named.
+        what: what the file is, for the message (e.g. "arguments file", "DeepSpeed config").
+        hint: how to get a right one, ending the message (e.g. "pass a JSON file of TrainingArguments kwargs").
+    """
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError as err:
+        raise MemfitError(f"{what} `{path}` does not exist; {hint}") from err
+    except IsADirectoryError as err:
+        raise MemfitError(f"{what} `{path}` is a directory; {hint}") from err
+    except OSError as err:
+        raise MemfitError(f"cannot read {what} `{path}` ({err.strerror or err}); {hint}") from err
+    try:
+        data = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise MemfitError(f"{what} `{path}` is not UTF-8 text (byte {err.start}); save it as UTF-8 JSON") from err
+    except json.JSONDecodeError as err:
+        raise MemfitError(f"{what} `{path}` is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from err
+    except RecursionError as err:
+        raise MemfitError(f"{what} `{path}` is nested too deeply to read; {hint}") from err
+    if not isinstance(data, dict):
+        raise MemfitError(f"{what} `{path}` must hold a JSON object, not `{type(data).__name__}`; {hint}")
+    return data
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, **dump_kwargs: Any) -> None:

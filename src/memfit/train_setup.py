@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.files import read_json_object
 
 __all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "ATTN_IMPLEMENTATIONS", "HUB_FLASH_KERNELS",
            "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
@@ -529,24 +530,7 @@ class TrainSetup:
 
 def read_args_file(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON object of an arguments file (`--args`), or a one-line MemfitError saying what is wrong with it."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError as err:
-        raise MemfitError(f"arguments file `{path}` does not exist; pass a JSON file of TrainingArguments kwargs") from err
-    except IsADirectoryError as err:
-        raise MemfitError(f"arguments file `{path}` is a directory; pass a JSON file of TrainingArguments kwargs") from err
-    except UnicodeDecodeError as err:
-        raise MemfitError(f"arguments file `{path}` is not UTF-8 text (byte {err.start}); save it as UTF-8 JSON") from err
-    except OSError as err:
-        raise MemfitError(f"cannot read arguments file `{path}`: {err.strerror or err}") from err
-    except json.JSONDecodeError as err:
-        raise MemfitError(f"arguments file `{path}` is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from err
-    except RecursionError as err:
-        raise MemfitError(f"arguments file `{path}` is nested too deeply to read; pass a flat JSON object") from err
-    if not isinstance(data, dict):
-        raise MemfitError(f"arguments file `{path}` must hold a JSON object of TrainingArguments kwargs, not `{type(data).__name__}`")
-    return data
+    return read_json_object(path, "arguments file", "pass a JSON file of TrainingArguments kwargs")
 
 
 #: TRL config class name -> `trainer` (TRL (issue 13)); by name, so that TrainSetup does not import TRL.

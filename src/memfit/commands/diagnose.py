@@ -18,6 +18,7 @@ from pathlib import Path
 from memfit.commands.estimate import add_setup_arguments, build_setup
 from memfit.diagnosis.causes import Diagnosis, diagnose, read_log
 from memfit.errors import MemfitError
+from memfit.files import read_json_object
 from memfit.diagnosis.strings import LANGS, t
 from memfit.oom_text import decode_log
 
@@ -153,20 +154,8 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
 
 
 def _saved_plan(path: str) -> dict:
-    hint = "save one with `memfit plan ... --json > plan.json`"
-    try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
-    except FileNotFoundError as err:
-        raise MemfitError(f"plan file `{path}` does not exist; {hint}") from err
-    except IsADirectoryError as err:
-        raise MemfitError(f"plan file `{path}` is a directory; {hint}") from err
-    except UnicodeDecodeError as err:
-        raise MemfitError(f"plan file `{path}` is not text (byte {err.start} is not UTF-8); {hint}") from err
-    except json.JSONDecodeError as err:
-        raise MemfitError(f"plan file `{path}` is not JSON ({err.msg} at line {err.lineno}); {hint}") from err
-    except OSError as err:
-        raise MemfitError(f"cannot read plan file `{path}` ({err.strerror}); {hint}") from err
-    if not isinstance(data, dict) or data.get("schema") != "memfit.plan/1":
+    data = read_json_object(path, "plan file", "save one with `memfit plan ... --json > plan.json`")
+    if data.get("schema") != "memfit.plan/1":
         raise MemfitError(f"`{path}` is not a memfit plan (schema `memfit.plan/1`); save one with `memfit plan --json`")
     return data
 

@@ -21,13 +21,13 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.files import read_json_object
 
 __all__ = ["STRATEGIES", "ParallelSetup", "ZeroSettings", "parse_gpus", "zero_settings_from_deepspeed",
            "parallel_from_fsdp_args", "read_json_file"]
@@ -162,18 +162,8 @@ def parse_gpus(text: str) -> tuple[int, str]:
 
 
 def read_json_file(path: str | Path, what: str) -> dict[str, Any]:
-    """A JSON object from a file, or a clear MemfitError."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise MemfitError(f"cannot read {what} `{path}`: {err.strerror or err}") from err
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise MemfitError(f"{what} `{path}` is not valid JSON (line {err.lineno}: {err.msg})") from err
-    if not isinstance(data, dict):
-        raise MemfitError(f"{what} `{path}` must hold a JSON object, not a {type(data).__name__}")
-    return data
+    """A JSON object from a file, or a one-line MemfitError (memfit.files.read_json_object)."""
+    return read_json_object(path, what, f"pass the {what} as a JSON object file")
 
 
 def _count(value: Any, key: str, auto: int | None) -> int:
