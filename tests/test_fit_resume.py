@@ -84,3 +84,29 @@ def test_bad_resume_inputs_are_clear_errors(tmp_path):
     (bad / STATE_FILE).write_text("{not json")
     with pytest.raises(MemfitError, match="cannot be read"):
         mf.fit(t, plan=False, resume_from_checkpoint=str(bad))
+
+
+def test_resume_true_continues_the_run_written_last_not_an_earlier_runs_larger_step(tmp_path):
+    """An output_dir with an earlier run's checkpoint-4 and a new run's checkpoint-2 (started without resuming,
+    crashed at step 3): `resume_from_checkpoint=True` resumes the new run (before: checkpoint-4, the other run)."""
+    from memfit.fitting.resume import resolve_checkpoint
+
+    out = tmp_path / "out"
+    mf.fit(_bigger_trainer(out, "adamw_torch_fused", max_steps=4, save_strategy="steps", save_steps=2), plan=False,
+           budget_bytes=1 << 30)
+    second = _bigger_trainer(out, "adamw_torch_fused", **STEPS)
+    _crash_at(second, 3)
+    with pytest.raises(_Crash):
+        mf.fit(second, plan=False, budget_bytes=1 << 30)
+    assert (out / "checkpoint-4").is_dir() and (out / "earlier-checkpoint-2").is_dir()  # the first run's, kept
+    again = _bigger_trainer(out, "adamw_torch_fused", **STEPS)
+    choice = resolve_checkpoint(again, True)
+    assert choice.path == str(out / "checkpoint-2")
+    assert any("written after checkpoint-4" in n for n in choice.notes)
+    # a checkpoint without memfit's write time (e.g. written by a plain Trainer): Trainer's rule, the largest step
+    state, hidden = out / "checkpoint-2" / STATE_FILE, tmp_path / "state.json"
+    os.replace(state, hidden)
+    assert resolve_checkpoint(again, True).path == str(out / "checkpoint-4")
+    os.replace(hidden, state)
+    report = mf.fit(again, plan=False, budget_bytes=1 << 30, resume_from_checkpoint=True)
+    assert report.steps_completed == 6 and any("written after checkpoint-4" in n for n in report.notes)

@@ -12,7 +12,12 @@ run out of memory again. A checkpoint without the file resumes with the trainer'
 
 Which checkpoint (`resolve_checkpoint`): only an intact one (memfit.fitting.checkpoint_files);
 with `resume_from_checkpoint=True` the newest intact `checkpoint-N`, the newer damaged ones
-skipped and named with the reason, never a silent resume with lost optimizer state.
+skipped and named with the reason, never a silent resume with lost optimizer state. "Newest" is
+the one written last (`written_unix_s` in memfit's state file, which survives copies that reset
+file times) when every candidate has that time: an output_dir can hold the larger-step
+checkpoints of an earlier run that a new run (started without resuming) did not overwrite, and
+resuming "the last run" means the new one. Otherwise it is the largest step, as Trainer's
+`get_last_checkpoint` chooses. When the two orders differ, the choice is said.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +59,7 @@ def run_state(trainer: Any, *, micro_batch_chunks: int, optimizer_step_mode: str
         "gradient_checkpointing": bool(args.gradient_checkpointing or memfit_checkpointing),
         "micro_batch_chunks": int(micro_batch_chunks),
         "optimizer_step_mode": optimizer_step_mode,
+        "written_unix_s": time.time(),  #: orders checkpoints by when they were written (resolve_checkpoint)
     }
 
 
@@ -126,6 +133,29 @@ def checkpoint_problems(trainer: Any, folder: str) -> tuple[list[str], list[str]
     return problems, notes
 
 
+def _written_at(folder: str) -> float | None:
+    try:
+        state = read_state(folder)
+    except MemfitError:
+        return None
+    t = state.get("written_unix_s") if state else None
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+
+
+def _newest_first(candidates: list[str]) -> tuple[list[str], str | None]:
+    """`candidates` (largest step first) in the order they were written, newest first, and a note when that
+    order puts another checkpoint first; the step order when any of them lacks memfit's write time."""
+    times = [_written_at(c) for c in candidates]
+    if len(candidates) < 2 or any(t is None for t in times):
+        return candidates, None
+    ordered = [c for _, c in sorted(zip(times, candidates), key=lambda tc: -tc[0])]
+    if ordered[0] == candidates[0]:
+        return ordered, None
+    return ordered, (f"{os.path.basename(ordered[0])} was written after {os.path.basename(candidates[0])} (an "
+                     f"earlier run's larger step): resuming the run written last; pass `{candidates[0]}` to "
+                     "resume the other")
+
+
 def resolve_checkpoint(trainer: Any, resume_from_checkpoint: Any) -> ResumeChoice | None:
     """The checkpoint `trainer.train(resume_from_checkpoint=...)` will resume from, checked.
 
@@ -144,10 +174,13 @@ def resolve_checkpoint(trainer: Any, resume_from_checkpoint: Any) -> ResumeChoic
         if not candidates:
             raise MemfitError(f"resume_from_checkpoint=True but output_dir `{out}` holds no checkpoint-N folder; "
                               "pass the checkpoint's path, or start without resuming")
+        candidates, order_note = _newest_first(candidates)
         skipped: list[tuple[str, str]] = []
         for folder in candidates:
             problems, notes = checkpoint_problems(trainer, folder)
             if not problems:
+                if order_note and folder == candidates[0]:
+                    notes = [*notes, order_note]
                 return ResumeChoice(folder, tuple(skipped), tuple(notes))
             skipped.append((folder, ", ".join(problems)))
         listed = "; ".join(f"{os.path.basename(f)}: {why}" for f, why in skipped)
