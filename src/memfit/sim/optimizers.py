@@ -7,10 +7,11 @@ CPU: with `foreach=None`, torch.optim picks the foreach implementation only for 
 tensors (`_default_to_fused_or_foreach` in torch/optim/optimizer.py), so the simulation
 passes `foreach=True` explicitly to reproduce the multi-tensor temporaries CUDA has.
 
-8-bit AdamW (bitsandbytes) has no CPU kernels; `EmulatedAdamW8bit` allocates the state
-bitsandbytes allocates (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state`):
-uint8 `state1`/`state2` and fp32 `absmax1`/`absmax2` per 256-element block for tensors of
-at least `min_8bit_size=4096` elements, fp32 states below that. Its update runs in place.
+bitsandbytes' optimizers (8-bit AdamW, paged, Lion) have no CPU kernels; `EmulatedBnbOptimizer`
+allocates the state bitsandbytes allocates (bitsandbytes/optim/optimizer.py
+`Optimizer2State.init_state` / `Optimizer1State.init_state`): uint8 `state1`/`state2`, fp32
+`absmax1`/`absmax2` per 256-element block and the quantization maps for tensors of at least
+`min_8bit_size=4096` elements, fp32 states below that. Its update runs in place.
 
 Importing `transformers.Trainer` (or `TrainingArguments`, whose module imports peft, which imports
 bitsandbytes, which builds `torch.compile` kernels) takes about as long as the whole simulated
@@ -28,7 +29,7 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["build_optimizer", "EmulatedAdamW8bit", "EmulatedBnbOptimizer", "BNB_OPTIMIZERS", "STATE_ON_HOST",
+__all__ = ["build_optimizer", "EmulatedBnbOptimizer", "BNB_OPTIMIZERS", "STATE_ON_HOST",
            "PAGED_MIN_NUMEL", "TORCH_ADAMW", "import_for", "decay_parameter_names"]
 
 #: Optimizers whose per-parameter `step` counter is a CPU tensor on a CUDA run (not fused,
@@ -50,44 +51,15 @@ TORCH_ADAMW = {
     "adamw_torch": {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8},
     "adamw_torch_fused": {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8, "fused": True},
 }
-#: optims whose optimizer memfit builds without transformers' Trainer (EmulatedAdamW8bit needs only the groups)
-_WITHOUT_TRAINER = (*TORCH_ADAMW, "adamw_bnb_8bit", "adamw_8bit")
-
-
-class EmulatedAdamW8bit(torch.optim.Optimizer):
-    """Memory stand-in for bitsandbytes.optim.AdamW8bit (same state sizes, no numerics)."""
-
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 **_: object) -> None:
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    if p.numel() >= _BNB_MIN_8BIT:
-                        blocks = math.ceil(p.numel() / _BNB_BLOCK)
-                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                    else:
-                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                # the CUDA kernel updates p, state1/2 and absmax in place: no temporaries.
-        return None
+#: optims whose optimizer memfit builds without transformers' Trainer (the others: BNB_OPTIMIZERS)
+_WITHOUT_TRAINER = tuple(TORCH_ADAMW)
 
 
 #: `optim` names Trainer maps to bitsandbytes (transformers 5.24 trainer_optimizer.py `_get_bitsandbytes_optimizer`:
 #: "paged" in the name -> is_paged, "8bit" -> optim_bits=8, "adam" -> AdamW (2 states), "lion" -> Lion (1 state))
-#: -> (states, bits, paged). The older adamw_bnb_8bit / adamw_8bit keep EmulatedAdamW8bit.
+#: -> (states, bits, paged).
 BNB_OPTIMIZERS = {
+    "adamw_bnb_8bit": (2, 8, False), "adamw_8bit": (2, 8, False),
     "paged_adamw_32bit": (2, 32, True), "paged_adamw_8bit": (2, 8, True),
     "lion_32bit": (1, 32, False), "lion_8bit": (1, 8, False),
     "paged_lion_32bit": (1, 32, True), "paged_lion_8bit": (1, 8, True),
@@ -183,9 +155,7 @@ def build_optimizer(model: nn.Module, optim: str, weight_decay: float) -> torch.
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    if optim in ("adamw_bnb_8bit", "adamw_8bit"):
-        return EmulatedAdamW8bit(groups, lr=5e-5, weight_decay=weight_decay)
-    if optim in BNB_OPTIMIZERS:  # paged / Lion bitsandbytes optimizers (issue 12)
+    if optim in BNB_OPTIMIZERS:  # bitsandbytes' 8-bit, paged and Lion optimizers
         states, bits, paged = BNB_OPTIMIZERS[optim]
         return EmulatedBnbOptimizer(groups, states=states, bits=bits, paged=paged, lr=5e-5, weight_decay=weight_decay)
     if optim in TORCH_ADAMW:
