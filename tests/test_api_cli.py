@@ -2,6 +2,10 @@
 short reprs, --version, the reserved figure at the allocated peak, no FutureWarnings."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 import warnings
 
 import pytest
@@ -253,3 +257,26 @@ def test_plan_check_fails_when_the_setup_as_given_does_not_fit(fits_as_is, chose
     if code:
         assert len(err) == 1 and err[0].startswith("memfit plan --check: the setup as given does not fit T4")
     assert main(["plan", tiny_bert_dir, "--gpu", "T4", "--json"]) == (0 if (fits_as_is or chosen is not None) else 1)
+
+
+def test_estimate_with_lora_and_checkpointing_prints_no_upstream_warning_or_log(capfd):
+    """peft's `PeftModel.__init__` calls transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning
+    printed on every LoRA estimate) and transformers logs `use_cache`/dtype lines about memfit's own model:
+    memfit.sim.quiet silences them inside a simulation and restores the user's settings after."""
+    from memfit import estimate
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        estimate(TrainSetup.from_kwargs("sentence-transformers/all-MiniLM-L6-v2", max_length=64, lora_r=4,
+                                        per_device_train_batch_size=2, gradient_checkpointing=True), gpu="T4")
+    assert not [str(w.message) for w in caught if "memfit" not in str(w.filename)]
+    assert hf_logging.get_verbosity() == before
+    assert "[transformers]" not in capfd.readouterr().err
+
+
+def test_python_dash_m_memfit_is_the_memfit_command():
+    r = subprocess.run([sys.executable, "-m", "memfit", "--version"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    assert r.returncode == 0 and r.stdout.startswith("memfit "), r.stdout + r.stderr

@@ -26,6 +26,7 @@ from memfit.parallel import _dist_adapter as dadapter
 from memfit.parallel.setup import ParallelSetup
 from memfit.sim.engine import Simulation, _Runner
 from memfit.sim.tracker import StorageTracker
+from memfit.sim.quiet import quiet_upstream
 from memfit.train_setup import TrainSetup
 
 __all__ = ["simulate_fsdp", "ShardTracker"]
@@ -117,7 +118,7 @@ class _FsdpRunner(_Runner):
 
 def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps: int = 2) -> Simulation:
     """Rank 0's simulated trace under FSDP2 (module docstring)."""
-    with dadapter.fake_process_group(parallel.world_size) as mesh:
+    with quiet_upstream(), dadapter.fake_process_group(parallel.world_size) as mesh:
         runner = _FsdpRunner(setup, parallel, mesh)
         tracker = runner.tracker
         with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed):
