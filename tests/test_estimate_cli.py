@@ -127,3 +127,14 @@ def test_fp16_weights_with_fp16_amp_is_flagged(tiny_bert_dir):
     assert any("unscale FP16 gradients" in n for n in r.notes)
     ok = estimate(TrainSetup(model=tiny_bert_dir, per_device_train_batch_size=2, max_length=16, precision="fp16"))
     assert not any("unscale FP16 gradients" in n for n in ok.notes)
+
+
+def test_the_phase_that_runs_out_of_memory_says_its_reserved_figure_stops_there(capsys):
+    """The replay stops at the OOM: the failing phase's reserved figure (2.45 GiB) is below its allocated peak
+    (5.92 GiB) and read as a contradiction without saying so."""
+    from memfit.cli import main
+
+    main(["estimate", "sentence-transformers/all-MiniLM-L6-v2", "--gpu", "3GiB", "--batch-size", "64",
+          "--max-length", "512"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│ forward")]
+    assert len(rows) == 1 and "then OOM" in rows[0], rows

@@ -357,8 +357,13 @@ def render(report, *, is_seed: bool = False) -> None:
             phases.add_row(phase, "not run", "-")
             continue
         res = report.reserved_by_phase.get(phase, 0)
-        phases.add_row(phase, format_bytes(report.phases.get(phase, 0)),
-                       "not reached (OOM)" if res is None else format_bytes(res))
+        if res is None:
+            reserved = "not reached (OOM)"
+        elif report.oom is not None and report.oom.phase == phase:  # the replay stops at the OOM: a lower figure
+            reserved = f"{format_bytes(res)}, then OOM"
+        else:
+            reserved = format_bytes(res)
+        phases.add_row(phase, format_bytes(report.phases.get(phase, 0)), reserved)
     console.print(phases)
     cats = Table(title=f"At the peak ({report.peak_phase})", title_justify="left")
     cats.add_column("category")
