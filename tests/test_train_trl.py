@@ -390,3 +390,27 @@ def test_trl_activation_offloading_moves_what_trl_moves(trainer, monkeypatch):
     assert 0 <= trls - ours < offload.TRL_MIN_OFFLOAD_BYTES, (plain, ours, trls)
     est_plain, est_off = estimate(setup), estimate(off_setup)
     assert est_off.peak_allocated_bytes < est_plain.peak_allocated_bytes
+
+
+def test_train_takes_the_trl_flags_of_estimate_and_plan(tmp_path):
+    """`memfit train`'s TRL flags are those of `memfit estimate` / `plan`, with the same choices, and estimate's
+    `--assistant-only-loss` reaches the TrainSetup."""
+    import argparse
+
+    from helpers import tiny_config
+
+    from memfit.commands.estimate import add_setup_arguments, build_setup
+    from memfit.commands.train import train_command_parser
+
+    est = argparse.ArgumentParser()
+    add_setup_arguments(est)
+    train = train_command_parser(argparse.ArgumentParser().add_subparsers())
+    names = ["--trainer", "--packing", "--padding-free", "--completion-only-loss", "--assistant-only-loss",
+             "--precompute-ref-log-probs", "--lora-r", "--lora-target-modules", "--max-length"]
+    for name in names:
+        a, b = (next(x for x in p._actions if name in x.option_strings) for p in (est, train))
+        assert (a.dest, a.choices, a.nargs, a.const) == (b.dest, b.choices, b.nargs, b.const), name
+    tiny_config("llama").save_pretrained(tmp_path)
+    args = est.parse_args([str(tmp_path), "--trainer", "sft", "--assistant-only-loss"])
+    setup = build_setup(args)[0]
+    assert setup.trainer == "sft" and setup.assistant_only_loss is True
