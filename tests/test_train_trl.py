@@ -414,3 +414,21 @@ def test_train_takes_the_trl_flags_of_estimate_and_plan(tmp_path):
     args = est.parse_args([str(tmp_path), "--trainer", "sft", "--assistant-only-loss"])
     setup = build_setup(args)[0]
     assert setup.trainer == "sft" and setup.assistant_only_loss is True
+
+
+def test_liger_on_a_trl_trainer_applies_its_layer_kernels_only():
+    """SFTTrainer / DPOTrainer (TRL 1.16 __init__) apply Liger with fused_linear_cross_entropy=False and refuse it
+    when asked: the simulation did apply Liger's fused loss, whose forward dropped TRL's fused head (an
+    AttributeError on `log_probs`)."""
+    pytest.importorskip("liger_kernel")
+    from helpers import tiny_config
+
+    from memfit import TrainSetup, estimate
+    from memfit.errors import MemfitError
+
+    base = dict(model=tiny_config("llama"), trainer="sft", max_length=16, per_device_train_batch_size=2)
+    report = estimate(TrainSetup(**base, use_liger_kernel=True))
+    plain = estimate(TrainSetup(**base))
+    assert report.peak_allocated_bytes != plain.peak_allocated_bytes  # Liger's RMSNorm / SwiGLU kernels ran
+    with pytest.raises(MemfitError, match="TRL refuses it"):
+        estimate(TrainSetup(**base, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True}))

@@ -39,7 +39,8 @@ DPOTrainer (dpo_trainer.py `DataCollatorForPreference.torch_call`, `_compute_los
 (`_activation_offloading`, memfit.sim.offload's rule of trl/models/activation_offloading.py).
 
 Not simulated: TRL's logging metrics (a few device scalars), evaluation (Trainer's evaluation loop is
-simulated, with full logits, an upper bound), liger kernels.
+simulated, with full logits, an upper bound). Liger (`use_liger_kernel`) applies its layer kernels only, as TRL
+applies it (`liger_config`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from memfit.errors import MemfitError
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
 
-__all__ = ["prepare_model", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch",
+__all__ = ["liger_config", "prepare_model", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch",
            "dpo_batch", "wants_splice", "notes"]
 
 #: Attention implementations that attend per example on a flattened row (cu_seq_lens), in transformers 5.
@@ -83,6 +84,20 @@ def notes(setup: Any) -> list[str]:
         out.append(f"evaluation of the {setup.trainer.upper()} trainer is simulated as Trainer's (full logits), "
                    "an upper bound: TRL's fused head keeps no logits")
     return out
+
+
+def liger_config(setup: Any) -> dict | None:
+    """The `liger_kernel_config` Liger is applied with. SFTTrainer / DPOTrainer `__init__` (TRL 1.16) set
+    `fused_linear_cross_entropy=False` (Liger's fused loss would replace the forward that carries TRL's fused LM
+    head, so only Liger's layer kernels apply) and raise ValueError when it is asked for; the same here."""
+    config = setup.liger_kernel_config
+    if setup.trainer not in ("sft", "dpo"):
+        return config
+    config = dict(config or {})
+    if config.get("fused_linear_cross_entropy"):
+        raise MemfitError(f"`liger_kernel_config={{'fused_linear_cross_entropy': True}}` with `trainer={setup.trainer!r}`"
+                          ": TRL refuses it (it would replace the forward TRL patches with its fused LM head); drop it")
+    return {**config, "fused_linear_cross_entropy": False}
 
 
 def prepare_model(model: nn.Module, setup: Any) -> None:
