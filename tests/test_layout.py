@@ -65,7 +65,7 @@ LAYERS = [
     {"planner"},
     {"diagnosis"},
     {"fitting", "testing"},  # fitting.callback (MemfitCallback), fitting.trl_data (issue 13)
-    {"cli", "commands"},
+    {"cli", "commands"},  # commands.train_trl: memfit train --trainer sft|dpo (issue 13)
 ]
 
 
