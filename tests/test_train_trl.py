@@ -235,6 +235,20 @@ def test_sft_chat_packed_run(llm_dir, files, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_sft_completion_only_lora_run_with_eval(llm_dir, files, tmp_path, capsys):
+    """Prompt/completion data, loss on the completions, a LoRA adapter, evaluation every epoch on --eval-data."""
+    out = tmp_path / "out"
+    code, res = _run([llm_dir, "--trainer", "sft", "--data", files["pc"], "--eval-data", files["pc"],
+                      "--completion-only-loss", "--lora-r", "4", "--batch-size", "4", "--epochs", "1",
+                      "--eval-strategy", "epoch", "--budget", "400MiB", "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = _report(out)
+    assert r["steps_completed"] == r["steps_expected"] == 2 and "eval_loss" in r["final_metrics"]
+    assert r["phases"]["eval"]["measured_bytes"] > 0 and (out / "adapter_model.safetensors").exists()
+    assert _checkpoints(out) == ["checkpoint-2"] and "eval loss" in res.out and "8 eval" in res.out
+
+
+@pytest.mark.slow
 def test_dpo_runs_with_reference_copy_and_with_lora(llm_dir, files, tmp_path, capsys, monkeypatch):
     """Real DPOTrainer: the reference loaded by TRL from the model directory (counted in the emulated GPU), then
     LoRA with precomputed reference log-probs (no reference model: the adapter-disabled model)."""

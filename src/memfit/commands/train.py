@@ -756,6 +756,7 @@ def _summary(console, report, output_dir: str, report_path: str, elapsed: float)
         table.add_row(phase, format_bytes(pred) if pred else "-", format_bytes(meas) if meas else "-")
     console.print(table)
     acc = report.final_metrics.get("eval_accuracy")
+    loss = report.final_metrics.get("eval_loss")
     ok = report.steps_completed == report.steps_expected
     n = len(report.oom_recoveries)
     console.print(
@@ -764,5 +765,6 @@ def _summary(console, report, output_dir: str, report_path: str, elapsed: float)
         + (f" ({', '.join(sorted({r['phase'] for r in report.oom_recoveries}))})" if n else "")
         + f" | effective batch {report.effective_batch_size}"
         + (f" | eval accuracy {acc:.1%}" if acc is not None else "")
+        + (f" | eval loss {loss:.4g}" if acc is None and loss is not None else "")  # TRL's trainers report no accuracy
         + f" | {elapsed:.0f} s")
     console.print(f"model: {output_dir}   report: {report_path}")
