@@ -143,3 +143,13 @@ def test_freeze_opt_in_offers_embeddings_and_lower_blocks(small_bert):
     frozen = [p for p in result.plans if p.setup_changes.get("freeze_embeddings")]
     assert frozen and any(p.setup_changes.get("freeze_layers") == 4 for p in frozen)
     assert all(any("requires_grad_(False)" in line for line in p.code) for p in frozen)
+
+
+def test_describe_takes_an_allocator_setting_that_is_no_trainsetup_field():
+    """A verified plan with `alloc_conf` (remedies.allocator) is described: alloc_conf is not a TrainSetup field
+    (it raised AttributeError in `_describe` when a plan's replay needed expandable_segments; issue 13 found it)."""
+    from memfit.planner.search import _describe
+    from memfit.train_setup import TrainSetup
+
+    names, args, env, code = _describe(TrainSetup(), {"alloc_conf": "expandable_segments:True"}, None)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} and names

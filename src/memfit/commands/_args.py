@@ -33,25 +33,33 @@ FORCED_BY_TRAIN = {"report_to": "none", "disable_tqdm": True}
 _TRAIN_SETUP_FIELDS = ("max_length", "num_labels")
 
 
-def read_args(path: str) -> tuple[dict[str, Any], list[str]]:
-    """Read and name-check an arguments file. Returns (settings, notes)."""
-    return normalize_arg_names(read_args_file(path), source=f"`{path}`")
+def read_args(path: str, trainer: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Read and name-check an arguments file. Returns (settings, notes). `trainer` `sft` / `dpo`: that TRL
+    config's names are valid too (TRL, issue 13)."""
+    return normalize_arg_names(read_args_file(path), source=f"`{path}`", trainer=trainer)
 
 
-def train_kwargs_from_file(path: str, setup_names: set[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+def train_kwargs_from_file(path: str, setup_names: set[str],
+                           trainer: str | None = None) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """`memfit train --args FILE`: (TrainingArguments kwargs, the TrainSetup fields train uses, notes).
 
     Args:
         path: the JSON file.
         setup_names: TrainSetup's field names (a memfit setting `memfit train` does not take is an error).
+        trainer: `sft` / `dpo` (`memfit train --trainer`): SFTConfig / DPOConfig names go into the kwargs too.
     """
-    from memfit.train_setup import TRAINING_ARGS_NAMES
+    from memfit.train_setup import TRAINING_ARGS_NAMES, TRL_CONFIG_NAMES
 
-    data, notes = read_args(path)
+    data, notes = read_args(path, trainer)
+    trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if trainer else frozenset()  # TRL (issue 13)
     kwargs: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in data.items():
-        if key in TRAINING_ARGS_NAMES:
+        if key == "trainer" and trainer is not None:  # TRL (issue 13): the file may say which trainer
+            if value != trainer:
+                raise MemfitError(f"`trainer: {value!r}` in `{path}` differs from `--trainer {trainer}`; "
+                                  "give one of them")
+        elif key in TRAINING_ARGS_NAMES or (key in trl_names and key not in _TRAIN_SETUP_FIELDS):
             kwargs[key] = value
         elif key in _TRAIN_SETUP_FIELDS:
             extra[key] = value

@@ -109,6 +109,8 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
                    help="SFT packing, with its strategy (default bfd, which is padding-free)")
     p.add_argument("--padding-free", action="store_true", default=None, help="SFT padding-free batches")
     p.add_argument("--completion-only-loss", action="store_true", default=None, help="SFT loss on completions only")
+    p.add_argument("--assistant-only-loss", action="store_true", default=None,
+                   help="SFT loss on assistant turns only (memfit train takes the same flag)")
     p.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
                    help="DPO reference log-probs computed before training")
     p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs and memfit settings (\"model\", \"max_length\", ...); "
@@ -158,7 +160,8 @@ def build_setup(args: argparse.Namespace):
             fields[name] = value
     if getattr(args, "no_kbit_prep", None):
         fields["kbit_prep"] = False
-    for flag in ("trainer", "padding_free", "completion_only_loss", "precompute_ref_log_probs"):  # TRL (issue 13)
+    for flag in ("trainer", "padding_free", "completion_only_loss", "assistant_only_loss",  # TRL (issue 13)
+                 "precompute_ref_log_probs"):
         if getattr(args, flag, None) is not None:
             fields[flag] = getattr(args, flag)
     if getattr(args, "packing", None) is not None:

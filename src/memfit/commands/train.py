@@ -4,6 +4,7 @@
                                                    # bundled sentiment set, under an emulated 300 MiB GPU
     memfit train ./my-model --data train.csv --text-column review --label-column stars --gpu auto
     memfit train ./my-model --data train.jsonl --args args.json --budget 2GiB --output-dir out/
+    memfit train ./my-llm --trainer sft --data chat.jsonl --packing   # TRL (memfit.commands.train_trl)
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="model directory (or all-MiniLM-L6-v2, bundled)")
     p.add_argument("--data", default=None, help="training data: .csv, .json or .jsonl with text and label columns")
     p.add_argument("--eval-data", default=None, help="evaluation data (default: 20%% of --data held out)")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--label-column", default="label")
-    p.add_argument("--task", default="seq-cls", help="only seq-cls (sequence classification) is supported")
+    p.add_argument("--text-column", default=None, help="the text column (default text)")
+    p.add_argument("--label-column", default=None, help="the label column (default label)")
+    p.add_argument("--task", default="seq-cls", help="seq-cls (sequence classification); --trainer sft/dpo train "
+                   "a causal LM")
     p.add_argument("--num-labels", type=int, default=None, help="labels of the head (default: largest label + 1)")
     p.add_argument("--max-length", type=int, default=None, help="truncate texts to this many tokens (default 128)")
     p.add_argument("--per-device-train-batch-size", "--batch-size", dest="batch_size", type=int, default=None)
@@ -85,6 +87,24 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
                    help="resume from CHECKPOINT (default: the last checkpoint-N in --output-dir) with the memory "
                         "settings memfit saved in it")
     p.add_argument("--output-dir", default=None, help="where the model, checkpoints and report go (default memfit-train-out)")
+    # TRL (issue 13): SFTTrainer / DPOTrainer, the flag names of `memfit estimate` / `plan`
+    g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer (a causal LM on JSONL data)")
+    g.add_argument("--trainer", choices=("trainer", "sft", "dpo"), default=None,
+                   help="transformers' Trainer on a classification set (default), TRL's SFTTrainer (text, "
+                        "messages or prompt/completion JSONL) or DPOTrainer (prompt/chosen/rejected JSONL)")
+    g.add_argument("--packing", nargs="?", const="bfd", choices=("bfd", "bfd_split", "wrapped"), default=None,
+                   help="SFT packing, with its strategy (default bfd, which is padding-free)")
+    g.add_argument("--padding-free", action="store_true", default=None, help="SFT padding-free batches")
+    g.add_argument("--completion-only-loss", action="store_true", default=None,
+                   help="SFT loss on the completions of prompt/completion data only")
+    g.add_argument("--assistant-only-loss", action="store_true", default=None,
+                   help="SFT loss on the assistant turns of chat data only")
+    g.add_argument("--dataset-text-field", default=None, help="SFT text column of text data (default text)")
+    g.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
+                   help="DPO reference log-probs computed before training (no reference model in the step)")
+    g.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (peft)")
+    g.add_argument("--lora-target-modules", default=None,
+                   help="comma-separated module names LoRA wraps (default all-linear)")
     p.set_defaults(func=train_command)
     return p
 
@@ -169,10 +189,12 @@ class _Examples:
 # --------------------------------------------------------------------------- arguments
 
 
-def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[str, Any], list[str]]:
+def _training_kwargs(args: argparse.Namespace, is_default: bool,
+                     trainer: str = "trainer") -> tuple[dict[str, Any], list[str]]:
     """TrainingArguments kwargs from `--args` (memfit.commands._args, the reader of every verb) and the
     flags; a flag wins over the file, with a note. `output_dir` and `use_cpu` stay in the result for the
-    caller (it passes them to TrainingArguments once)."""
+    caller (it passes them to TrainingArguments once). `trainer` `sft` / `dpo`: SFTConfig / DPOConfig
+    kwargs (the file may use that config's names; `max_length` and the TRL flags go into the result)."""
     import dataclasses
 
     from memfit.commands._args import FORCED_BY_TRAIN, flag_wins, train_kwargs_from_file
@@ -182,7 +204,8 @@ def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[s
     kwargs: dict[str, Any] = {}
     source = args.args_file or None
     if args.args_file:
-        kwargs, extra, notes = train_kwargs_from_file(args.args_file, {f.name for f in dataclasses.fields(TrainSetup)})
+        kwargs, extra, notes = train_kwargs_from_file(args.args_file, {f.name for f in dataclasses.fields(TrainSetup)},
+                                                      trainer=None if trainer == "trainer" else trainer)
         for name in ("max_length", "num_labels"):  # TrainSetup fields train has flags for
             if name in extra:
                 if getattr(args, name) is None:
@@ -203,6 +226,9 @@ def _training_kwargs(args: argparse.Namespace, is_default: bool) -> tuple[dict[s
     defaults = {"per_device_train_batch_size": 32 if is_default else 8, "num_train_epochs": 2.0 if is_default else 3.0,
                 "learning_rate": 5e-5 if is_default else 2e-5, "eval_strategy": "epoch" if is_default else "no",
                 "save_strategy": "epoch", "seed": 42}
+    if trainer != "trainer":  # TRL (issue 13): SFTConfig's (2e-5) / DPOConfig's (1e-6) own learning rate
+        del defaults["learning_rate"]
+        _trl_kwargs(args, kwargs, notes, source)
     for flag, name in (("batch_size", "per_device_train_batch_size"), ("eval_batch_size", "per_device_eval_batch_size"),
                        ("grad_accum", "gradient_accumulation_steps"), ("epochs", "num_train_epochs"),
                        ("max_steps", "max_steps"), ("learning_rate", "learning_rate"),
@@ -246,6 +272,21 @@ _NUMBER_RULES = {
 }
 
 _FLAG_DEST = {"learning_rate": "learning_rate", "num_train_epochs": "epochs", "seed": "seed"}
+
+
+def _trl_kwargs(args: argparse.Namespace, kwargs: dict[str, Any], notes: list[str], source: str | None) -> None:
+    """TRL (issue 13): the SFTConfig / DPOConfig settings of the flags into `kwargs` (the flag wins)."""
+    from memfit.commands._args import flag_wins
+
+    if args.max_length is not None:
+        flag_wins(kwargs, "max_length", args.max_length, "--max-length", notes, source)
+    if args.packing is not None:
+        flag_wins(kwargs, "packing", True, "--packing", notes, source)
+        flag_wins(kwargs, "packing_strategy", args.packing, "--packing", notes, source)
+    for name in ("padding_free", "completion_only_loss", "assistant_only_loss", "precompute_ref_log_probs",
+                 "dataset_text_field"):
+        if getattr(args, name, None) is not None:
+            flag_wins(kwargs, name, getattr(args, name), f"--{name.replace('_', '-')}", notes, source)
 
 
 def _check_numbers(kwargs: dict[str, Any], args: argparse.Namespace) -> None:
@@ -299,7 +340,12 @@ def train_command(args: argparse.Namespace) -> int:
     """`memfit train`: check every input, build the Trainer, preflight, run `memfit.fit`, report."""
     from rich.console import Console
 
+    from memfit.commands.train_trl import check_trl_flags, train_trl_command
+
     console = Console()
+    trainer = check_trl_flags(args)  # TRL (issue 13): a flag of another trainer is an error
+    if trainer != "trainer":
+        return train_trl_command(args, trainer, console)
     inputs = _read_inputs(args)
     model = _read_model_config(args, inputs)
     run = _build_trainer(args, inputs, model)
@@ -387,9 +433,10 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
         raise MemfitError(f"--resume `{args.resume}` is not a folder; pass a checkpoint-N folder of an earlier run, "
                           "or --resume alone for the last one in --output-dir")
     data_path = args.data or bundled_data_path()
-    texts, labels = load_examples(data_path, args.text_column, args.label_column)
+    text_column, label_column = args.text_column or "text", args.label_column or "label"
+    texts, labels = load_examples(data_path, text_column, label_column)
     if args.eval_data:
-        eval_texts, eval_labels = load_examples(args.eval_data, args.text_column, args.label_column)
+        eval_texts, eval_labels = load_examples(args.eval_data, text_column, label_column)
     else:
         if len(texts) < 2:
             raise MemfitError(f"`{data_path}` has {len(texts)} example; give at least 2 (or --eval-data)")
@@ -509,7 +556,7 @@ def _set_aside_earlier_results(console: Any, inputs: _Inputs) -> None:
     """Move an earlier run's results in the output dir aside (memfit deletes nothing it did not write)."""
     output_dir = inputs.output_dir
     os.makedirs(output_dir, exist_ok=True)
-    aside = set_aside_results(output_dir, _result_names(inputs.model_dir))
+    aside = set_aside_results(output_dir, _result_names(inputs.model_dir) | set(getattr(inputs, "run_files", ())))
     if aside:
         console.print(f"[yellow]note:[/yellow] `{output_dir}` held the results of an earlier run "
                       f"({', '.join(sorted(os.listdir(aside)))}): moved to {aside} (memfit deletes nothing it did "
@@ -522,6 +569,7 @@ def _fit(console: Any, args: argparse.Namespace, inputs: _Inputs, run: _Run, pre
     from memfit.fitting.interrupt import FitInterrupted
 
     trainer, tokenizer, output_dir, budget_bytes = run.trainer, run.tokenizer, inputs.output_dir, inputs.budget_bytes
+    ours = set(getattr(inputs, "run_files", ()))  # files the trainer itself writes in output_dir (TRL's model card)
     report_path = os.path.join(output_dir, "memfit-report.json")
     started = time.perf_counter()
     import logging
@@ -544,7 +592,7 @@ def _fit(console: Any, args: argparse.Namespace, inputs: _Inputs, run: _Run, pre
         report = stop.report
         saved = ""
         if report.steps_completed >= report.steps_expected and _save_final(trainer, tokenizer, output_dir, report,
-                                                                             report_path) is None:
+                                                                             report_path, ours) is None:
             saved = f"; training had finished: the model is in {output_dir}"
         print(f"memfit train: {stop}{saved}; report: {report_path}"
               + ("; continue with --resume" if report.steps_completed < report.steps_expected else ""),
@@ -559,7 +607,7 @@ def _fit(console: Any, args: argparse.Namespace, inputs: _Inputs, run: _Run, pre
     finally:
         fit_logger.removeHandler(handler)
         fit_logger.propagate = True
-    problem = _save_final(trainer, tokenizer, output_dir, report, report_path)
+    problem = _save_final(trainer, tokenizer, output_dir, report, report_path, ours)
     if problem:
         print(f"memfit train: error: {problem}", file=sys.stderr)
         return 1
@@ -655,12 +703,14 @@ def set_aside_results(output_dir: str, names: set[str]) -> str | None:
     return target
 
 
-def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, report_path: str) -> str | None:
+def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, report_path: str,
+                ours: set[str] = frozenset()) -> str | None:
     """Save the fine-tuned model and tokenizer into `output_dir` atomically. Returns None, or a one-line problem.
 
     Written into a marked staging folder (memfit.fitting._trainer) and moved into place file by file,
     so a failure (full disk) leaves no torn model.safetensors; a file that appeared in `output_dir`
-    since the start is moved to `earlier-run-N/`, not overwritten. A failure is added to the report.
+    since the start is moved to `earlier-run-N/`, not overwritten (except `ours`: files this run's trainer wrote
+    there, such as TRL's README.md model card). A failure is added to the report.
     """
     import uuid
 
@@ -673,7 +723,7 @@ def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, repo
         trainer.save_model(staging)
         tokenizer.save_pretrained(staging)
         staged = [n for n in os.listdir(staging) if n != adapter.STAGING_MARKER]
-        set_aside_results(output_dir, set(staged) - {REPORT_NAME})
+        set_aside_results(output_dir, set(staged) - {REPORT_NAME} - set(ours))
         for name in staged:
             os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
         return None
@@ -706,6 +756,7 @@ def _summary(console, report, output_dir: str, report_path: str, elapsed: float)
         table.add_row(phase, format_bytes(pred) if pred else "-", format_bytes(meas) if meas else "-")
     console.print(table)
     acc = report.final_metrics.get("eval_accuracy")
+    loss = report.final_metrics.get("eval_loss")
     ok = report.steps_completed == report.steps_expected
     n = len(report.oom_recoveries)
     console.print(
@@ -714,5 +765,6 @@ def _summary(console, report, output_dir: str, report_path: str, elapsed: float)
         + (f" ({', '.join(sorted({r['phase'] for r in report.oom_recoveries}))})" if n else "")
         + f" | effective batch {report.effective_batch_size}"
         + (f" | eval accuracy {acc:.1%}" if acc is not None else "")
+        + (f" | eval loss {loss:.4g}" if acc is None and loss is not None else "")  # TRL's trainers report no accuracy
         + f" | {elapsed:.0f} s")
     console.print(f"model: {output_dir}   report: {report_path}")

@@ -408,7 +408,8 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
     if budget_bytes is not None:
         from memfit.testing import memory_budget
 
-        budget = memory_budget(budget_bytes, count=(trainer.model,))
+        ref = getattr(trainer, "ref_model", None)  # TRL (issue 13): DPOTrainer's reference copy is on the GPU too
+        budget = memory_budget(budget_bytes, count=(trainer.model,) + ((ref,) if ref is not None else ()))
     meter = Meter(budget)
     recoveries: list[Recovery] = []
     step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,

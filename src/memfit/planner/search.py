@@ -106,7 +106,8 @@ def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str
     code: list[str] = []
     names: list[str] = []
     for remedy in REGISTRY.values():
-        own = {k: changes[k] for k in remedy.fields if k in changes and changes[k] != getattr(base, k)}
+        # alloc_conf (remedies.allocator) is no TrainSetup field: getattr with a default (issue 13 found it)
+        own = {k: changes[k] for k in remedy.fields if k in changes and changes[k] != getattr(base, k, None)}
         if not own:
             continue
         names.append(remedy.name)

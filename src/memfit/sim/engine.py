@@ -558,7 +558,7 @@ class _Runner:
             from memfit.sim.kernels.sdpa_choice import _NUM_SMS
 
             cc = tuple(s.compute_capability)
-            liger = liger_emulation([m for m in (self.model, self.cut) if m is not None], s.liger_kernel_config,
+            liger = liger_emulation([m for m in (self.model, self.cut) if m is not None], trl_steps.liger_config(s),
                                     num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -35,8 +35,12 @@ DPOTrainer (dpo_trainer.py `DataCollatorForPreference.torch_call`, `_compute_los
   two `[B]` fp32 tensors). The precompute pass before training (a no-grad forward) is not simulated.
 - loss: sigmoid DPO `-logsigmoid(beta * (chosen_logratios - rejected_logratios)).mean()`.
 
+`activation_offloading=True`: the forward and the loss run inside TRL's offloading context
+(`_activation_offloading`, memfit.sim.offload's rule of trl/models/activation_offloading.py).
+
 Not simulated: TRL's logging metrics (a few device scalars), evaluation (Trainer's evaluation loop is
-simulated, with full logits, an upper bound), activation offloading, liger kernels.
+simulated, with full logits, an upper bound). Liger (`use_liger_kernel`) applies its layer kernels only, as TRL
+applies it (`liger_config`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from memfit.errors import MemfitError
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
 
-__all__ = ["prepare_model", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch",
+__all__ = ["liger_config", "prepare_model", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch",
            "dpo_batch", "wants_splice", "notes"]
 
 #: Attention implementations that attend per example on a flattened row (cu_seq_lens), in transformers 5.
@@ -80,6 +84,20 @@ def notes(setup: Any) -> list[str]:
         out.append(f"evaluation of the {setup.trainer.upper()} trainer is simulated as Trainer's (full logits), "
                    "an upper bound: TRL's fused head keeps no logits")
     return out
+
+
+def liger_config(setup: Any) -> dict | None:
+    """The `liger_kernel_config` Liger is applied with. SFTTrainer / DPOTrainer `__init__` (TRL 1.16) set
+    `fused_linear_cross_entropy=False` (Liger's fused loss would replace the forward that carries TRL's fused LM
+    head, so only Liger's layer kernels apply) and raise ValueError when it is asked for; the same here."""
+    config = setup.liger_kernel_config
+    if setup.trainer not in ("sft", "dpo"):
+        return config
+    config = dict(config or {})
+    if config.get("fused_linear_cross_entropy"):
+        raise MemfitError(f"`liger_kernel_config={{'fused_linear_cross_entropy': True}}` with `trainer={setup.trainer!r}`"
+                          ": TRL refuses it (it would replace the forward TRL patches with its fused LM head); drop it")
+    return {**config, "fused_linear_cross_entropy": False}
 
 
 def prepare_model(model: nn.Module, setup: Any) -> None:
@@ -205,16 +223,34 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     for t in tensors.values():
         runner.tracker.register(t, "inputs")
     start = len(runner.tracker.records)
-    if s.trainer == "sft":
-        out = _forward(runner, runner.fwd_model, kwargs)
-        per_token_loss = -out.log_probs  # SFTTrainer.compute_loss: zero on ignored positions
-        num_tokens = out.label_mask.sum()
-        loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
-        del out, per_token_loss, num_tokens
-    else:
-        loss = _dpo_loss(runner, tensors, kwargs)
+    with _activation_offloading(runner):
+        if s.trainer == "sft":
+            out = _forward(runner, runner.fwd_model, kwargs)
+            per_token_loss = -out.log_probs  # SFTTrainer.compute_loss: zero on ignored positions
+            num_tokens = out.label_mask.sum()
+            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            del out, per_token_loss, num_tokens
+        else:
+            loss = _dpo_loss(runner, tensors, kwargs)
     del tensors, kwargs
     return loss, start
+
+
+def _activation_offloading(runner: Any):
+    """TRL's `activation_offloading=True`: SFTTrainer.training_step and DPOTrainer.training_step (TRL 1.16) run
+    `super().training_step` inside `self.maybe_activation_offload_context`
+    (`get_act_offloading_ctx_manager(model=self.model)`, built in `__init__`), so every tensor the forward and
+    the loss save for backward goes through its pack hook (memfit.sim.offload.trl_activation_offloading: TRL's
+    rule). DPO's reference forward runs under `no_grad` and saves nothing. TRL's head exemption hooks the
+    `lm_head` module, whose forward the fused LM head never calls (`add_fused_lm_head` reads `lm_head.weight`),
+    so the fused head's saved `hidden` and per-token statistics are offloaded too, as on the GPU."""
+    if not runner.setup.activation_offloading:
+        return contextlib.nullcontext()
+    from memfit.sim.offload import trl_activation_offloading
+
+    if getattr(runner, "_act_offload", None) is None:
+        runner._act_offload = trl_activation_offloading(runner.fwd_model, runner.tracker)
+    return runner._act_offload()
 
 
 def _dpo_loss(runner: Any, tensors: dict[str, Any], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -1,0 +1,478 @@
+"""`memfit train --trainer sft|dpo` (issue 13): TRL's real SFTTrainer / DPOTrainer under memfit.fit.
+
+    memfit train ./my-llm --trainer sft --data chat.jsonl --packing --budget 2GiB
+    memfit train ./my-llm --trainer sft --data pc.jsonl --completion-only-loss --lora-r 8
+    memfit train ./my-llm --trainer dpo --data pairs.jsonl --precompute-ref-log-probs
+
+The same run as the classification default (memfit.commands.train: preflight, the plan applied when the
+setup does not fit, OOM recovery without lost steps, atomic checkpoints, the report and the console
+summary); only the data, the model class and the trainer differ. Every input is checked before a model
+is loaded, each bad one a one-line MemfitError:
+
+- data: JSONL (or a JSON list) in one of TRL 1.16's dataset formats (trl.data_utils): `text` (the column
+  `--dataset-text-field` names), `messages` (chat, through the tokenizer's chat template),
+  `prompt`/`completion` (strings or messages); for DPO `prompt`/`chosen`/`rejected`. A CSV, or text with
+  a `label` column, is a classification dataset: the error says to drop `--trainer`.
+- model: a causal LM (its config's `architectures` in transformers' causal-LM auto mapping); TRL loads
+  DPO's reference from the same directory (`DPOTrainer.__init__`: `create_model_from_path(
+  get_config_model_id(model.config))`) unless LoRA (adapter disabled) or `--precompute-ref-log-probs`.
+- flags: each TRL setting only with the trainer that reads it (`--packing` is SFTConfig's, DPOConfig has
+  no packing; `--precompute-ref-log-probs` is DPOConfig's), `--completion-only-loss` only with
+  prompt/completion data (SFTTrainer's collator raises at the first batch otherwise:
+  `DataCollatorForLanguageModeling.torch_call`), `--assistant-only-loss` only with conversational data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = ["TRL_TRAINERS", "check_trl_flags", "train_trl_command", "read_trl_data"]
+
+TRL_TRAINERS = ("sft", "dpo")
+
+#: flag dest -> (the flag, the trainer whose config has it)
+_TRL_FLAGS = {
+    "packing": ("--packing", "sft"),
+    "padding_free": ("--padding-free", "sft"),
+    "completion_only_loss": ("--completion-only-loss", "sft"),
+    "assistant_only_loss": ("--assistant-only-loss", "sft"),
+    "dataset_text_field": ("--dataset-text-field", "sft"),
+    "precompute_ref_log_probs": ("--precompute-ref-log-probs", "dpo"),
+    "lora_r": ("--lora-r", None),
+    "lora_target_modules": ("--lora-target-modules", None),
+}
+
+#: SFTConfig.max_length and DPOConfig.max_length default (TRL 1.16 sft_config.py / dpo_config.py)
+_TRL_DEFAULT_MAX_LENGTH = 1024
+
+#: classification-only flags of `memfit train` (dest -> flag)
+_CLS_FLAGS = {"text_column": "--text-column", "label_column": "--label-column", "num_labels": "--num-labels"}
+
+
+def check_trl_flags(args: argparse.Namespace) -> str:
+    """The trainer `args` asks for (`trainer`, `sft`, `dpo`), or a MemfitError for a flag of another trainer."""
+    trainer = getattr(args, "trainer", None) or "trainer"
+    for dest, (flag, owner) in _TRL_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value in (None, False):
+            continue
+        if trainer == "trainer":
+            need = f"--trainer {owner}" if owner else "--trainer sft or --trainer dpo"
+            raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
+                              "classifier with transformers' Trainer)")
+        if owner is not None and owner != trainer:
+            why = {"sft": "DPOConfig has no such setting (DPOTrainer does not pack or flatten pairs)",
+                   "dpo": "it is DPOConfig's (the reference model of DPO)"}[owner]
+            raise MemfitError(f"`{flag}` is for `--trainer {owner}`, not `--trainer {trainer}`: {why}; remove it")
+    if trainer != "trainer":
+        for dest, flag in _CLS_FLAGS.items():
+            if getattr(args, dest, None) is not None:
+                raise MemfitError(f"`{flag}` is a classification setting; `--trainer {trainer}` trains a causal "
+                                  "language model" + (" (name the text column with --dataset-text-field)"
+                                                      if dest == "text_column" else "") + "; remove it")
+        if str(args.task).lower() not in ("seq-cls", "causal-lm", "causal_lm"):
+            raise MemfitError(f"`--task {args.task}` does not go with `--trainer {trainer}`, which trains a causal "
+                              "language model; remove --task")
+        if getattr(args, "lora_r", None) is not None and args.lora_r <= 0:
+            raise MemfitError(f"`--lora-r` must be a positive integer; got `{args.lora_r}`")
+    elif getattr(args, "lora_r", None) is not None:  # pragma: no cover - caught above
+        raise MemfitError("`--lora-r` needs `--trainer sft` or `--trainer dpo`")
+    return trainer
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class TrlData:
+    """The examples of a TRL dataset file, checked: their format (trl_data.dataset_format) and whether they are
+    conversational (lists of chat messages, which need the tokenizer's chat template)."""
+
+    path: str
+    format: str
+    rows: list[dict[str, Any]]
+    conversational: bool
+
+
+def _read_rows(path: str, trainer: str) -> list[dict[str, Any]]:
+    import json
+
+    from memfit.fitting.trl_data import read_jsonl
+
+    if not os.path.isfile(path):
+        raise MemfitError(f"data file `{path}` does not exist; pass a .jsonl file with --data")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".csv":
+        raise MemfitError(f"`--trainer {trainer}` reads JSONL (one object per line: `messages`, `prompt`/"
+                          f"`completion`{', `prompt`/`chosen`/`rejected`' if trainer == 'dpo' else ' or `text`'}); "
+                          f"`{path}` is a CSV, the classification format: drop `--trainer` to train a classifier on "
+                          "it, or convert it to JSONL")
+    if ext == ".jsonl":
+        return read_jsonl(path)
+    if ext == ".json":
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as err:
+            raise MemfitError(f"`{path}` is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from None
+        except UnicodeDecodeError:
+            raise MemfitError(f"data file `{path}` is not UTF-8 text; save it as UTF-8") from None
+        rows = data.get("data", data) if isinstance(data, dict) else data
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+            raise MemfitError(f"`{path}` must hold a non-empty list of objects (or {{\"data\": [...]}})")
+        return rows
+    raise MemfitError(f"data file `{path}` has extension `{ext or '(none)'}`; `--trainer {trainer}` reads .jsonl "
+                      "(or .json)")
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
+    """The examples of `path` for TRL's `trainer` (`sft` / `dpo`), every row checked; MemfitError on bad input.
+
+    Args:
+        path: a .jsonl (or .json list) file.
+        trainer: `sft` or `dpo`.
+        text_field: SFTConfig.dataset_text_field.
+    """
+    from memfit.fitting.trl_data import dataset_format
+
+    rows = _read_rows(path, trainer)
+    fmt = dataset_format(rows[0], trainer, text_field)
+    columns = {"text": (text_field,), "messages": ("messages",), "prompt-completion": ("prompt", "completion"),
+               "preference": ("prompt", "chosen", "rejected")}[fmt]
+    if fmt == "text" and ({"label", "labels"} & set(rows[0])):
+        label = "label" if "label" in rows[0] else "labels"
+        raise MemfitError(f"`{path}` has a `{label}` column next to `{text_field}`: a classification dataset; "
+                          f"`--trainer {trainer}` trains a language model on the text alone: drop `--trainer` to "
+                          f"train a classifier, or remove the `{label}` column")
+    conversational = None
+    for i, row in enumerate(rows, 1):
+        for col in columns:
+            if col not in row:
+                raise MemfitError(f"example {i} of `{path}` has no `{col}` column, which the first example has "
+                                  f"({fmt} format); give every example the same columns")
+            value = row[col]
+            if fmt == "text" or (fmt != "messages" and isinstance(value, str)):
+                ok, conv = isinstance(value, str) and bool(value.strip()), False
+                what = "a non-empty string"
+            else:
+                ok, conv = _is_messages(value), True
+                what = "a non-empty list of {\"role\": ..., \"content\": ...} messages" + \
+                       (" or a string" if fmt != "messages" else "")
+            if not ok:
+                raise MemfitError(f"`{col}` of example {i} in `{path}` is not {what}; got `{str(value)[:60]}`")
+            if conversational is None:
+                conversational = conv
+            elif conv != conversational:
+                raise MemfitError(f"`{col}` of example {i} in `{path}` is "
+                                  f"{'a list of messages' if conv else 'a string'} while earlier columns are "
+                                  f"{'strings' if conv else 'messages'}; TRL needs all strings or all messages")
+    return TrlData(path=path, format=fmt, rows=rows, conversational=bool(conversational))
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class TrlInputs:
+    """What `memfit train --trainer sft|dpo` asks for, every value checked (the fields memfit.commands.train's
+    `_fit` and `_set_aside_earlier_results` read are named as in its `_Inputs`)."""
+
+    trainer: str
+    model_dir: str
+    kwargs: dict[str, Any]  #: SFTConfig / DPOConfig kwargs from the flags and the --args file
+    notes: list[str]
+    output_dir: str
+    use_cpu: bool | None
+    budget_bytes: int | None
+    data: TrlData
+    targs: Any  #: the SFTConfig / DPOConfig
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)
+    is_default: bool = False
+    #: what the trainer writes into output_dir itself: TRL's model card (`_save_checkpoint` -> `create_model_card`
+    #: writes `output_dir/README.md`), so an earlier README.md there is moved aside first, this run's kept
+    run_files: tuple[str, ...] = ("README.md",)
+
+    @property
+    def data_path(self) -> str:
+        return self.data.path
+
+
+def _causal_lm_check(model_dir: str, trainer: str) -> Any:
+    """The model's config, or a MemfitError when it is not a causal language model."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from memfit.commands.train import _first_line
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as err:
+        raise MemfitError(f"the config.json of `{model_dir}` cannot be read ({_first_line(err)}); pass a Hugging "
+                          "Face model directory") from None
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    archs = list(getattr(config, "architectures", None) or [])
+    ok = any(a in causal for a in archs) if archs else config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not ok:
+        what = f"`{archs[0]}`" if archs else f"model type `{config.model_type}`"
+        raise MemfitError(f"model `{model_dir}` is a {what}, not a causal language model; `--trainer {trainer}` "
+                          "fine-tunes a causal LM (AutoModelForCausalLM: Llama, Qwen, GPT-2, ...): pass one, or drop "
+                          "--trainer to fine-tune a classifier")
+    return config
+
+
+def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict[str, Any]) -> Any:
+    """SFTConfig / DPOConfig of `kwargs`, or a one-line MemfitError for what the config rejects.
+
+    Args:
+        trainer: `sft` or `dpo`.
+        output_dir: TrainingArguments.output_dir.
+        use_cpu: None: the CPU when CUDA is not available.
+        kwargs: the other config kwargs (flags and --args).
+    """
+    import warnings
+
+    import torch
+
+    try:
+        import trl
+    except ImportError:
+        raise MemfitError(f"`--trainer {trainer}` needs TRL and datasets: `pip install trl datasets` "
+                          "(memfit's `llm` extra)") from None
+    cls = trl.SFTConfig if trainer == "sft" else trl.DPOConfig
+    use_cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24: gradient_checkpointing's new name
+            return cls(output_dir=output_dir, use_cpu=use_cpu, **kwargs)
+    except TypeError as err:
+        raise MemfitError(f"{cls.__name__} rejected the arguments: {str(err).splitlines()[0]}; fix the --args file") \
+            from None
+    except (ValueError, KeyError, AttributeError) as err:  # enum names, TRL's __post_init__ checks
+        raise MemfitError(f"invalid {cls.__name__}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")\
+            from None
+
+
+def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
+    """Check the flags, the model directory, the --args file, the output dir, the budget, --resume and the data."""
+    from memfit.commands import train as T
+
+    if args.model is None or args.data is None:
+        raise MemfitError(f"`--trainer {trainer}` needs a model directory and --data (the built-in default is a "
+                          "classification run); got " + ("neither" if args.model is None and args.data is None else
+                                                          "no --data" if args.data is None else "no model"))
+    for flag in ("batch_size", "eval_batch_size", "grad_accum", "max_length", "max_steps", "max_recoveries"):
+        value = getattr(args, flag)
+        if value is not None and (value <= 0 if flag != "max_recoveries" else value < 0):
+            raise MemfitError(f"`--{flag.replace('_', '-')}` must be a positive integer; got `{value}`")
+    T._check_model_dir(args.model, args.model)
+    model_dir = args.model
+    config = _causal_lm_check(model_dir, trainer)
+    kwargs, notes = T._training_kwargs(args, False, trainer=trainer)
+    if args.eval_batch_size is None and "per_device_eval_batch_size" not in kwargs:
+        kwargs["per_device_eval_batch_size"] = kwargs["per_device_train_batch_size"]
+    output_dir = kwargs.pop("output_dir", None) or "memfit-train-out"
+    use_cpu = kwargs.pop("use_cpu", None)
+    if use_cpu is not None and not isinstance(use_cpu, bool):
+        raise MemfitError(f"`use_cpu` in `{args.args_file}` must be true or false; got `{use_cpu!r}`")
+    T._check_output_dir(output_dir, model_dir)
+    budget_bytes = None
+    if args.budget:
+        from memfit.fitting.preflight import check_budget
+
+        if str(args.budget).strip() in ("0", "0.0"):
+            raise MemfitError(f"memory budget `{args.budget}` is zero; give a size such as `800MiB`")
+        budget_bytes = check_budget(args.budget)
+    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
+        raise MemfitError(f"--resume `{args.resume}` is not a folder; pass a checkpoint-N folder of an earlier run, "
+                          "or --resume alone for the last one in --output-dir")
+    positions = getattr(config, "max_position_embeddings", None)
+    if "max_length" not in kwargs and isinstance(positions, int) and positions < _TRL_DEFAULT_MAX_LENGTH:
+        kwargs["max_length"] = positions
+        notes.append(f"max_length {positions}: the model's positions (max_position_embeddings), below TRL's default "
+                     f"{_TRL_DEFAULT_MAX_LENGTH}")
+    targs = trl_config(trainer, output_dir, use_cpu, kwargs)  # every setting checked before the data is read
+    from memfit.train_setup import TrainSetup
+
+    TrainSetup.from_training_args(targs, model=config)  # memfit's checks of the TRL settings (packing_strategy, ...)
+    max_length = targs.max_length
+    if isinstance(positions, int) and isinstance(max_length, int) and max_length > positions:
+        raise MemfitError(f"`--max-length {max_length}` is longer than the model's {positions} positions "
+                          f"(max_position_embeddings); pass --max-length {positions} or less")
+    text_field = getattr(targs, "dataset_text_field", None) or "text"
+    data = read_trl_data(args.data, trainer, text_field)
+    if getattr(targs, "completion_only_loss", None) and data.format != "prompt-completion":
+        raise MemfitError(f"`--completion-only-loss` needs prompt/completion data; `{args.data}` is in {data.format} "
+                          "format" + (" (use --assistant-only-loss for chat messages)" if data.format == "messages"
+                                      else "") + "; SFTTrainer's collator would fail at the first batch")
+    if getattr(targs, "assistant_only_loss", False) and not data.conversational:
+        raise MemfitError(f"`--assistant-only-loss` needs conversational data (lists of chat messages); `{args.data}` "
+                          f"holds strings ({data.format} format)")
+    if targs.activation_offloading:
+        import torch
+
+        if getattr(torch, "accelerator", None) is not None and torch.accelerator.current_accelerator() is None:
+            raise MemfitError("`activation_offloading` needs a GPU: TRL's OffloadActivations reads "
+                              "`torch.accelerator.current_accelerator().type` (trl/models/activation_offloading.py), "
+                              "None on this machine; remove it from --args")
+    eval_rows: list[dict[str, Any]] = []
+    if args.eval_data:
+        eval_data = read_trl_data(args.eval_data, trainer, text_field)
+        if eval_data.format != data.format:
+            raise MemfitError(f"--eval-data `{args.eval_data}` is in {eval_data.format} format, --data in "
+                              f"{data.format}; give both in the same format")
+        eval_rows = eval_data.rows
+    elif str(getattr(targs.eval_strategy, "value", targs.eval_strategy)) != "no":
+        if len(data.rows) < 2:
+            raise MemfitError(f"`{args.data}` has {len(data.rows)} example; give at least 2 (or --eval-data)")
+        n_eval = max(1, len(data.rows) // 5)
+        eval_rows = data.rows[-n_eval:]
+        data = TrlData(data.path, data.format, data.rows[:-n_eval], data.conversational)
+    return TrlInputs(trainer, model_dir, kwargs, notes, output_dir, use_cpu, budget_bytes, data, targs, eval_rows)
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+def _tokenizer(inputs: TrlInputs) -> Any:
+    from transformers import AutoTokenizer
+
+    from memfit.commands.train import _first_line
+
+    try:
+        tok = AutoTokenizer.from_pretrained(inputs.model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` cannot be loaded ({_first_line(err)}); the model "
+                          "directory needs its tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+    if inputs.data.conversational and not getattr(tok, "chat_template", None):
+        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` has no chat template, which the chat messages of "
+                          f"`{inputs.data.path}` need (TRL applies it to every example): add `chat_template` to its "
+                          "tokenizer_config.json (or a chat_template.jinja), or give the data as strings")
+    if getattr(tok, "eos_token", None) is None:
+        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` has no EOS token, which TRL appends to every "
+                          "example (`add_eos`); set `eos_token` in its tokenizer_config.json")
+    return tok
+
+
+def _peft_config(args: argparse.Namespace) -> Any:
+    if getattr(args, "lora_r", None) is None:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise MemfitError("`--lora-r` needs peft: `pip install peft`") from None
+    from memfit.train_setup import TrainSetup
+
+    defaults = TrainSetup()  # memfit's LoRA defaults, as `memfit estimate --lora-r` simulates them
+    targets = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()] if args.lora_target_modules \
+        else "all-linear"
+    return LoraConfig(r=args.lora_r, lora_alpha=defaults.lora_alpha, lora_dropout=defaults.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+
+
+def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
+    """SFTConfig / DPOConfig, the model, the datasets and TRL's trainer (its printer callback removed)."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.trainer_callback import PrinterCallback
+    from transformers.utils import logging as hf_logging
+
+    from memfit.commands.train import _first_line, _Run
+    from memfit.fitting.preflight import check_budget_covers_model
+
+    try:
+        import trl
+        from datasets import Dataset
+    except ImportError:
+        raise MemfitError(f"`--trainer {inputs.trainer}` needs TRL and datasets: `pip install trl datasets` "
+                          "(memfit's `llm` extra)") from None
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import datasets
+
+    datasets.disable_progress_bars()  # TRL's dataset preparation (tokenizing, packing) maps with progress bars
+    targs = inputs.targs
+    tokenizer = _tokenizer(inputs)
+    torch.manual_seed(targs.seed)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(inputs.model_dir)
+    except (OSError, ValueError) as err:
+        raise MemfitError(f"the model in `{inputs.model_dir}` cannot be loaded as a causal LM ({_first_line(err)})") \
+            from None
+    check_budget_covers_model(model, inputs.budget_bytes)
+    try:
+        train_ds = Dataset.from_list(inputs.data.rows)
+        eval_ds = Dataset.from_list(inputs.eval_rows) if inputs.eval_rows else None
+    except Exception as err:  # noqa: BLE001 - pyarrow's type errors: mixed types in a column
+        raise MemfitError(f"the examples of `{inputs.data.path}` cannot be made a dataset ({_first_line(err)}); give "
+                          "each column one type in every example") from None
+    cls = trl.SFTTrainer if inputs.trainer == "sft" else trl.DPOTrainer
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = cls(model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds,
+                          processing_class=tokenizer, peft_config=_peft_config(args))
+    except (ValueError, KeyError, TypeError) as err:  # TRL's own checks (a template without generation markers, ...)
+        raise MemfitError(f"{cls.__name__} rejected the setup: {_first_line(err)}") from None
+    trainer.remove_callback(PrinterCallback)
+    from memfit.fitting.resume import resolve_checkpoint
+
+    resolve_checkpoint(trainer, args.resume)
+    return _Run(trainer, tokenizer, targs)
+
+
+def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: Any) -> Any:
+    """Say what runs, then memfit's preflight: the predicted peak and the flags."""
+    import memfit.fitting.run as mf
+    from memfit.units import format_bytes
+
+    targs, trainer = run.targs, run.trainer
+    name = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}[inputs.trainer]
+    n_train = len(trainer.train_dataset)
+    console.print(f"[bold]memfit train[/bold] {os.path.basename(inputs.model_dir.rstrip('/'))} with TRL's {name} on "
+                  f"`{os.path.basename(inputs.data.path)}` ({len(inputs.data.rows)} examples, {inputs.data.format}"
+                  + (", conversational" if inputs.data.conversational else "") + f"; {n_train} "
+                  + ("packs" if getattr(targs, "packing", False) else "train rows")
+                  + (f" / {len(inputs.eval_rows)} eval" if inputs.eval_rows else "") + ")")
+    lora = f", LoRA r={args.lora_r}" if getattr(args, "lora_r", None) else ""
+    console.print(f"batch {targs.per_device_train_batch_size} x accumulation {targs.gradient_accumulation_steps}, "
+                  f"max_length {targs.max_length}, {targs.num_train_epochs:g} epochs{lora}"
+                  + (f", emulated GPU of {format_bytes(inputs.budget_bytes)} (memory_budget)" if inputs.budget_bytes
+                     else "") + (f", GPU {args.gpu}" if args.gpu else ""))
+    for note in inputs.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    pre = mf.preflight(trainer, gpu=args.gpu, budget_bytes=inputs.budget_bytes)
+    est = pre.estimate
+    console.print(f"plan: predicted peak {format_bytes(est.peak_allocated_bytes)} allocated ({est.peak_phase}); "
+                  + ("fits" if pre.fits else "does NOT fit" if pre.fits is False else "no GPU known: fit unknown")
+                  + ("; memfit's plan will be applied" if pre.fits is False and not args.no_plan else ""))
+    for f in pre.flags:
+        if f.kind != "does_not_fit":
+            console.print(f"[yellow]preflight:[/yellow] {f.text} [dim](fix: {f.fix})[/dim]")
+    return pre
+
+
+def train_trl_command(args: argparse.Namespace, trainer: str, console: Any) -> int:
+    """`memfit train --trainer sft|dpo`: check every input, build TRL's trainer, preflight, `memfit.fit`, report."""
+    from memfit.commands import train as T
+
+    inputs = read_trl_inputs(args, trainer)
+    run = build_trl_trainer(args, inputs)
+    pre = _preflight(console, args, inputs, run)
+    T._set_aside_earlier_results(console, inputs)
+    import warnings
+
+    with warnings.catch_warnings():  # transformers 5.24 renames gradient checkpointing; TRL calls the old names
+        warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+        return T._fit(console, args, inputs, run, pre)
