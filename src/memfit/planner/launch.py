@@ -242,11 +242,14 @@ def write_launch(folder: str | os.PathLike[str], launch: Launch, *, force: bool 
     except OSError as err:
         raise MemfitError(f"cannot make the folder `{folder}`: {err.strerror or err}") from err
     written = []
+    umask = os.umask(0)
+    os.umask(umask)
     for name, text in launch.files.items():
         fd, tmp = tempfile.mkstemp(dir=target, prefix=".tmp-", suffix="-" + name)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(text)
+            os.chmod(tmp, 0o666 & ~umask)  # as open() would make it (mkstemp makes 0600)
             os.replace(tmp, target / name)
         except BaseException:
             with contextlib.suppress(OSError):
