@@ -25,7 +25,9 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
         "plan", help="the fastest configuration that fits a GPU, and the exact change",
         description="Search gradient checkpointing, mixed precision, optimizers, micro-batch vs accumulation, "
                      "evaluation and allocator settings, FlashAttention-2 and Liger kernels (and, with --allow, truncation, LoRA, QLoRA, freezing, offload) for "
-                     "the fastest configuration that fits the GPU, verified by simulation.",
+                     "the fastest configuration that fits the GPU, verified by simulation. With --gpus 4xA100-40GB (or a budget "
+                     "8xA100-40GB,4xH100-80GB): the fastest multi-GPU strategy (DDP, FSDP2, ZeRO-1/2/3, CPU offload last) "
+                     "and micro-batch that rank 0's simulation verifies, and the files and command to launch it.",
     )
     add_setup_arguments(p)
     p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload (comma-separated)")
@@ -47,7 +49,7 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--force", action="store_true", help="with --write-launch: replace files that exist")
     g.add_argument("--script", default="train.py", help="the training script in the launch commands")
     g.add_argument("--max-simulations", type=int, default=None,
-                   help="per-rank simulations before the search stops with the best found (default 16)")
+                   help="per-rank simulations before the search stops with the best found (default 24)")
     p.set_defaults(func=plan_command)
     return p
 

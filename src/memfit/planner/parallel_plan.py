@@ -25,7 +25,9 @@ so per strategy / checkpointing / kernels group the fastest fitting candidate is
 that fits, found by bisection over the micro-batches, and a group whose largest micro-batch cannot beat
 the best found is not simulated (branch and bound). Modelled times within `TIE_FRACTION` of each other are
 a tie that the simpler strategy wins. A strategy whose leanest candidate (checkpointing on,
-leaner kernels, micro-batch 1) does not fit is dropped after that one simulation.
+leaner kernels, micro-batch 1) does not fit is dropped after that one simulation, and a candidate is not
+simulated when a leaner one of its strategy (checkpointing on where it is off, leaner kernels) already failed
+at its micro-batch or a smaller one (memory grows with the micro-batch and shrinks with either remedy).
 
 Known limitations: the memory of a candidate is rank 0's (memfit.parallel); precision, optimizer and the
 opt-in remedies are not searched (the setup's are kept); the step time is a model (its assumptions are in
@@ -57,7 +59,7 @@ __all__ = ["ParallelCandidate", "ParallelPlanResult", "plan_parallel", "plan_gpu
 TIE_FRACTION = 0.05
 
 #: simulations one plan may run before it stops with the best found so far (each is a full per-rank estimate)
-DEFAULT_MAX_SIMULATIONS = 16
+DEFAULT_MAX_SIMULATIONS = 24
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,14 @@ class _Group:
     variant: Variant
     order: int
     changes: dict[str, Any]  #: checkpointing and kernel changes
-    lean_rank: int  #: how lean its checkpointing / kernels are (higher: leaner)
+    lean: tuple[int, int]  #: (checkpointing, kernels) index on each axis: higher is leaner
+
+    @property
+    def lean_rank(self) -> int:
+        return sum(self.lean)
+
+    def leaner_or_equal(self, other: "_Group") -> bool:
+        return self.variant.key == other.variant.key and all(a >= b for a, b in zip(self.lean, other.lean))
 
 
 @dataclass
@@ -191,7 +200,7 @@ def _step(v: Variant, par, s: TrainSetup, m: _Model, spec: GpuSpec, ic: Intercon
     return comm_step_time(colls, micro_compute_s=micro, accumulation=a, optimizer_s=opt, ic=ic, nodes=nodes), colls
 
 
-def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], int]]:
+def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], tuple[int, int]]]:
     """(checkpointing + kernel changes, leanness) of the single-GPU remedies that still apply under sharding."""
     from memfit.planner.search import _kernel_axis
     from memfit.remedies import REGISTRY
@@ -207,7 +216,7 @@ def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], int]]:
     out = []
     for i, c in enumerate(ckpts):
         for j, k in enumerate(kernels):
-            out.append(({**c, **k}, i + j))
+            out.append(({**c, **k}, (i, j)))
     return out
 
 
@@ -296,12 +305,13 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
 
     groups = [_Group(v, i, dict(ch), lean) for i, v in enumerate(variants) for ch, lean in axes]
     groups.sort(key=lambda g: (g.variant.tier, modelled(g, micro_batches[-1])[0].total_s, g.order, -g.lean_rank))
-    leanest = max(lean for _, lean in axes)
+    leanest = max(sum(lean) for _, lean in axes)
     candidates: list[ParallelCandidate] = []
     tried: dict[tuple, ParallelCandidate] = {}
     dead: set[str] = set()
     refused: list[str] = []
     refused_keys: set[tuple] = set()
+    failed: list[tuple[_Group, int, ParallelCandidate]] = []
     sims = 0
     best: ParallelCandidate | None = None
     best_rank = (0, 0)  # (tier, order) of the best's variant
@@ -322,6 +332,9 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
             return tried[key]
         if key in refused_keys:
             return None
+        for other, ob, oc in failed:  # a leaner group of the strategy failed at this micro-batch or less
+            if other.leaner_or_equal(group) and ob <= b:
+                return oc
         s = changed(group, b)
         par = pars[group.variant.key]
         sims += 1
@@ -355,6 +368,8 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
                               [x.to_json(per_rank // b) for x in colls])
         tried[key] = c
         candidates.append(c)
+        if not fits:
+            failed.append((group, b, c))
         return c
 
     stopped = False
