@@ -179,6 +179,26 @@ def test_multi_node_commands_and_deepspeed_auto_values():
     assert ds["bf16"] == {"enabled": "auto"} and L.training_args == {"deepspeed": DS_FILE}
 
 
+def test_fsdp_with_accumulation_syncs_each_micro_step_as_simulated():
+    full = next(x for x in VARIANTS if x.key == "fsdp_full_shard")
+    L = launch_for(full, world_size=4, nodes=1, hidden_size=64, precision="bf16", training_args={}, accumulation=4)
+    assert L.training_args["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    assert L.training_args["fsdp"] == "full_shard auto_wrap" and json.loads(L.files[FSDP_FILE]) == {
+        "version": 2, "reshard_after_forward": True, "cpu_offload": False}
+    one = launch_for(full, world_size=4, nodes=1, hidden_size=64, precision="bf16", training_args={}, accumulation=1)
+    assert "accelerator_config" not in one.training_args
+
+
+def test_multi_node_plan_from_the_cli(tiny_bert_dir, capsys):
+    assert main(["plan", tiny_bert_dir, "--batch-size", "2", "--max-length", "16", "--eval-strategy", "no",
+                 "--gpus", "4xA100-40GB", "--nodes", "2", "--network-gbps", "200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["nodes"], out["interconnect"]["network_gbps"], out["global_batch"]) == (2, 200.0, 8)
+    assert "--nnodes 2 --nproc_per_node 2" in out["launch"]["commands"][0]
+    chosen = out["candidates"][out["chosen"]]
+    assert chosen["fits"] and chosen["step"]["comm_s"] > 0
+
+
 def test_write_launch_never_overwrites_silently(tmp_path):
     L = Launch({DS_FILE: "{}\n", ACCELERATE_FILE: "a: 1\n"}, {})
     (tmp_path / DS_FILE).write_text("mine")

@@ -18,6 +18,10 @@ them, so what is launched is what was simulated.
   `reshard_after_forward` and `cpu_offload` (transformers training_args.py `_process_fsdp_args`), and the
   same as an accelerate config (`distributed_type: FSDP`, `fsdp_config.fsdp_version: 2`,
   `fsdp_reshard_after_forward`, `fsdp_offload_params`: accelerate/commands/config/cluster.py).
+* FSDP2 with gradient accumulation: `TrainingArguments(accelerator_config={"gradient_accumulation_kwargs":
+  {"sync_each_batch": True}})`, so that the Trainer reduce-scatters every micro-step (transformers trainer.py
+  `_inner_training_loop`: `sync_each_batch` -> no `no_sync`) as memfit.parallel.fsdp simulates; under `no_sync`
+  FSDP2 keeps unsharded gradients between micro-steps (`set_requires_gradient_sync(False)`).
 * Commands: `torchrun --nproc_per_node G [--nnodes M --node_rank R --rdzv_backend c10d --rdzv_endpoint
   HOST:PORT] train.py`, or `accelerate launch --config_file FILE train.py` whose `--num_processes` is the
   total over machines (accelerate/commands/launch.py: "The total number of processes to be launched in
@@ -188,7 +192,7 @@ def _yaml(obj: dict[str, Any]) -> str:
 
 def launch_for(v: Variant, *, world_size: int, nodes: int, hidden_size: int | None, precision: str,
                training_args: dict[str, Any], env: dict[str, str] | None = None, code: list[str] | None = None,
-               script: str = "train.py") -> Launch:
+               script: str = "train.py", accumulation: int = 1) -> Launch:
     """Files, TrainingArguments change and commands for a variant (module docstring).
 
     Args:
@@ -201,6 +205,7 @@ def launch_for(v: Variant, *, world_size: int, nodes: int, hidden_size: int | No
         env: environment variables of the plan (allocator settings).
         code: code lines of the plan (memfit's own checkpointing).
         script: the training script in the commands.
+        accumulation: gradient accumulation steps of the plan (FSDP2 with more than one: `sync_each_batch`).
     """
     files: dict[str, str] = {}
     args = dict(training_args)
@@ -208,6 +213,8 @@ def launch_for(v: Variant, *, world_size: int, nodes: int, hidden_size: int | No
         opts, cfg = fsdp_arguments(v)
         files[FSDP_FILE] = json.dumps(cfg, indent=2) + "\n"
         args.update(fsdp=opts, fsdp_config=FSDP_FILE)
+        if accumulation > 1:  # reduce-scatter every micro-step, as memfit.parallel.fsdp simulates (memfit.planner.comm)
+            args["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     elif v.strategy.startswith("zero"):
         files[DS_FILE] = json.dumps(deepspeed_config(v, hidden_size=hidden_size), indent=2) + "\n"
         args["deepspeed"] = DS_FILE

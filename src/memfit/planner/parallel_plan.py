@@ -80,6 +80,7 @@ class ParallelCandidate:
     step: StepTime
     alloc_conf: str | None = None  #: PYTORCH_CUDA_ALLOC_CONF that makes it fit, when one is needed
     collectives: list[dict[str, Any]] = field(default_factory=list)
+    checkpointing: str | None = None  #: whose gradient checkpointing the simulation used (the report's)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -365,7 +366,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         c = ParallelCandidate(group.variant.key, group.variant.label, ch, b, per_rank // b, fits,
                               report.peak_allocated_bytes, reserved, reserved + report.non_pytorch_bytes, headroom,
                               (report.parallel or {}).get("host_bytes_per_node", 0), st, env,
-                              [x.to_json(per_rank // b) for x in colls])
+                              [x.to_json(per_rank // b) for x in colls], report.checkpointing)
         tried[key] = c
         candidates.append(c)
         if not fits:
@@ -416,14 +417,12 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     launch = None
     if best is not None:
         v = next(x for x in variants if x.key == best.variant)
-        _, args, env, code = _describe(setup, best.setup_changes, None)
+        _, args, env, code = _describe(setup, best.setup_changes, best.checkpointing)
         if best.alloc_conf:
             env = dict(env, PYTORCH_CUDA_ALLOC_CONF=best.alloc_conf)
-        if v.strategy == "fsdp" and best.gradient_accumulation_steps > 1:
-            # reduce-scatter every micro-step as memfit.parallel.fsdp simulates (memfit.planner.comm: no_sync)
-            args = dict(args, accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})
         launch = launch_for(v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size,
-                            precision=setup.precision, training_args=args, env=env, code=code, script=script)
+                            precision=setup.precision, training_args=args, env=env, code=code, script=script,
+                            accumulation=best.gradient_accumulation_steps)
     return ParallelPlanResult(
         gpu={"name": spec.name, "total_bytes": spec.total_bytes}, world_size=world_size, nodes=nodes,
         interconnect=ic.to_json(), global_batch=global_batch, per_rank_batch=per_rank, budget_bytes=budget,
