@@ -147,7 +147,7 @@ class _Model:
     d_model: int
 
 
-def _model_facts(setup: TrainSetup) -> _Model:
+def _model_facts(setup: TrainSetup, spec: GpuSpec) -> _Model:
     from memfit.models.build import resolve_config
     from memfit.parallel.rank import _meta_model, param_inventory
     from memfit.planner.ranking import StepTimer
@@ -157,7 +157,7 @@ def _model_facts(setup: TrainSetup) -> _Model:
     elem = next(iter(model.parameters())).element_size()
     cfg = resolve_config(setup.model).config
     hidden = getattr(cfg, "hidden_size", None) or max(getattr(cfg, "hidden_sizes", None) or [0]) or None
-    timer = StepTimer.for_setup(setup, as_gpu_spec("A100-80GB"))  # depth and width only
+    timer = StepTimer.for_setup(setup, spec)  # the model's depth and width
     return _Model(inv.total_params, inv.trainable_params, elem, hidden, timer.n_layer, timer.d_model)
 
 
@@ -291,8 +291,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     if capacity <= 0:
         raise MemfitError(f"gpu `{spec.name}` leaves no memory to PyTorch with margin {margin}; use a larger GPU")
     notes = [n for n in [ic.note] if n]
-    m = _model_facts(setup)
-    conf = parse_alloc_conf(alloc_conf) if alloc_conf else None
+    m = _model_facts(setup, spec)
     variants = [v for v in VARIANTS if v.strategy in allowed]
     axes = _axes(setup, spec)
     pars = {v.key: parallel_setup_for(v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size,
