@@ -14,7 +14,8 @@ Memory: every candidate that is counted as fitting was simulated as rank 0 sees 
 (memfit.estimator.estimate with the candidate's `ParallelSetup`, memfit.parallel.rank) and replayed through
 the allocator with the budget as its capacity: the GPU's total less the margin, less memfit's table of
 memory outside PyTorch and NCCL's buffers (memfit.parallel.nccl); when it does not fit, replayed again with
-`expandable_segments:True` as the single-GPU planner does (memfit.planner.search `_verified_plan`).
+`expandable_segments:True`, then `max_split_size_mb:128`, as the single-GPU planner does
+(memfit.planner.search `_verified_plan`).
 
 Speed: per rank, the compute of memfit.planner.throughput (micro-step forward + backward; the optimizer's
 pass over the rank's shard of the parameters, or on the CPU with offload) plus the communication of
@@ -346,7 +347,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
             return None
         fits, reserved, env = report.fits is True, report.peak_reserved_bytes, None
         if not fits and report.trace is not None:
-            for text in ("expandable_segments:True",):
+            for text in ("expandable_segments:True", "max_split_size_mb:128"):  # as search._verified_plan
                 base_conf = f"{alloc_conf},{text}" if alloc_conf else text
                 alt = bounded_reserved(report.trace, conf=parse_alloc_conf(base_conf), capacity_bytes=capacity,
                                        search=False)
