@@ -3,6 +3,8 @@
     memfit plan                                        # the built-in example (xlnet-large-cased) on a V100-16GB
     memfit plan xlnet-large-cased --batch-size 1 --grad-accum 16 --max-length 2048 --gpu V100-16GB
     memfit plan meta-llama/Llama-3.2-1B --task causal-lm --gpu T4 --allow lora,truncation --json
+    memfit plan meta-llama/Llama-3.2-3B --task causal-lm --gpus 4xA100-40GB --write-launch launch/   # across GPUs
+    memfit plan gpt2-large --gpus 8xA100-40GB,4xH100-80GB              # which of these GPU kinds is fastest
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
         "plan", help="the fastest configuration that fits a GPU, and the exact change",
         description="Search gradient checkpointing, mixed precision, optimizers, micro-batch vs accumulation, "
                      "evaluation and allocator settings, FlashAttention-2 and Liger kernels (and, with --allow, truncation, LoRA, QLoRA, freezing, offload) for "
-                     "the fastest configuration that fits the GPU, verified by simulation.",
+                     "the fastest configuration that fits the GPU, verified by simulation. With --gpus 4xA100-40GB (or a budget "
+                     "8xA100-40GB,4xH100-80GB): the fastest multi-GPU strategy (DDP, FSDP2, ZeRO-1/2/3, CPU offload last) "
+                     "and micro-batch that rank 0's simulation verifies, and the files and command to launch it.",
     )
     add_setup_arguments(p)
     p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload (comma-separated)")
@@ -31,13 +35,38 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="exit 1 (with one line on stderr) when the setup as given does not fit, even when a plan "
                         "does; for scripts and CI")
+    # -- plan across GPUs (issue 14, item 4) --
+    from memfit.commands._args import add_parallel_arguments
+
+    add_parallel_arguments(p)
+    g = p.add_argument_group("plan across GPUs (with --gpus / --world-size / --nodes)")
+    g.add_argument("--interconnect", choices=("nvlink", "pcie"), default=None,
+                   help="what joins the GPUs of a node (default: the GPU's, memfit.gpus.interconnect)")
+    g.add_argument("--network-gbps", type=float, default=None,
+                   help="Gb/s per node between nodes (default 100; DGX A100: 1600, DGX H100: 3200)")
+    g.add_argument("--write-launch", default=None, metavar="DIR",
+                   help="write the launch files (DeepSpeed JSON / fsdp_config / accelerate config) into DIR")
+    g.add_argument("--force", action="store_true", help="with --write-launch: replace files that exist")
+    g.add_argument("--script", default="train.py", help="the training script in the launch commands")
+    g.add_argument("--max-simulations", type=int, default=None,
+                   help="per-rank simulations before the search stops with the best found (default 24)")
     p.set_defaults(func=plan_command)
     return p
+
+
+def _is_parallel(args: argparse.Namespace) -> bool:
+    return any(getattr(args, f, None) is not None for f in ("gpus", "world_size", "nodes"))
 
 
 def plan_command(args: argparse.Namespace) -> int:
     from memfit.planner.search import DEFAULT_MARGIN, plan
 
+    if _is_parallel(args):
+        return plan_parallel_command(args)
+    for flag in ("strategy", "deepspeed", "fsdp", "fsdp_config", "write_launch", "interconnect", "network_gbps"):
+        if getattr(args, flag, None) is not None:
+            raise MemfitError(f"`--{flag.replace('_', '-')}` plans across GPUs: give the GPUs with `--gpus 4xA100-40GB` "
+                              "(or `--world-size N --gpu GPU`)")
     setup, gpu, is_seed = build_setup(args)
     if gpu is None:
         raise MemfitError("`memfit plan` needs a GPU to plan for: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
@@ -142,3 +171,136 @@ def render(result, *, is_seed: bool = False) -> None:
     if result.not_applicable:
         c.print("[dim]Not applicable here: " + "; ".join(f"{k}: {v}" for k, v in result.not_applicable.items()) + "[/dim]")
     c.print(f"[dim]{result.simulations} simulations in {result.elapsed_s:.1f} s[/dim]")
+
+
+# -- plan across GPUs (issue 14, item 4) ----------------------------------------------------------------------
+
+
+def plan_parallel_command(args: argparse.Namespace) -> int:
+    """`memfit plan ... --gpus 4xA100-40GB` (or a budget `8xA100-40GB,4xH100-80GB`, or `--world-size N --gpu X`)."""
+    from memfit.planner.parallel_plan import DEFAULT_MAX_SIMULATIONS, parse_gpu_budget, plan_gpu_budget, plan_parallel
+
+    for flag in ("deepspeed", "fsdp", "fsdp_config"):
+        if getattr(args, flag, None) is not None:
+            raise MemfitError(f"`memfit plan` chooses the engine and writes its config; drop `--{flag.replace('_', '-')}` "
+                              "(`memfit estimate --gpus ... --" + flag.replace('_', '-') + " ...` checks a config you have)")
+    if args.allow:
+        raise MemfitError(f"`--allow {args.allow}`: the opt-in remedies are not searched across GPUs yet; plan one GPU "
+                          "with `--gpu` for them")
+    if args.force and not args.write_launch:
+        raise MemfitError("`--force` replaces launch files: give `--write-launch DIR` as well")
+    if args.write_launch and not args.force:  # every plan writes the accelerate config: fail before simulating
+        from pathlib import Path
+
+        from memfit.planner.launch import ACCELERATE_FILE
+
+        if (Path(args.write_launch) / ACCELERATE_FILE).exists():
+            raise MemfitError(f"`{Path(args.write_launch) / ACCELERATE_FILE}` exists; memfit does not overwrite it: "
+                              "pass --force to replace it or choose another --write-launch folder")
+    explicit_gpu = args.gpu
+    setup, _, is_seed = build_setup(args)
+    kinds = parse_gpu_budget(args.gpus) if args.gpus else None
+    if kinds is None:
+        if args.world_size is None or explicit_gpu is None:
+            raise MemfitError("a multi-GPU plan needs the GPUs: pass `--gpus 4xA100-40GB` (or `--world-size 4 --gpu "
+                              "A100-40GB`)")
+        kinds = [(args.world_size, explicit_gpu)]
+    elif explicit_gpu is not None:
+        raise MemfitError(f"--gpu `{explicit_gpu}` and --gpus `{args.gpus}` both name GPUs; give one")
+    elif args.world_size is not None and (len(kinds) > 1 or kinds[0][0] != args.world_size):
+        raise MemfitError(f"--gpus `{args.gpus}` and --world-size `{args.world_size}` differ; give one of them")
+    kw = dict(nodes=args.nodes or 1, margin=args.margin, strategies=(args.strategy,) if args.strategy else None,
+              interconnect=args.interconnect, network_gbps=args.network_gbps, alloc_conf=args.alloc_conf,
+              max_simulations=args.max_simulations or DEFAULT_MAX_SIMULATIONS, script=args.script)
+    if len(kinds) == 1:
+        results, best = [plan_parallel(setup, gpu=kinds[0][1], world_size=kinds[0][0], **kw)], 0
+        if results[0].chosen is None:
+            best = None
+    else:
+        results, best = plan_gpu_budget(setup, kinds, **kw)
+    chosen = results[best] if best is not None else None
+    written: list[str] = []
+    if args.write_launch:
+        if chosen is None:
+            raise MemfitError(f"no plan fits, so there is nothing to write to `{args.write_launch}`")
+        from memfit.planner.launch import write_launch
+
+        written = write_launch(args.write_launch, chosen.launch, force=args.force)
+    if args.json:
+        if len(kinds) == 1:
+            out = results[0].to_json()
+        else:
+            out = {"schema": "memfit.plan.gpu_budget/1", "chosen_kind": best,
+                   "kinds": [r.to_json() if not isinstance(r, MemfitError) else {"gpus": f"{k[0]}x{k[1]}",
+                                                                                 "error": str(r)}
+                             for r, k in zip(results, kinds)]}
+        out["written"] = written
+        json.dump(out, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        for r, k in zip(results, kinds):
+            if isinstance(r, MemfitError):
+                print(f"{k[0]}x{k[1]}: {r}")
+            else:
+                render_parallel(r, chosen_kind=len(kinds) > 1 and r is chosen)
+        if len(kinds) > 1:
+            print(f"Fastest that fits: {kinds[best][0]}x{kinds[best][1]}" if best is not None
+                  else "None of these GPU kinds fits the run.")
+        for path in written:
+            print(f"wrote {path}")
+    if chosen is None and args.check:
+        print(f"memfit plan --check: no plan fits {args.gpus or kinds[0]}", file=sys.stderr)
+    return 0 if chosen is not None else 1
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def render_parallel(r, *, chosen_kind: bool = False) -> None:
+    """The candidates simulated, the chosen one, and exactly what to launch."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    if c.width < 120:  # the candidates' table needs the width (a pipe is 80 columns to rich)
+        c = Console(width=120)
+    ic = r.interconnect
+    link = f"{ic['kind']} {ic['intra_node_gbps']:g} GB/s per GPU" + (
+        f", {ic['network_gbps']:g} Gb/s per node between nodes" if r.nodes > 1 else "")
+    c.print(f"[bold]{r.world_size} x {r.gpu['name']}[/bold] on {r.nodes} node(s) ({link}); global batch "
+            f"{r.global_batch} = {r.per_rank_batch} per GPU; each GPU's budget {format_bytes(r.budget_bytes)}, "
+            f"{format_bytes(r.capacity_bytes)} to PyTorch" + (" [green](fastest kind)[/green]" if chosen_kind else ""))
+    t = Table(title="Candidates simulated (rank 0; step time modelled: compute + exposed communication + "
+                    "host copies; > = chosen)", title_justify="left")
+    for col in ("#", "strategy", "changes", "per GPU", "headroom", "host/node", "step", "comm", "fits"):
+        t.add_column(col, justify="left" if col in ("strategy", "changes") else "right", no_wrap=col != "changes")
+    for i, cand in enumerate(r.candidates):
+        t.add_row(f"{'>' if i == r.chosen else ''}{i}", cand.strategy, short(cand.setup_changes),
+                  format_bytes(cand.device_used_bytes), format_bytes(cand.headroom_bytes),
+                  format_bytes(cand.host_bytes_per_node) if cand.host_bytes_per_node else "-",
+                  _ms(cand.step.total_s), _ms(cand.step.exposed_comm_s + cand.step.host_copy_s),
+                  "yes" if cand.fits else "no")
+    c.print(t)
+    c.print("[dim]per GPU: what nvidia-smi shows on rank 0's GPU (reserved + CUDA context + NCCL buffers); step: "
+            "modelled time of one optimizer step; comm: its exposed communication and host copies[/dim]")
+    best = r.chosen_candidate
+    if best is None:
+        c.print("[red]Nothing fits[/red] on these GPUs (also with CPU offload); more or larger GPUs, or `memfit plan "
+                "--gpu ... --allow ...` for the opt-in remedies.")
+    else:
+        per_step = sum(x["bytes_per_step"] for x in best.collectives)
+        c.print(f"[bold]Chosen[/bold]: {best.strategy}, micro-batch {best.per_device_train_batch_size} x accumulation "
+                f"{best.gradient_accumulation_steps}; {format_bytes(best.headroom_bytes)} headroom on each GPU; "
+                f"{format_bytes(per_step)} moved per rank per step. Launch:")
+        L = r.launch
+        lines = []
+        for name, text in L.files.items():
+            lines += [f"# {name}", text.rstrip()]
+        lines += [f"export {k}={v}" for k, v in L.env.items()]
+        lines.append("TrainingArguments(..., " + ", ".join(f"{k}={v!r}" for k, v in L.training_args.items()) + ")")
+        lines += L.code + L.commands
+        c.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+    for n in r.notes:
+        c.print(f"[dim]note: {n}[/dim]")
+    c.print(f"[dim]{r.simulations} per-rank simulations in {r.elapsed_s:.1f} s[/dim]")

@@ -1,0 +1,466 @@
+"""`memfit.planner.parallel_plan.plan_parallel`: the fastest way to spread a run over the GPUs a user has
+(issue 14, item 4).
+
+Search space: a strategy (memfit.planner.launch.VARIANTS: DDP, ZeRO-1/2, FSDP2 shard_grad_op and
+full_shard, ZeRO-3; CPU offload of the optimizer / parameters as a last resort, tried only when nothing on
+the GPUs fits), gradient checkpointing (the setup's and, where it applies, on), the kernels
+(memfit.planner.search's kernel axis: FlashAttention-2 / Liger where GPU, model and packages allow), and
+the micro-batch. The global batch stays the user's: `per_device_train_batch_size x
+gradient_accumulation_steps x world size` (or `global_batch` when given, for a budget of GPU kinds), so
+each rank keeps `global / world` samples per optimizer step split into micro-batch x accumulation, as the
+single-GPU planner keeps the effective batch exactly.
+
+Memory: every candidate that is counted as fitting was simulated as rank 0 sees it
+(memfit.estimator.estimate with the candidate's `ParallelSetup`, memfit.parallel.rank) and replayed through
+the allocator with the budget as its capacity: the GPU's total less the margin, less memfit's table of
+memory outside PyTorch and NCCL's buffers (memfit.parallel.nccl); when it does not fit, replayed again with
+`expandable_segments:True`, then `max_split_size_mb:128`, as the single-GPU planner does
+(memfit.planner.search `_verified_plan`).
+
+Speed: per rank, the compute of memfit.planner.throughput (micro-step forward + backward; the optimizer's
+pass over the rank's shard of the parameters, or on the CPU with offload) plus the communication of
+memfit.planner.comm (volumes per strategy, link bandwidths of memfit.gpus.interconnect, what compute
+hides), in modelled seconds per optimizer step. The modelled step time falls as the micro-batch grows
+(the small-batch inefficiency and the per-micro-step collectives both shrink), and memory rises with it;
+so per strategy / checkpointing / kernels group the fastest fitting candidate is the largest micro-batch
+that fits, found by bisection over the micro-batches, and a group whose largest micro-batch cannot beat
+the best found is not simulated (branch and bound). Modelled times within `TIE_FRACTION` of each other are
+a tie that the simpler strategy wins. A strategy whose leanest candidate (checkpointing on,
+leaner kernels, micro-batch 1) does not fit is dropped after that one simulation, and a candidate is not
+simulated when a leaner one of its strategy (checkpointing on where it is off, leaner kernels) already failed
+at its micro-batch or a smaller one (memory grows with the micro-batch and shrinks with either remedy).
+
+Known limitations: the memory of a candidate is rank 0's (memfit.parallel); precision, optimizer and the
+opt-in remedies are not searched (the setup's are kept); the step time is a model (its assumptions are in
+memfit.planner.throughput and memfit.planner.comm), meant to rank candidates, not to predict seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import MemfitError
+from memfit.gpus.catalog import GpuSpec, as_gpu_spec
+from memfit.gpus.interconnect import Interconnect, interconnect_for
+from memfit.planner.comm import Collective, StepTime, collectives, comm_step_time
+from memfit.planner.launch import VARIANTS, Launch, Variant, launch_for, parallel_setup_for
+from memfit.planner.throughput import StepCost, step_time_s
+from memfit.train_setup import TrainSetup
+
+__all__ = ["ParallelCandidate", "ParallelPlanResult", "plan_parallel", "plan_gpu_budget", "parse_gpu_budget",
+           "DEFAULT_MAX_SIMULATIONS"]
+
+#: modelled step times closer than this fraction are a tie, which the simpler strategy (earlier in
+#: memfit.planner.launch.VARIANTS: DDP, ZeRO-1, ZeRO-2, FSDP2, ZeRO-3) wins: the step-time model rests on
+#: assumed efficiencies (memfit.planner.throughput, memfit.planner.comm) and does not resolve smaller differences,
+#: and it leaves out the sharded engines' own overheads (per-group hooks, copy-in / copy-out, CPU launch cost)
+TIE_FRACTION = 0.05
+
+#: simulations one plan may run before it stops with the best found so far (each is a full per-rank estimate)
+DEFAULT_MAX_SIMULATIONS = 24
+
+
+@dataclass(frozen=True)
+class ParallelCandidate:
+    """One simulated candidate: strategy, the TrainSetup changes, rank 0's memory and the modelled step."""
+
+    variant: str
+    strategy: str  #: label, e.g. "ZeRO-3" or "FSDP2 full_shard"
+    setup_changes: dict[str, Any]
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    fits: bool
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_used_bytes: int  #: reserved + memory outside PyTorch (NCCL's buffers included): nvidia-smi per GPU
+    headroom_bytes: int  #: budget minus what rank 0 needs; negative: how much it is short
+    host_bytes_per_node: int  #: host memory offload needs on each node
+    step: StepTime
+    alloc_conf: str | None = None  #: PYTORCH_CUDA_ALLOC_CONF that makes it fit, when one is needed
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    checkpointing: str | None = None  #: whose gradient checkpointing the simulation used (the report's)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["step"] = self.step.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class ParallelPlanResult:
+    gpu: dict[str, Any]
+    world_size: int
+    nodes: int
+    interconnect: dict[str, Any]
+    global_batch: int
+    per_rank_batch: int
+    budget_bytes: int  #: the GPU's total less the margin
+    capacity_bytes: int  #: what PyTorch's allocator may use on each GPU (budget less memory outside PyTorch)
+    margin: float
+    candidates: list[ParallelCandidate]  #: every simulated candidate, in the order simulated
+    chosen: int | None  #: index into `candidates`
+    launch: Launch | None
+    simulations: int
+    elapsed_s: float
+    notes: list[str]
+
+    @property
+    def chosen_candidate(self) -> ParallelCandidate | None:
+        return None if self.chosen is None else self.candidates[self.chosen]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("gpu", "world_size", "nodes", "interconnect", "global_batch",
+                                              "per_rank_batch", "budget_bytes", "capacity_bytes", "margin",
+                                              "chosen", "simulations", "elapsed_s", "notes")}
+        out["candidates"] = [c.to_json() for c in self.candidates]
+        out["launch"] = None if self.launch is None else self.launch.to_json()
+        out["schema"] = "memfit.plan.parallel/1"
+        return out
+
+
+@dataclass(frozen=True)
+class _Group:
+    variant: Variant
+    order: int
+    changes: dict[str, Any]  #: checkpointing and kernel changes
+    lean: tuple[int, int]  #: (checkpointing, kernels) index on each axis: higher is leaner
+
+    @property
+    def lean_rank(self) -> int:
+        return sum(self.lean)
+
+    def leaner_or_equal(self, other: "_Group") -> bool:
+        return self.variant.key == other.variant.key and all(a >= b for a, b in zip(self.lean, other.lean))
+
+
+@dataclass
+class _Model:
+    """What the step-time model needs of the model."""
+
+    params: int
+    trainable_params: int
+    weight_bytes_per_param: int
+    hidden_size: int | None
+    n_layer: int
+    d_model: int
+
+
+def _model_facts(setup: TrainSetup, spec: GpuSpec) -> _Model:
+    from memfit.models.build import resolve_config
+    from memfit.parallel.rank import _meta_model, param_inventory
+    from memfit.planner.ranking import StepTimer
+
+    model = _meta_model(setup)
+    inv = param_inventory(model)
+    elem = next(iter(model.parameters())).element_size()
+    cfg = resolve_config(setup.model).config
+    hidden = getattr(cfg, "hidden_size", None) or max(getattr(cfg, "hidden_sizes", None) or [0]) or None
+    timer = StepTimer.for_setup(setup, spec)  # the model's depth and width
+    return _Model(inv.total_params, inv.trainable_params, elem, hidden, timer.n_layer, timer.d_model)
+
+
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def _step(v: Variant, par, s: TrainSetup, m: _Model, spec: GpuSpec, ic: Interconnect, nodes: int
+          ) -> tuple[StepTime, list[Collective]]:
+    """The modelled step of rank 0 of a candidate (module docstring)."""
+    n = par.world_size
+    precision = s.precision
+    if v.strategy.startswith("zero"):
+        precision = par.zero.dtype  # DeepSpeed casts the model; the Trainer's autocast is not used
+        gather = grad = _DTYPE_BYTES[par.zero.dtype]
+    elif v.strategy == "fsdp":
+        gather = _DTYPE_BYTES[par.param_dtype] if par.param_dtype else m.weight_bytes_per_param
+        grad = _DTYPE_BYTES[par.reduce_dtype] if par.reduce_dtype else gather
+    else:
+        gather = grad = m.weight_bytes_per_param
+    b, a = s.per_device_train_batch_size, s.gradient_accumulation_steps
+    cost = StepCost(m.params, m.trainable_params, m.n_layer, m.d_model, s.sequence_length, b, 1, precision,
+                    s.gradient_checkpointing, s.optim)
+    opt_gpu = step_time_s(dataclasses.replace(cost, accumulation=0), spec)
+    micro = step_time_s(cost, spec) - opt_gpu
+    if v.strategy == "ddp":
+        opt = opt_gpu
+    elif v.cpu_offload or v.offload_optimizer:
+        from memfit.planner.comm import HOST_OPTIMIZER_GBPS
+
+        opt = opt_gpu * spec.memory_bandwidth_gbps / HOST_OPTIMIZER_GBPS / n  # the rank's shard, on the CPU
+    else:
+        opt = opt_gpu / n  # the rank's shard
+    z = par.zero
+    colls = collectives(strategy=v.strategy, world_size=n, param_bytes=m.params * gather,
+                        grad_bytes=m.trainable_params * grad, reshard_after_forward=par.reshard_after_forward,
+                        cpu_offload=par.cpu_offload, offload_optimizer=bool(z and z.offload_optimizer),
+                        offload_param=bool(z and z.offload_param), overlap_comm=bool(z.overlap_comm) if z else True,
+                        groups=m.n_layer + 1, ddp_bucket_bytes=int((par.bucket_cap_mb or 25.0) * 2**20),
+                        reduce_bucket_bytes=z.reduce_bucket_size * grad if z else None,
+                        allgather_bucket_bytes=z.allgather_bucket_size * gather if z else None)
+    return comm_step_time(colls, micro_compute_s=micro, accumulation=a, optimizer_s=opt, ic=ic, nodes=nodes), colls
+
+
+def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], tuple[int, int]]]:
+    """(checkpointing + kernel changes, leanness) of the single-GPU remedies that still apply under sharding."""
+    from memfit.planner.search import _kernel_axis
+    from memfit.remedies import REGISTRY
+
+    verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
+    ckpts = [{}]
+    if verdicts["gradient_checkpointing"].applies:
+        ckpts.append(REGISTRY["gradient_checkpointing"].variants(setup, spec)[0])
+    kernels = [k for k in _kernel_axis(setup, spec, verdicts, allow=(), exclude=()) if "load_in_4bit" not in k]
+    if setup.precision == "fp32":  # FlashAttention-2 runs in fp16/bf16 only; precision is not searched here
+        kernels = [k for k in kernels if "attn_implementation" not in k] or [{}]
+        kernels = [k for i, k in enumerate(kernels) if k not in kernels[:i]]
+    out = []
+    for i, c in enumerate(ckpts):
+        for j, k in enumerate(kernels):
+            out.append(({**c, **k}, (i, j)))
+    return out
+
+
+def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str | GpuSpec | None = None,
+                  world_size: int | None = None, nodes: int = 1, global_batch: int | None = None,
+                  margin: float | None = None, strategies: tuple[str, ...] | list[str] | None = None,
+                  interconnect: str | None = None, network_gbps: float | None = None,
+                  alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
+                  script: str = "train.py") -> ParallelPlanResult:
+    """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
+
+    Args:
+        setup: a TrainSetup or a model id; its batch x accumulation is per GPU.
+        gpus: `COUNTxGPU`, e.g. `4xA100-40GB` (or give `gpu` and `world_size`).
+        gpu: catalog name, size or GpuSpec of each GPU.
+        world_size: GPUs in all.
+        nodes: nodes the GPUs are spread over (the same number on each).
+        global_batch: samples per optimizer step over all GPUs; None: the setup's batch x accumulation x world size.
+        margin: fraction of each GPU kept free (default memfit.planner.search.DEFAULT_MARGIN).
+        strategies: restrict the search to these (ddp, fsdp, zero1, zero2, zero3); None: all.
+        interconnect: "nvlink" or "pcie" within a node; None: the GPU's default (memfit.gpus.interconnect).
+        network_gbps: Gb/s per node between nodes; None: memfit.gpus.interconnect.DEFAULT_NETWORK_GBPS.
+        alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, for every allocator replay.
+        max_simulations: stop after this many per-rank simulations with the best found.
+        script: the training script named in the commands.
+    """
+    from memfit.allocator.bounded import bounded_reserved
+    from memfit.allocator.conf import parse_alloc_conf
+    from memfit.estimator import estimate
+    from memfit.gpus.outside_pytorch import non_pytorch_bytes as table
+    from memfit.parallel.nccl import nccl_buffer_bytes
+    from memfit.parallel.setup import STRATEGIES, ParallelSetup, parse_gpus
+    from memfit.planner.search import DEFAULT_MARGIN, _as_setup, _describe
+
+    started = time.perf_counter()
+    setup = _as_setup(setup)
+    margin = DEFAULT_MARGIN if margin is None else margin
+    if not 0 <= margin < 0.5:
+        raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of each GPU kept free)")
+    if gpus is not None:
+        count, name = parse_gpus(gpus)
+        if world_size is not None and world_size != count:
+            raise MemfitError(f"--gpus `{gpus}` and --world-size `{world_size}` differ; give one of them")
+        if gpu is not None and str(gpu) != name:
+            raise MemfitError(f"--gpu `{gpu}` and --gpus `{gpus}` name different GPUs; give one")
+        world_size, gpu = count, name
+    if gpu is None or world_size is None:
+        raise MemfitError("a multi-GPU plan needs the GPUs: pass `--gpus 4xA100-40GB` (or `--world-size 4 --gpu "
+                          "A100-40GB`)")
+    ParallelSetup(world_size=world_size, nodes=nodes)  # the world size / nodes checks, one-line errors
+    if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
+        raise MemfitError(f"max_simulations `{max_simulations!r}` must be a whole number of at least 1")
+    allowed = tuple(strategies) if strategies else STRATEGIES
+    bad = [s for s in allowed if s not in STRATEGIES]
+    if bad:
+        raise MemfitError(f"strategy `{bad[0]}` is not one of {', '.join(STRATEGIES)}")
+    spec = as_gpu_spec(gpu, required=True)
+    setup = setup.replace(compute_capability=tuple(spec.compute_capability))
+    ic = interconnect_for(spec.name, kind=interconnect, network_gbps=network_gbps)
+    global_batch = setup.effective_batch_size * world_size if global_batch is None else global_batch
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise MemfitError(f"global batch `{global_batch!r}` must be a whole number of samples")
+    if global_batch % world_size:
+        raise MemfitError(f"global batch `{global_batch}` does not split over `{world_size}` GPUs; give a multiple "
+                          f"of {world_size}")
+    per_rank = global_batch // world_size
+    micro_batches = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+    budget = int(spec.total_bytes * (1 - margin))
+    outside = table(spec).total_bytes + nccl_buffer_bytes(world_size, nodes)
+    capacity = budget - outside
+    if capacity <= 0:
+        raise MemfitError(f"gpu `{spec.name}` leaves no memory to PyTorch with margin {margin}; use a larger GPU")
+    notes = [n for n in [ic.note] if n]
+    m = _model_facts(setup, spec)
+    variants = [v for v in VARIANTS if v.strategy in allowed]
+    axes = _axes(setup, spec)
+    pars = {v.key: parallel_setup_for(v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size,
+                                      precision=setup.precision) for v in variants}
+
+    def changed(group: _Group, b: int) -> TrainSetup:
+        return setup.replace(**group.changes, per_device_train_batch_size=b, gradient_accumulation_steps=per_rank // b)
+
+    def modelled(group: _Group, b: int) -> tuple[StepTime, list[Collective]]:
+        return _step(group.variant, pars[group.variant.key], changed(group, b), m, spec, ic, nodes)
+
+    groups = [_Group(v, i, dict(ch), lean) for i, v in enumerate(variants) for ch, lean in axes]
+    groups.sort(key=lambda g: (g.variant.tier, modelled(g, micro_batches[-1])[0].total_s, g.order, -g.lean_rank))
+    leanest = max(sum(lean) for _, lean in axes)
+    candidates: list[ParallelCandidate] = []
+    tried: dict[tuple, ParallelCandidate] = {}
+    dead: set[str] = set()
+    refused: list[str] = []
+    refused_keys: set[tuple] = set()
+    failed: list[tuple[_Group, int, ParallelCandidate]] = []
+    sims = 0
+    best: ParallelCandidate | None = None
+    best_rank = (0, 0)  # (tier, order) of the best's variant
+
+    def could_beat(g: _Group, t: float) -> bool:
+        """A candidate of `g` taking `t` would replace the best (module docstring: TIE_FRACTION)."""
+        if best is None:
+            return True
+        if g.variant.tier != best_rank[0]:
+            return g.variant.tier < best_rank[0]
+        limit = best.step.total_s * ((1 + TIE_FRACTION) if g.order < best_rank[1] else (1 - TIE_FRACTION))
+        return t < limit or (g.order == best_rank[1] and t < best.step.total_s)
+
+    def simulate(group: _Group, b: int) -> ParallelCandidate | None:
+        nonlocal sims
+        key = (group.variant.key, tuple(sorted(group.changes.items())), b)
+        if key in tried:
+            return tried[key]
+        if key in refused_keys:
+            return None
+        for other, ob, oc in failed:  # a leaner group of the strategy failed at this micro-batch or less
+            if other.leaner_or_equal(group) and ob <= b:
+                return oc
+        s = changed(group, b)
+        par = pars[group.variant.key]
+        sims += 1
+        try:
+            report = estimate(s, gpu=spec, parallel=par, capacity_bytes=capacity, alloc_conf=alloc_conf)
+        except MemfitError as err:  # a combination the simulation refuses (e.g. a kernel the engine's dtype lacks)
+            refused.append(f"{group.variant.label} with {group.changes or 'the setup as is'}: {err}")
+            refused_keys.add(key)
+            return None
+        fits, reserved, env = report.fits is True, report.peak_reserved_bytes, None
+        if not fits and report.trace is not None:
+            for text in ("expandable_segments:True", "max_split_size_mb:128"):  # as search._verified_plan
+                base_conf = f"{alloc_conf},{text}" if alloc_conf else text
+                alt = bounded_reserved(report.trace, conf=parse_alloc_conf(base_conf), capacity_bytes=capacity,
+                                       search=False)
+                if alt.oom is None:
+                    fits, reserved, env = True, alt.report.peak_reserved_bytes, base_conf
+                    break
+        if fits:
+            headroom = capacity - reserved
+        elif report.shortfall_bytes is not None:
+            headroom = -report.shortfall_bytes  # what it needs beyond the capacity
+        else:
+            headroom = capacity - reserved
+        st, colls = modelled(group, b)
+        ch = {k: v for k, v in dict(group.changes, per_device_train_batch_size=b,
+                                     gradient_accumulation_steps=per_rank // b).items() if getattr(setup, k) != v}
+        c = ParallelCandidate(group.variant.key, group.variant.label, ch, b, per_rank // b, fits,
+                              report.peak_allocated_bytes, reserved, reserved + report.non_pytorch_bytes, headroom,
+                              (report.parallel or {}).get("host_bytes_per_node", 0), st, env,
+                              [x.to_json(per_rank // b) for x in colls], report.checkpointing)
+        tried[key] = c
+        candidates.append(c)
+        if not fits:
+            failed.append((group, b, c))
+        return c
+
+    stopped = False
+    for g in groups:
+        v = g.variant
+        if v.key in dead:
+            continue
+        if not could_beat(g, modelled(g, micro_batches[-1])[0].total_s):
+            continue
+        if sims >= max_simulations:
+            stopped = True
+            break
+        worth = [b for b in micro_batches if could_beat(g, modelled(g, b)[0].total_s)]
+        if not worth:
+            continue
+        found = None
+        first = simulate(g, worth[-1])
+        if first is None:
+            continue  # refused: the group does not apply
+        if first.fits:  # the largest first: often enough
+            found = worth[-1]
+        else:
+            lean_group = next(x for x in groups if x.variant.key == v.key and x.lean_rank == leanest)
+            lean = simulate(lean_group, micro_batches[0]) if sims < max_simulations else None
+            if lean is not None and not lean.fits:
+                dead.add(v.key)  # its leanest candidate does not fit: nothing of this strategy does
+                continue
+            lo, hi = 0, len(worth) - 2
+            while lo <= hi and sims < max_simulations:
+                mid = (lo + hi + 1) // 2
+                c = simulate(g, worth[mid])
+                if c is not None and c.fits:
+                    found, lo = worth[mid], mid + 1
+                else:
+                    hi = mid - 1
+        if found is not None:
+            c = tried[(v.key, tuple(sorted(g.changes.items())), found)]
+            if could_beat(g, c.step.total_s):
+                best, best_rank = c, (v.tier, g.order)
+    notes += [f"not simulated: {r}" for r in refused[:3]]
+    if stopped:
+        notes.append(f"stopped after {sims} simulations (max_simulations); a faster plan may exist")
+    chosen = None if best is None else candidates.index(best)
+    launch = None
+    if best is not None:
+        v = next(x for x in variants if x.key == best.variant)
+        _, args, env, code = _describe(setup, best.setup_changes, best.checkpointing)
+        if best.alloc_conf:
+            env = dict(env, PYTORCH_CUDA_ALLOC_CONF=best.alloc_conf)
+        launch = launch_for(v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size,
+                            precision=setup.precision, training_args=args, env=env, code=code, script=script,
+                            accumulation=best.gradient_accumulation_steps)
+    return ParallelPlanResult(
+        gpu={"name": spec.name, "total_bytes": spec.total_bytes}, world_size=world_size, nodes=nodes,
+        interconnect=ic.to_json(), global_batch=global_batch, per_rank_batch=per_rank, budget_bytes=budget,
+        capacity_bytes=capacity, margin=margin, candidates=candidates, chosen=chosen, launch=launch,
+        simulations=sims, elapsed_s=round(time.perf_counter() - started, 2), notes=notes)
+
+
+def parse_gpu_budget(text: str) -> list[tuple[int, str]]:
+    """`8xA100-40GB,4xH100-80GB` -> [(8, "A100-40GB"), (4, "H100-80GB")]."""
+    from memfit.parallel.setup import parse_gpus
+
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise MemfitError(f"--gpus `{text}` names no GPUs; write e.g. `4xA100-40GB` or `8xA100-40GB,4xH100-80GB`")
+    return [parse_gpus(p) for p in parts]
+
+
+def plan_gpu_budget(setup: TrainSetup | str, kinds: list[tuple[int, str]], **kw: Any
+                    ) -> tuple[list[ParallelPlanResult | MemfitError], int | None]:
+    """A plan for each GPU kind the user could use, and which is fastest that fits.
+
+    The global batch is the setup's batch x accumulation x the first kind's count (or `global_batch`), the
+    same for every kind; a kind it does not split over is reported as its error. Returns (one result or
+    error per kind, the index of the fastest that fits or None). `kw` go to `plan_parallel`.
+    """
+    from memfit.planner.search import _as_setup
+
+    setup = _as_setup(setup)
+    kw = dict(kw)
+    kw.setdefault("global_batch", setup.effective_batch_size * kinds[0][0])
+    out: list[ParallelPlanResult | MemfitError] = []
+    for count, name in kinds:
+        try:
+            out.append(plan_parallel(setup, gpu=name, world_size=count, **kw))
+        except MemfitError as err:
+            if "does not split" not in str(err):
+                raise
+            out.append(err)
+    fitting = [(r.chosen_candidate.step.total_s, i) for i, r in enumerate(out)
+               if isinstance(r, ParallelPlanResult) and r.chosen is not None]
+    return out, (min(fitting)[1] if fitting else None)

@@ -1,0 +1,235 @@
+"""`memfit plan --gpus NxGPU`: the fastest multi-GPU strategy that rank 0's simulation verifies fits, the
+communication it costs, and the files to launch it (issue 14, item 4)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import save_bert_config
+from memfit.cli import main
+from memfit.errors import MemfitError
+from memfit.estimator import estimate
+from memfit.gpus.interconnect import Interconnect, interconnect_for
+from memfit.planner import comm
+from memfit.planner.launch import ACCELERATE_FILE, DS_FILE, FSDP_FILE, VARIANTS, Launch, launch_for, write_launch
+from memfit.planner.parallel_plan import plan_gpu_budget, plan_parallel
+from memfit.train_setup import TrainSetup
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def states_heavy_bert(tmp_path_factory):
+    """82.7M parameters (fp32: 1.2 GiB of weights, gradients and Adam's state) and small activations: sharding
+    matters."""
+    return save_bert_config(tmp_path_factory, "bert1024", hidden_size=1024, num_hidden_layers=4,
+                            num_attention_heads=16, intermediate_size=4096, vocab_size=30000)
+
+
+def _setup(model, **kw):
+    base = dict(model=model, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=64,
+                eval_strategy="no")
+    base.update(kw)
+    return TrainSetup(**base)
+
+
+# -- the communication model, by hand ---------------------------------------------------------------------------
+
+def test_volumes_equal_the_ring_formulas_by_hand():
+    S, P, n = 400 * MiB, 200 * MiB, 4
+    (ar,) = comm.collectives(strategy="ddp", world_size=n, param_bytes=P, grad_bytes=S, ddp_bucket_bytes=25 * MiB)
+    assert ar.op == "all_reduce" and ar.bytes_per_call == 600 * MiB and not ar.every_micro_step  # 2(n-1)/n x S
+    assert ar.launches == 1 + 16  # the 1 MiB first bucket, then ceil(399 / 25) buckets of 25 MiB
+    fsdp = comm.collectives(strategy="fsdp", world_size=n, param_bytes=P, grad_bytes=S, groups=5)
+    assert [(c.op, c.bytes_per_call, c.every_micro_step) for c in fsdp] == [
+        ("all_gather", 150 * MiB, True), ("all_gather", 150 * MiB, True), ("reduce_scatter", 300 * MiB, True)]
+    assert len(comm.collectives(strategy="fsdp", world_size=n, param_bytes=P, grad_bytes=S,
+                                reshard_after_forward=False)) == 2  # one all-gather: kept for the backward
+    z1 = comm.collectives(strategy="zero1", world_size=n, param_bytes=P, grad_bytes=S)
+    assert [(c.op, c.bytes_per_call, c.every_micro_step) for c in z1] == [
+        ("reduce_scatter", 300 * MiB, False), ("all_gather", 150 * MiB, False)]
+    z2 = comm.collectives(strategy="zero2", world_size=n, param_bytes=P, grad_bytes=S)
+    assert z2[0].every_micro_step and not z2[1].every_micro_step
+    z3 = comm.collectives(strategy="zero3", world_size=n, param_bytes=P, grad_bytes=S, offload_optimizer=True,
+                          offload_param=True)
+    host = [(c.op, c.bytes_per_call) for c in z3 if c.on_host_link]
+    assert host == [("host_to_device", 50 * MiB), ("host_to_device", 50 * MiB), ("device_to_host", 100 * MiB)]
+    assert comm.collectives(strategy="ddp", world_size=1, param_bytes=P, grad_bytes=S) == []
+
+
+def test_step_time_by_hand_overlap_latency_and_the_network():
+    ic = Interconnect("nvlink", 300.0, 31.5, 100.0, 4)
+    (ar,) = comm.collectives(strategy="ddp", world_size=4, param_bytes=10**9, grad_bytes=10**9,
+                             ddp_bucket_bytes=10**10)
+    assert ar.bytes_per_call == 1_500_000_000 and ar.launches == 2
+    t = comm.comm_step_time([ar], micro_compute_s=0.006, accumulation=3, optimizer_s=0.001, ic=ic, nodes=1)
+    wire = 1.5e9 / (300e9 * 0.65)  # 7.692 ms over NVLink at the assumed 65 %
+    exposed = (wire - 2 / 3 * 0.006) + 2 * 15e-6  # hidden behind the last backward (4 ms), plus two calls' latency
+    assert t.comm_s == pytest.approx(wire + 2 * 15e-6)
+    assert t.exposed_comm_s == pytest.approx(exposed)
+    assert t.total_s == pytest.approx(3 * 0.006 + 0.001 + exposed)
+    two_nodes = comm.comm_step_time([ar], micro_compute_s=0.006, accumulation=3, optimizer_s=0.001, ic=ic, nodes=2)
+    assert two_nodes.comm_s == pytest.approx(1.5e9 / (100e9 / 8 * 0.65) + 2 * 15e-6)  # 100 Gb/s per node bounds it
+
+
+def test_interconnect_defaults_and_errors():
+    assert interconnect_for("A100-80GB").intra_node_gbps == 300.0  # 600 GB/s NVLink 3, both directions
+    assert interconnect_for("A100-80GB", kind="pcie").intra_node_gbps == 31.5
+    assert interconnect_for("T4").kind == "pcie" and interconnect_for("T4").pcie_gen == 3
+    assert interconnect_for("generic-24GiB").note
+    with pytest.raises(MemfitError, match="no NVLink figure"):
+        interconnect_for("T4", kind="nvlink")
+    with pytest.raises(MemfitError, match="Gb/s"):
+        interconnect_for("T4", network_gbps=0)
+
+
+# -- plans, verified by rank 0's simulation ----------------------------------------------------------------------
+
+def test_a_model_that_fits_uses_ddp_with_launch_in_json(tiny_bert_dir, capsys):
+    assert main(["plan", tiny_bert_dir, "--batch-size", "4", "--grad-accum", "2", "--max-length", "64",
+                 "--eval-strategy", "no", "--gpus", "4xA100-40GB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    chosen = out["candidates"][out["chosen"]]
+    assert (chosen["variant"], chosen["fits"], out["world_size"]) == ("ddp", True, 4)
+    assert out["global_batch"] == 32 and chosen["per_device_train_batch_size"] * chosen["gradient_accumulation_steps"] == 8
+    assert out["launch"]["commands"][0] == "torchrun --nproc_per_node 4 train.py"
+    assert "deepspeed" not in out["launch"]["training_args"] and "fsdp" not in out["launch"]["training_args"]
+    ddp_step = chosen["step"]["total_s"]
+    assert all(c["step"]["total_s"] >= ddp_step * 0.95 for c in out["candidates"] if c["fits"])  # none clearly faster
+
+
+def test_a_model_that_does_not_fit_one_gpu_gets_a_sharded_plan_that_fits(states_heavy_bert):
+    s = _setup(states_heavy_bert)
+    gpu = "1800MiB"
+    assert estimate(s, gpu=gpu).fits is False  # one GPU: Adam's state, gradients and weights do not fit
+    r = plan_parallel(s, gpus=f"4x{gpu}")
+    best = r.chosen_candidate
+    assert best is not None and best.fits and best.variant != "ddp"
+    assert r.simulations <= 8
+    # the same per-rank simulation, from the launch file memfit's own reader reads, fits the same capacity
+    v = next(x for x in VARIANTS if x.key == best.variant)
+    from memfit.planner.launch import parallel_setup_for
+
+    par = parallel_setup_for(v, world_size=4, nodes=1, hidden_size=1024, precision=s.precision)
+    check = estimate(s.replace(**best.setup_changes), gpu=gpu, parallel=par, capacity_bytes=r.capacity_bytes)
+    assert check.fits and check.peak_allocated_bytes == best.peak_allocated_bytes
+    ddp = estimate(s.replace(**best.setup_changes), gpu=gpu, parallel=par.replace(strategy="ddp"),
+                   capacity_bytes=r.capacity_bytes)
+    assert ddp.fits is False  # what sharding bought
+    assert (best.per_device_train_batch_size * best.gradient_accumulation_steps) * 4 == r.global_batch
+
+
+def _estimate_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("strategy,engine_file", [("zero3", DS_FILE), ("fsdp", FSDP_FILE)])
+def test_launch_files_parse_and_round_trip_to_the_same_estimate(states_heavy_bert, tmp_path, capsys, strategy,
+                                                                engine_file):
+    yaml = pytest.importorskip("yaml")
+    common = [states_heavy_bert, "--batch-size", "4", "--grad-accum", "2", "--max-length", "64", "--eval-strategy", "no"]
+    out = _estimate_json(capsys, ["plan", *common, "--gpus", "4x1800MiB", "--strategy", strategy, "--json",
+                                  "--write-launch", str(tmp_path)])
+    chosen = out["candidates"][out["chosen"]]
+    assert sorted(Path(p).name for p in out["written"]) == sorted([engine_file, ACCELERATE_FILE])
+    text = (tmp_path / engine_file).read_text()
+    assert json.loads(text) == json.loads(out["launch"]["files"][engine_file])
+    acc = yaml.safe_load((tmp_path / ACCELERATE_FILE).read_text())
+    assert acc["num_processes"] == 4 and acc["num_machines"] == 1
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cluster = load_config_from_file(str(tmp_path / ACCELERATE_FILE))  # accelerate's own reader
+    assert cluster.num_processes == 4
+    b, a = chosen["per_device_train_batch_size"], chosen["gradient_accumulation_steps"]
+    again = [*common[:1], "--batch-size", str(b), "--grad-accum", str(a), *common[5:], "--gpus", "4x1800MiB"]
+    if chosen["setup_changes"].get("gradient_checkpointing"):
+        again.append("--gradient-checkpointing")
+    if strategy == "zero3":
+        assert str(cluster.distributed_type).endswith("DEEPSPEED")
+        assert cluster.deepspeed_config["deepspeed_config_file"] == DS_FILE
+        flags = ["--deepspeed", str(tmp_path / DS_FILE)]
+    else:
+        assert str(cluster.distributed_type).endswith("FSDP") and cluster.fsdp_config["fsdp_version"] == 2
+        assert cluster.fsdp_config["fsdp_reshard_after_forward"] == json.loads(text)["reshard_after_forward"]
+        flags = ["--fsdp", out["launch"]["training_args"]["fsdp"], "--fsdp-config", str(tmp_path / FSDP_FILE)]
+    est = _estimate_json(capsys, ["estimate", *again, *flags, "--json", "--no-cache"])
+    assert est["parallel"]["strategy"] == strategy
+    assert est["peak_allocated_bytes"] == chosen["peak_allocated_bytes"]
+
+
+def test_gpu_budget_picks_the_fastest_kind_that_fits(tiny_bert_dir):
+    s = _setup(tiny_bert_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_length=16)
+    results, best = plan_gpu_budget(s, [(2, "T4"), (2, "A100-40GB"), (3, "A100-40GB")])
+    assert isinstance(results[2], MemfitError) and "does not split" in str(results[2])  # 4 samples over 3 GPUs
+    assert best == 1 and results[1].global_batch == results[0].global_batch == 4
+    assert results[1].chosen_candidate.step.total_s < results[0].chosen_candidate.step.total_s
+
+
+# -- launch commands and files ------------------------------------------------------------------------------------
+
+def test_multi_node_commands_and_deepspeed_auto_values():
+    v = next(x for x in VARIANTS if x.key == "zero3_offload_optimizer")
+    L = launch_for(v, world_size=8, nodes=2, hidden_size=64, precision="bf16", training_args={})
+    assert L.commands[0].startswith("torchrun --nnodes 2 --nproc_per_node 4 --node_rank $NODE_RANK")
+    assert "--num_machines 2 --num_processes 8" in L.commands[1]
+    ds = json.loads(L.files[DS_FILE])
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu" and ds["optimizer"]["type"] == "AdamW"
+    assert ds["bf16"] == {"enabled": "auto"} and L.training_args == {"deepspeed": DS_FILE}
+
+
+def test_fsdp_with_accumulation_syncs_each_micro_step_as_simulated():
+    full = next(x for x in VARIANTS if x.key == "fsdp_full_shard")
+    L = launch_for(full, world_size=4, nodes=1, hidden_size=64, precision="bf16", training_args={}, accumulation=4)
+    assert L.training_args["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    assert L.training_args["fsdp"] == "full_shard auto_wrap" and json.loads(L.files[FSDP_FILE]) == {
+        "version": 2, "reshard_after_forward": True, "cpu_offload": False}
+    one = launch_for(full, world_size=4, nodes=1, hidden_size=64, precision="bf16", training_args={}, accumulation=1)
+    assert "accelerator_config" not in one.training_args
+
+
+def test_multi_node_plan_from_the_cli(tiny_bert_dir, capsys):
+    assert main(["plan", tiny_bert_dir, "--batch-size", "2", "--max-length", "16", "--eval-strategy", "no",
+                 "--gpus", "4xA100-40GB", "--nodes", "2", "--network-gbps", "200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["nodes"], out["interconnect"]["network_gbps"], out["global_batch"]) == (2, 200.0, 8)
+    assert "--nnodes 2 --nproc_per_node 2" in out["launch"]["commands"][0]
+    chosen = out["candidates"][out["chosen"]]
+    assert chosen["fits"] and chosen["step"]["comm_s"] > 0
+
+
+def test_write_launch_never_overwrites_silently(tmp_path):
+    L = Launch({DS_FILE: "{}\n", ACCELERATE_FILE: "a: 1\n"}, {})
+    (tmp_path / DS_FILE).write_text("mine")
+    with pytest.raises(MemfitError, match="--force"):
+        write_launch(tmp_path, L)
+    assert (tmp_path / DS_FILE).read_text() == "mine" and not (tmp_path / ACCELERATE_FILE).exists()
+    write_launch(tmp_path, L, force=True)
+    assert (tmp_path / DS_FILE).read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ACCELERATE_FILE, DS_FILE]  # no temporary file left
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--gpus", "A100"], "COUNTxGPU"),
+    (["--gpus", "0xA100-40GB"], "COUNTxGPU"),
+    (["--gpus", "4xNOPE-GPU"], "NOPE"),
+    (["--gpus", "4xT4", "--world-size", "2"], "differ"),
+    (["--gpus", "4xT4", "--gpu", "A100-40GB"], "both name GPUs"),
+    (["--gpus", "6xT4", "--nodes", "4"], "multiple"),
+    (["--gpus", "4xT4", "--deepspeed", "ds.json"], "chooses the engine"),
+    (["--gpus", "4xT4", "--force"], "--write-launch"),
+    (["--world-size", "4"], "needs the GPUs"),
+    (["--gpu", "T4", "--strategy", "zero3"], "across GPUs"),
+    (["--gpus", "4xT4", "--network-gbps", "-5"], "Gb/s"),
+])
+def test_bad_gpus_flags_are_one_line_errors(tiny_bert_dir, flags, match, capsys):
+    assert main(["plan", tiny_bert_dir, "--max-length", "16", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1
+
+
+def test_write_launch_refuses_an_existing_file_before_simulating(tiny_bert_dir, tmp_path, capsys):
+    (tmp_path / ACCELERATE_FILE).write_text("mine")
+    assert main(["plan", tiny_bert_dir, "--max-length", "16", "--gpus", "2xT4", "--write-launch", str(tmp_path)]) == 2
+    assert "exists" in capsys.readouterr().err and (tmp_path / ACCELERATE_FILE).read_text() == "mine"
