@@ -136,10 +136,13 @@ class _Runner:
         self._act_offload = None
         attn = setup.attn_implementation
         if attn == "flex_attention":
-            # torch.compile'd Triton kernel and BlockMask creation (create_block_mask, _compile=True): not emulated yet
-            raise MemfitError("attn_implementation `flex_attention` is not modelled yet (its compiled Triton kernel "
-                              "and block mask do not run on fake CPU tensors); estimate with `--attn sdpa` or "
-                              "`--attn flash_attention_2`, which save the same out + fp32 logsumexp per layer")
+            # issue 12: torch 2.13 refuses flex attention's backward on the CPU and transformers runs it torch.compile'd
+            # (a Triton kernel; create_block_mask(_compile=True)): not emulated yet (tests/test_flex_attn.py pins why)
+            raise MemfitError("attn_implementation `flex_attention` is not modelled yet (torch runs its backward only "
+                              "on a GPU, as a compiled Triton kernel, so it cannot run on fake CPU tensors); estimate "
+                              "with `--attn sdpa` or `--attn flash_attention_2`, which also keep no S x S matrix (out "
+                              "+ fp32 logsumexp per layer; flex's autograd function also saves an fp32 row max and the "
+                              "block mask's int32 tensors)")
         flash = attn is not None and attn not in ("eager", "sdpa")
         model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
         if flash:
