@@ -247,19 +247,25 @@ def test_checkpoint_offload_variant_and_change(tiny_llama):
     gpu = as_gpu_spec("A100-80GB")
     assert remedy.check(setup, gpu).applies
     [variant] = remedy.variants(setup, gpu)
-    assert variant == {"gradient_checkpointing": True,
-                       "gradient_checkpointing_kwargs": {"use_reentrant": False, "offload": True}}
+    assert variant == {"gradient_checkpointing_kwargs": {"use_reentrant": False, "offload": True}}
     hash(tuple(sorted(variant.items())))  # the planner keys candidates by their changes
     assert remedy_for_field("gradient_checkpointing_kwargs") is remedy
     args, _, code = remedy.apply(variant, setup)
-    assert args == {"gradient_checkpointing": True,
-                    "gradient_checkpointing_kwargs": {"use_reentrant": False, "offload": True}}
+    assert args == {"gradient_checkpointing_kwargs": {"use_reentrant": False, "offload": True}}
     assert not remedy.check(setup.replace(**variant), gpu).applies
     # proposed to a setup that already checkpoints (the checkpointing remedy is not), on the checkpointing axis
-    from memfit.planner.search import _candidate_axes
+    from memfit.planner.search import _candidate_axes, _describe
 
     axes = _candidate_axes(setup, gpu, _verdicts(setup, gpu), allow=(), exclude=())
-    assert axes.checkpointing == [{"gradient_checkpointing": True}, variant]
+    assert axes.checkpointing == [{"gradient_checkpointing": True}, {"gradient_checkpointing": True, **variant}]
+    # without checkpointing the plan turns it on too, each change described by its own remedy
+    plain = setup.replace(gradient_checkpointing=False)
+    axes = _candidate_axes(plain, gpu, _verdicts(plain, gpu), allow=(), exclude=())
+    both = axes.checkpointing[-1]
+    names, args, _, _ = _describe(plain, both, "huggingface")
+    assert names == ["gradient_checkpointing", "checkpoint_offload"]
+    assert args == {"gradient_checkpointing": True,
+                    "gradient_checkpointing_kwargs": {"use_reentrant": False, "offload": True}}
 
 
 def test_checkpoint_offload_is_simulated_and_charged(tiny_llama):
@@ -275,6 +281,7 @@ def test_checkpoint_offload_is_simulated_and_charged(tiny_llama):
                       per_device_train_batch_size=3, max_length=256, gradient_checkpointing=True)
     [variant] = REGISTRY["checkpoint_offload"].variants(ckpt, gpu)
     off = ckpt.replace(**variant)
+    assert off.gradient_checkpointing_kwargs == {"offload": True}
     a, b = estimate(ckpt), estimate(off)
     assert b.breakdown["activations"] < a.breakdown["activations"] or \
         b.phase_breakdowns["forward"]["activations"] < a.phase_breakdowns["forward"]["activations"]

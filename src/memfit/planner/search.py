@@ -299,7 +299,7 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
     return Axes(
         precisions=axis("mixed_precision", {"precision": setup.precision}),
         checkpointing=axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing})
-        + axis("checkpoint_offload", {})[1:],  # issue 12: checkpointing with its inputs in host memory
+        + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]],  # issue 12
         optimizers=axis("optimizer", {"optim": setup.optim}),
         lengths=axis("sequence_length", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
         offloads=axis("offload", {}),
