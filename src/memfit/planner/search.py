@@ -44,6 +44,7 @@ from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes
 from memfit.allocator.bounded import bounded_reserved
 from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model
 from memfit.planner.ranking import Candidate, StepTimer, rank
+from memfit.planner.throughput import paged_traffic_bytes
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
@@ -276,10 +277,8 @@ def _estimate_baseline(setup: TrainSetup, budget: Budget, alloc_conf: str | None
     need = report.required_bytes if report.required_bytes is not None else report.peak_reserved_bytes
     ratio = max(1.0, need / max(1, report.peak_allocated_bytes))
     timer = StepTimer.for_setup(setup, budget.spec)
-    from memfit.planner.throughput import paged_traffic_bytes  # issue 12: a paged optimizer short of room
-
-    traffic = paged_traffic_bytes(report.paged_bytes, budget.budget_bytes - report.peak_reserved_bytes
-                                  - budget.outside_bytes)
+    # issue 12: a paged optimizer's page traffic when the run leaves its state no room (as ranking.rank)
+    traffic = paged_traffic_bytes(report.paged_bytes, budget.budget_bytes - need - budget.outside_bytes)
     base_time = timer.seconds(setup, report.params, report.trainable_params, paged_traffic=traffic)
     return _Baseline(report, _plan_from_report(setup, {}, report, 1.0, budget.budget_bytes, verified=True),
                      ratio, timer, base_time)
