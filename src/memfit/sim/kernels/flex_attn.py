@@ -33,7 +33,9 @@ and `create_block_mask` are replaced (`flex_patches`). Sources read (installed t
 Known limitations: on CUDA transformers also asks for the logsumexp (`return_lse` is `device.type != "cpu"`) and
 casts it to the value dtype (`lse.to(value.dtype)`, a (B, H, S) transient freed at once without attention sinks);
 the simulated device is the CPU, so that branch does not run. Attention sinks (`s_aux`, gpt-oss) therefore raise
-transformers' own CPU error. Autotuning workspaces and the compiled graph's own small buffers are not modelled.
+transformers' own CPU error. Tensors a score_mod captures (a 4D score mask, a position bias) are inputs the
+compiled backward keeps; here they live as long as transformers' own references. Autotuning workspaces and the
+compiled graph's own small buffers are not modelled.
 """
 
 from __future__ import annotations
