@@ -150,3 +150,11 @@ def test_flex_fake_trace_equals_a_real_cpu_run():
         real = simulate(setup, fake=False, splice=False)
     assert trace_key(fake.trace) == trace_key(real.trace)
     assert fake.attn_kernels == real.attn_kernels == ["flex_attention"]
+
+
+def test_a_model_without_flex_attention_is_a_clear_error():
+    from memfit.sim.engine import simulate
+
+    setup = TrainSetup(model="xlnet-large-cased", attn_implementation="flex_attention", max_length=64)
+    with pytest.raises(MemfitError, match=r"\(XLNetForSequenceClassification\) has no flex attention.*--attn sdpa"):
+        simulate(setup, optimizer_steps=0)

@@ -137,6 +137,11 @@ class _Runner:
         attn = setup.attn_implementation
         # issue 12: flex attention runs transformers' own flex path with the compiled kernels emulated
         self.flex_log: list[str] | None = [] if attn == "flex_attention" else None
+        if self.flex_log is not None and not isinstance(setup.model, nn.Module):
+            from memfit.sim.kernels.flex_attn import check_flex_model
+            from memfit.train_setup import TASKS
+
+            check_flex_model(self.spec.config, TASKS[setup.task], self.spec.name)
         flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
         model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
         if flash:

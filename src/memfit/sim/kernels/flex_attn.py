@@ -48,7 +48,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["flex_patches", "FLEX_BLOCK_SIZE"]
+__all__ = ["flex_patches", "check_flex_model", "FLEX_BLOCK_SIZE"]
 
 #: torch/nn/attention/flex_attention.py `_DEFAULT_SPARSE_BLOCK_SIZE` (create_block_mask's BLOCK_SIZE default)
 FLEX_BLOCK_SIZE = 128
@@ -114,6 +114,26 @@ def _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=FL
         full_idx = torch.zeros((b, h, rows, cols), dtype=torch.int32, device=dev)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(qb, kb), mask_mod=mask_mod,
                                     seq_lengths=(Q_LEN, KV_LEN))
+
+
+def check_flex_model(config: Any, task_class: str, name: str) -> None:
+    """A MemfitError when the model class has no flex attention (transformers 5.24 modeling_utils
+    `_check_and_adjust_attn_implementation` raises a ValueError when `_supports_flex_attn` is False).
+
+    Args:
+        config: the model's config.
+        task_class: the Auto class of the task (`AutoModelForCausalLM`, ...).
+        name: the model's name, for the message.
+    """
+    import transformers
+
+    try:
+        cls = getattr(transformers, task_class)._model_mapping[type(config)]
+    except (AttributeError, KeyError):  # no head for this task: the build says so
+        return
+    if not getattr(cls, "_supports_flex_attn", False):
+        raise MemfitError(f"`{name}` ({cls.__name__}) has no flex attention in transformers {transformers.__version__} "
+                          "(`_supports_flex_attn` is False); use `--attn sdpa` or `--attn eager`")
 
 
 @contextlib.contextmanager
