@@ -185,13 +185,13 @@ def test_padding_free_batch_runs_transformers_varlen_path():
     assert sum(1 for a, rec, _, _ in tracker.events[start:] if a == "alloc" and rec.size_bytes == lse) >= 2
 
 
-def test_flex_attention_is_a_clear_not_modelled_error():
+def test_flex_attention_is_simulated():
+    """flex_attention is no longer refused: its compiled kernels are emulated (tests/test_flex_attn.py)."""
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100)
     setup = TrainSetup(model=cfg, task="causal-lm", per_device_train_batch_size=1, max_length=64, precision="bf16",
                        attn_implementation="flex_attention")
-    with pytest.raises(MemfitError, match="`flex_attention` is not modelled yet.*--attn sdpa"):
-        simulate(setup)
+    assert simulate(setup).attn_kernels == ["flex_attention"]
 
 
 @pytest.mark.parametrize("liger", [False, True])

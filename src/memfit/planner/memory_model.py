@@ -133,6 +133,7 @@ class OptimizerCost:
 
     state_bytes: int  #: its state (alive during the forward / backward of every step after the first)
     step_peak_bytes: int  #: the peak allocated in its step
+    paged_bytes: int = 0  #: state in CUDA managed memory (bitsandbytes paged optimizers; issue 12), not in the peaks
 
 
 @dataclass(frozen=True)
@@ -236,12 +237,13 @@ def _optimizer_costs(setup: TrainSetup, base_report: MemoryReport, optimizers: l
                      sims: Simulations) -> dict[str, OptimizerCost]:
     """The user's optimizer from the baseline; each other one from one optimizer step at micro-batch 1."""
     base_state = base_report.phase_breakdowns.get("optimizer", {}).get("optimizer_state", 0)
-    costs = {setup.optim: OptimizerCost(base_state, base_report.phases.get("optimizer", 0))}
+    costs = {setup.optim: OptimizerCost(base_state, base_report.phases.get("optimizer", 0), base_report.paged_bytes)}
     for o in optimizers:
         if o["optim"] in costs:
             continue
-        by, bd, _ = sims.phase_peaks(setup.replace(optim=o["optim"]), optimizer_steps=1, optimizer_only=True)
-        costs[o["optim"]] = OptimizerCost(bd.get("optimizer", {}).get("optimizer_state", 0), by.get("optimizer", 0))
+        by, bd, sim = sims.phase_peaks(setup.replace(optim=o["optim"]), optimizer_steps=1, optimizer_only=True)
+        costs[o["optim"]] = OptimizerCost(bd.get("optimizer", {}).get("optimizer_state", 0), by.get("optimizer", 0),
+                                          getattr(sim, "paged_bytes", 0))
     return costs
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from memfit.gpus.catalog import GpuSpec
 from memfit.planner.memory_model import TRAINABLE_KEYS, WEIGHT_KEYS, Axes, Budget, MemoryModel, eval_choice, train_peaks
-from memfit.planner.throughput import StepCost, step_time_s
+from memfit.planner.throughput import StepCost, paged_traffic_bytes, step_time_s
 from memfit.train_setup import TrainSetup
 
 __all__ = ["OPT_IN_KEYS", "StepTimer", "Candidate", "rank"]
@@ -36,6 +36,7 @@ class StepTimer:
     spec: GpuSpec
     n_layer: int
     d_model: int
+    weight_bytes: int = 4  #: bytes per element of the weights as loaded (the residual stream's dtype)
 
     @classmethod
     def for_setup(cls, setup: TrainSetup, spec: GpuSpec) -> "StepTimer":
@@ -46,15 +47,38 @@ class StepTimer:
         n_layer = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
                         if getattr(cfg, k, None)), 12)
         d = next((getattr(cfg, k) for k in ("hidden_size", "d_model", "n_embd", "dim") if getattr(cfg, k, None)), 768)
-        return cls(spec, int(n_layer), int(d))
+        # memfit.models.build.build_meta_model: weights_dtype, or for `auto` the config's dtype (float32 without)
+        dtype = {"fp32": 4, "fp16": 2, "bf16": 2}.get(setup.weights_dtype)
+        if dtype is None:
+            name = str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")
+            dtype = 2 if name in ("float16", "bfloat16") else 4
+        return cls(spec, int(n_layer), int(d), dtype)
 
-    def seconds(self, s: TrainSetup, params: int, trainable_params: int) -> float:
-        """Modelled seconds of one optimizer step of `s`."""
+    def offload_bytes(self, s: TrainSetup) -> int:
+        """Bytes of checkpointed inputs `gradient_checkpointing_kwargs={"offload": True}` moves to the host per
+        micro-step (issue 12; 0 without it): transformers 5.24 `GradientCheckpointingLayer` checkpoints
+        `partial(forward, **kwargs)` with the positional args only, and for decoder layers that is the hidden
+        states (B x S x d); `torch.utils.checkpoint` saves only those (`_NoopSaveInputs`), which `save_on_cpu`
+        offloads. `every_n_layers` checkpoints the layers with `index % n == 0` (`_set_gradient_checkpointing`).
+        The hidden states have the weights' dtype, float32 after `prepare_model_for_kbit_training` (it casts the
+        embeddings). tests/test_remedies_llm.py checks this against the simulated host copies."""
+        kw = s.gradient_checkpointing_kwargs or {}
+        if not (s.gradient_checkpointing and kw.get("offload")):
+            return 0
+        n = int(kw.get("every_n_layers", 1))
+        layers = -(-self.n_layer // n)
+        elem = 4 if (s.load_in_4bit or s.load_in_8bit) and s.kbit_prep else self.weight_bytes
+        return layers * s.per_device_train_batch_size * s.sequence_length * self.d_model * elem
+
+    def seconds(self, s: TrainSetup, params: int, trainable_params: int, *, paged_traffic: int = 0) -> float:
+        """Modelled seconds of one optimizer step of `s` (`paged_traffic`: a paged optimizer's bytes over the host
+        link per step, memfit.planner.throughput.paged_traffic_bytes)."""
         cost = StepCost(params, trainable_params, self.n_layer, self.d_model, s.sequence_length,
                         s.per_device_train_batch_size, s.gradient_accumulation_steps, s.precision,
                         s.gradient_checkpointing, s.optim,
                         quantized_params=(params - trainable_params) if (s.load_in_4bit or s.load_in_8bit) else 0,
-                        quantized_bits=4 if s.load_in_4bit else 8)
+                        quantized_bits=4 if s.load_in_4bit else 8,
+                        host_offload_bytes=self.offload_bytes(s), paged_traffic_bytes=paged_traffic)
         return step_time_s(cost, self.spec)
 
 
@@ -111,7 +135,11 @@ def rank(setup: TrainSetup, axes: Axes, model: MemoryModel, *, budget: Budget, n
                 changes.update(evaluation.changes)
             peak = max(by.values())
             used = int(peak * need_ratio) + budget.outside_bytes
-            t = timer.seconds(setup.replace(**changes), fit.params, fit.trainable_params) / base_time_s
+            # a paged optimizer's state (issue 12; not in the peaks): page traffic when the run leaves it no room
+            paged = 0 if fit.has_state else model.optimizers[optim].paged_bytes
+            traffic = paged_traffic_bytes(paged, budget.budget_bytes - used)
+            t = timer.seconds(setup.replace(**changes), fit.params, fit.trainable_params,
+                              paged_traffic=traffic) / base_time_s
             ranked.append(Candidate(used <= budget.budget_bytes, tier, t, len(changes), used, peak, changes))
     ranked.sort(key=Candidate.sort_key)
     return ranked

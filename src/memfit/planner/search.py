@@ -40,10 +40,11 @@ from memfit.allocator.conf import parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
-from memfit.remedies import OPT_IN, REGISTRY, conflict
+from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes
 from memfit.allocator.bounded import bounded_reserved
 from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model
 from memfit.planner.ranking import Candidate, StepTimer, rank
+from memfit.planner.throughput import paged_traffic_bytes
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
@@ -277,7 +278,9 @@ def _estimate_baseline(setup: TrainSetup, budget: Budget, alloc_conf: str | None
     need = report.required_bytes if report.required_bytes is not None else report.peak_reserved_bytes
     ratio = max(1.0, need / max(1, report.peak_allocated_bytes))
     timer = StepTimer.for_setup(setup, budget.spec)
-    base_time = timer.seconds(setup, report.params, report.trainable_params)
+    # issue 12: a paged optimizer's page traffic when the run leaves its state no room (as ranking.rank)
+    traffic = paged_traffic_bytes(report.paged_bytes, budget.budget_bytes - need - budget.outside_bytes)
+    base_time = timer.seconds(setup, report.params, report.trainable_params, paged_traffic=traffic)
     return _Baseline(report, _plan_from_report(setup, {}, report, 1.0, budget.budget_bytes, verified=True),
                      ratio, timer, base_time)
 
@@ -295,7 +298,8 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
     e = setup.effective_batch_size
     return Axes(
         precisions=axis("mixed_precision", {"precision": setup.precision}),
-        checkpointing=axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing}),
+        checkpointing=axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing})
+        + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]],  # issue 12
         optimizers=axis("optimizer", {"optim": setup.optim}),
         lengths=axis("sequence_length", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
         offloads=axis("offload", {}),
@@ -351,6 +355,8 @@ def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget:
     seen = set()
     verified = 0
     for c in ranked:
+        # issue 12: a change the others already make (checkpointing under kbit prep) is not proposed
+        c = dataclasses.replace(c, changes=implied_changes(setup, c.changes).changes)
         key = tuple(sorted(c.changes.items()))
         if key in seen or not c.changes:
             continue
@@ -392,7 +398,8 @@ def _fitted_plan(setup: TrainSetup, c: Candidate, base: _Baseline, budget: Budge
     reserved = min(int(c.peak_allocated_bytes * base.need_ratio), budget.capacity_bytes)
     return Plan(names, c.changes, args, env, code, int(c.peak_allocated_bytes), reserved,
                 reserved + budget.outside_bytes, budget.budget_bytes - c.used_bytes, round(c.relative_step_time, 3), c.fits, False,
-                ["fitted model, not verified by a full simulation"])
+                ["fitted model, not verified by a full simulation"]
+                + [n for n in setup.replace(**c.changes).notes if n not in setup.notes])  # e.g. kbit prep's checkpointing
 
 
 def _choose(verified: _Verified, baseline: Plan) -> int | None:

@@ -10,18 +10,23 @@ effect is never assumed: the planner simulates every variant it proposes
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+from memfit.errors import MemfitError
+
 from memfit.remedies.base import Remedy, Applicability
 from memfit.remedies import (
-    allocator, attention, checkpointing, eval_settings, freeze, liger, lora, micro_batch, mixed_precision, offload,
-    optimizer, padding, quantization, sequence_length,
+    allocator, attention, checkpoint_offload, checkpointing, eval_settings, freeze, liger, lora, micro_batch,
+    mixed_precision, offload, optimizer, padding, quantization, sequence_length,
 )
 
-__all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "remedy_for_field", "remedy_for_advice", "conflict"]
+__all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "remedy_for_field", "remedy_for_advice", "conflict",
+           "Implied", "implied_changes"]
 
 REGISTRY: dict[str, Remedy] = {
     r.name: r
     for r in (
-        mixed_precision.REMEDY, checkpointing.REMEDY, optimizer.REMEDY, micro_batch.REMEDY,
+        mixed_precision.REMEDY, checkpointing.REMEDY, checkpoint_offload.REMEDY, optimizer.REMEDY, micro_batch.REMEDY,
         sequence_length.REMEDY, lora.REMEDY, freeze.REMEDY, offload.REMEDY, eval_settings.REMEDY,
         allocator.REMEDY, padding.REMEDY, attention.REMEDY, liger.REMEDY, quantization.REMEDY,
     )
@@ -51,3 +56,40 @@ def conflict(names: list[str] | tuple[str, ...]) -> str | None:
             if b in names:
                 return f"{a} cannot be combined with {b}"
     return None
+
+
+class Implied(NamedTuple):
+    """A candidate's changes without those its other changes already bring about."""
+
+    changes: dict[str, Any]  #: the changes a user makes
+    implied: dict[str, str]  #: field -> why it is already in effect (TrainSetup's note)
+
+
+def implied_changes(base: Any, changes: dict[str, Any]) -> Implied:
+    """Drop from `changes` the fields that TrainSetup's normalisation already sets from the other changes.
+
+    A quantized model with `kbit_prep` gets gradient checkpointing from peft's
+    `prepare_model_for_kbit_training` (memfit.train_setup `_check_quantization`), so a plan that adds QLoRA must
+    not also propose "enable gradient checkpointing": the user would change nothing, and the reason it is on is
+    kbit prep. Generic: a field is implied when `base.replace(**other changes)` already has its value; the why is
+    the note that normalisation added (or a plain sentence when it added none).
+
+    Args:
+        base: the TrainSetup as it is.
+        changes: TrainSetup field changes of a candidate.
+    """
+    kept = dict(changes)
+    implied: dict[str, str] = {}
+    for key in list(changes):
+        if getattr(base, key) == changes[key]:
+            continue
+        others = {k: v for k, v in kept.items() if k != key}
+        try:
+            without = base.replace(**others)
+        except MemfitError:  # the other changes alone are not a valid setup (QLoRA without its adapters): needed
+            continue
+        if getattr(without, key) == changes[key]:
+            new_notes = [n for n in without.notes if n not in base.notes]
+            implied[key] = new_notes[0] if new_notes else f"`{key}` is already `{changes[key]!r}` with the other changes"
+            del kept[key]
+    return Implied(kept, implied)

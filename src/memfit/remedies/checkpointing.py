@@ -10,6 +10,10 @@ from memfit.remedies.base import Applicability, Remedy
 
 def _check(setup, gpu):
     if setup.gradient_checkpointing:
+        if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep:
+            # memfit.train_setup `_check_quantization`: peft's prepare_model_for_kbit_training enables it
+            return Applicability(False, "already on: peft's prepare_model_for_kbit_training (kbit prep, on by default "
+                                        "for quantized models) enables it")
         return Applicability(False, "already enabled")
     return Applicability(True, "recomputes activations in the backward")
 
@@ -28,7 +32,9 @@ def _apply_to_trainer(trainer, changes, log, adapter):
         return {}
     model = trainer.model
     if getattr(model, "supports_gradient_checkpointing", False):
-        trainer.args.gradient_checkpointing = True
+        # transformers 5.24 Trainer reads `activation_checkpointing` (trainer.py `_inner_training_loop`);
+        # `gradient_checkpointing` only mirrors it after TrainingArguments.__post_init__: set both
+        trainer.args.activation_checkpointing = trainer.args.gradient_checkpointing = True
         log.append("gradient_checkpointing True (Hugging Face's)")
     else:
         from memfit.models.blocks import enable_checkpointing

@@ -136,12 +136,14 @@ class _Runner:
         self.liger_log: list[str] = []
         self._act_offload = None
         attn = setup.attn_implementation
-        if attn == "flex_attention":
-            # torch.compile'd Triton kernel and BlockMask creation (create_block_mask, _compile=True): not emulated yet
-            raise MemfitError("attn_implementation `flex_attention` is not modelled yet (its compiled Triton kernel "
-                              "and block mask do not run on fake CPU tensors); estimate with `--attn sdpa` or "
-                              "`--attn flash_attention_2`, which save the same out + fp32 logsumexp per layer")
-        flash = attn is not None and attn not in ("eager", "sdpa")
+        # issue 12: flex attention runs transformers' own flex path with the compiled kernels emulated
+        self.flex_log: list[str] | None = [] if attn == "flex_attention" else None
+        if self.flex_log is not None and not isinstance(setup.model, nn.Module):
+            from memfit.sim.kernels.flex_attn import check_flex_model
+            from memfit.train_setup import TASKS
+
+            check_flex_model(self.spec.config, TASKS[setup.task], self.spec.name)
+        flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
         model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
         if flash:
             from memfit.sim.kernels.flash_attn import use_flash_attention
@@ -547,6 +549,10 @@ class _Runner:
 
             kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low, compute_capability=s.compute_capability,
                                      sm_count=s.gpu_sm_count)
+        if self.flex_log is not None:  # issue 12: flex attention's compiled kernels emulated
+            from memfit.sim.kernels.flex_attn import flex_patches
+
+            bnb.enter_context(flex_patches(self.flex_log))
         offload = contextlib.nullcontext()  # issue 12: checkpoint offload, TRL activation offloading
         if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
             from memfit.sim.offload import host_offload_patch
@@ -604,7 +610,7 @@ class _Runner:
         return Simulation(
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
-            attn_kernels=sorted(set(self.flash_log or [])) + self.liger_log,
+            attn_kernels=sorted(set(self.flash_log or [])) + sorted(set(self.flex_log or [])) + self.liger_log,
             attn_implementation=getattr(config, "_attn_implementation", None),
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
