@@ -45,12 +45,18 @@ def _summary(sim):
             "allocs": sum(ev.action == "alloc" for ev in sim.trace)}
 
 
+def _eval_events(sim):
+    return [(ev.action, ev.size_bytes, ev.category) for ev in sim.trace if ev.phase == "eval"]
+
+
 def _compare(model_factory, task, runners, **kw):
     spliced = engine.simulate(_setup(model_factory(), task, **kw), splice=True)
     did_splice = runners[-1].cut is not None
     full = engine.simulate(_setup(model_factory(), task, **kw), splice=False)
     assert runners[-1].cut is None
     assert _summary(spliced) == _summary(full)
+    # the evaluation (spliced too, issue 15): the same events in the same order
+    assert _eval_events(spliced) == _eval_events(full)
     assert (spliced.params, spliced.trainable_params) == (full.params, full.trainable_params)
     return did_splice
 
@@ -66,6 +72,11 @@ CASES = [
     ("llama", 9, dict(lora_r=4, gradient_accumulation_steps=3)),
     ("t5", 8, dict()),  # two stacks: encoder.block and decoder.block
     ("t5", 9, dict(precision="bf16", optim="adafactor", gradient_accumulation_steps=2)),
+    # the evaluation forward is spliced too (issue 15): spliced == full with an evaluation
+    ("bert", 8, dict(eval_strategy="steps", eval_samples=6)),
+    ("xlnet", 9, dict(precision="bf16", eval_strategy="steps", eval_samples=4)),
+    ("llama", 8, dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4)),
+    ("t5", 8, dict(eval_strategy="steps", eval_samples=4, prediction_loss_only=True)),
 ]
 
 

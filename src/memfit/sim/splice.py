@@ -73,6 +73,11 @@ class LayerTagger:
         self.range_starts: list[int] = []  #: ranges[i][0], ascending (blocks run in order)
         self.param_tag: dict[int, tuple[int, int]] = {}
         self.handles = []
+        #: an evaluation (no_grad) forward frees block i - 1's output between blocks i and i + 1 (the
+        #: caller's loop rebinds `hidden_states`): with `gaps` on, what runs between two blocks of a stack
+        #: is tagged with the block before it, so each generic copy frees its predecessor's output in turn
+        self.gaps = False
+        self.trailing: tuple[int, int] | None = None
         self.model, self.names = model, names
         for j, name in names.items():
             for i, block in enumerate(model.get_submodule(name)):
@@ -91,6 +96,7 @@ class LayerTagger:
 
     def _pre(self, tag):
         def hook(module, args):
+            self.trailing = None
             self.stack.append(tag)
             self.starts.append(adapter.autograd_sequence_nr())
 
@@ -100,6 +106,8 @@ class LayerTagger:
         def hook(module, args, output):
             start = self.starts.pop()
             self.stack.pop()
+            # the gap after the last block of a stack (the head) stays untagged
+            self.trailing = tag if self.gaps and not self.stack and tag[1] < K - 1 else None
             if self.tracker.phase == "forward" and adapter.current_autograd_node() is None:
                 self.ranges.append((start, adapter.autograd_sequence_nr(), tag))
                 self.range_starts.append(start)
@@ -109,11 +117,12 @@ class LayerTagger:
     def reset(self) -> None:
         self.ranges.clear()
         self.range_starts.clear()
+        self.trailing = None
 
     def current(self):
         node = adapter.current_autograd_node()
         if node is None:
-            return self.stack[-1] if self.stack else None
+            return self.stack[-1] if self.stack else self.trailing
         if self.stack:  # recomputation (checkpointing) runs the block's forward inside the backward
             return self.stack[-1]
         var = getattr(node, "variable", None)
