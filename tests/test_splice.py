@@ -115,3 +115,15 @@ def _albert():
 def test_splice_refused_gives_full_result(factory, task, runners):
     assert not _compare(factory, task, runners)
     assert all(r.cut is None for r in runners)
+
+
+@pytest.mark.parametrize("arch, task_kw", [("bert", dict()), ("llama", dict(precision="bf16")),
+                                           ("t5", dict(prediction_loss_only=True))])
+def test_an_evaluation_only_simulation_is_spliced_and_equal(arch, task_kw, runners):
+    """`simulate(train=False)` (the planner's evaluation fits) splices its evaluation too (issue 15)."""
+    kw = dict(eval_strategy="steps", eval_samples=4, **task_kw)
+    spliced = engine.simulate(_setup(_config(arch, 8), TASK[arch], **kw), train=False)
+    assert runners[-1].cut is not None, "splicing did not happen"
+    full = engine.simulate(_setup(_config(arch, 8), TASK[arch], **kw), train=False, splice=False)
+    assert _summary(spliced) == _summary(full) and _eval_events(spliced) == _eval_events(full)
+    assert _eval_events(spliced)

@@ -653,7 +653,7 @@ def simulate(
     for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
     """
     kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
-    if splice and train and not optimizer_only and trl_steps.wants_splice(setup):
+    if splice and not optimizer_only and trl_steps.wants_splice(setup):  # train=False: the evaluation (issue 15)
         try:
             return _Runner(setup, fake=fake, splice=True).run(**kwargs)
         except SpliceRefused:

@@ -232,18 +232,35 @@ def splice_events(
         phase = evs[0][2]
         if tag is None or tag[1] != GENERIC:
             n_from = None if tag is None else _n_index(tag, sizes)
+            pending: list[Record] = []  # consecutive frees, outside the blocks, of generic records
+
+            def flush(ph, tag=tag) -> None:
+                # a generic record stands for all its copies; several freed in a row (a per-layer cache
+                # dropped at once) are freed copy by copy, as the full model's per-block structures free them
+                for n in sorted({n for r in pending for n in copies[r.id]}):
+                    for r in pending:
+                        t = copies[r.id].get(n)
+                        if t is not None and t.alive:
+                            t.alive = False
+                            out.append(TrackedEvent("free", t, ph, tag))
+                pending.clear()
+
             for action, rec, ph, _ in evs:
+                src = owner.get(rec.id, "old") if action == "free" else None
+                if src not in ("old", None) and (tag is None or src[0] != tag[0]) and src[1] == GENERIC:
+                    pending.append(rec)
+                    continue
+                if pending:
+                    flush(ph)
                 if action == "alloc":
                     owner[rec.id] = tag
                     out.append(TrackedEvent(action, rec, ph, tag))
                     continue
-                src = owner.get(rec.id, "old")
                 if src in ("old", None):
                     out.append(TrackedEvent(action, rec, ph, tag))
                     continue
                 if tag is None or src[0] != tag[0]:
-                    # outside the blocks: a generic record stands for all its copies
-                    targets = [copies[rec.id][n] for n in sorted(copies[rec.id])] if src[1] == GENERIC else [rec]
+                    targets = [rec]  # outside the blocks (a generic record's frees are `pending`)
                 else:
                     t = resolve(rec, src, tag[1], n_from, tag[0])
                     targets = [t] if t is not None else []
@@ -251,6 +268,8 @@ def splice_events(
                     if t is rec or t.alive:
                         t.alive = False
                         out.append(TrackedEvent("free", t, ph, tag))
+            if pending:
+                flush(evs[-1][2])
             continue
         # a generic block: emit one copy per full-model block it stands for
         j, i = tag
