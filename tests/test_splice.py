@@ -77,6 +77,8 @@ CASES = [
     ("xlnet", 9, dict(precision="bf16", eval_strategy="steps", eval_samples=4)),
     ("llama", 8, dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4)),
     ("t5", 8, dict(eval_strategy="steps", eval_samples=4, prediction_loss_only=True)),
+    ("t5", 8, dict(precision="bf16", eval_strategy="steps", eval_samples=4)),  # the decoder's cache freed at once
+    ("llama", 8, dict(load_in_4bit=True, lora_r=4, precision="bf16", eval_strategy="steps", eval_samples=4)),
 ]
 
 
