@@ -15,6 +15,11 @@ changes the result:
 * memfit's version and a hash of the source of the installed memfit package (every `.py` and
   `.json` file under it), and the versions of torch, transformers, peft, accelerate and bitsandbytes.
 
+`memfit plan` results are cached the same way (`plan-v1/<key>.json`, `plan_key`): the key holds the
+same material plus the plan's own options (allowed and excluded remedies, margin, the allocator
+config text, how many plans to verify and return, the memory outside PyTorch); a plan whose budget
+depends on what other processes hold on this machine's GPU now (NVML sees a GPU) is not cached.
+
 Entries are written to a temporary file in the same folder and moved into place with
 `os.replace` (atomic on POSIX and Windows), so processes sharing the folder read either a whole
 entry or none. An entry that cannot be read, is not JSON, or does not hold the key it is named by
@@ -33,10 +38,13 @@ from typing import Any
 
 from memfit.files import write_json_atomic
 
-__all__ = ["cache_dir", "estimate_key", "load_entry", "store_entry", "source_hash", "default_task", "SCHEMA"]
+__all__ = ["cache_dir", "estimate_key", "load_entry", "store_entry", "source_hash", "default_task", "SCHEMA",
+           "PLAN_SCHEMA", "plan_key", "load_plan", "store_plan"]
 
 SCHEMA = "memfit.cache.estimate/1"
 _SUBDIR = "estimate-v1"
+PLAN_SCHEMA = "memfit.cache.plan/1"
+_PLAN_SUBDIR = "plan-v1"
 #: Packages whose code runs in the simulation: their versions are part of every key.
 _PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes")  # bitsandbytes: quantized layers (issue 12)
 
@@ -116,6 +124,13 @@ def estimate_key(setup: Any, *, gpu: Any, conf: Any, non_pytorch_bytes: int | No
         non_pytorch_bytes: memory outside PyTorch when given, else None.
         capacity_bytes: memory available to PyTorch when given, else None.
     """
+    return _key(SCHEMA, setup, gpu, {"conf": dataclasses.asdict(conf), "non_pytorch_bytes": non_pytorch_bytes,
+                                     "capacity_bytes": capacity_bytes})
+
+
+def _key(schema: str, setup: Any, gpu: Any, options: dict[str, Any]) -> str | None:
+    """SHA-256 of the setup, its model's config, the GPU, `options`, the allocator env, versions and source;
+    None when the model cannot be keyed or a value is not JSON."""
     model = _model_content(setup.model)
     if model is None:
         return None
@@ -124,11 +139,10 @@ def estimate_key(setup: Any, *, gpu: Any, conf: Any, non_pytorch_bytes: int | No
         value = getattr(setup, f.name)
         fields[f.name] = os.fspath(value) if isinstance(value, os.PathLike) else value
     material = {
-        "schema": SCHEMA, "setup": fields, "model": model,
+        "schema": schema, "setup": fields, "model": model,
         "gpu": None if gpu is None else dataclasses.asdict(gpu),
-        "conf": dataclasses.asdict(conf),
+        **options,
         "env": {k: os.environ.get(k) for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")},
-        "non_pytorch_bytes": non_pytorch_bytes, "capacity_bytes": capacity_bytes,
         "versions": _versions(), "source": source_hash(),
     }
     try:
@@ -136,6 +150,18 @@ def estimate_key(setup: Any, *, gpu: Any, conf: Any, non_pytorch_bytes: int | No
     except (TypeError, ValueError):
         return None
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def plan_key(setup: Any, *, gpu: Any, options: dict[str, Any]) -> str | None:
+    """The cache key of one `memfit.plan`, or None when it must not be cached.
+
+    Args:
+        setup: the TrainSetup (after the GPU's compute capability is applied).
+        gpu: the GpuSpec.
+        options: plan's other arguments (allow, exclude, margin, alloc_conf, verify_top, max_plans,
+            non_pytorch_bytes), JSON values.
+    """
+    return _key(PLAN_SCHEMA, setup, gpu, {"plan": options})
 
 
 def _entry_path(key: str) -> Path:
@@ -162,6 +188,30 @@ def store_entry(key: str, report_json: dict[str, Any]) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {"schema": SCHEMA, "key": key, "report": report_json})
+        return path
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def load_plan(key: str) -> dict[str, Any] | None:
+    """The stored `PlanResult.to_json()` of `key`, or None (missing, unreadable, corrupt, or another key's)."""
+    try:
+        with open(cache_dir() / _PLAN_SUBDIR / f"{key}.json", encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA or data.get("key") != key:
+        return None
+    result = data.get("plan")
+    return result if isinstance(result, dict) else None
+
+
+def store_plan(key: str, plan_json: dict[str, Any]) -> Path | None:
+    """Write the plan entry atomically; None when the folder cannot be written (never stops a plan)."""
+    path = cache_dir() / _PLAN_SUBDIR / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"schema": PLAN_SCHEMA, "key": key, "plan": plan_json})
         return path
     except (OSError, TypeError, ValueError):
         return None

@@ -173,7 +173,9 @@ def build_setup(args: argparse.Namespace):
     if args.lora_target_modules:
         fields["lora_target_modules"] = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
     gpu = getattr(args, "gpu", None)
-    use_cache = getattr(args, "func", None) is estimate_command and not getattr(args, "no_cache", False)
+    # the task from memfit's cache, so a cached estimate or plan (issue 15) never imports transformers
+    use_cache = getattr(getattr(args, "func", None), "__name__", None) in ("estimate_command", "plan_command") \
+        and not getattr(args, "no_cache", False)
     if args.args_file:  # memfit.commands._args: the reader of every verb
         from memfit.commands._args import read_args
 

@@ -35,6 +35,8 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="exit 1 (with one line on stderr) when the setup as given does not fit, even when a plan "
                         "does; for scripts and CI")
+    p.add_argument("--no-cache", action="store_true",  # issue 15: memfit.cache.plan_key
+                   help="plan even when memfit's cache ($MEMFIT_CACHE_DIR, else ~/.cache/memfit) holds the result")
     # -- plan across GPUs (issue 14, item 4) --
     from memfit.commands._args import add_parallel_arguments
 
@@ -72,7 +74,8 @@ def plan_command(args: argparse.Namespace) -> int:
         raise MemfitError("`memfit plan` needs a GPU to plan for: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
                           "or `--gpu auto` on a machine with a GPU")
     result = plan(setup, gpu=gpu, allow=[a for a in args.allow.split(",") if a.strip()],
-                  margin=DEFAULT_MARGIN if args.margin is None else args.margin, alloc_conf=args.alloc_conf)
+                  margin=DEFAULT_MARGIN if args.margin is None else args.margin, alloc_conf=args.alloc_conf,
+                  cache=not args.no_cache)
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2, default=str)
         print()
@@ -170,7 +173,11 @@ def render(result, *, is_seed: bool = False) -> None:
             c.print(f"  - {s}")
     if result.not_applicable:
         c.print("[dim]Not applicable here: " + "; ".join(f"{k}: {v}" for k, v in result.not_applicable.items()) + "[/dim]")
-    c.print(f"[dim]{result.simulations} simulations in {result.elapsed_s:.1f} s[/dim]")
+    if result.cached:
+        c.print(f"[dim]{result.simulations} simulations read from memfit's cache in {result.elapsed_s:.1f} s "
+                "(--no-cache runs them)[/dim]")
+    else:
+        c.print(f"[dim]{result.simulations} simulations in {result.elapsed_s:.1f} s[/dim]")
 
 
 # -- plan across GPUs (issue 14, item 4) ----------------------------------------------------------------------

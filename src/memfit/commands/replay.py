@@ -16,11 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from memfit.allocator.conf import AllocConf
-from memfit.allocator.snapshot import SnapshotReplay, WhatIf, load_snapshot, replay_snapshot, what_if
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from memfit.allocator.snapshot import SnapshotReplay, WhatIf
+
+# memfit.allocator.snapshot is imported where it runs: the CLI imports every verb's module to build its parser
+# (memfit.cli), and an estimate does not need it (issue 15)
 
 __all__ = ["replay_command_parser", "replay_command"]
 
@@ -153,6 +159,8 @@ def replay_command(args: argparse.Namespace) -> int:
         from memfit.gpus.catalog import resolve_gpu
 
         memory = resolve_gpu(args.gpu).total_bytes
+    from memfit.allocator.snapshot import load_snapshot, replay_snapshot, what_if
+
     snapshot = load_snapshot(args.snapshot)
     r = replay_snapshot(snapshot, device=args.device, device_memory_bytes=memory)
     tries = [None, "expandable_segments:True", f"max_split_size_mb:{args.max_split_size_mb}", *args.what_if]

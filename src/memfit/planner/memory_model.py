@@ -28,12 +28,19 @@ from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.gpus.catalog import GpuSpec
 from memfit.peaks import peaks
-from memfit.sim.engine import simulate
 from memfit.trace import TRAIN_PHASES
 from memfit.train_setup import TrainSetup
 
 __all__ = ["TRAINABLE_KEYS", "WEIGHT_KEYS", "Budget", "Simulations", "PhasePeaks", "OptimizerCost", "LinearFit", "EvalFit",
            "EvalChoice", "TrainPeaks", "Axes", "MemoryModel", "fit_memory_model", "train_peaks", "eval_choice"]
+
+def simulate(setup: TrainSetup, **kwargs: Any):
+    """memfit.sim.engine.simulate, imported on first use: torch and transformers take seconds to import, which a
+    plan read from memfit's cache does not need (issue 15)."""
+    from memfit.sim.engine import simulate as run
+
+    return run(setup, **kwargs)
+
 
 #: TrainSetup fields that change which parameters train (their fits simulate the optimizer too)
 TRAINABLE_KEYS = ("lora_r", "freeze_embeddings", "freeze_layers")

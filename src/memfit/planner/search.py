@@ -89,11 +89,21 @@ class PlanResult:
     not_applicable: dict[str, str]
     elapsed_s: float
     simulations: int
+    cached: bool = False  #: read from memfit's cache (memfit.cache.plan_key; issue 15): `simulations` ran before
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["schema"] = "memfit.plan/1"
         return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PlanResult:
+        """The PlanResult `to_json` wrote (memfit's cache of plans)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in data.items() if k in fields}
+        kw["baseline"] = Plan(**kw["baseline"])
+        kw["plans"] = [Plan(**p) for p in kw["plans"]]
+        return cls(**kw)
 
 
 def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str | None):
@@ -171,6 +181,7 @@ def plan(
     max_plans: int = 8,
     non_pytorch_bytes: int | None = None,
     exclude: tuple[str, ...] = (),
+    cache: bool = False,
 ) -> PlanResult:
     """Search the remedies for the fastest configuration of `setup` that fits `gpu`.
 
@@ -187,6 +198,7 @@ def plan(
             hold on this machine's GPU when there is one, memfit.gpus.outside_pytorch).
         exclude: remedy names (memfit.remedies.REGISTRY) not to search, e.g. `("mixed_precision",)`
             when the run cannot use it (memfit.fit on the CPU).
+        cache: read and write memfit's cache of plans (memfit.cache.plan_key; the CLI's default, issue 15).
     """
     started = time.perf_counter()
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
@@ -196,6 +208,19 @@ def plan(
                           "gpu=\"24GiB\", or gpu=\"auto\"")
     spec = as_gpu_spec(gpu, required=True)
     setup = setup.replace(compute_capability=tuple(spec.compute_capability))
+    key = _cache_key(setup, gpu, spec, allow=allow, margin=margin, alloc_conf=alloc_conf, verify_top=verify_top,
+                     max_plans=max_plans, non_pytorch_bytes=non_pytorch_bytes, exclude=exclude) if cache else None
+    if key is not None:
+        from memfit.cache import load_plan
+
+        stored = load_plan(key)
+        if stored is not None:
+            try:
+                hit = PlanResult.from_json(stored)
+            except (TypeError, ValueError, KeyError):  # an entry of another shape: ignored, planned again
+                hit = None
+            if hit is not None:
+                return dataclasses.replace(hit, cached=True, elapsed_s=round(time.perf_counter() - started, 2))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
     sims = Simulations()
     base = _estimate_baseline(setup, budget, alloc_conf, sims)
@@ -208,13 +233,44 @@ def plan(
                        max_plans=max_plans)
     chosen = _choose(verified, base.plan)
     miss = _miss(base.plan, verified.plans, chosen, budget, verdicts, allow)
-    return PlanResult(
+    result = PlanResult(
         fits_as_is=base.plan.fits, baseline=base.plan, plans=verified.plans, chosen=chosen,
         gpu={"name": spec.name, "total_bytes": spec.total_bytes}, margin=margin, budget_bytes=budget.budget_bytes,
         miss_bytes=miss.miss_bytes, suggestions=miss.suggestions,
         not_applicable={name: v.reason for name, v in verdicts.items() if not v.applies},
         elapsed_s=round(time.perf_counter() - started, 2), simulations=sims.count,
     )
+    if key is not None:
+        _store(key, result)
+    return result
+
+
+def _cache_key(setup: TrainSetup, gpu: Any, spec: GpuSpec, **options: Any) -> str | None:
+    """memfit.cache.plan_key of this plan; None when its result depends on this machine's GPU now (`gpu="auto"`,
+    or no `non_pytorch_bytes` where NVML sees a GPU: `_other_processes_bytes` then counts other processes)."""
+    from memfit.cache import plan_key
+    from memfit.gpus.outside_pytorch import gpu_processes
+
+    if isinstance(gpu, str) and gpu.strip().lower() == "auto":
+        return None
+    if options["non_pytorch_bytes"] is None and gpu_processes() is not None:
+        return None
+    options = {**options, "allow": sorted(options["allow"]), "exclude": sorted(options["exclude"])}
+    return plan_key(setup, gpu=spec, options=options)
+
+
+def _store(key: str, result: PlanResult) -> None:
+    """Cache `result` when its JSON reads back as the same PlanResult (a tuple that JSON makes a list is not)."""
+    import json
+
+    from memfit.cache import store_plan
+
+    try:
+        data = json.loads(json.dumps(result.to_json()))
+    except (TypeError, ValueError):
+        return
+    if PlanResult.from_json(data) == result:
+        store_plan(key, data)
 
 
 def _check_options(*, margin: float, allow: tuple[str, ...] | list[str], exclude: tuple[str, ...]) -> tuple[str, ...]:

@@ -216,6 +216,7 @@ class _Runner:
                 )
         self.model = model
         self.fwd_model = self.cut if self.cut is not None else model
+        self.eval_model = self.fwd_model  # the evaluation forward is spliced too (issue 15)
         # MoE (issue 12): a routing-dependent experts implementation is refused; the routing figures noted
         from memfit.sim import moe
 
@@ -297,7 +298,7 @@ class _Runner:
     def _forward(self, batch, *, training: bool):
         amp = cuda_autocast(self.low)
         with amp:
-            out = (self.fwd_model if training else self.model)(**batch)
+            out = (self.fwd_model if training else self.eval_model)(**batch)
         if self.low is not None:
             from accelerate.utils import convert_to_fp32  # accelerate's ConvertOutputsToFp32
 
@@ -477,10 +478,17 @@ class _Runner:
         tr = self.tracker
         s = self.setup
         tr.phase = "eval"
-        # evaluation runs the full model (a forward only: cheap enough, and exact)
-        self.model.eval()
-        tr.tag_fn = lambda: None
-        batch = _make_batch(self.model, s, s.per_device_eval_batch_size, seq=s.sequence_length)
+        # the evaluation forward is spliced as the training one is (issue 15): the cut model runs and
+        # memfit.sim.splice writes the full model's events (tests/test_splice.py checks equal figures)
+        self.eval_model.eval()
+        first_event = len(tr.events)
+        if self.cut is not None:
+            self.tagger.reset()
+            self.tagger.gaps = True
+            tr.tag_fn = self.tagger.current
+        else:
+            tr.tag_fn = lambda: None
+        batch = _make_batch(self.eval_model, s, s.per_device_eval_batch_size, seq=s.sequence_length)
         self._register_batch(batch)
         ignore = set(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
         with torch.no_grad():
@@ -517,7 +525,11 @@ class _Runner:
         for b in buffers:
             if b is not None:
                 tr.synthetic_free(b)
-        self.model.train()
+        if self.cut is not None:
+            self.tagger.gaps = False
+            tr.tag_fn = lambda: None
+            splice_events(tr, first_event, self.sizes, self.names)  # SpliceRefused: simulate() runs the full model
+        self.eval_model.train()
         return held
 
     # -- the run ---------------------------------------------------------------------------
@@ -649,7 +661,7 @@ def simulate(
     """
     kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
     with quiet_upstream():
-        if splice and train and not optimizer_only and trl_steps.wants_splice(setup):
+        if splice and not optimizer_only and trl_steps.wants_splice(setup):  # train=False: the evaluation (issue 15)
             try:
                 return _Runner(setup, fake=fake, splice=True).run(**kwargs)
             except SpliceRefused:

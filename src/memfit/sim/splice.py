@@ -73,6 +73,11 @@ class LayerTagger:
         self.range_starts: list[int] = []  #: ranges[i][0], ascending (blocks run in order)
         self.param_tag: dict[int, tuple[int, int]] = {}
         self.handles = []
+        #: an evaluation (no_grad) forward frees block i - 1's output between blocks i and i + 1 (the
+        #: caller's loop rebinds `hidden_states`): with `gaps` on, what runs between two blocks of a stack
+        #: is tagged with the block before it, so each generic copy frees its predecessor's output in turn
+        self.gaps = False
+        self.trailing: tuple[int, int] | None = None
         self.model, self.names = model, names
         for j, name in names.items():
             for i, block in enumerate(model.get_submodule(name)):
@@ -91,6 +96,7 @@ class LayerTagger:
 
     def _pre(self, tag):
         def hook(module, args):
+            self.trailing = None
             self.stack.append(tag)
             self.starts.append(adapter.autograd_sequence_nr())
 
@@ -100,6 +106,8 @@ class LayerTagger:
         def hook(module, args, output):
             start = self.starts.pop()
             self.stack.pop()
+            # the gap after the last block of a stack (the head) stays untagged
+            self.trailing = tag if self.gaps and not self.stack and tag[1] < K - 1 else None
             if self.tracker.phase == "forward" and adapter.current_autograd_node() is None:
                 self.ranges.append((start, adapter.autograd_sequence_nr(), tag))
                 self.range_starts.append(start)
@@ -109,11 +117,12 @@ class LayerTagger:
     def reset(self) -> None:
         self.ranges.clear()
         self.range_starts.clear()
+        self.trailing = None
 
     def current(self):
         node = adapter.current_autograd_node()
         if node is None:
-            return self.stack[-1] if self.stack else None
+            return self.stack[-1] if self.stack else self.trailing
         if self.stack:  # recomputation (checkpointing) runs the block's forward inside the backward
             return self.stack[-1]
         var = getattr(node, "variable", None)
@@ -223,18 +232,35 @@ def splice_events(
         phase = evs[0][2]
         if tag is None or tag[1] != GENERIC:
             n_from = None if tag is None else _n_index(tag, sizes)
+            pending: list[Record] = []  # consecutive frees, outside the blocks, of generic records
+
+            def flush(ph, tag=tag) -> None:
+                # a generic record stands for all its copies; several freed in a row (a per-layer cache
+                # dropped at once) are freed copy by copy, as the full model's per-block structures free them
+                for n in sorted({n for r in pending for n in copies[r.id]}):
+                    for r in pending:
+                        t = copies[r.id].get(n)
+                        if t is not None and t.alive:
+                            t.alive = False
+                            out.append(TrackedEvent("free", t, ph, tag))
+                pending.clear()
+
             for action, rec, ph, _ in evs:
+                src = owner.get(rec.id, "old") if action == "free" else None
+                if src not in ("old", None) and (tag is None or src[0] != tag[0]) and src[1] == GENERIC:
+                    pending.append(rec)
+                    continue
+                if pending:
+                    flush(ph)
                 if action == "alloc":
                     owner[rec.id] = tag
                     out.append(TrackedEvent(action, rec, ph, tag))
                     continue
-                src = owner.get(rec.id, "old")
                 if src in ("old", None):
                     out.append(TrackedEvent(action, rec, ph, tag))
                     continue
                 if tag is None or src[0] != tag[0]:
-                    # outside the blocks: a generic record stands for all its copies
-                    targets = [copies[rec.id][n] for n in sorted(copies[rec.id])] if src[1] == GENERIC else [rec]
+                    targets = [rec]  # outside the blocks (a generic record's frees are `pending`)
                 else:
                     t = resolve(rec, src, tag[1], n_from, tag[0])
                     targets = [t] if t is not None else []
@@ -242,6 +268,8 @@ def splice_events(
                     if t is rec or t.alive:
                         t.alive = False
                         out.append(TrackedEvent("free", t, ph, tag))
+            if pending:
+                flush(evs[-1][2])
             continue
         # a generic block: emit one copy per full-model block it stands for
         j, i = tag
