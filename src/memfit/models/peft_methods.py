@@ -95,6 +95,26 @@ def normalize_peft_config(config: Any, *, source: str = "the arguments") -> dict
     return data
 
 
+def read_peft_config_file(path: str) -> dict[str, Any]:
+    """The JSON object of an adapter_config.json (`path` or `path/adapter_config.json`); one-line MemfitErrors."""
+    import os
+
+    file = os.path.join(path, "adapter_config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError as err:
+        raise MemfitError(f"peft config file `{file}` does not exist; pass an adapter_config.json") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise MemfitError(f"cannot read peft config file `{file}`: {err}") from err
+    except json.JSONDecodeError as err:
+        raise MemfitError(f"peft config file `{file}` is not JSON ({err.msg} at line {err.lineno})") from err
+    if not isinstance(data, dict):
+        raise MemfitError(f"peft config file `{file}` must hold a JSON object with `peft_type`; got a "
+                          f"{type(data).__name__}")
+    return data
+
+
 def build_config(data: dict[str, Any], *, source: str = "the arguments", task: str | None = None):
     """peft's config object for `data` (peft's `get_peft_config`), errors converted to one-line MemfitErrors.
 
@@ -133,6 +153,24 @@ def build_config(data: dict[str, Any], *, source: str = "the arguments", task: s
     except (TypeError, ValueError, KeyError, NotImplementedError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise MemfitError(f"peft rejects `peft_config` ({key}) in {source}: {first[:300]}") from err
+
+
+#: peft types whose spliced simulation (memfit.sim.splice: 5 blocks simulated, the rest repeated) equals the full
+#: one, checked on an 8-layer Llama (tests/test_peft_methods.py). Not in it, for a reason: ADALORA (its forward adds an
+#: orthogonality loss over the adapters of every block at once), TINYLORA (its weight tying shares one vector across
+#: blocks), ADAPTION_PROMPT (its prompts sit in the top blocks, which the cut removes), SHADOW (its carrier modules
+#: cannot be deep-copied for the cut). Others are simulated in full.
+SPLICE_OK = frozenset({
+    "BEFT", "BOFT", "C3A", "DEFT", "DELORA", "FOURIERFT", "GLORA", "GRALORA", "HIRA", "HRA", "IA3", "LILY",
+    "LN_TUNING", "LOHA", "LOKR", "LORA", "MISS", "OFT", "OSF", "PEANUT", "PREFIX_TUNING", "PROMPT_TUNING",
+    "P_TUNING", "PSOFT", "PVERA", "RANDLORA", "ROAD", "SUPERTUNING", "TRAINABLE_TOKENS", "VERA",
+})
+
+
+def splice_allowed(setup: Any) -> bool:
+    """Whether the repeated blocks of a model with this setup's peft method may be simulated once (SPLICE_OK)."""
+    kind = peft_type_of(setup)
+    return kind is None or kind in SPLICE_OK
 
 
 def peft_type_of(setup: Any) -> str | None:

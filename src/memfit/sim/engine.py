@@ -188,6 +188,10 @@ class _Runner:
         self.tracker = StorageTracker()
         self.sdpa_backends: list[str] = []
         self.cut = None
+        if splice and setup.peft_config:  # peft methods (issue 12): only those whose blocks are independent
+            from memfit.models.peft_methods import splice_allowed
+
+            splice = splice_allowed(setup)
         if splice and not isinstance(setup.model, nn.Module):
             try:
                 with meta_safe_deepcopy() if self.quant is not None else contextlib.nullcontext():
