@@ -128,18 +128,18 @@ def build_config(data: dict[str, Any], *, source: str = "the arguments", task: s
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
     data = dict(data)
+    known = {str(getattr(k, "value", k)): cls for k, cls in PEFT_TYPE_TO_CONFIG_MAPPING.items()}  # PeftType keys
     peft_type = data.get("peft_type")
     if peft_type is None:
         raise MemfitError(f"`peft_config` in {source} has no `peft_type`; add e.g. `\"peft_type\": \"IA3\"` "
-                          f"(one of {', '.join(sorted(PEFT_TYPE_TO_CONFIG_MAPPING))})")
+                          f"(one of {', '.join(sorted(known))})")
     key = str(peft_type).upper()
-    if key not in PEFT_TYPE_TO_CONFIG_MAPPING:
-        raise MemfitError(f"unknown peft_type `{peft_type}` in {source}"
-                          f"{suggest_name(key, set(PEFT_TYPE_TO_CONFIG_MAPPING))}; peft "
-                          f"knows {', '.join(sorted(PEFT_TYPE_TO_CONFIG_MAPPING))}")
+    if key not in known:
+        raise MemfitError(f"unknown peft_type `{peft_type}` in {source}{suggest_name(key, set(known))}; peft "
+                          f"knows {', '.join(sorted(known))}")
     if key in NOT_BUILT:
         raise MemfitError(f"peft_type `{key}` is not modelled: {NOT_BUILT[key]}")
-    cls = PEFT_TYPE_TO_CONFIG_MAPPING[key]
+    cls = known[key]
     names = {f.name for f in dataclasses.fields(cls)}
     for name in data:
         if name not in names:
