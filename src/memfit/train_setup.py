@@ -738,7 +738,9 @@ def _check_peft(setup: "TrainSetup") -> None:
                               "`use_dora`, ...) or by `peft_config` with `\"peft_type\": \"LORA\"`, not both")
         from memfit.models.peft_methods import normalize_peft_config
 
-        setup.peft_config = normalize_peft_config(setup.peft_config)
+        setup.peft_config, notes = normalize_peft_config(setup.peft_config)
+        if notes:
+            setup.notes = [*setup.notes, *notes]
     if setup.use_dora and setup.lora_r is None:
         raise MemfitError("`use_dora` is a LoRA setting but no LoRA rank is set; add `lora_r` (`--lora-r 16 --use-dora`)")
 

@@ -74,8 +74,13 @@ def _jsonable(value: Any) -> Any:
     raise MemfitError(f"`peft_config` value `{value!r}` cannot be read; use JSON values (strings, numbers, lists)")
 
 
-def normalize_peft_config(config: Any, *, source: str = "the arguments") -> dict[str, Any]:
-    """The peft config as a plain dict, checked by building it with peft (one-line MemfitErrors).
+def normalize_peft_config(config: Any, *, source: str = "the arguments") -> tuple[dict[str, Any], list[str]]:
+    """The peft config as a plain dict, checked by building it with peft (one-line MemfitErrors), and notes.
+
+    A key that this method's config class does not take but another peft config class does (`exclude_modules` or
+    `alpha_pattern` in an adapter_config.json written by another peft version) is dropped with a note, as peft's
+    own `PeftConfig.from_peft_type` (config.py) drops unexpected keys with a warning when it loads such a file; any
+    other unknown key is an error.
 
     Args:
         config: a dict (an adapter_config.json's content), a JSON string, or a peft `PeftConfig`.
@@ -91,8 +96,38 @@ def normalize_peft_config(config: Any, *, source: str = "the arguments") -> dict
     if not isinstance(config, dict):
         raise MemfitError(f"`peft_config` in {source} must be a dict with `peft_type`; got `{type(config).__name__}`")
     data = _jsonable(config)
+    notes = []
+    cls = _config_class(data, source)
+    if cls is not None:
+        own = _field_names(cls)
+        dropped = sorted(k for k in data if k not in own and k in _all_peft_field_names())
+        if dropped:
+            data = {k: v for k, v in data.items() if k not in dropped}
+            notes.append(f"`peft_config` keys {', '.join(f'`{k}`' for k in dropped)} are not fields of "
+                         f"{cls.__name__} in the installed peft and were ignored, as peft ignores them when it "
+                         "loads such an adapter_config.json")
     build_config(data, source=source)
-    return data
+    return data, notes
+
+
+def _field_names(cls) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _all_peft_field_names() -> set[str]:
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    return set().union(*(_field_names(c) for c in PEFT_TYPE_TO_CONFIG_MAPPING.values()))
+
+
+def _config_class(data: dict[str, Any], source: str):
+    """The config class of `data["peft_type"]` (None when absent or unknown: build_config names the error)."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    known = {str(getattr(k, "value", k)): cls for k, cls in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+    return known.get(str(data.get("peft_type", "")).upper())
 
 
 def read_peft_config_file(path: str) -> dict[str, Any]:
