@@ -430,7 +430,7 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
         text = ("dynamic padding: memfit pads every batch to 768 tokens; the run pads length-bucketed batches "
                 "to their longest (query+response <= 1300 characters, data.py CHAR_LIMIT)")
         if peft_method:  # the length search (8 estimates of a 3B model each) is run for the LoRA records only
-            text += "; LoRA's records meet memfit at ~600 padded tokens (rows 41-48)"
+            text += "; the plain LoRA records meet memfit at ~600 padded tokens (rows 41, 46-48)"
         elif implied:
             less = " less the untied bytes" if over else ""
             text += f"; memfit{less} meets the measured figure at {_implied_length(est, case, real_params)} tokens"
@@ -461,7 +461,8 @@ def _peft_method_reasons(fields: dict[str, Any], report) -> list[str]:
                    f"{cfg.get('num_virtual_tokens')} positions, the run its bucket's longest + them")
     if kind == "BOFT":
         out.append("BOFT: on the GPU peft uses its CUDA extension fbd_cuda when it compiles (tuners/boft/layer.py "
-                   "`get_fbd_cuda`), memfit the torch.block_diag fallback")
+                   "`get_fbd_cuda`), memfit the torch.block_diag fallback; the 6 points above the other methods' gap "
+                   "are not explained further without a GPU")
     return out
 
 
