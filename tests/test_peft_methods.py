@@ -223,3 +223,18 @@ def test_cli_peft_config_and_use_dora(tmp_path, capsys):
     assert dora["setup"]["use_dora"] is True
     assert main(["estimate", *common, "--peft-config", str(tmp_path / "missing.json")]) != 0
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_quantized_base_takes_the_methods_peft_has_bitsandbytes_layers_for():
+    """IA3 (peft.tuners.ia3.bnb) and prompt tuning run on a 4-bit base; LoHa, which has no bnb layers, is one line."""
+    pytest.importorskip("bitsandbytes")
+    from memfit import estimate
+
+    base = dict(model=_config(), task="causal-lm", per_device_train_batch_size=2, max_length=16, load_in_4bit=True)
+    ia3 = estimate(TrainSetup(**base, peft_config={"peft_type": "IA3", **CONFIGS["IA3"]}))
+    assert ia3.trainable_params == _peft_trainable("IA3", CONFIGS["IA3"])
+    assert estimate(TrainSetup(**base, peft_config={"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4})).quantization
+    with pytest.raises(MemfitError, match=r"peft method LOHA on 4-/8-bit weights is not modelled.*IA3") as info:
+        estimate(TrainSetup(**base, peft_config={"peft_type": "LOHA", **CONFIGS["LOHA"]}))
+    assert "\n" not in str(info.value)
+    assert {"LORA", "ADALORA", "IA3"} <= set(peft_methods.quantized_peft_types())

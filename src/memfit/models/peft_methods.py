@@ -245,6 +245,8 @@ def apply_peft(model, setup: Any):
 
     cfg = setup_config(setup)
     kind = str(getattr(cfg.peft_type, "value", cfg.peft_type))
+    if getattr(setup, "load_in_4bit", False) or getattr(setup, "load_in_8bit", False):
+        _check_quantized_base(cfg, kind)
     if kind in FAKE_UNSUPPORTED:
         raise MemfitError(f"peft method {kind} cannot be simulated under fake tensors: {FAKE_UNSUPPORTED[kind]}; "
                           "estimate a method of the same size instead (LoRA of the same rank and targets)")
@@ -298,3 +300,32 @@ def materialize_plain_tensors(model, *, device: str) -> int:
                         value[key] = torch.zeros(item.shape, dtype=item.dtype, device=device)
                         count += 1
     return count
+
+
+#: peft types that leave the (quantized) Linear layers alone: virtual tokens, norms, embedding rows.
+_NO_LINEAR_WRAP = frozenset({"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "LN_TUNING", "TRAINABLE_TOKENS"})
+
+
+def quantized_peft_types() -> list[str]:
+    """The peft types peft 0.21 has bitsandbytes layers for (a `bnb` module in their tuner package: LoRA,
+    AdaLoRA, IA3, HiRA, PVeRA, RandLoRA, RoAd), plus those that wrap no Linear layer."""
+    import importlib.util
+
+    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+
+    out = set(_NO_LINEAR_WRAP)
+    for key, tuner in PEFT_TYPE_TO_TUNER_MAPPING.items():
+        package = tuner.__module__.rsplit(".", 1)[0]
+        if importlib.util.find_spec(f"{package}.bnb") is not None:
+            out.add(str(getattr(key, "value", key)))
+    return sorted(out)
+
+
+def _check_quantized_base(cfg, kind: str) -> None:
+    """A peft method without bitsandbytes layers on 4-/8-bit weights: peft wraps the Linear4bit as a plain Linear
+    and computes with its packed storage (its tuner has no `bnb.py` dispatcher); a one-line error instead."""
+    allowed = quantized_peft_types()
+    if kind not in allowed:
+        raise MemfitError(f"peft method {kind} on 4-/8-bit weights is not modelled: peft has no bitsandbytes layer "
+                          f"for it (no peft.tuners.*.bnb module); use one of {', '.join(allowed)}, or drop "
+                          "`load_in_4bit`/`load_in_8bit`")
