@@ -238,3 +238,19 @@ def test_quantized_base_takes_the_methods_peft_has_bitsandbytes_layers_for():
         estimate(TrainSetup(**base, peft_config={"peft_type": "LOHA", **CONFIGS["LOHA"]}))
     assert "\n" not in str(info.value)
     assert {"LORA", "ADALORA", "IA3"} <= set(peft_methods.quantized_peft_types())
+
+
+def test_preflight_reads_a_peft_models_method(tmp_path):
+    """A Trainer of an IA3 peft model is estimated as that IA3 model, not as full fine-tuning."""
+    from peft import IA3Config, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from memfit.fitting.preflight import setup_from_trainer
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(_config()), IA3Config(task_type="CAUSAL_LM", **CONFIGS["IA3"]))
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True)
+    data = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]}] * 4
+    setup, _ = setup_from_trainer(Trainer(model=model, args=args, train_dataset=data))
+    assert setup.peft_config["peft_type"] == "IA3" and setup.lora_r is None
+    assert simulate(setup, fake=True).trainable_params == model.get_nb_trainable_parameters()[0]
