@@ -223,6 +223,10 @@ def test_cli_peft_config_and_use_dora(tmp_path, capsys):
     assert dora["setup"]["use_dora"] is True
     assert main(["estimate", *common, "--peft-config", str(tmp_path / "missing.json")]) != 0
     assert "does not exist" in capsys.readouterr().err
+    args = tmp_path / "args.json"  # the same method from an --args file
+    args.write_text(json.dumps({"peft_config": json.loads((adapter / "adapter_config.json").read_text())}))
+    assert main(["estimate", *common, "--args", str(args)]) == 0
+    assert json.loads(capsys.readouterr().out)["trainable_params"] == ia3["trainable_params"]
 
 
 def test_quantized_base_takes_the_methods_peft_has_bitsandbytes_layers_for():
