@@ -258,3 +258,13 @@ def test_preflight_reads_a_peft_models_method(tmp_path):
     setup, _ = setup_from_trainer(Trainer(model=model, args=args, train_dataset=data))
     assert setup.peft_config["peft_type"] == "IA3" and setup.lora_r is None
     assert simulate(setup, fake=True).trainable_params == model.get_nb_trainable_parameters()[0]
+
+
+def test_the_report_says_what_is_simulated_differently():
+    adalora = simulate(_setup("ADALORA", CONFIGS["ADALORA"]), fake=True, splice=False)
+    assert any("update_and_allocate" in n for n in adalora.notes)
+    prompt = simulate(_setup("PROMPT_TUNING", CONFIGS["PROMPT_TUNING"]), fake=True, splice=False)
+    assert any("virtual tokens" in n for n in prompt.notes)
+    loha = simulate(_setup("LOHA", CONFIGS["LOHA"]), fake=True, splice=False)  # module_dropout 0.1
+    assert any("module_dropout" in n for n in loha.notes)
+    assert not any("peft" in n for n in simulate(_setup("IA3", CONFIGS["IA3"]), fake=True, splice=False).notes)

@@ -329,3 +329,26 @@ def _check_quantized_base(cfg, kind: str) -> None:
         raise MemfitError(f"peft method {kind} on 4-/8-bit weights is not modelled: peft has no bitsandbytes layer "
                           f"for it (no peft.tuners.*.bnb module); use one of {', '.join(allowed)}, or drop "
                           "`load_in_4bit`/`load_in_8bit`")
+
+
+def peft_notes(setup: Any) -> list[str]:
+    """What the report should say about the setup's peft method: what memfit simulates differently from a GPU run."""
+    if not getattr(setup, "peft_config", None):
+        return []
+    cfg = setup.peft_config
+    kind = str(cfg.get("peft_type", "")).upper()
+    notes = []
+    if is_prompt_learning(setup):
+        notes.append(f"{kind}: peft adds virtual tokens to every sequence (num_virtual_tokens "
+                     f"`{cfg.get('num_virtual_tokens')}`); the step runs them on top of the padded length")
+    if kind == "ADALORA":
+        notes.append("AdaLoRA's rank reallocation is not simulated: `update_and_allocate`, which the training loop calls "
+                     "after each step, keeps three tensors the size of each adapter parameter on the device (peft "
+                     "tuners/adalora/layer.py RankAllocator: ipt, exp_avg_ipt, exp_avg_unc)")
+    if kind in ("LOHA", "LOKR") and float(cfg.get("module_dropout") or 0) > 0:
+        notes.append(f"{kind} module_dropout `{cfg['module_dropout']}`: simulated as a step that runs the adapter "
+                     "(a real step skips it at random, using less memory)")
+    if kind == "BOFT":
+        notes.append("BOFT: peft's CUDA extension fbd_cuda (used on a GPU when it compiles) is not emulated; its "
+                     "torch fallback (torch.block_diag) is simulated")
+    return notes

@@ -169,6 +169,9 @@ class _Runner:
         self.notes += trl_steps.notes(setup)
         if setup.lora_r is not None or setup.peft_config:  # LoRA / DoRA / any peft method (issue 12)
             model = self._apply_lora(model)
+            from memfit.models.peft_methods import peft_notes
+
+            self.notes += peft_notes(setup)
         if self.quant is not None:
             self.quant_summary = quantization_summary(model, self.quant, kbit_prep=setup.kbit_prep)
         if setup.freeze_embeddings:
