@@ -268,3 +268,21 @@ def test_the_report_says_what_is_simulated_differently():
     loha = simulate(_setup("LOHA", CONFIGS["LOHA"]), fake=True, splice=False)  # module_dropout 0.1
     assert any("module_dropout" in n for n in loha.notes)
     assert not any("peft" in n for n in simulate(_setup("IA3", CONFIGS["IA3"]), fake=True, splice=False).notes)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dora_on_quantized_weights_dequantizes_them(bits, monkeypatch):
+    """QDoRA: DoRA's weight norm dequantizes the bitsandbytes weight (peft's `dequantize_bnb_weight` ops), which
+    memfit's stand-in parameters get through models._peft_adapter; without it 4-bit DoRA used the packed storage."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from memfit import estimate
+
+    name = "dequantize_4bit" if bits == 4 else "int8_vectorwise_dequant"
+    calls = []
+    original = getattr(bnb.functional, name)
+    monkeypatch.setattr(bnb.functional, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    quant = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4") if bits == 4 else dict(load_in_8bit=True)
+    report = estimate(TrainSetup(model=_config(), task="causal-lm", per_device_train_batch_size=2, max_length=16,
+                                 lora_r=4, lora_target_modules=T, use_dora=True, **quant))
+    assert calls  # DoRA's forward dequantized the base weights
+    assert report.trainable_params == _peft_trainable("LORA", dict(r=4, target_modules=T, use_dora=True))

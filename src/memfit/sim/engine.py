@@ -558,10 +558,10 @@ class _Runner:
             liger = liger_emulation([m for m in (self.model, self.cut) if m is not None], s.liger_kernel_config,
                                     num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
         peft_run = contextlib.nullcontext()
-        if s.peft_config:  # peft methods (issue 12): host-side values peft reads (memfit.models._peft_adapter)
+        if s.peft_config or s.use_dora:  # peft methods (issue 12): host-side values peft reads (models._peft_adapter)
             from memfit.models._peft_adapter import run_patches
 
-            peft_run = run_patches()
+            peft_run = run_patches(quantized=self.quant is not None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low), bnb, peft_run, \
