@@ -25,7 +25,9 @@ Which memfit figure is compared with which measured one:
   10 steps). The record's `value_mib` (max reserved over the whole run) also covers generation at
   batch 50 and a loss pass on other data, which memfit does not simulate, so it is not compared.
   Predicted: `MemoryReport.peak_reserved_bytes` of the training step (no evaluation), at the
-  configured 768 tokens.
+  configured 768 tokens. The peft method of each experiment (issue 12) is its adapter_config.json from peft's
+  repository at the record's commit (`bench/data/metamathqa_experiments.json`), given to memfit as `peft_config`
+  (DoRA as `use_dora`); a record whose trainable count memfit does not reproduce says so in its reason.
 * Liger-Kernel op benchmarks, provider "huggingface" (`benchmark/scripts/benchmark_*.py` and
   `utils.py` `_test_memory`): `reset_peak_memory_stats(); fwd + bwd; max_memory_allocated()`,
   median of 10 iterations in one process. The op itself runs on fake tensors under memfit's
