@@ -45,6 +45,10 @@ NAMED = [
     "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "allenai/OLMo-2-1124-7B", "answerdotai/ModernBERT-base",
     "answerdotai/ModernBERT-large", "mistralai/Mixtral-8x7B-Instruct-v0.1", "allenai/OLMoE-1B-7B-0924",
     "deepseek-ai/DeepSeek-V2-Lite",
+    # issue 12, the four found later (configs/SOURCES.md)
+    "Qwen/Qwen2.5-Coder-7B", "Qwen/Qwen2.5-Coder-7B-Instruct", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    "HuggingFaceTB/SmolLM2-360M", "HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-1.7B",
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct",
 ]
 
 

@@ -101,8 +101,11 @@ def test_classification_of_records():
     mlp = dict(express(SAMPLE[41]).setup_fields)
     assert mlp["lora_r"] == 10 and mlp["lora_target_modules"] == ("down_proj", "gate_proj", "up_proj")
     assert dict(express(SAMPLE[47]).setup_fields)["lora_r"] == 64  # rsLoRA: same memory as LoRA
-    assert "DoRA" in express(SAMPLE[43]).missing
-    assert "ADALORA not modelled" in express(SAMPLE[14]).missing
+    dora = dict(express(SAMPLE[43]).setup_fields)  # issue 12: DoRA through the LoRA fields
+    assert dora["use_dora"] is True and dora["lora_r"] == 32
+    assert json.loads(dict(express(SAMPLE[14]).setup_fields)["peft_config"])["peft_type"] == "ADALORA"
+    assert "LoRA-FA" in express(SAMPLE[44]).missing
+    assert "cannot be simulated under fake tensors" in express(SAMPLE[69]).missing  # SHiRA
     assert "torchtune's own model code" in express(SAMPLE[81]).missing
     assert "lower bound" in express(SAMPLE[3]).missing
 
@@ -128,3 +131,26 @@ def test_bad_data_file_is_a_one_line_error(tmp_path):
     bad.write_text("{}")
     with pytest.raises(SystemExit, match="not a JSON list"):
         published.load_records(bad)
+
+
+#: peft method records whose adapter memfit builds with peft on the meta Llama-3.2-3B (issue 12).
+PEFT_METHOD_RECORDS = [14, 19, 34, 39, 43, 52, 56, 59, 75]
+
+
+@pytest.mark.parametrize("record_id", PEFT_METHOD_RECORDS)
+def test_peft_method_records_build_the_runs_trainable_count(record_id):
+    """The experiment's adapter_config.json, built by peft on memfit's meta Llama-3.2-3B, trains exactly the
+    parameters the real L40S run counted (the record's `num_trainable_params`, peft's own count there)."""
+    from memfit.models.build import build_meta_model
+    from memfit.models.peft_methods import apply_peft
+    from memfit.train_setup import TrainSetup
+
+    case = published.express(SAMPLE[record_id])
+    assert isinstance(case, published.TrainCase)
+    fields = dict(case.setup_fields)
+    if "lora_target_modules" in fields:
+        fields["lora_target_modules"] = list(fields["lora_target_modules"])
+    setup = TrainSetup(**fields)
+    model = apply_peft(build_meta_model(setup), setup)
+    trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
+    assert sum(trainable.values()) == SAMPLE[record_id]["extra"]["num_trainable_params"]

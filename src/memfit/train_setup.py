@@ -286,6 +286,12 @@ class TrainSetup:
     lora_dropout: float = 0.0
     lora_target_modules: list[str] | None = None
     """Module names LoRA wraps; None lets peft pick its default for the architecture."""
+    # -- peft methods beyond LoRA (issue 12; memfit.models.peft_methods) --
+    use_dora: bool = False
+    """LoRA with DoRA (peft `LoraConfig(use_dora=True)`: a magnitude vector per wrapped layer, the weight norm)."""
+    peft_config: dict | None = None
+    """Any peft method as peft's `get_peft_config` reads it (an adapter_config.json: `{"peft_type": "IA3", ...}`) or
+    a `PeftConfig`; built by peft's own `get_peft_model` on the meta model. Not with `lora_r` (LoRA's own fields)."""
     freeze_embeddings: bool = False
     """Input embeddings get no gradient (requires_grad=False)."""
     freeze_layers: int = 0
@@ -401,6 +407,7 @@ class TrainSetup:
             _positive_int("lora_r", self.lora_r)
         if not isinstance(self.freeze_layers, int) or isinstance(self.freeze_layers, bool) or self.freeze_layers < 0:
             raise MemfitError(f"`freeze_layers` must be 0 or a positive number of blocks; got `{self.freeze_layers!r}`")
+        _check_peft(self)  # peft methods (issue 12)
         _check_quantization(self)
         _check_trl(self)  # TRL (issue 13)
         if self.task is None:  # last: it reads the model's config (a clear MemfitError when there is none)
@@ -586,7 +593,7 @@ def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
     for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
                  "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep",
-                 "use_liger_kernel", "activation_offloading"):
+                 "use_liger_kernel", "activation_offloading", "use_dora"):
         value = getattr(setup, name)
         if not isinstance(value, bool):
             raise MemfitError(f"`{name}` must be true or false; got `{value!r}`")
@@ -700,11 +707,26 @@ def _check_quantization(setup: "TrainSetup") -> None:
         setup.gradient_checkpointing = True
         setup.notes = [*setup.notes, "gradient checkpointing is on: peft's prepare_model_for_kbit_training, which "
                        "quantized models get (kbit_prep), enables it by default; --no-kbit-prep leaves it to you"]
-    if (setup.load_in_4bit or setup.load_in_8bit) and setup.lora_r is None:
+    if (setup.load_in_4bit or setup.load_in_8bit) and setup.lora_r is None and not setup.peft_config:
         # transformers 5.24 trainer_utils.validate_quantization_for_training, called by Trainer.__init__
         raise MemfitError("a quantized model (`load_in_4bit`/`load_in_8bit`) cannot be fine-tuned without adapters: "
                           "Trainer raises 'You cannot perform fine-tuning on purely quantized models'; add LoRA "
                           "(`--lora-r 16`)")
+
+
+def _check_peft(setup: "TrainSetup") -> None:
+    """peft methods (issue 12): `peft_config` read and checked by peft (memfit.models.peft_methods), `use_dora`."""
+    if setup.peft_config is not None:
+        if setup.lora_r is not None:
+            raise MemfitError("both `lora_r` and `peft_config` are set; give LoRA by its fields (`lora_r`, "
+                              "`use_dora`, ...) or by `peft_config` with `\"peft_type\": \"LORA\"`, not both")
+        from memfit.models.peft_methods import normalize_peft_config
+
+        setup.peft_config, notes = normalize_peft_config(setup.peft_config)
+        if notes:
+            setup.notes = [*setup.notes, *notes]
+    if setup.use_dora and setup.lora_r is None:
+        raise MemfitError("`use_dora` is a LoRA setting but no LoRA rank is set; add `lora_r` (`--lora-r 16 --use-dora`)")
 
 
 def _check_issue12_fields(setup: "TrainSetup") -> None:

@@ -82,6 +82,10 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--eval-samples", type=int, default=None, help="examples in the eval set (default 1000)")
     p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (peft)")
     p.add_argument("--lora-target-modules", default=None, help="comma-separated module names LoRA wraps")
+    # peft methods (issue 12): DoRA, and any peft method from its adapter_config.json (memfit.models.peft_methods)
+    p.add_argument("--use-dora", action="store_true", default=None, help="LoRA with DoRA (peft use_dora; with --lora-r)")
+    p.add_argument("--peft-config", default=None, metavar="FILE",
+                   help="a peft method's adapter_config.json (or its directory): IA3, LoHa, OFT, prefix tuning, ...")
     # attention implementations and Liger kernels (issue 12)
     p.add_argument("--attn", choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
                    default=None, help="attention implementation (flash kernels emulated; default: the model's, sdpa)")
@@ -172,6 +176,12 @@ def build_setup(args: argparse.Namespace):
         fields["truncation"] = False
     if args.lora_target_modules:
         fields["lora_target_modules"] = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
+    if getattr(args, "use_dora", None):  # peft methods (issue 12)
+        fields["use_dora"] = True
+    if getattr(args, "peft_config", None):
+        from memfit.models.peft_methods import read_peft_config_file
+
+        fields["peft_config"] = read_peft_config_file(args.peft_config)
     gpu = getattr(args, "gpu", None)
     # the task from memfit's cache, so a cached estimate or plan (issue 15) never imports transformers
     use_cache = getattr(getattr(args, "func", None), "__name__", None) in ("estimate_command", "plan_command") \

@@ -158,6 +158,10 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
             fields["lora_dropout"] = float(cfg.lora_dropout)
             targets = cfg.target_modules
             fields["lora_target_modules"] = sorted(targets) if isinstance(targets, (set, list, tuple)) else None
+            if getattr(cfg, "use_dora", False):  # peft methods (issue 12)
+                fields["use_dora"] = True
+        elif getattr(cfg, "peft_type", None) is not None:  # peft methods (issue 12): any other method, as configured
+            fields["peft_config"] = cfg.to_dict()
     kind = trl_adapter.trainer_kind(trainer)
     if kind == "sft":
         fields["trainer"] = "sft"

@@ -193,7 +193,16 @@ def to_empty_tied(module: nn.Module, *, device: str | torch.device) -> nn.Module
     parameter shared by two modules becomes two. The aliases are put back afterwards.
     """
     aliases = shared_parameter_names(module)
-    module._apply(_empty_like_on(device))  # what `Module.to_empty(device=device)` runs (torch/nn/modules/module.py)
+    fn = _empty_like_on(device)
+    unique = list(module.modules())
+    if len(unique) == sum(1 for _ in module.named_modules(remove_duplicate=False)):
+        module._apply(fn)  # what `Module.to_empty(device=device)` runs (torch/nn/modules/module.py)
+    else:
+        # a module reachable twice (peft, issue 12: prompt learning's `word_embeddings`, VB-LoRA's shared vector
+        # bank): `_apply` would convert it twice, and the second conversion of a FakeTensor parameter is a
+        # `swap_tensors` that fails ("Couldn't swap Embedding.weight"); convert each module once
+        for sub in unique:
+            sub._apply(fn, recurse=False)
     _retie(module, aliases)
     return module
 

@@ -65,6 +65,11 @@ ALIASES: dict[str, str] = {
     "google/gemma-3-12b-it": "google/gemma-3-12b-pt",
     "google/gemma-3-27b-it": "google/gemma-3-27b-pt",
     "HuggingFaceTB/SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M",
+    # issue 12 (models people fine-tune): base / instruct twins of the same architecture (the model cards; only
+    # token ids and chat bookkeeping differ). SmolLM2-1.7B is bundled by its Instruct config, the one quoted in public code
+    "HuggingFaceTB/SmolLM2-360M-Instruct": "HuggingFaceTB/SmolLM2-360M",
+    "HuggingFaceTB/SmolLM2-1.7B": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "Qwen/Qwen2.5-Coder-7B": "Qwen/Qwen2.5-Coder-7B-Instruct",
 }
 
 

@@ -170,8 +170,11 @@ class _Runner:
         trl_steps.prepare_model(model, setup)  # TRL (issue 13): the fused LM head, before peft
         self.ref_model = trl_steps.build_reference(setup, self.spec)
         self.notes += trl_steps.notes(setup)
-        if setup.lora_r is not None:
+        if setup.lora_r is not None or setup.peft_config:  # LoRA / DoRA / any peft method (issue 12)
             model = self._apply_lora(model)
+            from memfit.models.peft_methods import peft_notes
+
+            self.notes += peft_notes(setup)
         if self.quant is not None:
             self.quant_summary = quantization_summary(model, self.quant, kbit_prep=setup.kbit_prep)
         if setup.freeze_embeddings:
@@ -191,6 +194,10 @@ class _Runner:
         self.tracker = StorageTracker()
         self.sdpa_backends: list[str] = []
         self.cut = None
+        if splice and setup.peft_config:  # peft methods (issue 12): only those whose blocks are independent
+            from memfit.models.peft_methods import splice_allowed
+
+            splice = splice_allowed(setup)
         if splice and not isinstance(setup.model, nn.Module):
             try:
                 with meta_safe_deepcopy() if self.quant is not None else contextlib.nullcontext():
@@ -231,25 +238,10 @@ class _Runner:
             self.tracker.tag_fn = self.tagger.current
 
     def _apply_lora(self, model: nn.Module) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
+        """peft's get_peft_model on the meta model: LoRA (DoRA) or the setup's `peft_config` (issue 12)."""
+        from memfit.models.peft_methods import apply_peft
 
-        s = self.setup
-        task_type = {"seq-cls": "SEQ_CLS", "token-cls": "TOKEN_CLS", "qa": "QUESTION_ANS",
-                     "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}.get(s.task)
-        cfg = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
-                         target_modules=s.lora_target_modules, task_type=task_type)
-        try:
-            with torch.device("meta"):
-                return get_peft_model(model, cfg)
-        except ValueError as err:
-            # issue 12: peft has no default targets for many new model types (qwen3_moe, olmoe, gpt_oss,
-            # deepseek_v2, olmo2, smollm3: TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); name this model's own
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-            example = ",".join(n for n in ("q_proj", "v_proj") if n in linear) or ",".join(linear[:2]) or "query,value"
-            raise MemfitError(
-                f"LoRA cannot wrap this model: {str(err).splitlines()[0][:200]}. "
-                f"Name the modules with `--lora-target-modules` (e.g. `{example}`; its linear layers: {', '.join(linear[:12])})"
-            ) from err
+        return apply_peft(model, self.setup)
 
     # -- phases ----------------------------------------------------------------------------
     def _materialize(self) -> None:
@@ -263,6 +255,12 @@ class _Runner:
         to_empty_tied(self.model, device="cpu")  # plain to_empty unties shared weights
         if self.cut is not None:
             to_empty_tied(self.cut, device="cpu")
+        if self.setup.lora_r is not None or self.setup.peft_config:  # peft (issue 12): meta tensors in plain attributes
+            from memfit.models.peft_methods import materialize_plain_tensors
+
+            for m in (self.model, self.cut):
+                if m is not None:
+                    materialize_plain_tensors(m, device="cpu")
         for m in (self.model, self.cut):
             if m is not None and id(m) in quantized:
                 restore(m, quantized[id(m)], "cpu")
@@ -578,9 +576,14 @@ class _Runner:
             cc = tuple(s.compute_capability)
             liger = liger_emulation([m for m in (self.model, self.cut) if m is not None], trl_steps.liger_config(s),
                                     num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
+        peft_run = contextlib.nullcontext()
+        if s.peft_config or s.use_dora:  # peft methods (issue 12): host-side values peft reads (models._peft_adapter)
+            from memfit.models._peft_adapter import run_patches
+
+            peft_run = run_patches(quantized=self.quant is not None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low), bnb, \
+            with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low), bnb, peft_run, \
                     trl_steps.kernels(s):  # TRL (issue 13): its Triton kernels' CPU fallbacks stood in for
                 if kernels is not None:
                     bnb.enter_context(quiet_bnb_logs())
