@@ -165,6 +165,9 @@ def test_dpo_reference_model():
     lora = simulate(_setup(trainer="dpo", lora_r=4))
     lora_sft = simulate(_setup(trainer="sft", lora_r=4))
     assert weights(lora) == weights(lora_sft)
+    ia3 = {"peft_type": "IA3", "task_type": "CAUSAL_LM"}  # any peft method: the adapter-disabled model, no copy
+    assert weights(simulate(_setup(trainer="dpo", peft_config=ia3))) == weights(simulate(_setup(trainer="sft",
+                                                                                              peft_config=ia3)))
     # chosen and rejected in one forward: the batch is 2B sequences
     inputs = [ev.size_bytes for ev in copy_.trace if ev.action == "alloc" and ev.category == "inputs"]
     assert 2 * 2 * 16 * 8 in inputs  # int64 input_ids [2B, L]

@@ -116,7 +116,9 @@ def kernels(setup: Any):
 def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     """DPO's reference model on the meta device: a second copy of the model (None with peft, where the
     adapter-disabled model is the reference, or with precomputed reference log-probs)."""
-    if setup.trainer != "dpo" or setup.precompute_ref_log_probs or setup.lora_r is not None:
+    # trl/trainer/dpo_trainer.py DPOTrainer.__init__: `if is_peft_model(self.model) or precompute_ref_log_probs:
+    # self.ref_model = None` -- any peft method (LoRA or a `peft_config`), not only LoRA
+    if setup.trainer != "dpo" or setup.precompute_ref_log_probs or setup.lora_r is not None or setup.peft_config:
         return None
     from memfit.models.build import build_meta_model
 
