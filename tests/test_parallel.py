@@ -56,7 +56,7 @@ def test_fsdp_training_args():
         with pytest.raises(MemfitError, match=match):
             parallel_from_fsdp_args(bad)
     with pytest.raises(MemfitError, match="version"):
-        parallel_from_fsdp_args("full_shard", {"version": 1})
+        parallel_from_fsdp_args("full_shard", {"version": 3})
 
 
 def test_parallel_setup_errors():

@@ -237,6 +237,10 @@ def estimate_command(args: argparse.Namespace) -> int:
     from memfit.commands._args import parallel_from_args  # multi-GPU (issue 14)
 
     parallel, gpus_name = parallel_from_args(args, setup)
+    if getattr(args, "accelerate_config", None):  # issue 14 strategies: --accelerate-config FILE.yaml
+        from memfit.commands._args import accelerate_from_args
+
+        parallel, setup = accelerate_from_args(args, setup)
     if gpus_name is not None:
         if gpu is not None and args.gpu is not None and args.gpu != gpus_name:
             raise MemfitError(f"--gpu `{args.gpu}` and --gpus `{args.gpus}` name different GPUs; give one")
