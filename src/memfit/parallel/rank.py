@@ -1,6 +1,6 @@
 """The trace one rank sees, per strategy, and what it holds in host memory and outside PyTorch.
 
-* `fsdp`: FSDP2's real code (memfit.parallel.fsdp).
+* `fsdp`: FSDP2's or FSDP1's real code (memfit.parallel.fsdp), hybrid sharding on a 2-D mesh.
 * `ddp`: the single-GPU simulation plus DDP's gradient buckets (torch/nn/parallel/distributed.py
   `_ddp_init_helper`; torch/csrc/distributed/c10d/reducer.cpp): one flat tensor per bucket, the
   buckets assigned by DDP's own `_compute_bucket_assignment_by_size` over the trainable parameters
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.parallel.nccl import nccl_buffer_bytes
+from memfit.parallel.nccl import hybrid_group_nccl_bytes, nccl_buffer_bytes
 from memfit.parallel.setup import ParallelSetup
 from memfit.parallel.zero import ParamInventory, ZeroBuffer, deepspeed_model_states_bytes, zero_buffers
 from memfit.trace import TraceEvent
@@ -191,6 +191,9 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     from memfit.sim.engine import simulate
 
     nccl = nccl_buffer_bytes(parallel.world_size, parallel.nodes)
+    hybrid = parallel.strategy == "fsdp" and parallel.hybrid_shard
+    if hybrid:  # issue 14 strategies: the shard and replicate groups' communicators
+        nccl += hybrid_group_nccl_bytes(parallel.gpus_per_node, parallel.nodes)
     notes = list(parallel.notes)
     if nccl:
         notes.append(f"NCCL buffers ({nccl // 2**20} MiB per rank, an estimate: memfit.parallel.nccl) are counted "
@@ -203,7 +206,8 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
         if parallel.cpu_offload:
             inv = param_inventory(_meta_model(setup))
             # CPUOffloadPolicy: fp32 shards of parameters, gradients and Adam's two states on the host
-            host = -(-inv.total_params // parallel.world_size) * 4 + -(-inv.trainable_params // parallel.world_size) * 12
+            n = parallel.shard_size  # hybrid sharding: the shard group is one node
+            host = -(-inv.total_params // n) * 4 + -(-inv.trainable_params // n) * 12
         return RankResult(sim, host_bytes=host, nccl_bytes=nccl, notes=notes)
     if parallel.strategy == "ddp":
         model = _meta_model(setup)
