@@ -24,7 +24,7 @@ def _config():
     return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
 
 
-def _worker(rank, world, port, out, stage):
+def _worker(rank, world, port, out, stage, extra):
     os.environ.update(DS_ACCELERATOR="cpu", WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
@@ -39,7 +39,7 @@ def _worker(rank, world, port, out, stage):
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[-1, -1] = 0
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "optimizer": OPTIMIZER,
-           "zero_optimization": {"stage": stage, **ZERO}}
+           "zero_optimization": {"stage": stage, **ZERO, **extra}}
     res = {}
     with memory_budget(1 << 40, count=[model]) as budget:
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
@@ -67,20 +67,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _real(stage):
+def _real(stage, extra=None):
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, _free_port(), d, stage), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, _free_port(), d, stage, extra or {}), nprocs=2, join=True)
         return [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
 
 
-def _predicted(stage):
+def _predicted(stage, extra=None):
     from memfit.parallel import ParallelSetup, zero_settings_from_deepspeed
     from memfit.parallel.rank import simulate_rank
     from memfit.train_setup import TrainSetup
 
     setup = TrainSetup.from_kwargs(_config(), task="causal-lm", per_device_train_batch_size=2, max_length=16,
                                    optim="adamw_torch", eval_strategy="no", weights_dtype="fp32")
-    z, _ = zero_settings_from_deepspeed({"optimizer": OPTIMIZER, "zero_optimization": {"stage": stage, **ZERO}},
+    z, _ = zero_settings_from_deepspeed({"optimizer": OPTIMIZER, "zero_optimization": {"stage": stage, **ZERO,
+                                                                                        **(extra or {})}},
                                         hidden_size=64)
     r = simulate_rank(setup, ParallelSetup(world_size=2, strategy=f"zero{stage}", zero=z))
     live = peak = 0
@@ -112,4 +113,24 @@ def test_zero_emulation_matches_real_deepspeed(stage):
     for r in real:
         for key in ("init", "final"):
             assert abs(r[key] - pred[key]) <= r[key] * 0.02, (key, r[key], pred[key])
+        assert abs(r["peak"] - pred["peak"]) <= r["peak"] * 0.10, (r["peak"], pred["peak"])
+
+
+@pytest.mark.slow
+def test_zero_plus_plus_hpz_against_real_deepspeed():
+    """ZeRO++ hpZ (`zero_hpz_partition_size: 2`, the two ranks as one node) in a real DeepSpeed run: each parameter
+    gets its secondary partition (checked: 28 `ds_secondary_tensor`s of 56192 elements after init, none after the
+    step). Measured: init 935936 B on both ranks (230400 more than without hpZ) against 915456 predicted (2.2% under:
+    DeepSpeed's secondaries are 28 tensors, each rounded, memfit's one buffer); final 1159168 B, the same as without
+    (invalidated by `_post_step`), against 1143296; peak 2267136 B, only 512 B above the run without hpZ, against
+    2450944 predicted (8.1% over: the secondaries are not all alive at the real peak; not attributed). qwZ and qgZ
+    need DeepSpeed's CUDA quantizer kernels (QuantizerBuilder) and do not run on the CPU accelerator."""
+    extra = {"zero_hpz_partition_size": 2}
+    real = _real(3, extra)
+    pred = _predicted(3, extra)
+    base = _predicted(3)
+    assert pred["init"] - base["init"] > 200_000  # the secondary partitions (fp32 here) are in memfit's trace
+    for r in real:
+        assert abs(r["init"] - pred["init"]) <= r["init"] * 0.03, (r["init"], pred["init"])
+        assert abs(r["final"] - pred["final"]) <= r["final"] * 0.02, (r["final"], pred["final"])
         assert abs(r["peak"] - pred["peak"]) <= r["peak"] * 0.10, (r["peak"], pred["peak"])

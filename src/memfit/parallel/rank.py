@@ -143,6 +143,8 @@ def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[Trac
         return [TraceEvent("free", e.id, e.size_bytes, e.category, phase, e.module) for e in evs]
 
     out: list[TraceEvent] = make("setup", "setup")
+    hpz = make("forward_to_step_end", "setup")  # ZeRO++ hpZ secondary partitions (issue 14)
+    out.extend(hpz)
     step_made = False
     working: list[TraceEvent] = []    # fwd_bwd: the stage-3 all-gathered working set
     in_bwd: list[TraceEvent] = []     # backward: ipg buffers
@@ -159,6 +161,9 @@ def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[Trac
             if prev == "eval":
                 out.extend(free(working, prev))
                 working = []
+            if phase == "forward" and not hpz:
+                hpz = make("forward_to_step_end", phase)
+                out.extend(hpz)
             if phase in ("forward", "eval") and not working:
                 # stage 3: the module trace is complete after the first optimizer step (not for eval's new order)
                 working = make("fwd_bwd" if step_made and phase == "forward" else "fwd_bwd_first", phase)
@@ -178,11 +183,13 @@ def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[Trac
                 out.extend(free(temps, phase))
                 out.extend(free(to_step, phase))
                 to_step = []
+                out.extend(free(hpz, phase))  # stage3.py _post_step: invalidate_secondary_tensor
+                hpz = []
             prev = phase
         if ev.category in _DROPPED or phase == "optimizer":
             continue
         out.append(ev)
-    out.extend(free(in_bwd + working + to_step, prev))
+    out.extend(free(in_bwd + working + to_step + hpz, prev))
     return out
 
 
@@ -223,7 +230,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     base = setup.replace(precision="fp32", weights_dtype=dtype)
     model = _meta_model(base)
     inv = param_inventory(model, z.param_persistence_threshold if z.stage == 3 else 0)
-    buffers = zero_buffers(z, inv, parallel.world_size)
+    buffers = zero_buffers(z, inv, parallel.world_size, gpus_per_node=parallel.gpus_per_node)
     sim = simulate(base)
     sim.trace = _zero_trace(sim.trace, buffers)
     cpu, gpu = deepspeed_model_states_bytes(z.stage, inv, gpus_per_node=parallel.gpus_per_node, nodes=parallel.nodes,

@@ -55,6 +55,24 @@ Stage 3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py `Ini
 * fp32 master partitions 4*T/N and Adam 8*T/N (host with `offload_optimizer`); the step converts each
   sub-group's gradient to fp32 (`_prepare_fp32_grad_for_sub_group`): 4*min(T/N, sub_group_size).
 
+ZeRO++ (stage 3 only; issue 14 hybrid / ZeRO++):
+
+* hpZ, `zero_hpz_partition_size` = h > 1: every partitioned parameter also keeps a secondary partition of
+  `_aligned_size(param) // num_ranks_in_param_group` elements in its dtype (partition_parameters.py
+  `_partition_param_sec`: `torch.empty(secondary_partition_size, dtype=param.dtype, device=self.remote_device)`),
+  made when a gathered parameter is released (at `zero.Init` and in each forward), so backward all-gathers stay
+  within the h ranks of a node (`zero_param_process_group`); dropped after each step (stage3.py `_post_step` ->
+  `invalidate_secondary_tensor`): b * P/h per rank (on the host with `offload_param`), from the forward to the
+  end of the step;
+* qwZ, `zero_quantized_weights`: each all-gather moves int8 (partition_parameters.py `_all_gather_coalesced`:
+  `flat_tensor = torch.empty(partition_sz * world_size, dtype=torch.int8)` and a float32
+  `quant_scale_buffer` of `scales.numel() * world_size`, CUDAQuantizer groups of at most 8000 elements) before
+  dequantizing into the bit16 parameters: 1 byte + 4/8000 bytes per gathered element while gathers are in flight;
+* qgZ, `zero_quantized_gradients`: each bucket of n gradient elements is reduced by
+  `all_to_all_quant_reduce` (runtime/comm/coalesced_collectives.py): an int4 swizzled copy and its all-to-all
+  output (n/2 bytes each), the intra-node reduction and its output (n/(2g) bytes each, g GPUs per node) and
+  the dequantized fp16 result (2n/g bytes), during the backward.
+
 Known limitations: padding of the flat groups to a multiple of the world size (< 2N elements per
 group) is left out; the stage-3 working set is a bound, not module by module; the parameter
 flattening at construction (a transient second copy of one group) is not in the trace.
@@ -96,18 +114,21 @@ class ZeroBuffer:
     lifetime: str
     """`setup` (made at construction, kept), `step` (made at the first optimizer step, kept), `step_temp` (only
     during the step), `fwd_bwd` (from each forward to the end of its backward), `backward` (during each backward),
-    `backward_to_step` (from the first backward of an optimizer step to that step)."""
+    `backward_to_step` (from the first backward of an optimizer step to that step), `forward_to_step_end` (made at
+    setup and again at the first forward after each step, freed at the end of the step: ZeRO++ hpZ)."""
     category: str
     rule: str
 
 
-def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int) -> list[ZeroBuffer]:
+def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int,
+                 gpus_per_node: int | None = None) -> list[ZeroBuffer]:
     """The per-rank model states and buffers of ZeRO stage `z.stage` (module docstring for the rules).
 
     Args:
         z: the resolved ZeRO settings.
         inv: the model's parameter counts.
         world_size: ranks the data-parallel group has.
+        gpus_per_node: GPUs on each node (qgZ's intra-node step; default: all ranks on one node).
     """
     if z.stage not in (1, 2, 3):
         raise MemfitError(f"ZeRO stage `{z.stage}` is not 1, 2 or 3")
@@ -180,6 +201,23 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int) -> list[
                           "stage3.py fp32_partitioned_groups_flat"))
     out.append(ZeroBuffer("Adam exp_avg + exp_avg_sq", 8 * t_part, opt_dev, "step", "optimizer_state",
                           "torch Adam / DeepSpeedCPUAdam state on the fp32 partitions"))
+    hpz = min(z.hpz_partition_size, n)  # groups._create_zero_param_parallel_group: min(group_size, world_size)
+    if hpz > 1:
+        out.append(ZeroBuffer(f"hpZ secondary partitions (1/{hpz})", b * -(-gathered // hpz), param_dev,
+                              "forward_to_step_end", "weights",
+                              "partition_parameters.py _partition_param_sec; stage3.py _post_step -> "
+                              "invalidate_secondary_tensor"))
+    if z.quantized_weights:
+        gather = min(inv.largest_layer_params + z.prefetch_bucket_size, gathered)
+        out.append(ZeroBuffer("qwZ int8 all-gather buffers", gather + 4 * -(-gather // 8000), "gpu", "fwd_bwd",
+                              "temporaries", "partition_parameters.py _all_gather_coalesced (quantize): int8 flat_tensor "
+                              "+ fp32 quant_scale_buffer (CUDAQuantizer target_group_size 8000)"))
+    if z.quantized_gradients:
+        g = max(1, gpus_per_node or n)
+        bucket = z.reduce_bucket_size
+        out.append(ZeroBuffer("qgZ int4 all-to-all buffers", bucket + bucket // g + 2 * bucket // g, "gpu", "backward",
+                              "temporaries", "coalesced_collectives.py all_to_all_quant_reduce: int4 copy + output, "
+                              "intra-node reduction + output, fp16 dequantized result"))
     if not z.offload_optimizer:
         sub = min(t_part, z.sub_group_size)
         out.append(ZeroBuffer("flat gradient of a sub-group", b * sub, "gpu", "step_temp", "temporaries",
