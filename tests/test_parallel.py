@@ -156,3 +156,14 @@ def test_hybrid_shard_shards_within_a_node_only():
     p = ParallelSetup(world_size=16, nodes=2, strategy="fsdp", hybrid_shard=True, fsdp_version=1,
                       reshard_after_forward=False)
     assert (p.shard_size, p.fsdp1_sharding_strategy) == (8, "_HYBRID_SHARD_ZERO2")
+
+
+def test_zero2_partition_buffer_per_rank():
+    """stage_1_and_2.py: each group padded to a multiple of 2N and split evenly; a parameter cut by a boundary counts
+    whole in both ranks' grads_in_partition."""
+    from memfit.parallel.zero import zero2_rank_layouts
+
+    # group of 10 + 6 (padded to 16: partitions [0, 8) and [8, 16)): the 10 straddles
+    assert [x.grads_in_partition_numel for x in zero2_rank_layouts([[10, 6]], 2)] == [10, 16]
+    # two groups partitioned on their own; 4 ranks, 7 elements padded to 8 (partitions of 2)
+    assert [x.grads_in_partition_numel for x in zero2_rank_layouts([[8], [3, 4]], 4)] == [8 + 3, 8 + 3 + 4, 8 + 4, 8 + 4]

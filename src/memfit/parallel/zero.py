@@ -15,8 +15,9 @@ Stage 1 / 2 (deepspeed/runtime/zero/stage_1_and_2.py, `DeepSpeedZeroOptimizer`):
   the host with `offload_optimizer` (`weights_partition = ...cpu()`), else on the GPU;
 * Adam's exp_avg / exp_avg_sq: 8*T/N, created at the first step (torch's lazy `_init_group`; DeepSpeed's
   `initialize_optimizer_states` only gives the partition a gradient);
-* ZeRO-2 `grads_in_partition`: b*T/N, made at the first reduced gradient (`copy_grads_in_partition`,
-  `torch.empty(total_size, dtype=self.dtype)`) and kept; ZeRO-1 keeps the full bit16 gradients
+* ZeRO-2 `grads_in_partition`: b*T/N here, made at the first reduced gradient (`copy_grads_in_partition`,
+  `torch.empty(total_size, dtype=self.dtype)`) and kept; its real size differs by rank (`total_size` counts the
+  whole parameters a partition cuts): `zero2_rank_layouts`, applied per rank by memfit.parallel.rank; ZeRO-1 keeps the full bit16 gradients
   (b*T) until the step (`reduce_gradients` at the boundary);
 * `setup_buckets`: with `contiguous_gradients`, one ipg buffer of `reduce_bucket_size` elements per
   dtype (ZeRO-1 in the fp32 accumulation dtype, ZeRO-2 in b: `_gradient_reduction_buffer_dtype`), two
@@ -85,7 +86,8 @@ from dataclasses import dataclass
 from memfit.errors import MemfitError
 from memfit.parallel.setup import ZeroSettings
 
-__all__ = ["ZeroBuffer", "zero_buffers", "ParamInventory", "deepspeed_model_states_bytes"]
+__all__ = ["ZeroBuffer", "zero_buffers", "ParamInventory", "deepspeed_model_states_bytes", "Zero2RankLayout",
+           "zero2_rank_layouts"]
 
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -274,3 +276,40 @@ def deepspeed_model_states_bytes(stage: int, inv: ParamInventory, *, gpus_per_no
         gpu = largest + int(18 * total / total_gpus)
         cpu = (inv.largest_layer_params if zero_init else total) * 4 * gpus_per_node * additional_buffer_factor
     return int(cpu), int(gpu)
+
+
+# -- ZeRO-2 per rank (issue 14 item 4): what differs between ranks --------------------------------------------------
+@dataclass(frozen=True)
+class Zero2RankLayout:
+    """One rank's ZeRO-2 gradient partition buffer."""
+
+    rank: int
+    grads_in_partition_numel: int
+    """stage_1_and_2.py `copy_grads_in_partition`: `total_size` sums the *whole* numel of every parameter in
+    `params_in_partition` (a parameter cut by a partition boundary counts fully on both ranks)."""
+
+
+def zero2_rank_layouts(groups: list[list[int]], world_size: int) -> list[Zero2RankLayout]:
+    """Each rank's ZeRO-2 `grads_in_partition` size (DeepSpeed 0.19.8 stage_1_and_2.py).
+
+    Each optimizer param group is flattened in order and padded to a multiple of 2 * world_size elements
+    (`flatten_dense_tensors_aligned(..., self.nccl_start_alignment_factor * dp_size)`, the factor 2), then split
+    into equal partitions (`get_data_parallel_partitions`); rank r's `params_in_partition` are the parameters
+    overlapping [r*size, (r+1)*size) (`get_partition_info`), and its buffer holds all of them whole.
+
+    Args:
+        groups: the numel of each trainable parameter, per optimizer param group, in group order.
+        world_size: ranks of the data-parallel group.
+    """
+    sizes = [0] * world_size
+    for numels in groups:
+        align = 2 * world_size
+        part = -(-sum(numels) // align) * align // world_size
+        offset = 0
+        for n in numels:
+            if n:
+                first, last = offset // part, (offset + n - 1) // part
+                for r in range(first, min(last, world_size - 1) + 1):
+                    sizes[r] += n
+            offset += n
+    return [Zero2RankLayout(r, sizes[r]) for r in range(world_size)]
