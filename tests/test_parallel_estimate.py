@@ -137,3 +137,12 @@ def test_fsdp1_hybrid_cli(tiny_bert_dir, tmp_path, capsys, monkeypatch):
     assert main([*flags, "--fsdp", "full_shard"]) == 0
     full = _json(capsys)["parallel"]
     assert full["shard_group_size"] == 4 and hyb["nccl_bytes"] > full["nccl_bytes"]
+
+
+def test_trainer_precision_becomes_the_fsdp_policy(tiny_bert_dir, capsys):
+    """accelerate state.py: with mixed precision, `fsdp_plugin.set_mixed_precision` makes param and reduce dtype
+    the precision's unless fsdp_config sets a policy."""
+    assert main(["estimate", tiny_bert_dir, "--max-length", "16", "--eval-strategy", "no", "--precision", "fp16",
+                 "--world-size", "2", "--fsdp", "full_shard", "--json", "--no-cache"]) == 0
+    par = _json(capsys)["parallel"]
+    assert (par["param_dtype"], par["reduce_dtype"]) == ("fp16", "fp16")

@@ -128,6 +128,10 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         if args.strategy not in (None, "fsdp"):
             raise MemfitError(f"--strategy `{args.strategy}` with --fsdp: give --strategy fsdp or leave it out")
         par, _ = parallel_from_fsdp_args(args.fsdp or True, args.fsdp_config, world_size=world, nodes=nodes)
+        if par.param_dtype is None and setup.precision in ("fp16", "bf16"):
+            # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:
+            # param_dtype = reduce_dtype = the precision's dtype) unless fsdp_config gives one (issue 14 strategies)
+            par = par.replace(param_dtype=setup.precision, reduce_dtype=setup.precision)
         return par, gpu
     strategy = args.strategy or "ddp"
     if strategy.startswith("zero"):  # no DeepSpeed file: DeepSpeed's defaults, in the Trainer's precision ("auto")

@@ -269,10 +269,14 @@ def estimate_command(args: argparse.Namespace) -> int:
                 print(f"  hybrid sharding: each node's {par['shard_group_size']} GPUs hold one sharded copy; "
                       f"{par['replicas']} replicas across nodes (what is per rank above: 1/{par['shard_group_size']} "
                       "of the model states)")
-            for d in par.get("ranks") or []:  # issue 14 item 4: ranks that differ (ZeRO-2)
+            ranks = par.get("ranks") or []  # issue 14 item 4: ranks that differ (ZeRO-2): rank 0's and the worst
+            shown = ranks[:1] + [max(ranks, key=lambda d: d["peak_allocated_bytes"])] if ranks else []
+            for d in ({id(d): d for d in shown}).values():
                 print(f"  rank(s) {', '.join(map(str, d['ranks'][:8]))}{' ...' if len(d['ranks']) > 8 else ''}: "
                       f"peak allocated {format_bytes(d['peak_allocated_bytes'])} (gradient partition "
                       f"{format_bytes(d['grads_in_partition_bytes'])})")
+            if len(ranks) > 2:
+                print(f"  ({len(ranks)} distinct rank layouts in all: --json lists them)")
     if args.check and not report.fits:
         print(f"memfit estimate --check: {check_line(report)}", file=sys.stderr)
         return 1
