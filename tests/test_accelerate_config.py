@@ -185,3 +185,14 @@ def test_estimate_cli_with_an_accelerate_config(tiny_bert_dir, tmp_path, capsys)
     assert main(["estimate", tiny_bert_dir, "--max-length", "16", "--accelerate-config", str(path),
                  "--world-size", "8"]) == 2
     assert "differ" in capsys.readouterr().err
+
+
+def test_deepspeed_accumulation_from_the_file(tiny_bert_dir, tmp_path, capsys):
+    path = _write(tmp_path, "z3", FILES["zero3_offload"])  # gradient_accumulation_steps: 4, bf16
+    flags = ["estimate", tiny_bert_dir, "--max-length", "16", "--eval-strategy", "no", "--gpu", "A100-80GB",
+             "--accelerate-config", str(path), "--no-cache"]
+    assert main([*flags, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["setup"]["gradient_accumulation_steps"] == 4 and data["parallel"]["strategy"] == "zero3"
+    assert main([*flags, "--grad-accum", "2"]) == 2
+    assert "differ" in capsys.readouterr().err

@@ -173,4 +173,11 @@ def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
         changes["precision"] = acc.precision
     if acc.gradient_checkpointing and not setup.gradient_checkpointing:
         changes["gradient_checkpointing"] = True
+    gas = acc.gradient_accumulation_steps
+    if gas is not None and gas != setup.gradient_accumulation_steps:
+        if getattr(args, "grad_accum", None) is not None:
+            # transformers HfTrainerDeepSpeedConfig.trainer_config_process: fill_match, then a mismatch error
+            raise MemfitError(f"--grad-accum `{args.grad_accum}` and the DeepSpeed `gradient_accumulation_steps` "
+                              f"`{gas}` of the accelerate config differ (transformers refuses the mismatch); give one")
+        changes["gradient_accumulation_steps"] = gas
     return acc.parallel, (setup.replace(**changes) if changes else setup)
