@@ -146,3 +146,12 @@ def test_trainer_precision_becomes_the_fsdp_policy(tiny_bert_dir, capsys):
                  "--world-size", "2", "--fsdp", "full_shard", "--json", "--no-cache"]) == 0
     par = _json(capsys)["parallel"]
     assert (par["param_dtype"], par["reduce_dtype"]) == ("fp16", "fp16")
+
+
+def test_fsdp1_cpu_offload_is_refused_in_one_line(tiny_bert_dir, tmp_path, capsys):
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text(json.dumps({"version": 1, "cpu_offload": True}))
+    assert main(["estimate", tiny_bert_dir, "--max-length", "16", "--world-size", "2", "--fsdp", "full_shard",
+                 "--fsdp-config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "FSDP1 with CPU offload" in err and len(err.splitlines()) == 1

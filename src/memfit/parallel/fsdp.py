@@ -22,7 +22,8 @@ and the reduce-scatter inputs of the backward all appear in the trace as FSDP2 a
 `foreach_reduce`). The fake process group's collectives move no data, so values are garbage and
 shapes exact.
 
-Known limitations: layer splicing is off (each block runs: seconds for 7B models); accelerate's
+Known limitations: FSDP1 with CPU offload is refused (its pinned host shards do not run on fake tensors);
+layer splicing is off (each block runs: seconds for 7B models); accelerate's
 gradient accumulation is taken to reduce-scatter every micro-step (no `set_requires_gradient_sync`
 saving); with `cpu_offload` the sharded parameters and optimizer state are moved out of the trace
 (host), and the sharded gradients are still counted on the GPU (a bound).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from memfit.errors import MemfitError
 from memfit.models.blocks import repeated_layer_lists
 from memfit.parallel import _dist_adapter as dadapter
 from memfit.parallel.setup import ParallelSetup
@@ -170,6 +172,11 @@ class _FsdpRunner(_Runner):
 
 def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps: int = 2) -> Simulation:
     """Rank 0's simulated trace under FSDP2 or FSDP1 (module docstring)."""
+    if parallel.fsdp_version == 1 and parallel.cpu_offload:
+        # FSDP1's CPUOffload pins its host shards and gradients (`_flat_param.py` `pin_memory`), which a FakeTensor
+        # cannot do, and memfit's fake run has one device: not emulated
+        raise MemfitError("FSDP1 with CPU offload (`fsdp_offload_params` / `offload`) is not modelled by memfit; "
+                          "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy is")
     replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
     with dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
         runner = _FsdpRunner(setup, parallel, mesh)
