@@ -8,6 +8,7 @@ import pytest
 from memfit.commands.diagnose import _saved_plan
 from memfit.errors import MemfitError
 from memfit.files import read_json_object
+from memfit.parallel.accelerate_config import read_accelerate_config
 from memfit.parallel.setup import parallel_from_fsdp_args, zero_settings_from_deepspeed
 from memfit.train_setup import read_args_file
 
@@ -16,15 +17,16 @@ READERS = {
     "plan": lambda p: _saved_plan(str(p)),
     "deepspeed": lambda p: zero_settings_from_deepspeed(p, hidden_size=8),
     "fsdp_config": lambda p: parallel_from_fsdp_args("full_shard", p, world_size=2),
+    "accelerate_config": lambda p: read_accelerate_config(p),  # YAML: the same file errors (read_user_text)
 }
 
 BAD = {
     "missing": (None, "does not exist"),
     "folder": ("dir", "is a directory"),
     "not_utf8": ('{"a": "caf\xe9"}'.encode("latin-1"), "not UTF-8"),
-    "not_json": (b"{not json", "not valid JSON"),
-    "deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply|not valid JSON"),
-    "not_object": (b"[1, 2]", "must hold a JSON object"),
+    "not_json": (b"{not json", "not valid JSON|not valid YAML"),
+    "deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply|not valid JSON|not valid YAML"),
+    "not_object": (b"[1, 2]", "must hold a JSON object|must hold a mapping"),
 }
 
 

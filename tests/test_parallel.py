@@ -60,7 +60,7 @@ def test_fsdp_training_args():
         with pytest.raises(MemfitError, match=match):
             parallel_from_fsdp_args(bad)
     with pytest.raises(MemfitError, match="version"):
-        parallel_from_fsdp_args("full_shard", {"version": 1})
+        parallel_from_fsdp_args("full_shard", {"version": 3})
 
 
 def test_parallel_setup_errors():
@@ -136,3 +136,38 @@ def test_ddp_buckets_follow_ddp_assignment():
     sizes = ddp_bucket_bytes(model, None)  # 1 MiB first bucket, then up to 25 MiB
     assert sum(sizes) == sum(p.numel() * 4 for p in model.parameters()) and len(sizes) == 2
     assert ddp_bucket_bytes(model, 100.0) == [sum(sizes)]
+
+
+def test_hybrid_shard_shards_within_a_node_only():
+    """FSDP2 HSDP and FSDP1 HYBRID_SHARD on 4 ranks over 2 nodes hold the shards of a 2-rank group (run by FSDP's
+    own code on a 2-D fake mesh): the same optimizer state as full sharding over 2 ranks, more than over 4."""
+    from transformers import GPT2Config
+
+    from memfit.parallel.fsdp import simulate_fsdp
+    from memfit.train_setup import TrainSetup
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+    setup = TrainSetup.from_kwargs(cfg, task="causal-lm", per_device_train_batch_size=2, max_length=16,
+                                   optim="adamw_torch", eval_strategy="no", weights_dtype="fp32")
+
+    def state(**kw):
+        trace = simulate_fsdp(setup, ParallelSetup(strategy="fsdp", **kw)).trace
+        return sum(e.size_bytes if e.action == "alloc" else -e.size_bytes for e in trace if e.category == "optimizer_state")
+
+    for version in (1, 2):
+        hybrid = state(world_size=4, nodes=2, hybrid_shard=True, fsdp_version=version)
+        assert hybrid == state(world_size=2, fsdp_version=version) > state(world_size=4, fsdp_version=version)
+    p = ParallelSetup(world_size=16, nodes=2, strategy="fsdp", hybrid_shard=True, fsdp_version=1,
+                      reshard_after_forward=False)
+    assert (p.shard_size, p.fsdp1_sharding_strategy) == (8, "_HYBRID_SHARD_ZERO2")
+
+
+def test_zero2_partition_buffer_per_rank():
+    """stage_1_and_2.py: each group padded to a multiple of 2N and split evenly; a parameter cut by a boundary counts
+    whole in both ranks' grads_in_partition."""
+    from memfit.parallel.zero import zero2_rank_layouts
+
+    # group of 10 + 6 (padded to 16: partitions [0, 8) and [8, 16)): the 10 straddles
+    assert [x.grads_in_partition_numel for x in zero2_rank_layouts([[10, 6]], 2)] == [10, 16]
+    # two groups partitioned on their own; 4 ranks, 7 elements padded to 8 (partitions of 2)
+    assert [x.grads_in_partition_numel for x in zero2_rank_layouts([[8], [3, 4]], 4)] == [8 + 3, 8 + 3 + 4, 8 + 4, 8 + 4]

@@ -112,3 +112,46 @@ def test_fsdp_frees_unsharded_parameters_after_each_block(tiny_bert_dir):
         freed[reshard] = sum(e.size_bytes for e in sim.trace
                              if e.action == "free" and e.category == "weights" and e.phase == "forward")
     assert freed[True] > 0 and freed[False] == 0
+
+
+def test_zero2_report_shows_ranks_that_differ(tiny_bert_dir, capsys):
+    assert main(["estimate", tiny_bert_dir, "--max-length", "16", "--eval-strategy", "no", "--world-size", "2",
+                 "--strategy", "zero2", "--json", "--no-cache"]) == 0
+    par = _json(capsys)["parallel"]
+    sizes = {d["grads_in_partition_bytes"] for d in par["ranks"]}
+    assert len(par["ranks"]) == len(sizes) >= 2 and par["ranks"][0]["ranks"][0] == 0  # rank 0 first, then the others
+    assert sorted(r for d in par["ranks"] for r in d["ranks"]) == [0, 1] and par["ranks_differ"].startswith("yes")
+
+
+def test_fsdp1_hybrid_cli(tiny_bert_dir, tmp_path, capsys, monkeypatch):
+    """FSDP1 HYBRID_SHARD on 2 nodes x 2 GPUs: shards of the node's 2 GPUs, 2 replicas, the extra NCCL groups."""
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text(json.dumps({"version": 1}))
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "HYBRID_SHARD")  # what accelerate's FSDP1 plugin reads
+    flags = ["estimate", tiny_bert_dir, "--max-length", "16", "--eval-strategy", "no", "--world-size", "4",
+             "--nodes", "2", "--fsdp-config", str(cfg), "--json", "--no-cache"]
+    assert main([*flags, "--fsdp", "hybrid_shard"]) == 0
+    hyb = _json(capsys)["parallel"]
+    assert (hyb["fsdp_version"], hyb["hybrid_shard"], hyb["shard_group_size"], hyb["replicas"]) == (1, True, 2, 2)
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+    assert main([*flags, "--fsdp", "full_shard"]) == 0
+    full = _json(capsys)["parallel"]
+    assert full["shard_group_size"] == 4 and hyb["nccl_bytes"] > full["nccl_bytes"]
+
+
+def test_trainer_precision_becomes_the_fsdp_policy(tiny_bert_dir, capsys):
+    """accelerate state.py: with mixed precision, `fsdp_plugin.set_mixed_precision` makes param and reduce dtype
+    the precision's unless fsdp_config sets a policy."""
+    assert main(["estimate", tiny_bert_dir, "--max-length", "16", "--eval-strategy", "no", "--precision", "fp16",
+                 "--world-size", "2", "--fsdp", "full_shard", "--json", "--no-cache"]) == 0
+    par = _json(capsys)["parallel"]
+    assert (par["param_dtype"], par["reduce_dtype"]) == ("fp16", "fp16")
+
+
+def test_fsdp1_cpu_offload_is_refused_in_one_line(tiny_bert_dir, tmp_path, capsys):
+    cfg = tmp_path / "fsdp.json"
+    cfg.write_text(json.dumps({"version": 1, "cpu_offload": True}))
+    assert main(["estimate", tiny_bert_dir, "--max-length", "16", "--world-size", "2", "--fsdp", "full_shard",
+                 "--fsdp-config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "FSDP1 with CPU offload" in err and len(err.splitlines()) == 1

@@ -60,9 +60,16 @@ def _worker(rank, world, init, out, strategy):
     res = {}
     budget = Shards(1 << 40, count=[model])
     before = budget.live_bytes
-    with budget, da.fsdp_storage_hooks(budget.on_alloc, budget.on_free):
+    with budget, da.fsdp_storage_hooks(budget.on_alloc, budget.on_free), \
+            da.fsdp1_storage_hooks(budget.on_alloc, budget.on_free):
         if strategy == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
+        elif strategy.startswith("fsdp1"):  # FSDP1 as accelerate's prepare_model builds it (TRANSFORMER_BASED_WRAP)
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+            model = da.fsdp1_wrap(model, block_classes={GPT2Block}, sharding_strategy=FSDP1[strategy][0], mesh=None,
+                                  use_orig_params=FSDP1[strategy][1], cpu_offload=False, param_dtype=None,
+                                  reduce_dtype=None)
         else:
             for block in model.transformer.h:
                 da.fully_shard(block)
@@ -79,6 +86,10 @@ def _worker(rank, world, init, out, strategy):
     with open(os.path.join(out, f"{rank}.json"), "w") as fh:
         json.dump(res, fh)
     dist.destroy_process_group()
+
+
+FSDP1 = {"fsdp1": ("FULL_SHARD", True), "fsdp1_flat": ("FULL_SHARD", False), "fsdp1_zero2": ("SHARD_GRAD_OP", True)}
+"""FSDP1 variants run for real: (sharding strategy, use_orig_params)."""
 
 
 def _model_params():
@@ -100,7 +111,13 @@ def _predicted(strategy):
 
     setup = TrainSetup.from_kwargs(_config(), task="causal-lm", per_device_train_batch_size=2, max_length=16,
                                    optim="adamw_torch", eval_strategy="no", weights_dtype="fp32")
-    r = simulate_rank(setup, ParallelSetup(world_size=2, strategy=strategy))
+    if strategy in FSDP1:
+        strategy_name, orig = FSDP1[strategy]
+        par = ParallelSetup(world_size=2, strategy="fsdp", fsdp_version=1, use_orig_params=orig,
+                            reshard_after_forward=strategy_name == "FULL_SHARD")
+    else:
+        par = ParallelSetup(world_size=2, strategy=strategy)
+    r = simulate_rank(setup, par)
     live = peak = 0
     for e in r.sim.trace:
         live += round_size(e.size_bytes) if e.action == "alloc" else -round_size(e.size_bytes)
@@ -109,11 +126,23 @@ def _predicted(strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp1", "fsdp1_flat", "fsdp1_zero2"])
 def test_per_rank_prediction_matches_a_real_gloo_run(strategy):
+    """FSDP1 (memfit runs FullyShardedDataParallel itself under fake tensors), measured: FULL_SHARD with
+    use_orig_params peaks 1859584 / 1850368 B on the two ranks (final 921600 / 912384) against 1857024 predicted
+    (final 912896): rank 0 within 0.2%; the ranks differ by 9216 B because each rank's shard of the root
+    FlatParameter cuts the original parameters differently (rank 0: a view of wte; rank 1: the rest of wte, wpe,
+    ln_f), and Adam keeps one state per original-parameter view, each rounded to 512 B. use_orig_params=False:
+    1843712 B on both ranks against 1847808 predicted (4096 B over, 0.2%). SHARD_GRAD_OP measures as FULL_SHARD on
+    this 2-block model (1859584 / 1850368) against 1855488."""
     real = _real(strategy)
-    assert [(r["peak"], r["final"]) for r in real] == [(real[0]["peak"], real[0]["final"])] * 2  # ranks agree
+    if strategy not in ("fsdp1", "fsdp1_zero2"):  # FSDP1 with original-parameter views: see the docstring
+        assert [(r["peak"], r["final"]) for r in real] == [(real[0]["peak"], real[0]["final"])] * 2  # ranks agree
     pred = _predicted(strategy)
+    if strategy in FSDP1:
+        for key in ("peak", "final"):
+            assert abs(real[0][key] - pred[key]) <= STEP_TENSORS_BYTES + real[0]["peak"] // 100, (key, real, pred)
+        return
     if strategy == "ddp":
         # DDP's gradient buckets: exact. A rank may still hold the flat tensor of DDP's initial broadcast
         # (`_sync_module_states`: one flat tensor of all parameters, freed when the C++ side lets go of it: seen

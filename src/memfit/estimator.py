@@ -438,17 +438,26 @@ def _quantization_report(summary: dict[str, Any] | None, trace: list[TraceEvent]
 
 def _parallel_json(parallel, rank, device_used_bytes: int) -> dict[str, Any]:
     """The multi-GPU part of the report (issue 14)."""
-    return {
+    if rank.ranks:  # ZeRO-2: the ranks' gradient partitions differ (memfit.parallel.rank._per_rank_zero2)
+        worst = max(rank.ranks, key=lambda d: d["peak_allocated_bytes"])
+        differ = (f"yes: ZeRO-2's gradient partition buffer holds the whole parameters each rank's partition cuts; "
+                  f"rank 0 peaks at {rank.ranks[0]['peak_allocated_bytes']} B allocated, rank {worst['ranks'][0]} "
+                  f"(the worst) at {worst['peak_allocated_bytes']} B (see `ranks`)")
+    elif parallel.strategy == "fsdp" and parallel.fsdp_version == 1 and parallel.use_orig_params:
+        differ = ("slightly: FSDP1 with use_orig_params keeps optimizer state per original-parameter view, and each "
+                  "rank's shard cuts the parameters differently (measured: 0.5% between 2 ranks)")
+    else:
+        differ = "no: every rank holds the same shard sizes (the last rank's padding aside)"
+    out = {
         **parallel.to_json(), "rank": 0, "host_bytes_per_rank": rank.host_bytes,
         "host_bytes_per_node": rank.host_bytes * parallel.gpus_per_node, "nccl_bytes": rank.nccl_bytes,
         "nvidia_smi_per_gpu_bytes": device_used_bytes, "buffers": rank.buffers,
-        "deepspeed_model_states": rank.deepspeed_model_states,
-        "ranks_differ": ("the shard sizes are the same on every rank (the last rank's padding aside); under ZeRO-1/2 "
-                         "the backward peak differs by rank (their partitions hold different parameters: measured "
-                         "-9%/+5% around memfit's figure on 2 ranks, tests/test_parallel_deepspeed.py)"
-                         if parallel.strategy in ("zero1", "zero2") else
-                         "no: every rank holds the same shard sizes (the last rank's padding aside)"),
+        "deepspeed_model_states": rank.deepspeed_model_states, "ranks_differ": differ, "ranks": rank.ranks,
     }
+    if parallel.strategy == "fsdp":  # issue 14 strategies: per node vs per rank under hybrid sharding
+        out["shard_group_size"] = parallel.shard_size
+        out["replicas"] = parallel.world_size // parallel.shard_size
+    return out
 
 
 def _reserved_by_phase(alloc, does_eval: bool, stopped: bool) -> dict[str, int | None]:

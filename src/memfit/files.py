@@ -1,6 +1,6 @@
 """Files memfit reads and writes: JSON read with one-line errors, written whole or not at all.
 
-`read_json_object` reads a JSON object a user named (an `--args` file, a saved plan, a DeepSpeed
+`read_json_object` (on `read_user_text`) reads a JSON object a user named (an `--args` file, a saved plan, a DeepSpeed
 JSON, an FSDP config); everything that can be wrong with it (missing, a folder, unreadable, not
 UTF-8, not JSON, nested too deeply, not an object) is a one-line MemfitError naming the file, what
 it should be and how to get one. A UTF-8 byte-order mark (what Windows editors write) is accepted.
@@ -20,15 +20,15 @@ from typing import Any
 
 from memfit.errors import MemfitError
 
-__all__ = ["read_json_object", "write_json_atomic"]
+__all__ = ["read_user_text", "read_json_object", "write_json_atomic"]
 
 
-def read_json_object(path: str | os.PathLike[str], what: str, hint: str) -> dict[str, Any]:
-    """The JSON object in the file at `path`, or a one-line MemfitError.
+def read_user_text(path: str | os.PathLike[str], what: str, hint: str) -> str:
+    """The UTF-8 text of a file the user named (a byte-order mark dropped), or a one-line MemfitError.
 
     Args:
         path: the file the user named.
-        what: what the file is, for the message (e.g. "arguments file", "DeepSpeed config").
+        what: what the file is, for the message (e.g. "arguments file", "accelerate config").
         hint: how to get a right one, ending the message (e.g. "pass a JSON file of TrainingArguments kwargs").
     """
     try:
@@ -41,9 +41,16 @@ def read_json_object(path: str | os.PathLike[str], what: str, hint: str) -> dict
     except OSError as err:
         raise MemfitError(f"cannot read {what} `{path}` ({err.strerror or err}); {hint}") from err
     try:
-        data = json.loads(raw.decode("utf-8-sig"))
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise MemfitError(f"{what} `{path}` is not UTF-8 text (byte {err.start}); save it as UTF-8 JSON") from err
+        raise MemfitError(f"{what} `{path}` is not UTF-8 text (byte {err.start}); save it as UTF-8") from err
+
+
+def read_json_object(path: str | os.PathLike[str], what: str, hint: str) -> dict[str, Any]:
+    """The JSON object in the file at `path`, or a one-line MemfitError (arguments as `read_user_text`)."""
+    text = read_user_text(path, what, hint)
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise MemfitError(f"{what} `{path}` is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from err
     except RecursionError as err:

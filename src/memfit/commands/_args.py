@@ -96,6 +96,9 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deepspeed", default=None, metavar="DS.json", help="DeepSpeed config (\"auto\" filled as transformers fills it)")
     g.add_argument("--fsdp", default=None, help="TrainingArguments fsdp options, e.g. \"full_shard auto_wrap\"")
     g.add_argument("--fsdp-config", default=None, metavar="FILE", help="TrainingArguments fsdp_config JSON")
+    # accelerate config files (issue 14 strategies): `accelerate config` output, as `accelerate launch` reads it
+    g.add_argument("--accelerate-config", default=None, metavar="FILE.yaml",
+                   help="accelerate config file (distributed_type MULTI_GPU / FSDP / DEEPSPEED, num_processes, ...)")
 
 
 def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None]:
@@ -109,6 +112,8 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         if world is not None and world != count:
             raise MemfitError(f"--gpus `{args.gpus}` and --world-size `{world}` differ; give one of them")
         world = count
+    if getattr(args, "accelerate_config", None):  # issue 14 strategies: read by accelerate_from_args
+        return None, gpu
     given = [f for f in ("strategy", "deepspeed", "fsdp", "fsdp_config", "nodes") if getattr(args, f, None) is not None]
     if world is None and not given:
         return None, gpu
@@ -131,6 +136,10 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         if args.strategy not in (None, "fsdp"):
             raise MemfitError(f"--strategy `{args.strategy}` with --fsdp: give --strategy fsdp or leave it out")
         par, _ = parallel_from_fsdp_args(args.fsdp or True, args.fsdp_config, world_size=world, nodes=nodes)
+        if par.param_dtype is None and setup.precision in ("fp16", "bf16"):
+            # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:
+            # param_dtype = reduce_dtype = the precision's dtype) unless fsdp_config gives one (issue 14 strategies)
+            par = par.replace(param_dtype=setup.precision, reduce_dtype=setup.precision)
         return par, gpu
     strategy = args.strategy or "ddp"
     if strategy.startswith("zero"):  # no DeepSpeed file: DeepSpeed's defaults, in the Trainer's precision ("auto")
@@ -139,3 +148,44 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
                                                    hidden_size=None, precision=setup.precision)
         return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy, zero=zero, notes=tuple(notes)), gpu
     return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy), gpu
+
+
+# -- accelerate config files (issue 14 strategies) --
+def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
+    """(ParallelSetup or None, the TrainSetup with the file's mixed precision and FSDP activation checkpointing)
+    from `--accelerate-config`. The Trainer's own fp16/bf16 win over the file's `mixed_precision`
+    (transformers TrainingArguments: `ACCELERATE_MIXED_PRECISION` first, then `if self.fp16` / `self.bf16`)."""
+    from memfit.parallel.accelerate_config import parallel_from_accelerate_config
+
+    for flag in ("strategy", "deepspeed", "fsdp", "fsdp_config", "nodes"):
+        if getattr(args, flag, None) is not None:
+            raise MemfitError(f"--accelerate-config and --{flag.replace('_', '-')} both set the multi-GPU setup; "
+                              "give one of them")
+    world_size = getattr(args, "world_size", None)
+    if getattr(args, "gpus", None):
+        from memfit.parallel.setup import parse_gpus
+
+        world_size = parse_gpus(args.gpus)[0]
+    hidden = None
+    try:
+        from memfit.models.build import resolve_config
+
+        config = resolve_config(setup.model).config
+        hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
+    except MemfitError:
+        hidden = None
+    acc = parallel_from_accelerate_config(args.accelerate_config, hidden_size=hidden, world_size=world_size,
+                                          trainer_precision=None if setup.precision == "fp32" else setup.precision)
+    changes = {}
+    if setup.precision == "fp32" and acc.precision != "fp32":
+        changes["precision"] = acc.precision
+    if acc.gradient_checkpointing and not setup.gradient_checkpointing:
+        changes["gradient_checkpointing"] = True
+    gas = acc.gradient_accumulation_steps
+    if gas is not None and gas != setup.gradient_accumulation_steps:
+        if getattr(args, "grad_accum", None) is not None:
+            # transformers HfTrainerDeepSpeedConfig.trainer_config_process: fill_match, then a mismatch error
+            raise MemfitError(f"--grad-accum `{args.grad_accum}` and the DeepSpeed `gradient_accumulation_steps` "
+                              f"`{gas}` of the accelerate config differ (transformers refuses the mismatch); give one")
+        changes["gradient_accumulation_steps"] = gas
+    return acc.parallel, (setup.replace(**changes) if changes else setup)

@@ -252,6 +252,10 @@ def estimate_command(args: argparse.Namespace) -> int:
     from memfit.commands._args import parallel_from_args  # multi-GPU (issue 14)
 
     parallel, gpus_name = parallel_from_args(args, setup)
+    if getattr(args, "accelerate_config", None):  # issue 14 strategies: --accelerate-config FILE.yaml
+        from memfit.commands._args import accelerate_from_args
+
+        parallel, setup = accelerate_from_args(args, setup)
     if gpus_name is not None:
         if gpu is not None and args.gpu is not None and args.gpu != gpus_name:
             raise MemfitError(f"--gpu `{args.gpu}` and --gpus `{args.gpus}` name different GPUs; give one")
@@ -271,10 +275,23 @@ def estimate_command(args: argparse.Namespace) -> int:
         render(report, is_seed=is_seed)
         if report.parallel is not None:  # multi-GPU (issue 14)
             par = report.parallel
+            same = "the others hold the same" if not par.get("ranks") else "ranks that differ below"
             print(f"per rank ({par['strategy']}, {par['world_size']} GPUs on {par['nodes']} node(s); rank 0 shown, "
-                  f"the others hold the same): nvidia-smi per GPU {format_bytes(par['nvidia_smi_per_gpu_bytes'])} "
+                  f"{same}): nvidia-smi per GPU {format_bytes(par['nvidia_smi_per_gpu_bytes'])} "
                   f"(NCCL {format_bytes(par['nccl_bytes'])}); host memory for offload "
                   f"{format_bytes(par['host_bytes_per_rank'])} per rank, {format_bytes(par['host_bytes_per_node'])} per node")
+            if par.get("replicas", 1) > 1:  # issue 14 strategies: hybrid sharding
+                print(f"  hybrid sharding: each node's {par['shard_group_size']} GPUs hold one sharded copy; "
+                      f"{par['replicas']} replicas across nodes (what is per rank above: 1/{par['shard_group_size']} "
+                      "of the model states)")
+            ranks = par.get("ranks") or []  # issue 14 item 4: ranks that differ (ZeRO-2): rank 0's and the worst
+            shown = ranks[:1] + [max(ranks, key=lambda d: d["peak_allocated_bytes"])] if ranks else []
+            for d in ({id(d): d for d in shown}).values():
+                print(f"  rank(s) {', '.join(map(str, d['ranks'][:8]))}{' ...' if len(d['ranks']) > 8 else ''}: "
+                      f"peak allocated {format_bytes(d['peak_allocated_bytes'])} (gradient partition "
+                      f"{format_bytes(d['grads_in_partition_bytes'])})")
+            if len(ranks) > 2:
+                print(f"  ({len(ranks)} distinct rank layouts in all: --json lists them)")
     if args.check and not report.fits:
         print(f"memfit estimate --check: {check_line(report)}", file=sys.stderr)
         return 1

@@ -6,15 +6,18 @@
     report.parallel["rank0_device_used_bytes"], report.parallel["host_bytes_per_node"]
 
 Modules: `setup` (the settings and their parsing: DeepSpeed JSON with transformers' `"auto"`,
-`TrainingArguments(fsdp=..., fsdp_config=...)`), `_dist_adapter` (the one module touching private
-torch.distributed), `fsdp` (FSDP2's real `fully_shard` under fake tensors and a fake process group),
+`TrainingArguments(fsdp=..., fsdp_config=...)`), `accelerate_config` (accelerate config files as `accelerate
+launch` reads them), `_dist_adapter` (the one module touching private
+torch.distributed), `fsdp` (FSDP2's `fully_shard` and FSDP1's `FullyShardedDataParallel`, real, under fake
+tensors and a fake process group; hybrid sharding on a 2-D mesh),
 `ddp` (DDP's gradient buckets, assigned by DDP's own C++ function), `zero` (ZeRO-1/2/3 emulated from
 DeepSpeed's source; DeepSpeed's own model-state estimators reproduced), `nccl` (NCCL's buffers outside
 PyTorch) and `rank` (the trace one rank sees). Importing this package does not import torch.
 """
 
+from memfit.parallel.accelerate_config import AccelerateConfig, parallel_from_accelerate_config
 from memfit.parallel.setup import (STRATEGIES, ParallelSetup, ZeroSettings, parallel_from_fsdp_args, parse_gpus,
                                    zero_settings_from_deepspeed)
 
 __all__ = ["ParallelSetup", "ZeroSettings", "STRATEGIES", "parse_gpus", "zero_settings_from_deepspeed",
-           "parallel_from_fsdp_args"]
+           "parallel_from_fsdp_args", "parallel_from_accelerate_config", "AccelerateConfig"]

@@ -10,6 +10,9 @@
   (torch/nn/parallel/distributed.py `_ddp_init_helper`), which runs on meta tensors.
 - `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`: DDP's first bucket (1 MiB).
 - `DTensor._local_tensor`: the rank's shard of a DTensor, read inside a dispatch mode.
+- FSDP1 (issue 14 strategies): `torch.distributed.fsdp.FullyShardedDataParallel`, `ShardingStrategy`,
+  `CPUOffload`, `MixedPrecision`, `wrap.ModuleWrapPolicy` (public), and the storage resizes of its
+  FlatParameters, `torch.distributed.fsdp._flat_param._alloc_storage` / `_free_storage` (private).
 """
 
 from __future__ import annotations
@@ -23,14 +26,17 @@ import torch.distributed as dist
 from memfit.errors import MemfitError
 
 __all__ = ["fake_process_group", "fully_shard", "mixed_precision_policy", "cpu_offload_policy",
-           "ddp_bucket_assignment", "DDP_FIRST_BUCKET_BYTES", "local_tensor", "is_dtensor"]
+           "ddp_bucket_assignment", "DDP_FIRST_BUCKET_BYTES", "local_tensor", "is_dtensor", "fsdp1_wrap",
+           "fsdp1_flat_params", "fsdp1_storage_hooks", "fsdp_storage_hooks"]
 
 DDP_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator[object]:
-    """A fake default process group of `world_size` ranks and its 1-D CPU device mesh; torn down after."""
+def fake_process_group(world_size: int, rank: int = 0, replicas: int = 1) -> Iterator[object]:
+    """A fake default process group of `world_size` ranks and its CPU device mesh, torn down after: 1-D, or with
+    `replicas` > 1 the 2-D (replicate, shard) mesh of hybrid sharding, `replicas` groups of world_size / replicas
+    ranks that each shard the model (FSDP2 HSDP: `fully_shard(mesh=2-D)`; FSDP1 `HYBRID_SHARD` with `device_mesh`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -39,7 +45,10 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[object]:
                           "memfit simulates ranks in a process of its own (run the estimate outside the job)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        if replicas > 1:
+            yield init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+        else:
+            yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
 
@@ -110,3 +119,115 @@ def fsdp_storage_hooks(on_alloc, on_free) -> Iterator[None]:
     finally:
         _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = orig_alloc
         _fsdp_param.free_storage = orig_free
+
+
+# -- FSDP1 (issue 14 strategies) --
+def fsdp1_wrap(module: torch.nn.Module, *, block_classes: set[type] | None, sharding_strategy: str, mesh,
+               use_orig_params: bool, cpu_offload: bool, param_dtype: torch.dtype | None,
+               reduce_dtype: torch.dtype | None) -> torch.nn.Module:
+    """`FullyShardedDataParallel(module, ...)` as accelerate's `prepare_model` builds it for FSDP1 (device_id the
+    device, `ModuleWrapPolicy` over the block classes for TRANSFORMER_BASED_WRAP, none for NO_WRAP; the mixed
+    precision policy's buffer dtype is its param dtype: FullyShardedDataParallelPlugin.set_mixed_precision)."""
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    kwargs = {}
+    if param_dtype is not None or reduce_dtype is not None:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                   buffer_dtype=param_dtype)
+    if sharding_strategy.startswith(("HYBRID", "_HYBRID")):
+        kwargs["device_mesh"] = mesh
+    return FSDP(module, sharding_strategy=ShardingStrategy[sharding_strategy],
+                auto_wrap_policy=ModuleWrapPolicy(block_classes) if block_classes else None,
+                cpu_offload=CPUOffload(offload_params=cpu_offload), use_orig_params=use_orig_params,
+                device_id=torch.device("cpu"), sync_module_states=False, **kwargs)
+
+
+def fsdp1_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The FlatParameter of every FSDP1 unit (its `_handle.flat_param`)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [m._handle.flat_param for m in model.modules() if isinstance(m, FSDP) and m._handle is not None]
+
+
+@contextlib.contextmanager
+def fsdp1_storage_hooks(on_alloc, on_free) -> Iterator[None]:
+    """FSDP1's storage resizes (torch/distributed/fsdp/_flat_param.py imports `_alloc_storage` / `_free_storage`
+    from torch.distributed.utils: the padded unsharded FlatParameter, its low-precision shard), reported as
+    `fsdp_storage_hooks` reports FSDP2's.
+
+    Also FSDP1's two storage tests that read data pointers, which a FakeTensor does not have (all 0):
+    `_data_ptr_allocated` (`data_ptr() > 0`) is answered by the storage's size (what `_alloc_storage` /
+    `_free_storage` change), `_same_storage` (`data_ptr() ==`) by the storages' identity (PyTorch keeps one
+    Python object per live storage); the same answers a real tensor gets."""
+    from torch.distributed.fsdp import _flat_param
+    from torch.distributed.tensor import DTensor
+
+    orig_alloc, orig_free = _flat_param._alloc_storage, _flat_param._free_storage
+    orig_allocated, orig_same = _flat_param._data_ptr_allocated, _flat_param._same_storage
+
+    def data_ptr_allocated(tensor):
+        return tensor.untyped_storage().size() > 0
+
+    def same_storage(a, b):
+        a = a._local_tensor if isinstance(a, DTensor) else a
+        b = b._local_tensor if isinstance(b, DTensor) else b
+        return a.untyped_storage() is b.untyped_storage() or (
+            a.untyped_storage().data_ptr() != 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+    def alloc_storage(tensor, size):
+        was = tensor.untyped_storage().size()
+        orig_alloc(tensor, size)
+        if was != tensor.untyped_storage().size():
+            on_alloc(tensor)
+
+    def free_storage(tensor):
+        if tensor.untyped_storage().size() != 0:
+            on_free(tensor)
+        orig_free(tensor)
+
+    _flat_param._alloc_storage, _flat_param._free_storage = alloc_storage, free_storage
+    _flat_param._data_ptr_allocated, _flat_param._same_storage = data_ptr_allocated, same_storage
+    try:
+        yield
+    finally:
+        _flat_param._alloc_storage, _flat_param._free_storage = orig_alloc, orig_free
+        _flat_param._data_ptr_allocated, _flat_param._same_storage = orig_allocated, orig_same
+
+
+def fsdp1_release_flat_grads(model: torch.nn.Module) -> None:
+    """What FSDP1's root pre-forward does first (torch/distributed/fsdp/_runtime_utils.py `_root_pre_forward`:
+    `_reset_flat_param_grad_info_if_needed(state._all_handles)`): with `use_orig_params`, a FlatParameter whose
+    original parameters all have `grad is None` (after `zero_grad(set_to_none=True)`) drops its sharded
+    gradient (`FlatParamHandle._reset_flat_param_grad_info_if_needed`)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for m in model.modules():
+        if isinstance(m, FSDP) and m._handle is not None:
+            m._handle._reset_flat_param_grad_info_if_needed()
+
+
+def fsdp1_flat_grads_from_orig(model: torch.nn.Module, tracker) -> None:
+    """After memfit's replay of a micro-step has given each original parameter a gradient of its own (bound to the
+    replayed record of the FlatParameter's sharded gradient), make it FSDP1's layout again: the FlatParameter holds
+    the sharded gradient and the original parameters' gradients are views of it (`FlatParamHandle.
+    _use_sharded_grad_views`, as `prepare_gradient_for_optim` leaves them), so zero_grad frees nothing."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for m in model.modules():
+        if not isinstance(m, FSDP) or m._handle is None:
+            continue
+        handle = m._handle
+        fp = handle.flat_param
+        rec = next((tracker.record_of(p.grad) for p in fp._params if p.grad is not None), None)
+        if rec is None or fp.grad is not None:
+            continue
+        for p in fp._params:
+            if p.grad is not None:
+                tracker.forget(p.grad)
+        tracker.paused = True
+        fp.grad = torch.empty_like(fp)
+        tracker.paused = False
+        tracker.bind(fp.grad, rec)
+        handle._use_sharded_grad_views()

@@ -1,4 +1,15 @@
-"""FSDP2 per rank from its real code: `fully_shard` runs under FakeTensorMode on a fake process group.
+"""FSDP2 and FSDP1 per rank from their real code, under FakeTensorMode on a fake process group.
+
+FSDP1 (`FullyShardedDataParallel`, issue 14 strategies) runs too: on the materialized fake model (its
+FlatParameters flatten real storages), wrapped as accelerate's `prepare_model` wraps it, so its own
+`_flat_param.py` makes each unit's FlatParameter (padded to a multiple of the shard group:
+`FlatParamHandle._get_shard`), shards it, and all-gathers the padded unsharded FlatParameter before each
+unit runs (freed after it with FULL_SHARD / HYBRID_SHARD, kept from forward to backward with SHARD_GRAD_OP);
+NO_SHARD keeps whole FlatParameters; `use_orig_params` decides whether Adam sees the FlatParameters or views
+of them. One FSDP1 behaviour the engine's replay of later micro-steps would miss is redone here: with
+`use_orig_params` the FlatParameter keeps its sharded gradient after `zero_grad` until the next forward
+(`_reset_flat_param_grad_info_if_needed`). Hybrid sharding (FSDP2 HSDP, FSDP1 HYBRID_SHARD) runs on a 2-D
+(replicate, shard) mesh: shards are of the node's GPUs, the replicas all-reduce.
 
 The simulated model is wrapped as transformers 5 / accelerate wrap it for FSDP2 (each repeated
 block — the `_no_split_modules` decoder layers `auto_wrap` selects — then the root), with
@@ -11,7 +22,8 @@ and the reduce-scatter inputs of the backward all appear in the trace as FSDP2 a
 `foreach_reduce`). The fake process group's collectives move no data, so values are garbage and
 shapes exact.
 
-Known limitations: layer splicing is off (each block runs: seconds for 7B models); accelerate's
+Known limitations: FSDP1 with CPU offload is refused (its pinned host shards do not run on fake tensors);
+layer splicing is off (each block runs: seconds for 7B models); accelerate's
 gradient accumulation is taken to reduce-scatter every micro-step (no `set_requires_gradient_sync`
 saving); with `cpu_offload` the sharded parameters and optimizer state are moved out of the trace
 (host), and the sharded gradients are still counted on the GPU (a bound).
@@ -21,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from memfit.errors import MemfitError
 from memfit.models.blocks import repeated_layer_lists
 from memfit.parallel import _dist_adapter as dadapter
 from memfit.parallel.setup import ParallelSetup
@@ -89,16 +102,58 @@ class _FsdpRunner(_Runner):
             kwargs["mp_policy"] = dadapter.mixed_precision_policy(_DTYPES.get(p.param_dtype), _DTYPES.get(p.reduce_dtype))
         if p.cpu_offload:
             kwargs["offload_policy"] = dadapter.cpu_offload_policy()
-        for _, blocks in repeated_layer_lists(self.model):
-            for block in blocks:
-                dadapter.fully_shard(block, **kwargs)
+        if p.auto_wrap == "transformer":  # NO_WRAP: the root only (accelerate fsdp2_prepare_auto_wrap_policy: None)
+            for _, blocks in repeated_layer_lists(self.model):
+                for block in blocks:
+                    dadapter.fully_shard(block, **kwargs)
         dadapter.fully_shard(self.model, **kwargs)
+
+    def _wrap_fsdp1(self) -> None:
+        """FSDP1 on the materialized (fake) model: FlatParameters built and sharded by FSDP1's own code."""
+        p = self.parallel
+        classes = None
+        if p.auto_wrap == "transformer":
+            classes = {type(b) for _, blocks in repeated_layer_lists(self.model) for b in blocks} or None
+        self.model = dadapter.fsdp1_wrap(self.model, block_classes=classes, sharding_strategy=p.fsdp1_sharding_strategy,
+                                         mesh=self.mesh, use_orig_params=p.use_orig_params, cpu_offload=p.cpu_offload,
+                                         param_dtype=_DTYPES.get(p.param_dtype), reduce_dtype=_DTYPES.get(p.reduce_dtype))
+        self.fwd_model = self.model  # the Trainer calls the wrapped model (accelerator.prepare)
 
     def _materialize(self) -> None:
         self.tracker.paused = True
+        if self.parallel.fsdp_version == 1:
+            # FSDP1 flattens real storages: materialize first (paused: a real rank moves one unit at a time to its GPU
+            # and keeps only the shard), wrap, then the base registers what the wrapped model holds
+            from unittest import mock
+
+            from memfit.models.build import to_empty_tied
+            from memfit.sim import engine
+
+            to_empty_tied(self.model, device="cpu")
+            self._wrap_fsdp1()
+            self.tracker.paused = False
+            with mock.patch.object(engine, "to_empty_tied", lambda module, device: module):
+                super()._materialize()
+            return
         self._shard()
         self.tracker.paused = False
         super()._materialize()
+
+    def _release_fsdp1_grads(self) -> None:
+        """FSDP1 with use_orig_params keeps the sharded gradients after zero_grad until the next forward (of training
+        or evaluation) begins; the engine replays later micro-steps instead of running them, so it is done here."""
+        if self.parallel.fsdp_version == 1 and self.parallel.use_orig_params:
+            dadapter.fsdp1_release_flat_grads(self.model)
+
+    def replay(self, first: int, last: int) -> None:
+        self._release_fsdp1_grads()
+        super().replay(first, last)
+        if self.parallel.fsdp_version == 1 and self.parallel.use_orig_params:
+            dadapter.fsdp1_flat_grads_from_orig(self.model, self.tracker)
+
+    def evaluate(self):
+        self._release_fsdp1_grads()
+        return super().evaluate()
 
     def optimizer_step(self) -> None:
         super().optimizer_step()
@@ -117,9 +172,16 @@ class _FsdpRunner(_Runner):
 
 
 def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps: int = 2) -> Simulation:
-    """Rank 0's simulated trace under FSDP2 (module docstring)."""
-    with quiet_upstream(), dadapter.fake_process_group(parallel.world_size) as mesh:
+    """Rank 0's simulated trace under FSDP2 or FSDP1 (module docstring)."""
+    if parallel.fsdp_version == 1 and parallel.cpu_offload:
+        # FSDP1's CPUOffload pins its host shards and gradients (`_flat_param.py` `pin_memory`), which a FakeTensor
+        # cannot do, and memfit's fake run has one device: not emulated
+        raise MemfitError("FSDP1 with CPU offload (`fsdp_offload_params` / `offload`) is not modelled by memfit; "
+                          "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy is")
+    replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
+    with quiet_upstream(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
         runner = _FsdpRunner(setup, parallel, mesh)
         tracker = runner.tracker
-        with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed):
+        with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed), \
+                dadapter.fsdp1_storage_hooks(tracker.storage_allocated, tracker.storage_freed):
             return runner.run(optimizer_steps=optimizer_steps)

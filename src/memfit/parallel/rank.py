@@ -1,6 +1,6 @@
 """The trace one rank sees, per strategy, and what it holds in host memory and outside PyTorch.
 
-* `fsdp`: FSDP2's real code (memfit.parallel.fsdp).
+* `fsdp`: FSDP2's or FSDP1's real code (memfit.parallel.fsdp), hybrid sharding on a 2-D mesh.
 * `ddp`: the single-GPU simulation plus DDP's gradient buckets (torch/nn/parallel/distributed.py
   `_ddp_init_helper`; torch/csrc/distributed/c10d/reducer.cpp): one flat tensor per bucket, the
   buckets assigned by DDP's own `_compute_bucket_assignment_by_size` over the trainable parameters
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.parallel.nccl import nccl_buffer_bytes
+from memfit.parallel.nccl import hybrid_group_nccl_bytes, nccl_buffer_bytes
 from memfit.parallel.setup import ParallelSetup
 from memfit.parallel.zero import ParamInventory, ZeroBuffer, deepspeed_model_states_bytes, zero_buffers
 from memfit.trace import TraceEvent
@@ -41,6 +41,9 @@ class RankResult:
     buffers: list[dict[str, Any]] = field(default_factory=list)
     deepspeed_model_states: dict[str, int] | None = None
     notes: list[str] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks whose memory differs (ZeRO-2): each distinct layout with its ranks and its trace's peak allocated bytes
+    (before the allocator); rank 0's first. Empty when every rank holds the same."""
 
 
 def _meta_model(setup: TrainSetup):
@@ -143,6 +146,8 @@ def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[Trac
         return [TraceEvent("free", e.id, e.size_bytes, e.category, phase, e.module) for e in evs]
 
     out: list[TraceEvent] = make("setup", "setup")
+    hpz = make("forward_to_step_end", "setup")  # ZeRO++ hpZ secondary partitions (issue 14)
+    out.extend(hpz)
     step_made = False
     working: list[TraceEvent] = []    # fwd_bwd: the stage-3 all-gathered working set
     in_bwd: list[TraceEvent] = []     # backward: ipg buffers
@@ -159,6 +164,9 @@ def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[Trac
             if prev == "eval":
                 out.extend(free(working, prev))
                 working = []
+            if phase == "forward" and not hpz:
+                hpz = make("forward_to_step_end", phase)
+                out.extend(hpz)
             if phase in ("forward", "eval") and not working:
                 # stage 3: the module trace is complete after the first optimizer step (not for eval's new order)
                 working = make("fwd_bwd" if step_made and phase == "forward" else "fwd_bwd_first", phase)
@@ -178,12 +186,47 @@ def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[Trac
                 out.extend(free(temps, phase))
                 out.extend(free(to_step, phase))
                 to_step = []
+                out.extend(free(hpz, phase))  # stage3.py _post_step: invalidate_secondary_tensor
+                hpz = []
             prev = phase
         if ev.category in _DROPPED or phase == "optimizer":
             continue
         out.append(ev)
-    out.extend(free(in_bwd + working + to_step, prev))
+    out.extend(free(in_bwd + working + to_step + hpz, prev))
     return out
+
+
+def _zero2_layouts(model, world_size: int):
+    """ZeRO-2's per-rank gradient partitions for this model (memfit.parallel.zero.zero2_rank_layouts), over the
+    Trainer's param groups (decay, then no decay: memfit.sim.optimizers.build_optimizer)."""
+    from memfit.parallel.zero import zero2_rank_layouts
+    from memfit.sim.optimizers import decay_parameter_names
+
+    decay = set(decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [[p.numel() for n, p in named if n in decay], [p.numel() for n, p in named if n not in decay]]
+    return zero2_rank_layouts([g for g in groups if g], world_size)
+
+
+def _per_rank_zero2(sim_trace, buffers, layouts, b: int):
+    """(rank 0's trace and buffers, the distinct layouts with their ranks and trace peaks)."""
+    from dataclasses import replace as _replace
+
+    from memfit.peaks import peaks
+
+    distinct: dict[int, list[int]] = {}
+    for lay in layouts:
+        distinct.setdefault(lay.grads_in_partition_numel, []).append(lay.rank)
+    out, rank0 = [], None
+    for numel, ranks in distinct.items():
+        bufs = [_replace(x, size_bytes=b * numel) if x.name == "grads_in_partition" else x for x in buffers]
+        trace = _zero_trace(sim_trace, bufs)
+        out.append({"ranks": ranks, "peak_allocated_bytes": peaks(trace).overall.bytes,
+                    "grads_in_partition_bytes": b * numel})
+        if 0 in ranks:
+            rank0 = (trace, bufs)
+    out.sort(key=lambda d: d["ranks"][0])
+    return rank0[0], rank0[1], out
 
 
 def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
@@ -191,6 +234,9 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     from memfit.sim.engine import simulate
 
     nccl = nccl_buffer_bytes(parallel.world_size, parallel.nodes)
+    hybrid = parallel.strategy == "fsdp" and parallel.hybrid_shard
+    if hybrid:  # issue 14 strategies: the shard and replicate groups' communicators
+        nccl += hybrid_group_nccl_bytes(parallel.gpus_per_node, parallel.nodes)
     notes = list(parallel.notes)
     if nccl:
         notes.append(f"NCCL buffers ({nccl // 2**20} MiB per rank, an estimate: memfit.parallel.nccl) are counted "
@@ -203,7 +249,8 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
         if parallel.cpu_offload:
             inv = param_inventory(_meta_model(setup))
             # CPUOffloadPolicy: fp32 shards of parameters, gradients and Adam's two states on the host
-            host = -(-inv.total_params // parallel.world_size) * 4 + -(-inv.trainable_params // parallel.world_size) * 12
+            n = parallel.shard_size  # hybrid sharding: the shard group is one node
+            host = -(-inv.total_params // n) * 4 + -(-inv.trainable_params // n) * 12
         return RankResult(sim, host_bytes=host, nccl_bytes=nccl, notes=notes)
     if parallel.strategy == "ddp":
         model = _meta_model(setup)
@@ -219,9 +266,24 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     base = setup.replace(precision="fp32", weights_dtype=dtype)
     model = _meta_model(base)
     inv = param_inventory(model, z.param_persistence_threshold if z.stage == 3 else 0)
-    buffers = zero_buffers(z, inv, parallel.world_size)
+    buffers = zero_buffers(z, inv, parallel.world_size, gpus_per_node=parallel.gpus_per_node)
     sim = simulate(base)
-    sim.trace = _zero_trace(sim.trace, buffers)
+    ranks: list[dict[str, Any]] = []
+    if z.stage == 2 and z.contiguous_gradients and not z.offload_optimizer and parallel.world_size > 1:
+        # issue 14 item 4: each rank's grads_in_partition has its own size and creation point
+        layouts = _zero2_layouts(model, parallel.world_size)
+        b = {"fp16": 2, "bf16": 2, "fp32": 4}[z.dtype]
+        sim.trace, buffers, ranks = _per_rank_zero2(sim.trace, buffers, layouts, b)
+        if len(ranks) > 1:
+            worst = max(ranks, key=lambda d: d["peak_allocated_bytes"])
+            notes.append(f"ZeRO-2 ranks differ (each rank's gradient partition buffer holds the whole parameters its "
+                         f"partition cuts: stage_1_and_2.py copy_grads_in_partition): rank 0 peaks at "
+                         f"{ranks[0]['peak_allocated_bytes'] / 2**20:.1f} MiB allocated, rank {worst['ranks'][0]} "
+                         f"(the worst) at {worst['peak_allocated_bytes'] / 2**20:.1f} MiB")
+        else:
+            ranks = []
+    else:
+        sim.trace = _zero_trace(sim.trace, buffers)
     cpu, gpu = deepspeed_model_states_bytes(z.stage, inv, gpus_per_node=parallel.gpus_per_node, nodes=parallel.nodes,
                                             offload_optimizer=z.offload_optimizer, offload_param=z.offload_param)
     host = sum(b.size_bytes for b in buffers if b.device == "host")
@@ -233,4 +295,4 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     return RankResult(sim, host_bytes=host, nccl_bytes=nccl,
                       buffers=[{"name": b.name, "bytes": b.size_bytes, "device": b.device, "lifetime": b.lifetime,
                                 "rule": b.rule} for b in buffers],
-                      deepspeed_model_states={"cpu_bytes": cpu, "gpu_bytes": gpu}, notes=notes)
+                      deepspeed_model_states={"cpu_bytes": cpu, "gpu_bytes": gpu}, notes=notes, ranks=ranks)

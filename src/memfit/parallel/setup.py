@@ -6,8 +6,10 @@
   `TrainingArguments(fsdp=..., fsdp_config=...)` (`TrainingArguments._process_fsdp_args` and
   `_apply_legacy_fsdp_to_config`): `"full_shard"` -> `reshard_after_forward=True`, `"shard_grad_op"`
   -> False, `"offload"` -> `cpu_offload`, `"auto_wrap"` a no-op (each decoder block is wrapped);
-  `fsdp_config` keys with or without the `fsdp_` prefix; the hybrid strategies are FSDP1-only there
-  and an error here too.
+  `fsdp_config` keys with or without the `fsdp_` prefix; the hybrid strategies are FSDP1-only there.
+* FSDP1 (`fsdp_config["version"] = 1`): `FullyShardedDataParallel` with the strategy accelerate actually
+  passes (`fsdp1_effective_strategy`); hybrid sharding (FSDP1 `HYBRID_SHARD` / `_HYBRID_SHARD_ZERO2`, FSDP2
+  HSDP from an accelerate config's `parallelism_config`) shards within a node and replicates across nodes.
 * DeepSpeed ZeRO from the JSON passed as `TrainingArguments(deepspeed=...)`, `"auto"` filled as
   transformers fills it (transformers/integrations/deepspeed.py, `HfTrainerDeepSpeedConfig.
   trainer_config_process`: `fp16.enabled` / `bf16.enabled` from the Trainer's precision;
@@ -21,7 +23,9 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,7 @@ from memfit.errors import MemfitError
 from memfit.files import read_json_object
 
 __all__ = ["STRATEGIES", "ParallelSetup", "ZeroSettings", "parse_gpus", "zero_settings_from_deepspeed",
-           "parallel_from_fsdp_args", "read_json_file"]
+           "parallel_from_fsdp_args", "read_json_file", "fsdp1_strategy", "fsdp_parallel", "FSDP1_STRATEGIES"]
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 
@@ -82,6 +86,14 @@ class ZeroSettings:
     max_reuse_distance: int = _DS_MAX_REUSE_DISTANCE
     torch_adam: bool = False
     """`optimizer.params.torch_adam`: DeepSpeed steps torch's Adam (temporaries) instead of FusedAdam (none)."""
+    # ZeRO++ (issue 14 hybrid/ZeRO++ block; deepspeed/runtime/zero/config.py DeepSpeedZeroConfig fields)
+    hpz_partition_size: int = 1
+    """`zero_hpz_partition_size` (default 1): hpZ, a secondary partition of the bit16 parameters within groups of
+    this many ranks (a node), so backward all-gathers stay inside the node (stage 3 only)."""
+    quantized_weights: bool = False
+    """`zero_quantized_weights` (qwZ): parameters all-gathered as int8 with fp32 scales (stage 3)."""
+    quantized_gradients: bool = False
+    """`zero_quantized_gradients` (qgZ): gradients reduce-scattered as int8 through all-to-all (stage 3)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,19 @@ class ParallelSetup:
     param_dtype: str | None = None
     """FSDP2 `MixedPrecisionPolicy(param_dtype=...)`: `bf16`, `fp16`, or None (the parameters' own dtype)."""
     reduce_dtype: str | None = None
+    # FSDP1 and hybrid sharding (issue 14 strategies block): new fields, defaults keep the FSDP2 behaviour above
+    fsdp_version: int = 2
+    """1: FSDP1 (`FullyShardedDataParallel`, FlatParameter per wrapped unit); 2: FSDP2 (`fully_shard`)."""
+    hybrid_shard: bool = False
+    """Shard within each node, replicate across nodes: FSDP2 HSDP (`fully_shard(mesh=2-D (replicate, shard))`),
+    FSDP1 `HYBRID_SHARD` (with `reshard_after_forward`) / `_HYBRID_SHARD_ZERO2` (without)."""
+    no_shard: bool = False
+    """FSDP1 `NO_SHARD`: every rank holds the whole FlatParameters (DDP-like, all-reduce of the gradients)."""
+    use_orig_params: bool = True
+    """FSDP1 `use_orig_params` (transformers' and `accelerate launch`'s default: true)."""
+    auto_wrap: str = "transformer"
+    """`transformer`: each repeated block is a unit, then the root (TRANSFORMER_BASED_WRAP); `none`: the root only
+    (NO_WRAP, accelerate's plugin default when the config names no policy)."""
     # DeepSpeed
     zero: ZeroSettings | None = None
     """Resolved ZeRO settings (`zero_settings_from_deepspeed`); None with a zero strategy: DeepSpeed's defaults in fp32
@@ -126,6 +151,13 @@ class ParallelSetup:
             v = getattr(self, name)
             if v not in (None, "fp32", "fp16", "bf16"):
                 raise MemfitError(f"FSDP {name} `{v}` is not fp32, fp16 or bf16")
+        if self.fsdp_version not in (1, 2):
+            raise MemfitError(f"fsdp_version `{self.fsdp_version!r}` must be 1 (FSDP1) or 2 (FSDP2)")
+        if self.no_shard and (self.fsdp_version != 1 or self.hybrid_shard):
+            raise MemfitError("`NO_SHARD` is an FSDP1 strategy and excludes hybrid sharding; set fsdp_version 1 "
+                              "or use `--strategy ddp`")
+        if self.auto_wrap not in ("transformer", "none"):
+            raise MemfitError(f"auto_wrap `{self.auto_wrap}` is not `transformer` or `none`")
         if self.strategy.startswith("zero"):
             stage = int(self.strategy[-1])
             if self.zero is None:
@@ -134,10 +166,30 @@ class ParallelSetup:
             elif self.zero.stage != stage:
                 raise MemfitError(f"strategy `{self.strategy}` and the DeepSpeed config's stage `{self.zero.stage}` "
                                   f"differ; use --strategy zero{self.zero.stage} or change `zero_optimization.stage`")
+            hpz = min(self.zero.hpz_partition_size, self.world_size)  # groups._create_zero_param_parallel_group: min
+            if hpz > 1 and self.world_size % hpz:  # ... then _ensure_divisibility(world_size, size)
+                raise MemfitError(f"`zero_hpz_partition_size` `{self.zero.hpz_partition_size}` does not divide the "
+                                  f"world size `{self.world_size}` (DeepSpeed asserts it); use the GPUs of one node")
 
     @property
     def gpus_per_node(self) -> int:
         return self.world_size // self.nodes
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one FSDP shard group has: the node's GPUs with hybrid sharding, 1 with NO_SHARD, else all."""
+        if self.no_shard:
+            return 1
+        return self.gpus_per_node if self.hybrid_shard else self.world_size
+
+    @property
+    def fsdp1_sharding_strategy(self) -> str:
+        """The FSDP1 `ShardingStrategy` name these settings stand for."""
+        if self.no_shard:
+            return "NO_SHARD"
+        if self.hybrid_shard:
+            return "HYBRID_SHARD" if self.reshard_after_forward else "_HYBRID_SHARD_ZERO2"
+        return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
 
     def replace(self, **changes: Any) -> "ParallelSetup":
         return replace(self, **changes)
@@ -279,7 +331,17 @@ def zero_settings_from_deepspeed(config: dict[str, Any] | str | Path, *, hidden_
         overlap_comm=_flag(zero.get("overlap_comm"), "zero_optimization.overlap_comm", int(stage) == 3),
         offload_optimizer=_offload(zero.get("offload_optimizer"), "offload_optimizer") or bool(zero.get("cpu_offload")),
         offload_param=_offload(zero.get("offload_param"), "offload_param"),
+        hpz_partition_size=_count(zero.get("zero_hpz_partition_size", 1), "zero_hpz_partition_size", None) or 1,
+        quantized_weights=_flag(zero.get("zero_quantized_weights"), "zero_optimization.zero_quantized_weights", False),
+        quantized_gradients=_flag(zero.get("zero_quantized_gradients"), "zero_optimization.zero_quantized_gradients",
+                                  False),
     )
+    if settings.stage != 3 and (settings.hpz_partition_size > 1 or settings.quantized_weights
+                                or settings.quantized_gradients):
+        # only DeepSpeedZeroOptimizer_Stage3 / zero.Init read them (stage3.py __init__, partition_parameters.py Init)
+        notes.append(f"ZeRO++ settings (zero_hpz_partition_size, zero_quantized_weights/gradients) apply to stage 3 "
+                     f"only; DeepSpeed ignores them at stage {stage}")
+        settings = replace(settings, hpz_partition_size=1, quantized_weights=False, quantized_gradients=False)
     if settings.offload_param and settings.stage != 3:
         raise MemfitError(f"`zero_optimization.offload_param` needs stage 3 (the config has stage `{stage}`); "
                           "remove it or set `\"stage\": 3`")
@@ -287,6 +349,13 @@ def zero_settings_from_deepspeed(config: dict[str, Any] | str | Path, *, hidden_
 
 
 _FSDP_OPTIONS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap")
+
+#: FSDP1 strategies in `ShardingStrategy`'s order: accelerate/utils/constants.py FSDP_SHARDING_STRATEGY (an int n
+#: names the n-th, as FullyShardedDataParallelPlugin.__post_init__ reads it), with (reshard_after_forward, hybrid,
+#: no_shard) for each (torch/distributed/fsdp/api.py ShardingStrategy docs).
+FSDP1_STRATEGIES = {"FULL_SHARD": (True, False, False), "SHARD_GRAD_OP": (False, False, False),
+                    "NO_SHARD": (True, False, True), "HYBRID_SHARD": (True, True, False),
+                    "HYBRID_SHARD_ZERO2": (False, True, False)}
 
 
 def _bool_text(value: Any, key: str) -> bool:
@@ -299,15 +368,104 @@ def _bool_text(value: Any, key: str) -> bool:
     raise MemfitError(f"fsdp_config `{key}` `{value!r}` must be true or false")
 
 
+def fsdp1_strategy(value: Any, key: str = "sharding_strategy") -> str:
+    """An FSDP1 strategy name (`FULL_SHARD`, `shard_grad_op`, `_HYBRID_SHARD_ZERO2`, or 1-5) as accelerate reads it."""
+    text = str(value).strip().upper().removeprefix("SHARDINGSTRATEGY.").lstrip("_")
+    names = list(FSDP1_STRATEGIES)
+    if text.isdigit() and 1 <= int(text) <= len(names):
+        return names[int(text) - 1]
+    if text not in FSDP1_STRATEGIES:
+        raise MemfitError(f"FSDP `{key}` `{value}` is not one of {', '.join(names)} (or 1-5)")
+    return text
+
+
+def _mixed_precision(mp: Any) -> tuple[str | None, str | None]:
+    names = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
+    if mp is None:
+        return None, None
+    if isinstance(mp, str):
+        mp = {"param_dtype": mp, "reduce_dtype": mp}
+    if not isinstance(mp, dict):
+        raise MemfitError(f"fsdp_config `mixed_precision_policy` `{mp!r}` must be an object or a dtype name")
+    out = []
+    for key in ("param_dtype", "reduce_dtype"):
+        v = mp.get(key)
+        if v is not None and str(v).removeprefix("torch.") not in names:
+            raise MemfitError(f"fsdp_config mixed precision `{key}` `{v}` is not bfloat16, float16 or float32")
+        out.append(names[str(v).removeprefix("torch.")] if v is not None else None)
+    return out[0], out[1]
+
+
+def _auto_wrap(cfg: dict[str, Any], default: str) -> str:
+    """`auto_wrap_policy` (accelerate/utils/constants.py FSDP_AUTO_WRAP_POLICY) as memfit's `auto_wrap`."""
+    policy = str(cfg.get("auto_wrap_policy", default)).upper()
+    if policy == "TRANSFORMER_BASED_WRAP":
+        return "transformer"
+    if policy == "NO_WRAP":
+        return "none"
+    if policy == "SIZE_BASED_WRAP":
+        raise MemfitError("fsdp `auto_wrap_policy` `SIZE_BASED_WRAP` is not modelled by memfit; use "
+                          "`TRANSFORMER_BASED_WRAP` (each decoder block a unit) or `NO_WRAP`")
+    raise MemfitError(f"fsdp `auto_wrap_policy` `{cfg.get('auto_wrap_policy')}` is not TRANSFORMER_BASED_WRAP, "
+                      "SIZE_BASED_WRAP or NO_WRAP")
+
+
+def fsdp1_effective_strategy(requested: str | None, env: Mapping[str, str] | None) -> tuple[str, list[str]]:
+    """The FSDP1 strategy accelerate 1.15 runs, and a note when it is not the one asked for.
+
+    `FullyShardedDataParallelPlugin.__post_init__` (accelerate/utils/dataclasses.py) sets `sharding_strategy` from
+    the environment's `FSDP_SHARDING_STRATEGY` (default `FULL_SHARD`) whenever it is not passed, before the
+    `reshard_after_forward` fallback, and `Accelerator.prepare_model` passes `sharding_strategy or
+    reshard_after_forward`: transformers' `reshard_after_forward` (from `fsdp="shard_grad_op"` or
+    fsdp_config) and an accelerate config's `fsdp_reshard_after_forward` do not reach FSDP1 (checked by building
+    the plugin: `FullyShardedDataParallelPlugin(fsdp_version=1, reshard_after_forward="SHARD_GRAD_OP")
+    .sharding_strategy` is `FULL_SHARD`)."""
+    env = os.environ if env is None else env
+    effective = fsdp1_strategy(env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD"), "FSDP_SHARDING_STRATEGY")
+    notes = []
+    if requested is not None and requested != effective:
+        notes.append(f"FSDP1 runs `{effective}`, not the `{requested}` asked for: accelerate's plugin takes "
+                     f"`sharding_strategy` from FSDP_SHARDING_STRATEGY (default FULL_SHARD) before "
+                     f"`reshard_after_forward`; set `FSDP_SHARDING_STRATEGY={requested}` (or an accelerate config's "
+                     f"`fsdp_sharding_strategy`) to get it")
+    return effective, notes
+
+
+def fsdp_parallel(*, version: int, reshard_after_forward: bool, hybrid: bool, no_shard: bool, cfg: dict[str, Any],
+                  world_size: int, nodes: int, auto_wrap: str, notes: list[str]) -> ParallelSetup:
+    """A ParallelSetup for FSDP from resolved strategy flags and the un-prefixed fsdp_config `cfg` (offload, mixed
+    precision, use_orig_params, activation checkpointing)."""
+    offload = _bool_text(cfg.get("cpu_offload", cfg.get("offload_params", False)), "cpu_offload")
+    param_dtype, reduce_dtype = _mixed_precision(cfg.get("mixed_precision_policy") or cfg.get("mixed_precision"))
+    if _bool_text(cfg.get("activation_checkpointing", False), "activation_checkpointing"):
+        notes.append("fsdp_config activation_checkpointing: simulated as gradient checkpointing of each block")
+    use_orig = _bool_text(cfg.get("use_orig_params", True), "use_orig_params")
+    if hybrid and nodes == 1:
+        notes.append("hybrid sharding on one node: the shard group is the node, as full sharding")
+    return ParallelSetup(world_size=world_size, nodes=nodes, strategy="fsdp", reshard_after_forward=reshard_after_forward,
+                         cpu_offload=offload, param_dtype=param_dtype, reduce_dtype=reduce_dtype, fsdp_version=version,
+                         hybrid_shard=hybrid, no_shard=no_shard, use_orig_params=use_orig, auto_wrap=auto_wrap,
+                         notes=tuple(notes))
+
+
 def parallel_from_fsdp_args(fsdp: str | list[str] | bool, fsdp_config: dict[str, Any] | str | Path | None = None, *,
-                            world_size: int = 1, nodes: int = 1) -> tuple[ParallelSetup, list[str]]:
-    """`TrainingArguments(fsdp=..., fsdp_config=...)` as FSDP2 settings (transformers 5 `_process_fsdp_args`).
+                            world_size: int = 1, nodes: int = 1,
+                            env: Mapping[str, str] | None = None) -> tuple[ParallelSetup, list[str]]:
+    """`TrainingArguments(fsdp=..., fsdp_config=...)` as memfit's FSDP settings (transformers 5.24
+    `TrainingArguments._process_fsdp_args` and `_apply_legacy_fsdp_to_config`).
+
+    `fsdp_config["version"]` defaults to 2 (`int(self.fsdp_config.get("version", 2))`). FSDP2: `"full_shard"` ->
+    `reshard_after_forward=True`, `"shard_grad_op"` -> False; the other strategies raise there ("only available with
+    FSDP1"). FSDP1: the strategy name is passed as `reshard_after_forward`, which accelerate 1.15 does not use
+    (`fsdp1_effective_strategy`); `use_orig_params` defaults to true. `auto_wrap_policy` defaults to
+    TRANSFORMER_BASED_WRAP (each `_no_split_modules` block a unit).
 
     Args:
         fsdp: `"full_shard auto_wrap"`, a list of such options, or True (everything from fsdp_config).
         fsdp_config: a dict, or the path of a JSON file, as TrainingArguments takes it.
         world_size: ranks in all.
         nodes: nodes the ranks are spread over.
+        env: the environment FSDP1's strategy is read from (`FSDP_SHARDING_STRATEGY`; default os.environ).
 
     Returns (settings, notes); `activation_checkpointing: true` is a note telling the caller to turn on
     gradient checkpointing in the TrainSetup (FSDP's own checkpointing recomputes each block as HF's does).
@@ -321,9 +479,9 @@ def parallel_from_fsdp_args(fsdp: str | list[str] | bool, fsdp_config: dict[str,
     cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in cfg.items()}
     notes: list[str] = []
     version = cfg.get("version", 2)
-    if str(version) != "2":
-        raise MemfitError(f"fsdp_config `version` `{version}` is not modelled: memfit models FSDP2 "
-                          "(`fully_shard`, transformers' default); set `\"version\": 2`")
+    if str(version) not in ("1", "2"):
+        raise MemfitError(f"fsdp_config `version` `{version}` must be 1 (FSDP1) or 2 (FSDP2, transformers' default)")
+    version = int(version)
     if fsdp is True:
         items: list[str] = []
     elif isinstance(fsdp, str):
@@ -335,33 +493,27 @@ def parallel_from_fsdp_args(fsdp: str | list[str] | bool, fsdp_config: dict[str,
     for item in items:
         if item not in _FSDP_OPTIONS:
             raise MemfitError(f"fsdp option `{item}` is not one of {', '.join(_FSDP_OPTIONS)}")
-        if item in ("no_shard", "hybrid_shard", "hybrid_shard_zero2"):
-            raise MemfitError(f"fsdp option `{item}` is FSDP1-only in transformers 5 (`_apply_legacy_fsdp_to_config`); "
-                              "use `full_shard` or `shard_grad_op` with FSDP2")
-        if item == "full_shard":
-            cfg.setdefault("reshard_after_forward", True)
-        elif item == "shard_grad_op":
-            cfg.setdefault("reshard_after_forward", False)
+        if item in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"):
+            if version == 2:
+                if item not in ("full_shard", "shard_grad_op"):
+                    raise MemfitError(f"fsdp option `{item}` is FSDP1-only in transformers 5 "
+                                      "(`_apply_legacy_fsdp_to_config`); set fsdp_config `\"version\": 1`, or use "
+                                      "`full_shard` / `shard_grad_op` with FSDP2")
+                cfg.setdefault("reshard_after_forward", item == "full_shard")
+            else:
+                cfg.setdefault("reshard_after_forward", item)
         elif item == "offload":
             cfg.setdefault("cpu_offload", True)
-    reshard = _bool_text(cfg.get("reshard_after_forward", True), "reshard_after_forward")
-    offload = _bool_text(cfg.get("cpu_offload", False), "cpu_offload")
-    param_dtype = reduce_dtype = None
-    mp = cfg.get("mixed_precision_policy") or cfg.get("mixed_precision")
-    if mp is not None:
-        names = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
-        if isinstance(mp, str):
-            mp = {"param_dtype": mp, "reduce_dtype": mp}
-        if not isinstance(mp, dict):
-            raise MemfitError(f"fsdp_config `mixed_precision_policy` `{mp!r}` must be an object or a dtype name")
-        for key in ("param_dtype", "reduce_dtype"):
-            v = mp.get(key)
-            if v is not None and str(v).removeprefix("torch.") not in names:
-                raise MemfitError(f"fsdp_config mixed precision `{key}` `{v}` is not bfloat16, float16 or float32")
-        param_dtype = names.get(str(mp.get("param_dtype")).removeprefix("torch.")) if mp.get("param_dtype") else None
-        reduce_dtype = names.get(str(mp.get("reduce_dtype")).removeprefix("torch.")) if mp.get("reduce_dtype") else None
-    if _bool_text(cfg.get("activation_checkpointing", False), "activation_checkpointing"):
-        notes.append("fsdp_config activation_checkpointing: simulated as gradient checkpointing of each block")
-    out = ParallelSetup(world_size=world_size, nodes=nodes, strategy="fsdp", reshard_after_forward=reshard,
-                        cpu_offload=offload, param_dtype=param_dtype, reduce_dtype=reduce_dtype, notes=tuple(notes))
-    return out, notes
+    auto_wrap = _auto_wrap(cfg, "TRANSFORMER_BASED_WRAP")  # transformers' default (FSDP_AUTO_WRAP_POLICY[0])
+    if version == 2:
+        reshard = _bool_text(cfg.get("reshard_after_forward", True), "reshard_after_forward")
+        par = fsdp_parallel(version=2, reshard_after_forward=reshard, hybrid=False, no_shard=False, cfg=cfg,
+                            world_size=world_size, nodes=nodes, auto_wrap=auto_wrap, notes=notes)
+        return par, notes
+    requested = fsdp1_strategy(cfg.get("reshard_after_forward", "full_shard"), "reshard_after_forward")
+    strategy, more = fsdp1_effective_strategy(requested, env)
+    notes += more
+    reshard, hybrid, no_shard = FSDP1_STRATEGIES[strategy]
+    par = fsdp_parallel(version=1, reshard_after_forward=reshard, hybrid=hybrid, no_shard=no_shard, cfg=cfg,
+                        world_size=world_size, nodes=nodes, auto_wrap=auto_wrap, notes=notes)
+    return par, notes

@@ -15,8 +15,9 @@ Stage 1 / 2 (deepspeed/runtime/zero/stage_1_and_2.py, `DeepSpeedZeroOptimizer`):
   the host with `offload_optimizer` (`weights_partition = ...cpu()`), else on the GPU;
 * Adam's exp_avg / exp_avg_sq: 8*T/N, created at the first step (torch's lazy `_init_group`; DeepSpeed's
   `initialize_optimizer_states` only gives the partition a gradient);
-* ZeRO-2 `grads_in_partition`: b*T/N, made at the first reduced gradient (`copy_grads_in_partition`,
-  `torch.empty(total_size, dtype=self.dtype)`) and kept; ZeRO-1 keeps the full bit16 gradients
+* ZeRO-2 `grads_in_partition`: b*T/N here, made at the first reduced gradient (`copy_grads_in_partition`,
+  `torch.empty(total_size, dtype=self.dtype)`) and kept; its real size differs by rank (`total_size` counts the
+  whole parameters a partition cuts): `zero2_rank_layouts`, applied per rank by memfit.parallel.rank; ZeRO-1 keeps the full bit16 gradients
   (b*T) until the step (`reduce_gradients` at the boundary);
 * `setup_buckets`: with `contiguous_gradients`, one ipg buffer of `reduce_bucket_size` elements per
   dtype (ZeRO-1 in the fp32 accumulation dtype, ZeRO-2 in b: `_gradient_reduction_buffer_dtype`), two
@@ -55,6 +56,24 @@ Stage 3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py `Ini
 * fp32 master partitions 4*T/N and Adam 8*T/N (host with `offload_optimizer`); the step converts each
   sub-group's gradient to fp32 (`_prepare_fp32_grad_for_sub_group`): 4*min(T/N, sub_group_size).
 
+ZeRO++ (stage 3 only; issue 14 hybrid / ZeRO++):
+
+* hpZ, `zero_hpz_partition_size` = h > 1: every partitioned parameter also keeps a secondary partition of
+  `_aligned_size(param) // num_ranks_in_param_group` elements in its dtype (partition_parameters.py
+  `_partition_param_sec`: `torch.empty(secondary_partition_size, dtype=param.dtype, device=self.remote_device)`),
+  made when a gathered parameter is released (at `zero.Init` and in each forward), so backward all-gathers stay
+  within the h ranks of a node (`zero_param_process_group`); dropped after each step (stage3.py `_post_step` ->
+  `invalidate_secondary_tensor`): b * P/h per rank (on the host with `offload_param`), from the forward to the
+  end of the step;
+* qwZ, `zero_quantized_weights`: each all-gather moves int8 (partition_parameters.py `_all_gather_coalesced`:
+  `flat_tensor = torch.empty(partition_sz * world_size, dtype=torch.int8)` and a float32
+  `quant_scale_buffer` of `scales.numel() * world_size`, CUDAQuantizer groups of at most 8000 elements) before
+  dequantizing into the bit16 parameters: 1 byte + 4/8000 bytes per gathered element while gathers are in flight;
+* qgZ, `zero_quantized_gradients`: each bucket of n gradient elements is reduced by
+  `all_to_all_quant_reduce` (runtime/comm/coalesced_collectives.py): an int4 swizzled copy and its all-to-all
+  output (n/2 bytes each), the intra-node reduction and its output (n/(2g) bytes each, g GPUs per node) and
+  the dequantized fp16 result (2n/g bytes), during the backward.
+
 Known limitations: padding of the flat groups to a multiple of the world size (< 2N elements per
 group) is left out; the stage-3 working set is a bound, not module by module; the parameter
 flattening at construction (a transient second copy of one group) is not in the trace.
@@ -67,7 +86,8 @@ from dataclasses import dataclass
 from memfit.errors import MemfitError
 from memfit.parallel.setup import ZeroSettings
 
-__all__ = ["ZeroBuffer", "zero_buffers", "ParamInventory", "deepspeed_model_states_bytes"]
+__all__ = ["ZeroBuffer", "zero_buffers", "ParamInventory", "deepspeed_model_states_bytes", "Zero2RankLayout",
+           "zero2_rank_layouts"]
 
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -96,18 +116,21 @@ class ZeroBuffer:
     lifetime: str
     """`setup` (made at construction, kept), `step` (made at the first optimizer step, kept), `step_temp` (only
     during the step), `fwd_bwd` (from each forward to the end of its backward), `backward` (during each backward),
-    `backward_to_step` (from the first backward of an optimizer step to that step)."""
+    `backward_to_step` (from the first backward of an optimizer step to that step), `forward_to_step_end` (made at
+    setup and again at the first forward after each step, freed at the end of the step: ZeRO++ hpZ)."""
     category: str
     rule: str
 
 
-def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int) -> list[ZeroBuffer]:
+def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int,
+                 gpus_per_node: int | None = None) -> list[ZeroBuffer]:
     """The per-rank model states and buffers of ZeRO stage `z.stage` (module docstring for the rules).
 
     Args:
         z: the resolved ZeRO settings.
         inv: the model's parameter counts.
         world_size: ranks the data-parallel group has.
+        gpus_per_node: GPUs on each node (qgZ's intra-node step; default: all ranks on one node).
     """
     if z.stage not in (1, 2, 3):
         raise MemfitError(f"ZeRO stage `{z.stage}` is not 1, 2 or 3")
@@ -180,6 +203,23 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int) -> list[
                           "stage3.py fp32_partitioned_groups_flat"))
     out.append(ZeroBuffer("Adam exp_avg + exp_avg_sq", 8 * t_part, opt_dev, "step", "optimizer_state",
                           "torch Adam / DeepSpeedCPUAdam state on the fp32 partitions"))
+    hpz = min(z.hpz_partition_size, n)  # groups._create_zero_param_parallel_group: min(group_size, world_size)
+    if hpz > 1:
+        out.append(ZeroBuffer(f"hpZ secondary partitions (1/{hpz})", b * -(-gathered // hpz), param_dev,
+                              "forward_to_step_end", "weights",
+                              "partition_parameters.py _partition_param_sec; stage3.py _post_step -> "
+                              "invalidate_secondary_tensor"))
+    if z.quantized_weights:
+        gather = min(inv.largest_layer_params + z.prefetch_bucket_size, gathered)
+        out.append(ZeroBuffer("qwZ int8 all-gather buffers", gather + 4 * -(-gather // 8000), "gpu", "fwd_bwd",
+                              "temporaries", "partition_parameters.py _all_gather_coalesced (quantize): int8 flat_tensor "
+                              "+ fp32 quant_scale_buffer (CUDAQuantizer target_group_size 8000)"))
+    if z.quantized_gradients:
+        g = max(1, gpus_per_node or n)
+        bucket = z.reduce_bucket_size
+        out.append(ZeroBuffer("qgZ int4 all-to-all buffers", bucket + bucket // g + 2 * bucket // g, "gpu", "backward",
+                              "temporaries", "coalesced_collectives.py all_to_all_quant_reduce: int4 copy + output, "
+                              "intra-node reduction + output, fp16 dequantized result"))
     if not z.offload_optimizer:
         sub = min(t_part, z.sub_group_size)
         out.append(ZeroBuffer("flat gradient of a sub-group", b * sub, "gpu", "step_temp", "temporaries",
@@ -236,3 +276,40 @@ def deepspeed_model_states_bytes(stage: int, inv: ParamInventory, *, gpus_per_no
         gpu = largest + int(18 * total / total_gpus)
         cpu = (inv.largest_layer_params if zero_init else total) * 4 * gpus_per_node * additional_buffer_factor
     return int(cpu), int(gpu)
+
+
+# -- ZeRO-2 per rank (issue 14 item 4): what differs between ranks --------------------------------------------------
+@dataclass(frozen=True)
+class Zero2RankLayout:
+    """One rank's ZeRO-2 gradient partition buffer."""
+
+    rank: int
+    grads_in_partition_numel: int
+    """stage_1_and_2.py `copy_grads_in_partition`: `total_size` sums the *whole* numel of every parameter in
+    `params_in_partition` (a parameter cut by a partition boundary counts fully on both ranks)."""
+
+
+def zero2_rank_layouts(groups: list[list[int]], world_size: int) -> list[Zero2RankLayout]:
+    """Each rank's ZeRO-2 `grads_in_partition` size (DeepSpeed 0.19.8 stage_1_and_2.py).
+
+    Each optimizer param group is flattened in order and padded to a multiple of 2 * world_size elements
+    (`flatten_dense_tensors_aligned(..., self.nccl_start_alignment_factor * dp_size)`, the factor 2), then split
+    into equal partitions (`get_data_parallel_partitions`); rank r's `params_in_partition` are the parameters
+    overlapping [r*size, (r+1)*size) (`get_partition_info`), and its buffer holds all of them whole.
+
+    Args:
+        groups: the numel of each trainable parameter, per optimizer param group, in group order.
+        world_size: ranks of the data-parallel group.
+    """
+    sizes = [0] * world_size
+    for numels in groups:
+        align = 2 * world_size
+        part = -(-sum(numels) // align) * align // world_size
+        offset = 0
+        for n in numels:
+            if n:
+                first, last = offset // part, (offset + n - 1) // part
+                for r in range(first, min(last, world_size - 1) + 1):
+                    sizes[r] += n
+            offset += n
+    return [Zero2RankLayout(r, sizes[r]) for r in range(world_size)]
