@@ -98,6 +98,12 @@ def _model_params():
     return list(GPT2LMHeadModel(_config()).parameters())
 
 
+def _named_params():
+    from transformers import GPT2LMHeadModel
+
+    return list(GPT2LMHeadModel(_config()).named_parameters())
+
+
 def _real(strategy):
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, os.path.join(d, "init"), d, strategy), nprocs=2, join=True)
@@ -137,7 +143,13 @@ def test_per_rank_prediction_matches_a_real_gloo_run(strategy):
     this 2-block model (1859584 / 1850368) against 1855488."""
     real = _real(strategy)
     if strategy not in ("fsdp1", "fsdp1_zero2"):  # FSDP1 with original-parameter views: see the docstring
-        assert [(r["peak"], r["final"]) for r in real] == [(real[0]["peak"], real[0]["final"])] * 2  # ranks agree
+        assert real[0]["final"] == real[1]["final"], real  # ranks agree
+        # and their peaks agree up to one late-freed collective buffer: gloo's work object holds its tensors until
+        # it is destroyed, which may happen on gloo's own thread after the next allocation (seen once under load:
+        # rank 0 117 KB above rank 1); bounded by the largest unsharded FSDP unit / DDP bucket (one GPT2Block)
+        block = round_size(4 * sum(p.numel() for n, p in _named_params() if n.startswith("transformer.h.0.")))
+        assert abs(real[0]["peak"] - real[1]["peak"]) <= block, (real, block)
+        real = sorted(real, key=lambda r: r["peak"])  # the rank without a late free: the deterministic figure
     pred = _predicted(strategy)
     if strategy in FSDP1:
         for key in ("peak", "final"):
