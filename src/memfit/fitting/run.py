@@ -289,6 +289,10 @@ def _preflight_and_plan(trainer: Any, *, gpu: Any, budget_bytes: int | None, pla
         logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
     if not (plan and pre.fits is False):
         return _Planned(pre, None, memfit_checkpointing)
+    if pre.parallel is not None:  # issue 14: memfit's plan is a one-GPU plan; not applied to a sharded run
+        log.note(f"the setup is predicted not to fit per rank under {pre.parallel.strategy}; memfit.fit does not "
+                 "apply a plan to a DeepSpeed / FSDP2 run (`memfit plan` across GPUs gives one); training with recovery")
+        return _Planned(pre, None, memfit_checkpointing)
     spec = pre.estimate.gpu
     chosen = _agreed_plan(trainer, pre, gpu=gpu, budget_bytes=budget_bytes, margin=margin)
     if chosen.setup_changes is None:
