@@ -106,6 +106,8 @@ def steps_expected(trainer: Any) -> int:
     if args.max_steps and args.max_steps > 0:
         return int(args.max_steps)
     n = len(trainer.train_dataset)
+    world = max(1, int(getattr(args, "world_size", 1) or 1))
+    n = -(-n // world) if world > 1 else n  # each rank's share (DistributedSampler / accelerate's even batches)
     batches = math.ceil(n / args.train_batch_size) if not args.dataloader_drop_last else n // args.train_batch_size
     per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
     return int(math.ceil(args.num_train_epochs * per_epoch))
