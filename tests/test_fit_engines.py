@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import types
 
 import pytest
@@ -32,8 +33,9 @@ def _spawn(target, args, timeout=150):
     procs = [ctx.Process(target=target, args=(r, *args)) for r in range(2)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(timeout=timeout)
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
     hung = [p.is_alive() for p in procs]
     for p in procs:
         if p.is_alive():
@@ -69,6 +71,25 @@ def _full_weights(trainer, stage):
     return [p.detach().clone() for p in params]
 
 
+def _inject_oom_after_forward(trainer, at_call, min_batch):
+    """A real-format CUDA OOM after the model's forward (where a language model's loss upcasts its logits), from the
+    `at_call`-th training forward on, while micro-batches hold `min_batch` examples or more."""
+    import helpers
+
+    original = trainer.compute_loss
+    calls = {"n": 0}
+
+    def compute_loss(model, inputs, *a, **k):
+        out = original(model, inputs, *a, **k)
+        calls["n"] += model.training
+        if model.training and calls["n"] >= at_call and inputs["input_ids"].shape[0] >= min_batch:
+            del out
+            raise helpers.oom_error()
+        return out
+
+    trainer.compute_loss = compute_loss
+
+
 def _ds_worker(rank, port, out, stage):
     os.environ.update(DS_ACCELERATOR="cpu", WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -87,8 +108,10 @@ def _ds_worker(rank, port, out, stage):
             open(os.path.join(run, "checkpoint-2", "mine.txt"), "w").close()
         torch.distributed.barrier()
         t = helpers.tiny_trainer(run, bs=4, ga=2, deepspeed=_ds_config(stage), save_strategy="steps", save_steps=2)
-        if rank == 1:  # from the 2nd micro-step on (the boundary one of window 1), micro-batches of 4 do not fit
+        if rank == 1 and stage == 2:  # from the 2nd micro-step on (the boundary one of window 1), in the forward
             helpers.inject_train_oom(t, at_call=2, min_batch=4)
+        if rank == 1 and stage == 3:  # the same, in the loss: after the forward's last parameter all-gather
+            _inject_oom_after_forward(t, at_call=2, min_batch=4)
         report = mf.fit(t, plan=False, max_recoveries=2)
         w_fit = _full_weights(t, stage)
         res.update(steps=report.steps_completed, expected=report.steps_expected, chunks=report.micro_batch_chunks,
@@ -102,9 +125,12 @@ def _ds_worker(rank, port, out, stage):
             from memfit.parallel import ParallelSetup, zero_settings_from_deepspeed
 
             zero, _ = zero_settings_from_deepspeed(_ds_config(stage), hidden_size=32, precision="fp32")
+            from memfit.fitting._trainer import without_hf_deepspeed_config
+
             pre = mf.preflight(t)
-            res["estimate"] = estimate(pre.setup, parallel=ParallelSetup(world_size=2, strategy=f"zero{stage}",
-                                                                         zero=zero)).peak_allocated_bytes
+            with without_hf_deepspeed_config():  # ZeRO-3's live config would build memfit's meta model under zero.Init
+                res["estimate"] = estimate(pre.setup, parallel=ParallelSetup(world_size=2, strategy=f"zero{stage}",
+                                                                             zero=zero)).peak_allocated_bytes
             res["files"] = {c: sorted(os.listdir(os.path.join(run, c))) for c in sorted(os.listdir(run))}
         torch.save(w_fit, os.path.join(out, f"w{rank}.pt"))
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
@@ -193,9 +219,10 @@ def _fsdp_worker(rank, port, out, oom):
                 forwards["n"] += 1
                 failure = None
                 try:
-                    if oom and rank == 1 and forwards["n"] >= 2 and part["input_ids"].shape[0] >= 4:
-                        raise helpers.oom_error()
                     loss = model(**part).loss
+                    if oom and rank == 1 and forwards["n"] >= 2 and part["input_ids"].shape[0] >= 4:
+                        del loss  # in the loss, after the forward's last all-gather (engines' docstring)
+                        raise helpers.oom_error()
                 except Exception as exc:  # noqa: BLE001
                     if not is_oom_error(exc):
                         raise

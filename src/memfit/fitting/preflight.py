@@ -260,11 +260,11 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     if spec is None and budget_bytes is not None:
         spec = budget_spec(budget_bytes)
         non_pytorch_bytes = 0 if non_pytorch_bytes is None else non_pytorch_bytes
-    from memfit.fitting._trainer import preserve_accelerator_state
+    from memfit.fitting._trainer import preserve_accelerator_state, without_hf_deepspeed_config
     from memfit.fitting.engines import parallel_for_trainer
 
     parallel, parallel_notes = parallel_for_trainer(trainer, setup)  # DeepSpeed / FSDP2: rank 0 (issue 14)
-    with preserve_accelerator_state():
+    with preserve_accelerator_state(), without_hf_deepspeed_config():
         report = estimate(setup, gpu=spec, non_pytorch_bytes=non_pytorch_bytes, parallel=parallel)
     flags: list[PreflightFlag] = []
     args = trainer.args
