@@ -274,7 +274,8 @@ def test_fsdp2_chunks_agreed_after_an_oom_on_one_rank_give_the_update_of_a_run_w
     assert [r["chunks"] for r in rec] == [2, 2]  # both ranks split
     assert [r["recoveries"] for r in rec] == [[], [[1, 2]]]  # rank 1 ran out of memory
     # one reduce-scatter per FSDP group per window, chunks or not: set_requires_gradient_sync(False) on the others
-    assert [r["reduce_scatters"] for r in rec] == [r["reduce_scatters"] for r in plain]
+    # (3 FSDP groups: 2 BertLayers and the root, x 4 windows)
+    assert [r["reduce_scatters"] for r in rec] == [r["reduce_scatters"] for r in plain] == [12, 12]
     assert max((a - b).abs().max().item() for a, b in zip(*w_rec)) == 0.0
     assert max((a - b).abs().max().item() for a, b in zip(w_plain[0], w_rec[0])) < 1e-5
 

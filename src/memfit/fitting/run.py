@@ -34,8 +34,10 @@
 Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
 optimizer step; with DDP, gradients are averaged by memfit after each accumulation window so
 that a rank that recovers never leaves the others waiting in a collective, and a rank that
-fails for good makes the others stop (memfit.fitting.distributed). Not coordinated: retries of a
-checkpoint save or load-best-model on one rank.
+fails for good makes the others stop (memfit.fitting.distributed). Under DeepSpeed and FSDP2 the preflight is
+rank 0's estimate of the trainer's own parallel settings, no one-GPU plan is applied, and the ranks vote after
+each chunk's forward and split together, the engine's accumulation boundary kept on the last chunk
+(memfit.fitting.engines). Not coordinated: retries of a checkpoint save or load-best-model on one rank.
 """
 
 from __future__ import annotations
