@@ -133,6 +133,15 @@ def _ds_worker(rank, port, out, stage):
                                                                              zero=zero)).peak_allocated_bytes
             res["files"] = {c: sorted(os.listdir(os.path.join(run, c))) for c in sorted(os.listdir(run))}
         torch.save(w_fit, os.path.join(out, f"w{rank}.pt"))
+        if stage == 2:  # a rank that cannot split further stops, and makes the other stop instead of waiting
+            fatal = helpers.tiny_trainer(os.path.join(out, "fatal"), bs=4, ga=2, deepspeed=_ds_config(stage))
+            if rank == 1:
+                helpers.inject_train_oom(fatal, at_call=1, min_batch=1)
+            try:
+                mf.fit(fatal, plan=False, max_recoveries=2)
+                res["fatal"] = "ok"
+            except Exception as exc:  # noqa: BLE001
+                res["fatal"] = f"{type(exc).__name__} {fatal.state.global_step} {'in a chunk of' in str(exc)}"
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
         import traceback
 
@@ -169,6 +178,8 @@ def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(
     for c in ("checkpoint-2", "checkpoint-4"):
         assert {f"global_step{c[-1]}", "latest", "trainer_state.json", "memfit-state.json"} <= set(files[c]), files[c]
     assert ".memfit-staging" not in files
+    if stage == 2:  # rank 1 split 1 -> 2 -> 4 (max_recoveries=2) and still failed: both stop, at the same step
+        assert [r["fatal"] for r in res] == ["PeerFailed 0 False", "OutOfMemoryError 0 True"]  # in the forward
 
 
 # -- FSDP2: fully_shard in a plain loop (accelerate enables FSDP only on GPUs) -------------------------------

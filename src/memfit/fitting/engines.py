@@ -57,7 +57,7 @@ from memfit.errors import MemfitError
 from memfit.fitting import distributed as dist_sync
 
 __all__ = ["engine_of", "parallel_for_trainer", "ForwardFailed", "forward_vote", "run_agreed_chunks",
-           "deepspeed_boundary_held", "fsdp2_gradient_sync", "AgreedChunks"]
+           "deepspeed_boundary_held", "fsdp2_gradient_sync", "AgreedChunks", "check_can_split"]
 
 
 def engine_of(trainer: Any) -> str | None:

@@ -263,6 +263,7 @@ class ChunkedTrainingStep:
         self._weight = 1.0
         self.micro_steps = 0
         self._vote: tuple[engines.AgreedChunks, int, Any] | None = None  #: engine runs: (state, remaining, chunk)
+        self._voted = False  #: engine runs: this chunk's forward was voted on (an OOM now is in its backward)
         trainer.compute_loss = self._compute_loss
         trainer.training_step = self
 
@@ -297,6 +298,7 @@ class ChunkedTrainingStep:
             exc = None  # drop the traceback (it holds the activations)
         else:
             engines.forward_vote(failure=None, fatal=False, wanted_chunks=state.chunks, remaining=remaining)
+            self._voted = True  # every rank goes on to this chunk's backward
             return out
         free_memory()
         why = engines.check_can_split(state, part, _splittable)
@@ -379,7 +381,7 @@ class ChunkedTrainingStep:
                 ctx = engines.deepspeed_boundary_held(trainer) if hold else contextlib.nullcontext()
             else:
                 ctx = engines.fsdp2_gradient_sync(model, not hold)
-            self._vote, self._weight = (state, remaining, part), weight
+            self._vote, self._weight, self._voted = (state, remaining, part), weight, False
             try:
                 self.meter.reset()
                 with ctx:
@@ -388,7 +390,7 @@ class ChunkedTrainingStep:
             except engines.ForwardFailed:
                 raise
             except Exception as exc:
-                if self._vote is None and is_oom_error(exc):  # after the vote: in the backward
+                if self._voted and is_oom_error(exc):  # after the vote: in the backward
                     raise torch.OutOfMemoryError(
                         f"memfit: out of memory in the backward at optimizer step {trainer.state.global_step} under "
                         f"{engine}: the engine's gradient collectives of this backward are under way on the other "
