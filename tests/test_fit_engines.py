@@ -132,6 +132,7 @@ def _ds_worker(rank, port, out, stage):
                 res["estimate"] = estimate(pre.setup, parallel=ParallelSetup(world_size=2, strategy=f"zero{stage}",
                                                                              zero=zero)).peak_allocated_bytes
             res["files"] = {c: sorted(os.listdir(os.path.join(run, c))) for c in sorted(os.listdir(run))}
+            res["shards"] = sorted(os.listdir(os.path.join(run, "checkpoint-4", "global_step4")))
         torch.save(w_fit, os.path.join(out, f"w{rank}.pt"))
         if stage == 2:  # a rank that cannot split further stops, and makes the other stop instead of waiting
             fatal = helpers.tiny_trainer(os.path.join(out, "fatal"), bs=4, ga=2, deepspeed=_ds_config(stage))
@@ -178,6 +179,8 @@ def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(
     for c in ("checkpoint-2", "checkpoint-4"):
         assert {f"global_step{c[-1]}", "latest", "trainer_state.json", "memfit-state.json"} <= set(files[c]), files[c]
     assert ".memfit-staging" not in files
+    # each rank's optimizer partition (engine.save_checkpoint -> `_save_zero_checkpoint`), staged by both, published once
+    assert {r for r in (0, 1) if any(f"zero_pp_rank_{r}_" in f for f in res[0]["shards"])} == {0, 1}, res[0]["shards"]
     if stage == 2:  # rank 1 split 1 -> 2 -> 4 (max_recoveries=2) and still failed: both stop, at the same step
         assert [r["fatal"] for r in res] == ["PeerFailed 0 False", "OutOfMemoryError 0 True"]  # in the forward
 

@@ -347,12 +347,13 @@ class ChunkedTrainingStep:
             self.window = []
         sync = bool(trainer.accelerator.gradient_state.sync_gradients)
         self._window_done = sync
+        engine = engines.engine_of(trainer)
+        if engine is not None:  # no window kept: chunks already backwarded are never recomputed there
+            self.micro_steps += 1
+            return self._engine_micro_step(engine, model, inputs, num_items_in_batch, sync)
         entry = (_to_cpu(inputs), num_items_in_batch, _rng_state())
         self.window.append(entry)
         self.micro_steps += 1
-        engine = engines.engine_of(trainer)
-        if engine is not None:
-            return self._engine_micro_step(engine, model, inputs, num_items_in_batch, sync)
         if not dist_sync.is_ddp(model):
             return self._micro_step(model, inputs, num_items_in_batch)
         # DDP: no collective inside a micro-step (a rank that recovers runs more forwards and
@@ -395,7 +396,7 @@ class ChunkedTrainingStep:
                         f"memfit: out of memory in the backward at optimizer step {trainer.state.global_step} under "
                         f"{engine}: the engine's gradient collectives of this backward are under way on the other "
                         "ranks, so the ranks cannot split this micro-batch together; resume from the last checkpoint "
-                        f"with memfit's plan (a smaller micro-batch). Last error: {str(exc).splitlines()[0][:200]}"
+                        f"with a smaller per_device_train_batch_size. Last error: {str(exc).splitlines()[0][:200]}"
                     ) from None
                 raise
             finally:
