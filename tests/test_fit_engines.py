@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import socket
 import sys
-import tempfile
 import time
 import types
 
@@ -154,9 +153,9 @@ def _ds_worker(rank, port, out, stage):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(stage):
+def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(stage, tmp_path):
     pytest.importorskip("deepspeed")
-    d = tempfile.mkdtemp()
+    d = str(tmp_path)
     _spawn(_ds_worker, (_free_port(), d, stage))
     res = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
     for r in res:
@@ -272,8 +271,8 @@ def _fsdp_worker(rank, port, out, oom):
     _leave_together()
 
 
-def _fsdp_run(oom):
-    d = tempfile.mkdtemp()
+def _fsdp_run(oom, d):
+    os.makedirs(d)
     _spawn(_fsdp_worker, (_free_port(), d, oom), timeout=120)
     res = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
     for r in res:
@@ -282,8 +281,8 @@ def _fsdp_run(oom):
 
 
 @pytest.mark.slow
-def test_fsdp2_chunks_agreed_after_an_oom_on_one_rank_give_the_update_of_a_run_without_it():
-    (plain, w_plain), (rec, w_rec) = _fsdp_run(False), _fsdp_run(True)
+def test_fsdp2_chunks_agreed_after_an_oom_on_one_rank_give_the_update_of_a_run_without_it(tmp_path):
+    (plain, w_plain), (rec, w_rec) = _fsdp_run(False, str(tmp_path / "plain")), _fsdp_run(True, str(tmp_path / "oom"))
     assert [r["chunks"] for r in plain] == [1, 1]
     assert [r["chunks"] for r in rec] == [2, 2]  # both ranks split
     assert [r["recoveries"] for r in rec] == [[], [[1, 2]]]  # rank 1 ran out of memory
