@@ -101,9 +101,9 @@ def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
     from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, zero_settings_from_deepspeed
 
     args = trainer.args
-    world, nodes = _world(args)
     ds = getattr(args, "deepspeed", None)
     if ds:
+        world, nodes = _world(args)
         model = getattr(trainer.model, "module", trainer.model)
         zero, notes = zero_settings_from_deepspeed(ds, hidden_size=_hidden_size(getattr(model, "config", None)),
                                                    precision=setup.precision)
@@ -122,6 +122,7 @@ def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
         if str(version) != "2":
             return None, [f"fsdp_config `version` `{version}`: memfit's per-rank estimate models FSDP2 only; "
                           "the preflight estimates one GPU"]
+        world, nodes = _world(args)
         parallel, notes = parallel_from_fsdp_args(True, fsdp_config, world_size=world, nodes=nodes)
         notes = notes + [f"preflight per rank: FSDP2 (`fully_shard`, reshard_after_forward="
                          f"{parallel.reshard_after_forward}) over {world} rank(s), from the trainer's `fsdp_config`; "
