@@ -133,6 +133,20 @@ def _ds_worker(rank, port, out, stage):
             res["files"] = {c: sorted(os.listdir(os.path.join(run, c))) for c in sorted(os.listdir(run))}
             res["shards"] = sorted(os.listdir(os.path.join(run, "checkpoint-4", "global_step4")))
         torch.save(w_fit, os.path.join(out, f"w{rank}.pt"))
+        if stage == 2:  # resume from DeepSpeed's checkpoint-2 (its memfit-state.json: 2 chunks): the same steps 3 and 4
+            from transformers import TrainerCallback
+
+            again = helpers.tiny_trainer(os.path.join(out, "resumed"), bs=4, ga=2, deepspeed=_ds_config(stage))
+            taken = []
+
+            class _Count(TrainerCallback):
+                def on_step_end(self, args, state, control, **kwargs):
+                    taken.append(state.global_step)
+
+            again.add_callback(_Count())
+            resumed = mf.fit(again, plan=False, resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
+            res["resumed"] = [resumed.steps_completed, resumed.micro_batch_chunks, len(resumed.oom_recoveries), taken]
+            res["diff_resumed"] = max((a - b).abs().max().item() for a, b in zip(w_fit, _full_weights(again, stage)))
         if stage == 2:  # a rank that cannot split further stops, and makes the other stop instead of waiting
             fatal = helpers.tiny_trainer(os.path.join(out, "fatal"), bs=4, ga=2, deepspeed=_ds_config(stage))
             if rank == 1:
@@ -180,6 +194,9 @@ def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(
     assert ".memfit-staging" not in files
     # each rank's optimizer partition (engine.save_checkpoint -> `_save_zero_checkpoint`), staged by both, published once
     assert {r for r in (0, 1) if any(f"zero_pp_rank_{r}_" in f for f in res[0]["shards"])} == {0, 1}, res[0]["shards"]
+    if stage == 2:
+        assert [r["resumed"] for r in res] == [[4, 2, 0, [3, 4]]] * 2  # steps 3 and 4 only, split as saved
+        assert res[0]["diff_resumed"] < 1e-5, res[0]["diff_resumed"]
     if stage == 2:  # rank 1 split 1 -> 2 -> 4 (max_recoveries=2) and still failed: both stop, at the same step
         assert [r["fatal"] for r in res] == ["PeerFailed 0 False", "OutOfMemoryError 0 True"]  # in the forward
 
