@@ -203,103 +203,111 @@ def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(
 
 # -- FSDP2: fully_shard in a plain loop (accelerate enables FSDP only on GPUs) -------------------------------
 
-def _fsdp_worker(rank, port, out, oom):
+def _fsdp_worker(rank, port, out):
+    """Both runs (without, then with the OOM on rank 1) in the same 2 processes."""
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    reduce_scatters = {"n": 0}
+    original = pg.foreach_reduce  # FSDP2's reduce-scatter of a group's gradients (FSDPParamGroup.post_backward)
+
+    def counting(*a, **k):
+        reduce_scatters["n"] += 1
+        return original(*a, **k)
+
+    pg.foreach_reduce = counting
+    for mode in ("plain", "oom"):
+        reduce_scatters["n"] = 0
+        res = {}
+        try:
+            res, weights = _fsdp_train(rank, mode == "oom")
+            res["reduce_scatters"] = reduce_scatters["n"]
+            torch.save(weights, os.path.join(out, f"{mode}-w{rank}.pt"))
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            res["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+        with open(os.path.join(out, f"{mode}-{rank}.json"), "w") as fh:
+            json.dump(res, fh)
+    _leave_together()
+
+
+def _fsdp_train(rank, oom):
+    """4 optimizer steps of a 2-block BERT under fully_shard, batch 4 x 2 micro-steps, memfit's agreed chunks."""
     from torch.distributed.fsdp import fully_shard
+    from transformers import BertConfig, BertForSequenceClassification
 
     import helpers
     from memfit.fitting.recovery import _split, is_oom_error, oom_cause
 
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    res = {}
-    try:
-        torch.manual_seed(0)
-        from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**helpers.CFG))
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = helpers.TinyDataset()
+    ga, bs = 2, 4
+    state = engines.AgreedChunks(max_recoveries=2)
+    recoveries = []
+    state.recoveries_used = lambda: len(recoveries)
+    state.on_recover = lambda cause, tried, old, new, here: recoveries.append((old, new)) if here else None
+    forwards = {"n": 0}
 
-        model = BertForSequenceClassification(BertConfig(**helpers.CFG))
-        for layer in model.bert.encoder.layer:
-            fully_shard(layer)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        data = helpers.TinyDataset()
-        ga, bs = 2, 4
-        state = engines.AgreedChunks(max_recoveries=2)
-        recoveries = []
-        state.recoveries_used = lambda: len(recoveries)
-        state.on_recover = lambda cause, tried, old, new, here: recoveries.append((old, new)) if here else None
-        reduce_scatters = {"n": 0}
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+    def run_chunk(part, weight, last, remaining, boundary):
+        with engines.fsdp2_gradient_sync(model, not (boundary and not last)):
+            forwards["n"] += 1
+            failure = None
+            try:
+                loss = model(**part).loss
+                if oom and rank == 1 and forwards["n"] >= 2 and part["input_ids"].shape[0] >= 4:
+                    del loss  # in the loss, after the forward's last all-gather (engines' docstring)
+                    raise helpers.oom_error()
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom_error(exc):
+                    raise
+                failure = oom_cause(exc)
+            engines.forward_vote(failure=failure, fatal=False,
+                                 wanted_chunks=state.chunks * (2 if failure else 1), remaining=remaining)
+            (loss * weight / ga).backward()
+        return loss.detach() * weight
 
-        orig_rs = coll.foreach_reduce
+    def shares(parts):
+        n = sum(p["input_ids"].shape[0] for p in parts)
+        return [p["input_ids"].shape[0] / n for p in parts]
 
-        def counting(*a, **k):
-            reduce_scatters["n"] += 1
-            return orig_rs(*a, **k)
-
-        coll.foreach_reduce = counting
-        import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg
-
-        pg.foreach_reduce = counting
-        forwards = {"n": 0}
-
-        def run_chunk(part, weight, last, remaining, boundary):
-            with engines.fsdp2_gradient_sync(model, not (boundary and not last)):
-                forwards["n"] += 1
-                failure = None
-                try:
-                    loss = model(**part).loss
-                    if oom and rank == 1 and forwards["n"] >= 2 and part["input_ids"].shape[0] >= 4:
-                        del loss  # in the loss, after the forward's last all-gather (engines' docstring)
-                        raise helpers.oom_error()
-                except Exception as exc:  # noqa: BLE001
-                    if not is_oom_error(exc):
-                        raise
-                    failure = oom_cause(exc)
-                engines.forward_vote(failure=failure, fatal=False,
-                                     wanted_chunks=state.chunks * (2 if failure else 1), remaining=remaining)
-                (loss * weight / ga).backward()
-            return loss.detach() * weight
-
-        def shares(parts):
-            n = sum(p["input_ids"].shape[0] for p in parts)
-            return [p["input_ids"].shape[0] / n for p in parts]
-
-        order = list(range(rank * 32, rank * 32 + 32))  # each rank its half of the data, as a distributed sampler
-        for step in range(4):
-            for i in range(ga):
-                idx = order[(step * ga + i) * bs:(step * ga + i + 1) * bs]
-                batch = helpers.collate([data[j] for j in idx])
-                boundary = i == ga - 1
-                with engines.fsdp2_gradient_sync(model, boundary):  # accelerate's no_sync for non-final micro-steps
-                    engines.run_agreed_chunks(state, batch, split=_split, shares=shares,
-                                              run_chunk=lambda p, w, la, rem: run_chunk(p, w, la, rem, boundary))
-            opt.step()
-            opt.zero_grad()
-        res.update(chunks=state.chunks, recoveries=recoveries, reduce_scatters=reduce_scatters["n"])
-        torch.save([p.full_tensor().detach() for p in model.parameters()], os.path.join(out, f"w{rank}.pt"))
-    except Exception as exc:  # noqa: BLE001
-        import traceback
-
-        res["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
-    with open(os.path.join(out, f"{rank}.json"), "w") as fh:
-        json.dump(res, fh)
-    _leave_together()
+    order = list(range(rank * 32, rank * 32 + 32))  # each rank its half of the data, as a distributed sampler
+    for step in range(4):
+        for i in range(ga):
+            idx = order[(step * ga + i) * bs:(step * ga + i + 1) * bs]
+            batch = helpers.collate([data[j] for j in idx])
+            boundary = i == ga - 1
+            with engines.fsdp2_gradient_sync(model, boundary):  # accelerate's no_sync for non-final micro-steps
+                engines.run_agreed_chunks(state, batch, split=_split, shares=shares,
+                                          run_chunk=lambda p, w, la, rem: run_chunk(p, w, la, rem, boundary))
+        opt.step()
+        opt.zero_grad()
+    return ({"chunks": state.chunks, "recoveries": recoveries},
+            [p.full_tensor().detach() for p in model.parameters()])
 
 
-def _fsdp_run(oom, d):
-    os.makedirs(d)
-    _spawn(_fsdp_worker, (_free_port(), d, oom), timeout=120)
-    res = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
-    for r in res:
-        assert "error" not in r, r.get("error")
-    return res, [torch.load(os.path.join(d, f"w{r}.pt")) for r in range(2)]
+def _fsdp_runs(d):
+    _spawn(_fsdp_worker, (_free_port(), d), timeout=150)
+    out = []
+    for mode in ("plain", "oom"):
+        res = [json.load(open(os.path.join(d, f"{mode}-{r}.json"))) for r in range(2)]
+        for r in res:
+            assert "error" not in r, r.get("error")
+        out.append((res, [torch.load(os.path.join(d, f"{mode}-w{r}.pt")) for r in range(2)]))
+    return out
 
 
 @pytest.mark.slow
 def test_fsdp2_chunks_agreed_after_an_oom_on_one_rank_give_the_update_of_a_run_without_it(tmp_path):
-    (plain, w_plain), (rec, w_rec) = _fsdp_run(False, str(tmp_path / "plain")), _fsdp_run(True, str(tmp_path / "oom"))
+    (plain, w_plain), (rec, w_rec) = _fsdp_runs(str(tmp_path))
     assert [r["chunks"] for r in plain] == [1, 1]
     assert [r["chunks"] for r in rec] == [2, 2]  # both ranks split
     assert [r["recoveries"] for r in rec] == [[], [[1, 2]]]  # rank 1 ran out of memory
