@@ -64,7 +64,7 @@ LAYERS = [
     {"estimator", "parallel"},  # parallel: per-rank multi-GPU estimates (issue 14); estimator calls it
     {"planner"},
     {"diagnosis"},
-    {"fitting", "testing"},  # fitting.callback (MemfitCallback), fitting.trl_data (issue 13)
+    {"fitting", "testing"},  # fitting.callback (MemfitCallback), fitting.trl_data (issue 13); fitting.engines (issue 14)
     {"cli", "commands", "__main__"},  # __main__: `python -m memfit`; commands.train_trl: train --trainer (issue 13)
 ]
 

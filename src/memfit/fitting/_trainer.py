@@ -27,6 +27,8 @@ only this module changes:
   (`begin_checkpoint_run`, `rotate_run_checkpoints`, `end_checkpoint_run`).
 - `Trainer.is_deepspeed_enabled` / `is_fsdp_enabled`: checkpoints in another layout
   (`uses_sharded_checkpoints`).
+- transformers.integrations.deepspeed `_hf_deepspeed_config_weak_ref` (the live ZeRO config a DeepSpeed
+  Trainer registers): hidden while memfit simulates (`without_hf_deepspeed_config`, issue 14).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ __all__ = ["inner_optimizer", "replace_inner_optimizer", "set_train_batch_size",
            "STAGING_DIR", "clean_staging", "preserve_accelerator_state", "reset_eval_dataloaders",
            "wrap_checkpoint_save", "wrap_load_best_model", "best_model_checkpoint", "add_checkpoint_file",
            "STAGING_MARKER", "begin_checkpoint_run", "end_checkpoint_run", "run_checkpoints", "rotate_run_checkpoints",
-           "set_aside_checkpoints", "uses_sharded_checkpoints"]
+           "set_aside_checkpoints", "uses_sharded_checkpoints", "without_hf_deepspeed_config"]
 
 #: Folder inside output_dir where checkpoints are written before the rename into place.
 STAGING_DIR = ".memfit-staging"
@@ -84,6 +86,32 @@ def preserve_accelerator_state():
         for cls, state in saved:
             if state and not cls._shared_state:
                 cls._shared_state.update(state)
+
+
+@contextlib.contextmanager
+def without_hf_deepspeed_config():
+    """Hide a live DeepSpeed ZeRO-3 Trainer's config from transformers while memfit builds its meta models.
+
+    With ZeRO-3 transformers' `is_deepspeed_zero3_enabled()` reads the config a DeepSpeed `TrainingArguments`
+    registered (`set_hf_deepspeed_config`, a weak reference), and `PreTrainedModel._from_config` then builds
+    every model under `deepspeed.zero.Init`, which partitions parameters as they are made and fails on
+    memfit's meta tensors ("Cannot copy out of meta tensor"). The reference is unset inside and set back after.
+    """
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover - transformers without its DeepSpeed integration
+        yield
+        return
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    live = ref() if ref is not None else None
+    if live is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(live)
 
 
 def reset_eval_dataloaders(trainer: Any) -> None:

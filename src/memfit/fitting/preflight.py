@@ -47,6 +47,10 @@ class PreflightReport:
     example_count: int | None = None
     longest_example: int | None = None
     free_bytes_now: int | None = None
+    #: the multi-GPU strategy the estimate assumed (issue 14: DeepSpeed ZeRO / FSDP2 from the trainer's args;
+    #: memfit.fitting.engines.parallel_for_trainer), None for one GPU
+    parallel: Any = None
+    parallel_notes: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:  # the dataclass repr would print the whole model config (setup.model)
         from memfit.units import format_bytes
@@ -66,6 +70,10 @@ class PreflightReport:
             "example_count": self.example_count, "longest_example": self.longest_example,
             "free_bytes_now": self.free_bytes_now,
             "flags": [dataclasses.asdict(f) for f in self.flags],
+            # issue 14: the strategy assumed; the estimate is rank 0's
+            "parallel": None if self.parallel is None else {
+                "strategy": self.parallel.strategy, "world_size": self.parallel.world_size,
+                "nodes": self.parallel.nodes, "rank": 0, "notes": list(self.parallel_notes)},
         }
 
 
@@ -256,10 +264,12 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     if spec is None and budget_bytes is not None:
         spec = budget_spec(budget_bytes)
         non_pytorch_bytes = 0 if non_pytorch_bytes is None else non_pytorch_bytes
-    from memfit.fitting._trainer import preserve_accelerator_state
+    from memfit.fitting._trainer import preserve_accelerator_state, without_hf_deepspeed_config
+    from memfit.fitting.engines import parallel_for_trainer
 
-    with preserve_accelerator_state():
-        report = estimate(setup, gpu=spec, non_pytorch_bytes=non_pytorch_bytes)
+    parallel, parallel_notes = parallel_for_trainer(trainer, setup)  # DeepSpeed / FSDP2: rank 0 (issue 14)
+    with preserve_accelerator_state(), without_hf_deepspeed_config():
+        report = estimate(setup, gpu=spec, non_pytorch_bytes=non_pytorch_bytes, parallel=parallel)
     flags: list[PreflightFlag] = []
     args = trainer.args
     tok = _tokenizer(trainer)
@@ -316,4 +326,5 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     return PreflightReport(setup=setup, estimate=report, gpu=None if spec is None else spec.name,
                            budget_bytes=budget_bytes, fits=fits, flags=flags,
                            example_count=len(lengths) if lengths else None,
-                           longest_example=max(lengths) if lengths else None, free_bytes_now=free_now)
+                           longest_example=max(lengths) if lengths else None, free_bytes_now=free_now,
+                           parallel=parallel, parallel_notes=parallel_notes)

@@ -17,7 +17,9 @@ chunks of whole examples, a DPO batch into chunks of preference pairs (chosen an
 
 With DDP, the micro-steps run without collectives and memfit averages the gradients after
 the window (memfit.fitting.distributed), so a rank that recovers does not leave the others
-waiting inside DDP's all-reduce.
+waiting inside DDP's all-reduce. Under DeepSpeed and FSDP2, whose collectives are inside every
+forward and backward, every rank runs the same chunks, votes after each chunk's forward and splits
+further together; the engine keeps its accumulation boundary on the last chunk (memfit.fitting.engines).
 
 Evaluation (`guard_evaluation`): an OOM in `trainer.evaluate` halves
 `per_device_eval_batch_size` and sets `eval_accumulation_steps=1`, then reruns the
@@ -26,6 +28,7 @@ evaluation; the training batch is not touched.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -36,6 +39,7 @@ import torch
 
 from memfit.fitting import _trainer as adapter
 from memfit.fitting import distributed as dist_sync
+from memfit.fitting import engines
 from memfit import oom_text
 
 logger = logging.getLogger("memfit.fit")
@@ -258,6 +262,8 @@ class ChunkedTrainingStep:
         self._window_done = True
         self._weight = 1.0
         self.micro_steps = 0
+        self._vote: tuple[engines.AgreedChunks, int, Any] | None = None  #: engine runs: (state, remaining, chunk)
+        self._voted = False  #: engine runs: this chunk's forward was voted on (an OOM now is in its backward)
         trainer.compute_loss = self._compute_loss
         trainer.training_step = self
 
@@ -267,7 +273,10 @@ class ChunkedTrainingStep:
 
     # -- loss weighting and per-phase measurement --------------------------------------------
     def _compute_loss(self, model, inputs, *args, **kwargs):
-        out = self.original_compute_loss(model, inputs, *args, **kwargs)
+        if self._vote is not None:  # DeepSpeed / FSDP2: every rank votes after this forward
+            out = self._voted_forward(model, inputs, *args, **kwargs)
+        else:
+            out = self.original_compute_loss(model, inputs, *args, **kwargs)
         self.meter.record("forward")
         self.meter.reset()
         if self._weight != 1.0:
@@ -275,6 +284,31 @@ class ChunkedTrainingStep:
                 return (out[0] * self._weight,) + tuple(out[1:])
             return out * self._weight
         return out
+
+    def _voted_forward(self, model, inputs, *args, **kwargs):
+        state, remaining, part = self._vote
+        self._vote = None  # one vote per chunk
+        try:
+            out = self.original_compute_loss(model, inputs, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - an OOM is voted on, anything else stops every rank
+            if not is_oom_error(exc):
+                engines.forward_vote(failure=None, fatal=True, wanted_chunks=state.chunks, remaining=remaining)
+                raise
+            failure = oom_cause(exc)
+            exc = None  # drop the traceback (it holds the activations)
+        else:
+            engines.forward_vote(failure=None, fatal=False, wanted_chunks=state.chunks, remaining=remaining)
+            self._voted = True  # every rank goes on to this chunk's backward
+            return out
+        free_memory()
+        why = engines.check_can_split(state, part, _splittable)
+        if why:
+            engines.forward_vote(failure=failure, fatal=True, wanted_chunks=state.chunks, remaining=remaining)
+            raise torch.OutOfMemoryError(
+                f"memfit: out of memory at optimizer step {self.trainer.state.global_step} in a chunk of "
+                f"{_batch_size(part)} of a micro-batch split into {state.chunks} chunks ({why}); last error: {failure[0]}")
+        engines.forward_vote(failure=failure, fatal=False, wanted_chunks=state.chunks * 2, remaining=remaining)
+        raise AssertionError("forward_vote raises ForwardFailed after an OOM")  # pragma: no cover
 
     def _weights(self, parts: list[dict[str, Any]], num_items: Any, model: Any) -> list[float]:
         if len(parts) == 1:
@@ -313,6 +347,10 @@ class ChunkedTrainingStep:
             self.window = []
         sync = bool(trainer.accelerator.gradient_state.sync_gradients)
         self._window_done = sync
+        engine = engines.engine_of(trainer)
+        if engine is not None:  # no window kept: chunks already backwarded are never recomputed there
+            self.micro_steps += 1
+            return self._engine_micro_step(engine, model, inputs, num_items_in_batch, sync)
         entry = (_to_cpu(inputs), num_items_in_batch, _rng_state())
         self.window.append(entry)
         self.micro_steps += 1
@@ -331,6 +369,55 @@ class ChunkedTrainingStep:
             dist_sync.check_peers(failed=False)
             dist_sync.average_gradients(model)
         return loss
+
+    def _engine_micro_step(self, engine: str, model, inputs, num_items_in_batch, sync: bool):
+        """One micro-step under DeepSpeed or FSDP2: agreed chunks, the boundary on the last (memfit.fitting.engines)."""
+        trainer = self.trainer
+        state = engines.AgreedChunks(chunks=self.chunks, max_recoveries=self.max_recoveries,
+                                     recoveries_used=lambda: len(self.recoveries), on_recover=self._on_agreed_split)
+
+        def run_chunk(part, weight, last, remaining):
+            hold = sync and not last  # the engine's boundary (and DeepSpeed's step) stay on the last chunk
+            if engine == "deepspeed":
+                ctx = engines.deepspeed_boundary_held(trainer) if hold else contextlib.nullcontext()
+            else:
+                ctx = engines.fsdp2_gradient_sync(model, not hold)
+            self._vote, self._weight, self._voted = (state, remaining, part), weight, False
+            try:
+                self.meter.reset()
+                with ctx:
+                    loss = self.original(model, part, num_items_in_batch)
+                self.meter.record("backward")
+            except engines.ForwardFailed:
+                raise
+            except Exception as exc:
+                if self._voted and is_oom_error(exc):  # after the vote: in the backward
+                    raise torch.OutOfMemoryError(
+                        f"memfit: out of memory in the backward at optimizer step {trainer.state.global_step} under "
+                        f"{engine}: the engine's gradient collectives of this backward are under way on the other "
+                        "ranks, so the ranks cannot split this micro-batch together; resume from the last checkpoint "
+                        f"with a smaller per_device_train_batch_size. Last error: {str(exc).splitlines()[0][:200]}"
+                    ) from None
+                raise
+            finally:
+                self._vote, self._weight = None, 1.0
+            return loss
+
+        try:
+            return engines.run_agreed_chunks(state, inputs, split=_split, run_chunk=run_chunk,
+                                             shares=lambda parts: self._weights(parts, num_items_in_batch, model))
+        finally:
+            self.chunks = state.chunks
+
+    def _on_agreed_split(self, cause: str, tried: int | None, old: int, new: int, here: bool) -> None:
+        step = self.trainer.state.global_step
+        change = (f"micro-batch now runs as {new} chunks (was {old}) on every rank; the chunks not yet backwarded "
+                  "were split further, effective batch size and data order unchanged")
+        if here:
+            self.recoveries.append(Recovery(step, "train", change, cause, tried))
+            self.on_change(f"out of memory at optimizer step {step} (train): {cause} -> {change}")
+        else:
+            self.on_change(f"another rank ran out of memory at optimizer step {step} (train) -> {change}")
 
     def _micro_step(self, model, inputs, num_items_in_batch):
         try:

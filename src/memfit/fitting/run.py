@@ -34,8 +34,10 @@
 Multi-process runs: every rank applies rank 0's plan and the largest chunk count at each
 optimizer step; with DDP, gradients are averaged by memfit after each accumulation window so
 that a rank that recovers never leaves the others waiting in a collective, and a rank that
-fails for good makes the others stop (memfit.fitting.distributed). Not coordinated: retries of a
-checkpoint save or load-best-model on one rank.
+fails for good makes the others stop (memfit.fitting.distributed). Under DeepSpeed and FSDP2 the preflight is
+rank 0's estimate of the trainer's own parallel settings, no one-GPU plan is applied, and the ranks vote after
+each chunk's forward and split together, the engine's accumulation boundary kept on the last chunk
+(memfit.fitting.engines). Not coordinated: retries of a checkpoint save or load-best-model on one rank.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def steps_expected(trainer: Any) -> int:
     if args.max_steps and args.max_steps > 0:
         return int(args.max_steps)
     n = len(trainer.train_dataset)
+    world = max(1, int(getattr(args, "world_size", 1) or 1))
+    n = -(-n // world) if world > 1 else n  # each rank's share (DistributedSampler / accelerate's even batches)
     batches = math.ceil(n / args.train_batch_size) if not args.dataloader_drop_last else n // args.train_batch_size
     per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
     return int(math.ceil(args.num_train_epochs * per_epoch))
@@ -288,6 +292,10 @@ def _preflight_and_plan(trainer: Any, *, gpu: Any, budget_bytes: int | None, pla
     for f in pre.flags:
         logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
     if not (plan and pre.fits is False):
+        return _Planned(pre, None, memfit_checkpointing)
+    if pre.parallel is not None:  # issue 14: memfit's plan is a one-GPU plan; not applied to a sharded run
+        log.note(f"the setup is predicted not to fit per rank under {pre.parallel.strategy}; memfit.fit does not "
+                 "apply a plan to a DeepSpeed / FSDP2 run (`memfit plan` across GPUs gives one); training with recovery")
         return _Planned(pre, None, memfit_checkpointing)
     spec = pre.estimate.gpu
     chosen = _agreed_plan(trainer, pre, gpu=gpu, budget_bytes=budget_bytes, margin=margin)
