@@ -155,3 +155,24 @@ def test_fsdp1_cpu_offload_is_refused_in_one_line(tiny_bert_dir, tmp_path, capsy
                  "--fsdp-config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
     assert "FSDP1 with CPU offload" in err and len(err.splitlines()) == 1
+
+
+def test_estimate_next_to_a_live_zero3_config(tiny_bert_dir):
+    """A ZeRO-3 TrainingArguments in the same process registers its config with transformers, which then builds
+    every model under deepspeed.zero.Init; memfit's meta models failed there ("Cannot copy out of meta tensor")
+    unless memfit.fit hid it. Every simulation hides it now, and it is registered again after."""
+    pytest.importorskip("deepspeed")
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    live = hf_deepspeed.HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": 2})
+    try:
+        assert hf_deepspeed.is_deepspeed_zero3_enabled()
+        for parallel in (None, ParallelSetup(world_size=2, strategy="zero3"), ParallelSetup(world_size=2,
+                                                                                            strategy="fsdp")):
+            r = estimate(tiny_bert_dir, max_length=16, per_device_train_batch_size=2, eval_strategy="no",
+                         parallel=parallel)
+            assert r.peak_allocated_bytes > 0
+            assert hf_deepspeed.is_deepspeed_zero3_enabled()  # the user's config is back
+    finally:
+        hf_deepspeed.unset_hf_deepspeed_config()
+    del live

@@ -27,8 +27,8 @@ only this module changes:
   (`begin_checkpoint_run`, `rotate_run_checkpoints`, `end_checkpoint_run`).
 - `Trainer.is_deepspeed_enabled` / `is_fsdp_enabled`: checkpoints in another layout
   (`uses_sharded_checkpoints`).
-- transformers.integrations.deepspeed `_hf_deepspeed_config_weak_ref` (the live ZeRO config a DeepSpeed
-  Trainer registers): hidden while memfit simulates (`without_hf_deepspeed_config`, issue 14).
+- (transformers.integrations.deepspeed `_hf_deepspeed_config_weak_ref`, the live ZeRO config a DeepSpeed
+  Trainer registers, is hidden by every meta model build: memfit.models.build.without_hf_deepspeed_config, re-exported here.)
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import uuid
 from typing import Any, Callable
 
 from memfit.fitting.distributed import is_distributed
+from memfit.models.build import without_hf_deepspeed_config  # re-exported: moved to the model builds (issue 14)
 
 logger = logging.getLogger("memfit.fit")
 
@@ -86,32 +87,6 @@ def preserve_accelerator_state():
         for cls, state in saved:
             if state and not cls._shared_state:
                 cls._shared_state.update(state)
-
-
-@contextlib.contextmanager
-def without_hf_deepspeed_config():
-    """Hide a live DeepSpeed ZeRO-3 Trainer's config from transformers while memfit builds its meta models.
-
-    With ZeRO-3 transformers' `is_deepspeed_zero3_enabled()` reads the config a DeepSpeed `TrainingArguments`
-    registered (`set_hf_deepspeed_config`, a weak reference), and `PreTrainedModel._from_config` then builds
-    every model under `deepspeed.zero.Init`, which partitions parameters as they are made and fails on
-    memfit's meta tensors ("Cannot copy out of meta tensor"). The reference is unset inside and set back after.
-    """
-    try:
-        from transformers.integrations import deepspeed as hf_deepspeed
-    except ImportError:  # pragma: no cover - transformers without its DeepSpeed integration
-        yield
-        return
-    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
-    live = ref() if ref is not None else None
-    if live is None:
-        yield
-        return
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed.set_hf_deepspeed_config(live)
 
 
 def reset_eval_dataloaders(trainer: Any) -> None:

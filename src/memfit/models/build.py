@@ -118,8 +118,35 @@ def _quiet_hub():
 
 
 @contextlib.contextmanager
+def without_hf_deepspeed_config():
+    """Hide a live DeepSpeed ZeRO-3 Trainer's config from transformers while memfit builds its meta models.
+
+    With ZeRO-3 transformers' `is_deepspeed_zero3_enabled()` reads the config a DeepSpeed `TrainingArguments`
+    registered (`set_hf_deepspeed_config`, a weak reference), and `PreTrainedModel._from_config` then builds
+    every model under `deepspeed.zero.Init`, which partitions parameters as they are made and fails on
+    memfit's meta tensors ("Cannot copy out of meta tensor"). The reference is unset inside and set back after.
+    """
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover - transformers without its DeepSpeed integration
+        yield
+        return
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    live = ref() if ref is not None else None
+    if live is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(live)
+
+
+@contextlib.contextmanager
 def _meta_init() -> Iterator[None]:
-    """Build modules on the meta device; a parameter registered twice stays one parameter.
+    """Build modules on the meta device; a parameter registered twice stays one parameter (and never under a
+    live ZeRO-3 config's `deepspeed.zero.Init`: `without_hf_deepspeed_config`).
 
     `torch.device("meta")` puts every tensor a constructor creates on meta. A few models create
     weights with the legacy `torch.FloatTensor(...)` constructor, which ignores the default device
@@ -153,7 +180,7 @@ def _meta_init() -> Iterator[None]:
 
     nn.Module.register_parameter = register_parameter
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), without_hf_deepspeed_config():
             yield
     finally:
         nn.Module.register_parameter = original

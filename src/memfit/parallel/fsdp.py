@@ -39,7 +39,7 @@ from memfit.parallel import _dist_adapter as dadapter
 from memfit.parallel.setup import ParallelSetup
 from memfit.sim.engine import Simulation, _Runner
 from memfit.sim.tracker import StorageTracker
-from memfit.sim.quiet import quiet_upstream
+from memfit.sim.quiet import isolated_simulation
 from memfit.train_setup import TrainSetup
 
 __all__ = ["simulate_fsdp", "ShardTracker"]
@@ -179,7 +179,7 @@ def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps
         raise MemfitError("FSDP1 with CPU offload (`fsdp_offload_params` / `offload`) is not modelled by memfit; "
                           "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy is")
     replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
-    with quiet_upstream(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
+    with isolated_simulation(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
         runner = _FsdpRunner(setup, parallel, mesh)
         tracker = runner.tracker
         with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed), \

@@ -34,7 +34,7 @@ from torch import nn
 from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.errors import MemfitError
 from memfit.models.limits import check_sequence_lengths
-from memfit.sim.quiet import quiet_upstream
+from memfit.sim.quiet import isolated_simulation
 from memfit.models.build import ModelSpec, build_meta_model, resolve_config, to_empty_tied
 from memfit.models.quantization import (capture, meta_safe_deepcopy, parameter_count, prepare_for_kbit_training,
                                         quant_spec, quant_state_tensors, quantization_summary, quantize_meta_model,
@@ -663,7 +663,7 @@ def simulate(
     for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
     """
     kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
-    with quiet_upstream():
+    with isolated_simulation():
         if splice and not optimizer_only and trl_steps.wants_splice(setup):  # train=False: the evaluation (issue 15)
             try:
                 return _Runner(setup, fake=fake, splice=True).run(**kwargs)

@@ -8,6 +8,12 @@ deprecations (peft's `PeftModel.__init__` calls transformers 5's deprecated
 `prepare_model_for_kbit_training`'s float32 casts). memfit states what matters in its own notes.
 `quiet_upstream()` silences Python warnings and sets transformers' logging to errors only for
 the duration, then restores both.
+
+Nor may a live run around memfit change a simulation: `without_hf_deepspeed_config()`
+(memfit.models.build, where every meta model is built) hides the ZeRO-3 config a DeepSpeed Trainer
+in the same process registers (memfit.estimate called next to such a trainer, MemfitCallback,
+memfit.fit's preflight), which would build memfit's models under `deepspeed.zero.Init`. Every
+simulation runs in `isolated_simulation()`: both.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 
-__all__ = ["quiet_upstream"]
+from memfit.models.build import without_hf_deepspeed_config
+
+__all__ = ["quiet_upstream", "isolated_simulation"]
 
 
 @contextlib.contextmanager
@@ -32,3 +40,10 @@ def quiet_upstream() -> Iterator[None]:
             yield
         finally:
             hf_logging.set_verbosity(before)
+
+
+@contextlib.contextmanager
+def isolated_simulation() -> Iterator[None]:
+    """`quiet_upstream()` and `without_hf_deepspeed_config()`: what every simulation runs in."""
+    with quiet_upstream(), without_hf_deepspeed_config():
+        yield
