@@ -111,8 +111,9 @@ def test_a_model_that_does_not_fit_one_gpu_gets_a_sharded_plan_that_fits(states_
     v = next(x for x in VARIANTS if x.key == best.variant)
     from memfit.planner.launch import parallel_setup_for
 
-    par = parallel_setup_for(v, world_size=4, nodes=1, hidden_size=1024, precision=s.precision)
-    check = estimate(s.replace(**best.setup_changes), gpu=gpu, parallel=par, capacity_bytes=r.capacity_bytes)
+    chosen = s.replace(**best.setup_changes)  # precision is searched too: the candidate's, not the setup's
+    par = parallel_setup_for(v, world_size=4, nodes=1, hidden_size=1024, precision=chosen.precision)
+    check = estimate(chosen, gpu=gpu, parallel=par, capacity_bytes=r.capacity_bytes)
     assert check.fits and check.peak_allocated_bytes == best.peak_allocated_bytes
     ddp = estimate(s.replace(**best.setup_changes), gpu=gpu, parallel=par.replace(strategy="ddp"),
                    capacity_bytes=r.capacity_bytes)
@@ -144,8 +145,17 @@ def test_launch_files_parse_and_round_trip_to_the_same_estimate(states_heavy_ber
     assert cluster.num_processes == 4
     b, a = chosen["per_device_train_batch_size"], chosen["gradient_accumulation_steps"]
     again = [*common[:1], "--batch-size", str(b), "--grad-accum", str(a), *common[5:], "--gpus", "4x1800MiB"]
-    if chosen["setup_changes"].get("gradient_checkpointing"):
+    changes = dict(chosen["setup_changes"])
+    changes.pop("per_device_train_batch_size", None), changes.pop("gradient_accumulation_steps", None)
+    if changes.pop("gradient_checkpointing", False):
         again.append("--gradient-checkpointing")
+    if "precision" in changes:  # searched across GPUs too (and with it FlashAttention-2)
+        again += ["--precision", changes.pop("precision")]
+    if "attn_implementation" in changes:
+        again += ["--attn", changes.pop("attn_implementation")]
+    if changes.pop("use_liger_kernel", False):
+        again.append("--liger")
+    assert changes == {}  # every change of the plan is passed on
     if strategy == "zero3":
         assert str(cluster.distributed_type).endswith("DEEPSPEED")
         assert cluster.deepspeed_config["deepspeed_config_file"] == DS_FILE
@@ -233,3 +243,54 @@ def test_write_launch_refuses_an_existing_file_before_simulating(tiny_bert_dir, 
     (tmp_path / ACCELERATE_FILE).write_text("mine")
     assert main(["plan", tiny_bert_dir, "--max-length", "16", "--gpus", "2xT4", "--write-launch", str(tmp_path)]) == 2
     assert "exists" in capsys.readouterr().err and (tmp_path / ACCELERATE_FILE).read_text() == "mine"
+
+
+# -- precision and the optimizer, searched across GPUs -------------------------------------------------------------
+
+def test_only_mixed_precision_makes_zero3_fit_and_the_launch_carries_it(states_heavy_bert):
+    """ZeRO-3 with checkpointing already on and one sample per GPU: in fp32 rank 0 needs about 940 MiB reserved,
+    in bf16 (DeepSpeed casts the model: bf16 partitions and gathers, half the activations) about 680 MiB."""
+    s = _setup(states_heavy_bert, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_length=512,
+               gradient_checkpointing=True)
+    r = plan_parallel(s, gpus="4x1450MiB", strategies=("zero3",))
+    best = r.chosen_candidate
+    assert best is not None and best.fits and best.variant == "zero3"  # on the GPUs, not the offload tier
+    assert best.setup_changes["precision"] == "bf16"  # generic GPUs are compute capability 8.0
+    v = next(x for x in VARIANTS if x.key == "zero3")
+    from memfit.planner.launch import parallel_setup_for
+
+    fp32 = parallel_setup_for(v, world_size=4, nodes=1, hidden_size=1024, precision="fp32")
+    as_is = estimate(s.replace(**{k: x for k, x in best.setup_changes.items() if k not in ("precision",
+                                                                                          "attn_implementation")}),
+                     gpu="1450MiB", parallel=fp32, capacity_bytes=r.capacity_bytes)
+    assert as_is.fits is False  # what precision bought
+    assert r.launch.training_args["bf16"] is True and r.launch.training_args["deepspeed"] == DS_FILE
+    ds = json.loads(r.launch.files[DS_FILE])
+    assert ds["bf16"] == {"enabled": "auto"}  # transformers fills it from TrainingArguments(bf16=True)
+    assert r.simulations <= 4
+
+
+def test_only_a_smaller_optimizer_state_makes_ddp_fit(states_heavy_bert):
+    """DDP keeps AdamW's 8 bytes per parameter on every GPU (82.7M parameters: 631 MiB); no micro-batch,
+    checkpointing or precision fits, 8-bit AdamW or Adafactor does (tried only then: another optimizer)."""
+    s = _setup(states_heavy_bert)
+    r = plan_parallel(s, gpus="4x2150MiB", strategies=("ddp",))
+    best = r.chosen_candidate
+    assert best is not None and best.fits and best.variant == "ddp"
+    assert best.setup_changes["optim"] in ("adamw_bnb_8bit", "adafactor")
+    same_optimizer = [c for c in r.candidates if "optim" not in c.setup_changes]
+    assert same_optimizer and not any(c.fits for c in same_optimizer)
+    # the leanest of the setup's optimizer (checkpointing, micro-batch 1) was simulated and did not fit
+    assert any(c.setup_changes.get("gradient_checkpointing") and c.per_device_train_batch_size == 1
+               and "precision" not in c.setup_changes for c in same_optimizer)
+    assert r.launch.training_args["optim"] == best.setup_changes["optim"]
+    if best.setup_changes["optim"] == "adamw_bnb_8bit":
+        assert "# pip install bitsandbytes" in r.launch.code
+
+
+def test_optimizers_the_engines_simulation_does_not_model_are_refused_with_a_reason():
+    from memfit.planner.parallel_plan import _optimizer_refusal
+
+    assert "AdamW's partitioned state" in _optimizer_refusal("zero2", "adamw_bnb_8bit")
+    assert "DTensor" in _optimizer_refusal("fsdp", "adafactor")
+    assert _optimizer_refusal("fsdp", "adamw_bnb_8bit") is None and _optimizer_refusal("ddp", "adafactor") is None

@@ -163,7 +163,13 @@ def parallel_setup_for(v: Variant, *, world_size: int, nodes: int, hidden_size: 
         return ParallelSetup(world_size=world_size, nodes=nodes, strategy="ddp")
     if v.strategy == "fsdp":
         opts, cfg = fsdp_arguments(v)
-        return parallel_from_fsdp_args(opts, cfg, world_size=world_size, nodes=nodes)[0]
+        par = parallel_from_fsdp_args(opts, cfg, world_size=world_size, nodes=nodes)[0]
+        if precision in ("fp16", "bf16"):
+            # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:
+            # param_dtype = reduce_dtype = the precision's dtype), as `memfit estimate --fsdp` and the accelerate config
+            # reader (memfit.parallel.accelerate_config) apply it
+            par = par.replace(param_dtype=precision, reduce_dtype=precision)
+        return par
     zero, notes = zero_settings_from_deepspeed(deepspeed_config(v, hidden_size=hidden_size), hidden_size=hidden_size,
                                                precision=precision)
     return ParallelSetup(world_size=world_size, nodes=nodes, strategy=v.strategy, zero=zero, notes=tuple(notes))

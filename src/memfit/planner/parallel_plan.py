@@ -30,8 +30,15 @@ leaner kernels, micro-batch 1) does not fit is dropped after that one simulation
 simulated when a leaner one of its strategy (checkpointing on where it is off, leaner kernels) already failed
 at its micro-batch or a smaller one (memory grows with the micro-batch and shrinks with either remedy).
 
-Known limitations: the memory of a candidate is rank 0's (memfit.parallel); precision, optimizer and the
-opt-in remedies are not searched (the setup's are kept); the step time is a model (its assumptions are in
+Precision and optimizer (`_families`): each strategy is also tried in mixed precision where
+memfit.remedies.mixed_precision applies (bf16 on compute capability 8.0+, else fp16; for ZeRO the DeepSpeed
+dtype, for FSDP2 the MixedPrecisionPolicy accelerate sets from it) and, only when nothing with the setup's
+optimizer fits, with memfit.remedies.optimizer's 8-bit AdamW / Adafactor (not the paged ones: their state is
+outside PyTorch's allocator), where the strategy's per-rank simulation models them (`_optimizer_refusal`).
+Leanness and the dropping of a strategy are judged within one precision / optimizer family.
+
+Known limitations: the memory of a candidate is rank 0's (memfit.parallel); the opt-in remedies are not
+searched (the setup's are kept); the step time is a model (its assumptions are in
 memfit.planner.throughput and memfit.planner.comm), meant to rank candidates, not to predict seconds.
 """
 
@@ -125,15 +132,27 @@ class ParallelPlanResult:
 class _Group:
     variant: Variant
     order: int
-    changes: dict[str, Any]  #: checkpointing and kernel changes
+    changes: dict[str, Any]  #: precision, optimizer, checkpointing and kernel changes
     lean: tuple[int, int]  #: (checkpointing, kernels) index on each axis: higher is leaner
+    family: tuple = ()  #: the precision / optimizer changes, sorted: leanness compares within one family only
+    method: int = 0  #: 0: the setup's optimizer; 1: another optimizer (memfit.planner.search's "other optimizer")
 
     @property
     def lean_rank(self) -> int:
         return sum(self.lean)
 
+    @property
+    def dead_key(self) -> tuple:
+        return (self.variant.key, self.family)
+
+    @property
+    def rank_tier(self) -> tuple[int, int]:
+        """What is preferred before speed: the setup's optimizer, then the GPUs alone before CPU offload."""
+        return (self.method, self.variant.tier)
+
     def leaner_or_equal(self, other: "_Group") -> bool:
-        return self.variant.key == other.variant.key and all(a >= b for a, b in zip(self.lean, other.lean))
+        return (self.variant.key == other.variant.key and self.family == other.family
+                and all(a >= b for a, b in zip(self.lean, other.lean)))
 
 
 @dataclass
@@ -202,6 +221,48 @@ def _step(v: Variant, par, s: TrainSetup, m: _Model, spec: GpuSpec, ic: Intercon
     return comm_step_time(colls, micro_compute_s=micro, accumulation=a, optimizer_s=opt, ic=ic, nodes=nodes), colls
 
 
+#: optimizers the multi-GPU search offers (memfit.remedies.optimizer `_variants`, less the paged ones: their state
+#: lives in CUDA managed memory outside PyTorch's allocator, which the per-rank budget does not model)
+_SEARCHED_OPTIMIZERS = ("adamw_bnb_8bit", "adafactor")
+
+
+def _optimizer_refusal(strategy: str, optim: str) -> str | None:
+    """Why a strategy's per-rank simulation does not model `optim` (None: it does).
+
+    * ZeRO: memfit.parallel.zero `zero_buffers` lays out AdamW's fp32 master, exp_avg and exp_avg_sq partitions
+      (DeepSpeed's FusedAdam / DeepSpeedCPUAdam); a client optimizer's state is not modelled.
+    * FSDP2 + Adafactor: transformers' Adafactor (optimization.py `Adafactor.step`) mixes plain tensors into the
+      DTensor shards' update; memfit's run of FSDP2's real code stops there with "aten.add_.Tensor got mixed
+      torch.Tensor and DTensor".
+    """
+    if strategy.startswith("zero"):
+        return (f"DeepSpeed ZeRO with `{optim}`: memfit.parallel.zero models AdamW's partitioned state, not a client "
+                "optimizer's")
+    if strategy == "fsdp" and optim == "adafactor":
+        return ("FSDP2 with `adafactor`: transformers' Adafactor mixes plain tensors with FSDP2's DTensor shards "
+                "(aten.add_ got mixed torch.Tensor and DTensor)")
+    return None
+
+
+def _families(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], int]]:
+    """(precision / optimizer changes, method) the search crosses with each strategy.
+
+    Precision: the setup's and, when memfit.remedies.mixed_precision applies (an fp32 setup), its variant (bf16 on
+    compute capability 8.0+, else fp16). Optimizer: the setup's, then (method 1, tried only when nothing with the
+    setup's optimizer fits) memfit.remedies.optimizer's 8-bit AdamW / Adafactor.
+    """
+    from memfit.remedies import REGISTRY
+
+    mp, opt = REGISTRY["mixed_precision"], REGISTRY["optimizer"]
+    precisions: list[dict[str, Any]] = [{}]
+    if mp.check(setup, spec).applies:
+        precisions += mp.variants(setup, spec)
+    optims: list[dict[str, Any]] = [{}]
+    if opt.check(setup, spec).applies:
+        optims += [o for o in opt.variants(setup, spec) if o["optim"] in _SEARCHED_OPTIMIZERS]
+    return [({**p, **o}, 1 if o else 0) for o in optims for p in precisions]
+
+
 def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], tuple[int, int]]]:
     """(checkpointing + kernel changes, leanness) of the single-GPU remedies that still apply under sharding."""
     from memfit.planner.search import _kernel_axis
@@ -212,7 +273,7 @@ def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], tuple[
     if verdicts["gradient_checkpointing"].applies:
         ckpts.append(REGISTRY["gradient_checkpointing"].variants(setup, spec)[0])
     kernels = [k for k in _kernel_axis(setup, spec, verdicts, allow=(), exclude=()) if "load_in_4bit" not in k]
-    if setup.precision == "fp32":  # FlashAttention-2 runs in fp16/bf16 only; precision is not searched here
+    if setup.precision == "fp32":  # FlashAttention-2 runs in fp16/bf16 only
         kernels = [k for k in kernels if "attn_implementation" not in k] or [{}]
         kernels = [k for i, k in enumerate(kernels) if k not in kernels[:i]]
     out = []
@@ -294,19 +355,31 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     notes = [n for n in [ic.note] if n]
     m = _model_facts(setup, spec)
     variants = [v for v in VARIANTS if v.strategy in allowed]
-    axes = _axes(setup, spec)
-    pars = {v.key: parallel_setup_for(v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size,
-                                      precision=setup.precision) for v in variants}
+    families = _families(setup, spec)
+    pars = {(v.key, setup.replace(**fam).precision): parallel_setup_for(
+        v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size, precision=setup.replace(**fam).precision)
+        for v in variants for fam, _ in families}
 
     def changed(group: _Group, b: int) -> TrainSetup:
         return setup.replace(**group.changes, per_device_train_batch_size=b, gradient_accumulation_steps=per_rank // b)
 
-    def modelled(group: _Group, b: int) -> tuple[StepTime, list[Collective]]:
-        return _step(group.variant, pars[group.variant.key], changed(group, b), m, spec, ic, nodes)
+    def par_of(group: _Group):
+        return pars[(group.variant.key, group.changes.get("precision", setup.precision))]
 
-    groups = [_Group(v, i, dict(ch), lean) for i, v in enumerate(variants) for ch, lean in axes]
-    groups.sort(key=lambda g: (g.variant.tier, modelled(g, micro_batches[-1])[0].total_s, g.order, -g.lean_rank))
-    leanest = max(sum(lean) for _, lean in axes)
+    def modelled(group: _Group, b: int) -> tuple[StepTime, list[Collective]]:
+        return _step(group.variant, par_of(group), changed(group, b), m, spec, ic, nodes)
+
+    groups: list[_Group] = []
+    not_modelled: dict[str, None] = {}
+    for fam, method in families:
+        axes = _axes(setup.replace(**fam), spec)
+        for i, v in enumerate(variants):
+            why = _optimizer_refusal(v.strategy, fam["optim"]) if "optim" in fam else None
+            if why:
+                not_modelled[why] = None
+                continue
+            groups += [_Group(v, i, {**fam, **ch}, lean, tuple(sorted(fam.items())), method) for ch, lean in axes]
+    groups.sort(key=lambda g: (g.rank_tier, modelled(g, micro_batches[-1])[0].total_s, g.order, -g.lean_rank))
     candidates: list[ParallelCandidate] = []
     tried: dict[tuple, ParallelCandidate] = {}
     dead: set[str] = set()
@@ -315,14 +388,14 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     failed: list[tuple[_Group, int, ParallelCandidate]] = []
     sims = 0
     best: ParallelCandidate | None = None
-    best_rank = (0, 0)  # (tier, order) of the best's variant
+    best_rank: tuple = ((0, 0), 0)  # (rank_tier, order) of the best's group
 
     def could_beat(g: _Group, t: float) -> bool:
         """A candidate of `g` taking `t` would replace the best (module docstring: TIE_FRACTION)."""
         if best is None:
             return True
-        if g.variant.tier != best_rank[0]:
-            return g.variant.tier < best_rank[0]
+        if g.rank_tier != best_rank[0]:
+            return g.rank_tier < best_rank[0]
         limit = best.step.total_s * ((1 + TIE_FRACTION) if g.order < best_rank[1] else (1 - TIE_FRACTION))
         return t < limit or (g.order == best_rank[1] and t < best.step.total_s)
 
@@ -337,7 +410,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
             if other.leaner_or_equal(group) and ob <= b:
                 return oc
         s = changed(group, b)
-        par = pars[group.variant.key]
+        par = par_of(group)
         sims += 1
         try:
             report = estimate(s, gpu=spec, parallel=par, capacity_bytes=capacity, alloc_conf=alloc_conf)
@@ -376,7 +449,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     stopped = False
     for g in groups:
         v = g.variant
-        if v.key in dead:
+        if g.dead_key in dead:
             continue
         if not could_beat(g, modelled(g, micro_batches[-1])[0].total_s):
             continue
@@ -393,10 +466,11 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         if first.fits:  # the largest first: often enough
             found = worth[-1]
         else:
-            lean_group = next(x for x in groups if x.variant.key == v.key and x.lean_rank == leanest)
+            kin = [x for x in groups if x.dead_key == g.dead_key]
+            lean_group = max(kin, key=lambda x: x.lean_rank)
             lean = simulate(lean_group, micro_batches[0]) if sims < max_simulations else None
             if lean is not None and not lean.fits:
-                dead.add(v.key)  # its leanest candidate does not fit: nothing of this strategy does
+                dead.add(g.dead_key)  # its leanest candidate does not fit: nothing of this strategy (and family) does
                 continue
             lo, hi = 0, len(worth) - 2
             while lo <= hi and sims < max_simulations:
@@ -409,8 +483,9 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         if found is not None:
             c = tried[(v.key, tuple(sorted(g.changes.items())), found)]
             if could_beat(g, c.step.total_s):
-                best, best_rank = c, (v.tier, g.order)
+                best, best_rank = c, (g.rank_tier, g.order)
     notes += [f"not simulated: {r}" for r in refused[:3]]
+    notes += [f"not searched: {why}" for why in not_modelled]
     if stopped:
         notes.append(f"stopped after {sims} simulations (max_simulations); a faster plan may exist")
     chosen = None if best is None else candidates.index(best)
@@ -421,7 +496,8 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         if best.alloc_conf:
             env = dict(env, PYTORCH_CUDA_ALLOC_CONF=best.alloc_conf)
         launch = launch_for(v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size,
-                            precision=setup.precision, training_args=args, env=env, code=code, script=script,
+                            precision=setup.replace(**best.setup_changes).precision, training_args=args, env=env,
+                            code=code, script=script,
                             accumulation=best.gradient_accumulation_steps)
     return ParallelPlanResult(
         gpu={"name": spec.name, "total_bytes": spec.total_bytes}, world_size=world_size, nodes=nodes,
