@@ -294,3 +294,42 @@ def test_optimizers_the_engines_simulation_does_not_model_are_refused_with_a_rea
     assert "AdamW's partitioned state" in _optimizer_refusal("zero2", "adamw_bnb_8bit")
     assert "DTensor" in _optimizer_refusal("fsdp", "adafactor")
     assert _optimizer_refusal("fsdp", "adamw_bnb_8bit") is None and _optimizer_refusal("ddp", "adafactor") is None
+
+
+# -- the accelerate config the plan writes, read back ----------------------------------------------------------------
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_every_variants_accelerate_config_reads_back_to_the_simulated_setup(tmp_path, precision, nodes):
+    """memfit.parallel.accelerate_config reads what `accelerate launch --config_file` would launch: the same
+    ParallelSetup the plan simulated, for every strategy and precision (the DeepSpeed JSON through the YAML's
+    `deepspeed_config_file`, the Trainer's fp16/bf16 as `trainer_precision`)."""
+    from memfit.parallel.accelerate_config import parallel_from_accelerate_config
+    from memfit.planner.launch import parallel_setup_for
+
+    args = {} if precision == "fp32" else {precision: True}
+    for v in VARIANTS:
+        folder = tmp_path / v.key
+        L = launch_for(v, world_size=8, nodes=nodes, hidden_size=64, precision=precision, training_args=dict(args))
+        write_launch(folder, L)
+        back = parallel_from_accelerate_config(folder / ACCELERATE_FILE, hidden_size=64,
+                                               trainer_precision=None if precision == "fp32" else precision)
+        want = parallel_setup_for(v, world_size=8, nodes=nodes, hidden_size=64, precision=precision)
+        assert back.parallel == want, v.key
+        assert back.precision == precision and back.gradient_checkpointing is False
+
+
+def test_the_chosen_plans_accelerate_config_gives_the_same_per_rank_estimate(tiny_bert_dir, tmp_path):
+    from memfit.parallel.accelerate_config import parallel_from_accelerate_config
+
+    s = _setup(tiny_bert_dir, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_length=16)
+    r = plan_parallel(s, gpus="2xA100-40GB", strategies=("fsdp",))
+    best = r.chosen_candidate
+    assert best is not None and best.setup_changes.get("precision") == "bf16"  # A100: bf16 is modelled faster
+    write_launch(tmp_path, r.launch)
+    back = parallel_from_accelerate_config(tmp_path / ACCELERATE_FILE, hidden_size=64, trainer_precision="bf16")
+    assert back.parallel.param_dtype == "bf16"  # accelerate's MixedPrecisionPolicy, as simulated
+    again = estimate(s.replace(**best.setup_changes), gpu="A100-40GB", parallel=back.parallel,
+                     capacity_bytes=r.capacity_bytes)
+    assert again.peak_allocated_bytes == best.peak_allocated_bytes
+    assert again.peak_reserved_bytes == best.peak_reserved_bytes
