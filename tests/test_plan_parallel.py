@@ -333,3 +333,31 @@ def test_the_chosen_plans_accelerate_config_gives_the_same_per_rank_estimate(tin
                      capacity_bytes=r.capacity_bytes)
     assert again.peak_allocated_bytes == best.peak_allocated_bytes
     assert again.peak_reserved_bytes == best.peak_reserved_bytes
+
+
+# -- `--allow` opt-ins across GPUs ------------------------------------------------------------------------------------
+
+def test_only_lora_makes_ddp_fit_when_allowed(states_heavy_bert):
+    """bf16 and Adafactor already (no precision or optimizer left to search): DDP's replicated weights, gradients
+    and buckets do not fit 4 x 1650 MiB at any micro-batch; LoRA's frozen base does, and only with `--allow lora`."""
+    s = _setup(states_heavy_bert, precision="bf16", optim="adafactor", compute_capability=(8, 0))
+    r = plan_parallel(s, gpus="4x1650MiB", strategies=("ddp",), allow=("lora",))
+    best = r.chosen_candidate
+    assert best is not None and best.fits and best.setup_changes["lora_r"] == 16
+    same_method = [c for c in r.candidates if "lora_r" not in c.setup_changes]
+    assert len(same_method) == 2 and not any(c.fits for c in same_method)  # the largest micro-batch, the leanest
+    assert any("get_peft_model" in line for line in r.launch.code)  # the single-GPU remedy's change
+    assert r.simulations <= 5
+
+
+def test_qlora_is_searched_with_ddp_only_and_offload_is_an_error(tiny_bert_dir, capsys):
+    from memfit.planner.parallel_plan import _refusal
+
+    q = {"load_in_4bit": True, "lora_r": 16}
+    assert "QLoRA under FSDP" in _refusal("fsdp", q) and "QLoRA under DeepSpeed ZeRO" in _refusal("zero3", q)
+    assert _refusal("ddp", q) is None and _refusal("zero3", {"lora_r": 16}) is None
+    assert main(["plan", tiny_bert_dir, "--max-length", "16", "--gpus", "2xT4", "--allow", "offload"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "engines' own CPU offload" in err and len(err.splitlines()) == 1
+    assert main(["plan", tiny_bert_dir, "--max-length", "16", "--gpus", "2xT4", "--allow", "nope"]) == 2
+    assert "cannot allow `nope`" in capsys.readouterr().err

@@ -191,9 +191,6 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
         if getattr(args, flag, None) is not None:
             raise MemfitError(f"`memfit plan` chooses the engine and writes its config; drop `--{flag.replace('_', '-')}` "
                               "(`memfit estimate --gpus ... --" + flag.replace('_', '-') + " ...` checks a config you have)")
-    if args.allow:
-        raise MemfitError(f"`--allow {args.allow}`: the opt-in remedies are not searched across GPUs yet; plan one GPU "
-                          "with `--gpu` for them")
     if args.force and not args.write_launch:
         raise MemfitError("`--force` replaces launch files: give `--write-launch DIR` as well")
     if args.write_launch and not args.force:  # every plan writes the accelerate config: fail before simulating
@@ -218,7 +215,8 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
         raise MemfitError(f"--gpus `{args.gpus}` and --world-size `{args.world_size}` differ; give one of them")
     kw = dict(nodes=args.nodes or 1, margin=args.margin, strategies=(args.strategy,) if args.strategy else None,
               interconnect=args.interconnect, network_gbps=args.network_gbps, alloc_conf=args.alloc_conf,
-              max_simulations=args.max_simulations or DEFAULT_MAX_SIMULATIONS, script=args.script)
+              max_simulations=args.max_simulations or DEFAULT_MAX_SIMULATIONS, script=args.script,
+              allow=tuple(a for a in (args.allow or "").split(",") if a.strip()))  # --allow across GPUs (issue 14)
     if len(kinds) == 1:
         results, best = [plan_parallel(setup, gpu=kinds[0][1], world_size=kinds[0][0], **kw)], 0
         if results[0].chosen is None:
@@ -293,8 +291,8 @@ def render_parallel(r, *, chosen_kind: bool = False) -> None:
             "modelled time of one optimizer step; comm: its exposed communication and host copies[/dim]")
     best = r.chosen_candidate
     if best is None:
-        c.print("[red]Nothing fits[/red] on these GPUs (also with CPU offload); more or larger GPUs, or `memfit plan "
-                "--gpu ... --allow ...` for the opt-in remedies.")
+        c.print("[red]Nothing fits[/red] on these GPUs (also with CPU offload); more or larger GPUs, or `--allow` "
+                "opt-in remedies (truncation, lora, qlora, freeze).")
     else:
         per_step = sum(x["bytes_per_step"] for x in best.collectives)
         c.print(f"[bold]Chosen[/bold]: {best.strategy}, micro-batch {best.per_device_train_batch_size} x accumulation "

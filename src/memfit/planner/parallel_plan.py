@@ -37,8 +37,11 @@ optimizer fits, with memfit.remedies.optimizer's 8-bit AdamW / Adafactor (not th
 outside PyTorch's allocator), where the strategy's per-rank simulation models them (`_optimizer_refusal`).
 Leanness and the dropping of a strategy are judged within one precision / optimizer family.
 
-Known limitations: the memory of a candidate is rank 0's (memfit.parallel); the opt-in remedies are not
-searched (the setup's are kept); the step time is a model (its assumptions are in
+Opt-ins (`allow`): the single-GPU remedies' truncation, LoRA, freezing and QLoRA variants, each alone, tried
+only when nothing without them fits, verified per rank as the others; QLoRA only with DDP (`_refusal`).
+
+Known limitations: the memory of a candidate is rank 0's (memfit.parallel); opt-ins are not combined with each
+other or with another optimizer; the step time is a model (its assumptions are in
 memfit.planner.throughput and memfit.planner.comm), meant to rank candidates, not to predict seconds.
 """
 
@@ -135,7 +138,7 @@ class _Group:
     changes: dict[str, Any]  #: precision, optimizer, checkpointing and kernel changes
     lean: tuple[int, int]  #: (checkpointing, kernels) index on each axis: higher is leaner
     family: tuple = ()  #: the precision / optimizer changes, sorted: leanness compares within one family only
-    method: int = 0  #: 0: the setup's optimizer; 1: another optimizer (memfit.planner.search's "other optimizer")
+    method: int = 0  #: 0: the setup's method; 1: another optimizer; 2: an `--allow` opt-in (as memfit.planner.search)
 
     @property
     def lean_rank(self) -> int:
@@ -147,7 +150,8 @@ class _Group:
 
     @property
     def rank_tier(self) -> tuple[int, int]:
-        """What is preferred before speed: the setup's optimizer, then the GPUs alone before CPU offload."""
+        """What is preferred before speed: the setup's optimizer, then another one, then the opt-ins; within each,
+        the GPUs alone before CPU offload."""
         return (self.method, self.variant.tier)
 
     def leaner_or_equal(self, other: "_Group") -> bool:
@@ -226,6 +230,25 @@ def _step(v: Variant, par, s: TrainSetup, m: _Model, spec: GpuSpec, ic: Intercon
 _SEARCHED_OPTIMIZERS = ("adamw_bnb_8bit", "adafactor")
 
 
+#: what the `--allow` opt-ins bring across GPUs: the single-GPU remedies' own variants (memfit.remedies), each alone
+_OPT_INS = ("sequence_length", "lora", "freeze", "qlora")
+
+
+def _refusal(strategy: str, family: dict[str, Any]) -> str | None:
+    """Why a strategy's per-rank simulation does not model a precision / optimizer / opt-in family (None: it does).
+
+    * QLoRA under ZeRO or FSDP: memfit.parallel.zero lays out ZeRO's partitions in DeepSpeed's 16/32-bit dtype
+      (rank.py `simulate_rank` casts the model: `weights_dtype=dtype`) and memfit.parallel.fsdp shards floating
+      parameters with `fully_shard`; neither models bitsandbytes' packed 4-bit `Params4bit` weights, so only DDP
+      (every rank holds the whole quantized model, as the single-GPU simulation) is searched with QLoRA.
+    """
+    if family.get("load_in_4bit") and strategy != "ddp":
+        engine = "FSDP" if strategy == "fsdp" else "DeepSpeed ZeRO"
+        return (f"QLoRA under {engine}: memfit's per-rank simulation does not model 4-bit (bitsandbytes Params4bit) "
+                "weights sharded or cast by the engine; only DDP is searched with QLoRA")
+    return _optimizer_refusal(strategy, family["optim"]) if "optim" in family else None
+
+
 def _optimizer_refusal(strategy: str, optim: str) -> str | None:
     """Why a strategy's per-rank simulation does not model `optim` (None: it does).
 
@@ -244,12 +267,15 @@ def _optimizer_refusal(strategy: str, optim: str) -> str | None:
     return None
 
 
-def _families(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], int]]:
-    """(precision / optimizer changes, method) the search crosses with each strategy.
+def _families(setup: TrainSetup, spec: GpuSpec, allow: tuple[str, ...] = ()) -> list[tuple[dict[str, Any], int]]:
+    """(precision / optimizer / opt-in changes, method) the search crosses with each strategy.
 
     Precision: the setup's and, when memfit.remedies.mixed_precision applies (an fp32 setup), its variant (bf16 on
     compute capability 8.0+, else fp16). Optimizer: the setup's, then (method 1, tried only when nothing with the
-    setup's optimizer fits) memfit.remedies.optimizer's 8-bit AdamW / Adafactor.
+    setup's optimizer fits) memfit.remedies.optimizer's 8-bit AdamW / Adafactor. Opt-ins (method 2, only when
+    nothing else fits, and only those in `allow`): each variant of the single-GPU remedies of `_OPT_INS` that
+    apply, alone, with the setup's optimizer, in each precision; QLoRA with memfit.remedies.lora's adapters (a
+    4-bit base trains only through them).
     """
     from memfit.remedies import REGISTRY
 
@@ -260,7 +286,16 @@ def _families(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], in
     optims: list[dict[str, Any]] = [{}]
     if opt.check(setup, spec).applies:
         optims += [o for o in opt.variants(setup, spec) if o["optim"] in _SEARCHED_OPTIMIZERS]
-    return [({**p, **o}, 1 if o else 0) for o in optims for p in precisions]
+    out = [({**p, **o}, 1 if o else 0) for o in optims for p in precisions]
+    for name in _OPT_INS:
+        r = REGISTRY[name]
+        if r.opt_in not in allow or not r.check(setup, spec).applies:
+            continue
+        for var in r.variants(setup, spec):
+            if name == "qlora":
+                var = {**var, **REGISTRY["lora"].variants(setup, spec)[0]}
+            out += [({**p, **var}, 2) for p in precisions]
+    return out
 
 
 def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], tuple[int, int]]]:
@@ -288,7 +323,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
                   margin: float | None = None, strategies: tuple[str, ...] | list[str] | None = None,
                   interconnect: str | None = None, network_gbps: float | None = None,
                   alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
-                  script: str = "train.py") -> ParallelPlanResult:
+                  script: str = "train.py", allow: tuple[str, ...] | list[str] = ()) -> ParallelPlanResult:
     """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
 
     Args:
@@ -305,6 +340,8 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, for every allocator replay.
         max_simulations: stop after this many per-rank simulations with the best found.
         script: the training script named in the commands.
+        allow: opt-in remedies (`truncation`, `lora`, `qlora`, `freeze`; `qlora` allows `lora` too) the search may
+            use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched).
     """
     from memfit.allocator.bounded import bounded_reserved
     from memfit.allocator.conf import parse_alloc_conf
@@ -312,13 +349,17 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     from memfit.gpus.outside_pytorch import non_pytorch_bytes as table
     from memfit.parallel.nccl import nccl_buffer_bytes
     from memfit.parallel.setup import STRATEGIES, ParallelSetup, parse_gpus
-    from memfit.planner.search import DEFAULT_MARGIN, _as_setup, _describe
+    from memfit.planner.search import DEFAULT_MARGIN, _as_setup, _check_options, _describe
 
     started = time.perf_counter()
     setup = _as_setup(setup)
     margin = DEFAULT_MARGIN if margin is None else margin
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of each GPU kept free)")
+    allow = _check_options(margin=margin, allow=tuple(allow), exclude=())
+    if "offload" in allow:
+        raise MemfitError("`--allow offload` with --gpus: the plan already tries the engines' own CPU offload (ZeRO "
+                          "offload_optimizer / offload_param, FSDP2 CPUOffloadPolicy) when nothing fits; drop it")
     if gpus is not None:
         count, name = parse_gpus(gpus)
         if world_size is not None and world_size != count:
@@ -355,7 +396,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     notes = [n for n in [ic.note] if n]
     m = _model_facts(setup, spec)
     variants = [v for v in VARIANTS if v.strategy in allowed]
-    families = _families(setup, spec)
+    families = _families(setup, spec, allow)
     pars = {(v.key, setup.replace(**fam).precision): parallel_setup_for(
         v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size, precision=setup.replace(**fam).precision)
         for v in variants for fam, _ in families}
@@ -374,7 +415,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     for fam, method in families:
         axes = _axes(setup.replace(**fam), spec)
         for i, v in enumerate(variants):
-            why = _optimizer_refusal(v.strategy, fam["optim"]) if "optim" in fam else None
+            why = _refusal(v.strategy, fam)
             if why:
                 not_modelled[why] = None
                 continue
