@@ -12,7 +12,8 @@ from memfit.errors import MemfitError
 from memfit.estimator import estimate
 from memfit.gpus.interconnect import Interconnect, interconnect_for
 from memfit.planner import comm
-from memfit.planner.launch import ACCELERATE_FILE, DS_FILE, FSDP_FILE, VARIANTS, Launch, launch_for, write_launch
+from memfit.planner.launch import (ACCELERATE_FILE, DS_FILE, FSDP_FILE, HYBRID_VARIANTS, VARIANTS, Launch, launch_for,
+                                   write_launch)
 from memfit.planner.parallel_plan import plan_gpu_budget, plan_parallel
 from memfit.train_setup import TrainSetup
 
@@ -308,7 +309,7 @@ def test_every_variants_accelerate_config_reads_back_to_the_simulated_setup(tmp_
     from memfit.planner.launch import parallel_setup_for
 
     args = {} if precision == "fp32" else {precision: True}
-    for v in VARIANTS:
+    for v in VARIANTS + (HYBRID_VARIANTS if nodes > 1 else ()):
         folder = tmp_path / v.key
         L = launch_for(v, world_size=8, nodes=nodes, hidden_size=64, precision=precision, training_args=dict(args))
         write_launch(folder, L)
@@ -361,3 +362,60 @@ def test_qlora_is_searched_with_ddp_only_and_offload_is_an_error(tiny_bert_dir, 
     assert "engines' own CPU offload" in err and len(err.splitlines()) == 1
     assert main(["plan", tiny_bert_dir, "--max-length", "16", "--gpus", "2xT4", "--allow", "nope"]) == 2
     assert "cannot allow `nope`" in capsys.readouterr().err
+
+
+# -- hybrid sharding over several nodes ---------------------------------------------------------------------------
+
+def test_hybrid_volumes_and_times_by_hand():
+    S, P, n, g = 400 * MiB, 200 * MiB, 8, 4
+    hsdp = comm.collectives(strategy="fsdp", world_size=n, param_bytes=P, grad_bytes=S, hybrid=True, gpus_per_node=g)
+    assert [(c.op, c.scope, c.bytes_per_call) for c in hsdp] == [
+        ("all_gather", "node", 150 * MiB), ("all_gather", "node", 150 * MiB),  # (g-1)/g P, forward and backward
+        ("reduce_scatter", "node", 300 * MiB),  # (g-1)/g S
+        ("all_reduce", "across_nodes", 100 * MiB)]  # 2 (m-1)/m x S/g, m = 2 nodes
+    assert hsdp[-1].concurrent == 4 and all(c.every_micro_step for c in hsdp)
+    hpz = comm.collectives(strategy="zero3", world_size=n, param_bytes=P, grad_bytes=S, hybrid=True, gpus_per_node=g)
+    assert [(c.op, c.scope, c.bytes_per_call) for c in hpz] == [
+        ("reduce_scatter", "world", 350 * MiB), ("all_gather", "world", 175 * MiB),  # (n-1)/n
+        ("all_gather", "node", 150 * MiB)]  # hpZ: the backward's gather within the node
+    ic = Interconnect("nvlink", 300.0, 31.5, 100.0, 4)
+    t = comm.comm_step_time(hsdp, micro_compute_s=0.0, accumulation=1, optimizer_s=0.0, ic=ic, nodes=2)
+    node, net = 300e9 * 0.65, 100e9 / 8 / 4 * 0.65  # the node's 4 replicate groups share its 100 Gb/s
+    assert t.comm_s == pytest.approx(600 * MiB / node + 100 * MiB / net + 4 * 15e-6)
+    flat = comm.collectives(strategy="fsdp", world_size=n, param_bytes=P, grad_bytes=S)
+    flat_s = comm.comm_step_time(flat, micro_compute_s=0.0, accumulation=1, optimizer_s=0.0, ic=ic, nodes=2).comm_s
+    # flat: (n-1)/n of P twice and of S, every ring bounded by the node's 100 Gb/s (one crossing per ring)
+    assert flat_s == pytest.approx(700 * MiB / (100e9 / 8 * 0.65) + 3 * 15e-6) and flat_s > 1.5 * t.comm_s
+    with pytest.raises(ValueError, match="hybrid"):
+        comm.collectives(strategy="zero2", world_size=n, param_bytes=P, grad_bytes=S, hybrid=True, gpus_per_node=g)
+
+
+def test_two_nodes_plan_offers_hsdp_and_writes_its_2d_mesh(states_heavy_bert, tmp_path):
+    """82.7M parameters over 2 nodes x 4 A100 joined by 100 Gb/s: the flat all-gathers cross the network every
+    micro-step (about 36 ms for shard_grad_op's one), HSDP's stay on NVLink and only the gradient shard's all-reduce
+    crosses (about 20 ms): HSDP is the fastest FSDP2 candidate."""
+    from memfit.parallel.accelerate_config import parallel_from_accelerate_config
+
+    s = _setup(states_heavy_bert, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_length=16,
+               precision="bf16", compute_capability=(8, 0))
+    r = plan_parallel(s, gpus="8xA100-40GB", nodes=2, strategies=("fsdp",))
+    best = r.chosen_candidate
+    assert best is not None and best.variant == "fsdp_hybrid" and best.strategy == "FSDP2 HSDP"
+    flat = [c for c in r.candidates if c.variant.startswith("fsdp_") and c.variant != "fsdp_hybrid"]
+    assert all(c.step.comm_s > best.step.comm_s for c in flat)  # its all-gathers stay in the node
+    assert [c["scope"] for c in best.collectives][-1] == "across_nodes"
+    assert r.launch.commands == [next(c for c in r.launch.commands if c.startswith("accelerate launch"))]
+    write_launch(tmp_path, r.launch)
+    back = parallel_from_accelerate_config(tmp_path / ACCELERATE_FILE, hidden_size=1024, trainer_precision="bf16")
+    assert back.parallel.hybrid_shard and back.parallel.shard_size == 4
+    again = estimate(s.replace(**best.setup_changes), gpu="A100-40GB", parallel=back.parallel,
+                     capacity_bytes=r.capacity_bytes)
+    assert again.peak_allocated_bytes == best.peak_allocated_bytes
+
+
+def test_one_node_or_a_fast_network_gets_no_hybrid_candidates():
+    from memfit.planner.parallel_plan import _network_bound
+
+    ic = interconnect_for("A100-80GB", network_gbps=100)
+    assert _network_bound(ic, 2) and not _network_bound(ic, 1)
+    assert not _network_bound(interconnect_for("T4", network_gbps=1600), 2)  # PCIe 3 slower than the network

@@ -26,6 +26,21 @@ optimizer step of `a` micro-steps:
   gradients are reduced and the updated parameter partition comes back after the step; `offload_param`
   (stage 3): each all-gather first copies the rank's partition from the host.
 
+Hybrid sharding across nodes (g GPUs per node, m nodes, n = g m; `hybrid=True`):
+
+* FSDP2 HSDP (a 2-D mesh (replicate m, shard g)): the parameter all-gathers and the gradient reduce-scatter run
+  on the shard group, within the node (g ranks, payload P resp. S), and the reduce-scatter's output, the rank's
+  S/g gradient shard, is all-reduced over the replicate group, one rank per node (m ranks): torch
+  distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce` (`reduce_scatter_tensor` on
+  `reduce_scatter_group`, then `all_reduce` on `all_reduce_group` for HSDP). Per rank per micro-step:
+  2 (g-1)/g P + (g-1)/g S over the node's links and 2 (m-1)/m S/g over the network, where the g replicate groups
+  of a node share its network bandwidth (`concurrent` = g).
+* ZeRO++ hpZ (`zero_hpz_partition_size` = g, stage 3): the forward all-gathers the primary partition over all n
+  ranks, the backward gathers the secondary partition within the node (g ranks): ZeRO++ (Wang et al. 2023,
+  arXiv:2306.10209, section 3.2: "hpZ ... eliminates the cross-node all-gather during backward"); DeepSpeed
+  partition_parameters.py `_partition_param_sec` / `all_gather_coalesced(forward=False)` on the
+  `zero_param_process_group`. The gradient reduce-scatter stays over all n ranks.
+
 Times. A volume over the rank's link: within a node the GPU's NVLink or PCIe figure, across nodes the
 smaller of that and the node's network bandwidth (NCCL's rings cross each node boundary once per ring,
 one ring per NIC, so a rank's bus bandwidth is bounded by its node's share of the network), times
@@ -90,6 +105,10 @@ class Collective:
     every_micro_step: bool  #: True: each micro-step; False: once per optimizer step
     overlap: float  #: fraction of its micro-step's compute it may hide behind (0: exposed)
     launches: int = 1  #: collective calls per occurrence (buckets, FSDP groups); each costs COLLECTIVE_LATENCY_S
+    #: `world`: all ranks (bounded by the network across nodes); `node`: the ranks of one node (its NVLink / PCIe);
+    #: `across_nodes`: one rank per node, over the network (hybrid sharding, module docstring)
+    scope: str = "world"
+    concurrent: int = 1  #: groups of the same node that share its network at once (`across_nodes`)
 
     @property
     def on_host_link(self) -> bool:
@@ -103,9 +122,10 @@ class Collective:
                 "bytes_per_step": self.bytes_per_call * self.calls_per_step(accumulation)}
 
 
-def _c(name: str, op: str, payload: int, n: int, every: bool, overlap: float, launches: int = 1) -> Collective:
+def _c(name: str, op: str, payload: int, n: int, every: bool, overlap: float, launches: int = 1,
+       scope: str = "world", concurrent: int = 1) -> Collective:
     return Collective(name, op, int(payload), int(round(bus_factor(op, n) * payload)), every, overlap,
-                      max(1, int(launches)))
+                      max(1, int(launches)), scope, concurrent)
 
 
 def _buckets(payload_bytes: int, bucket_bytes: int) -> int:
@@ -116,7 +136,8 @@ def collectives(*, strategy: str, world_size: int, param_bytes: int, grad_bytes:
                 reshard_after_forward: bool = True, cpu_offload: bool = False, offload_optimizer: bool = False,
                 offload_param: bool = False, overlap_comm: bool = True, groups: int = 1,
                 ddp_bucket_bytes: int = 25 * 2**20, reduce_bucket_bytes: int | None = None,
-                allgather_bucket_bytes: int | None = None) -> list[Collective]:
+                allgather_bucket_bytes: int | None = None, hybrid: bool = False,
+                gpus_per_node: int | None = None) -> list[Collective]:
     """What one rank moves in an optimizer step (module docstring).
 
     Args:
@@ -134,6 +155,8 @@ def collectives(*, strategy: str, world_size: int, param_bytes: int, grad_bytes:
         ddp_bucket_bytes: DDP's bucket cap (calls: one per bucket, after a first bucket of 1 MiB).
         reduce_bucket_bytes: ZeRO `reduce_bucket_size` in bytes (None: one call).
         allgather_bucket_bytes: ZeRO-1/2 `allgather_bucket_size` in bytes (None: one call).
+        hybrid: FSDP2 HSDP or ZeRO-3 hpZ within each node of `gpus_per_node` GPUs (module docstring).
+        gpus_per_node: GPUs of one node (with `hybrid`).
     """
     n = world_size
     if n <= 1:
@@ -143,6 +166,22 @@ def collectives(*, strategy: str, world_size: int, param_bytes: int, grad_bytes:
         calls = 1 + _buckets(max(0, grad_bytes - 2**20), ddp_bucket_bytes) if grad_bytes > 2**20 else 1
         return [_c("all-reduce of the gradients (DDP buckets)", "all_reduce", grad_bytes, n, False, bwd, calls)]
     out: list[Collective] = []
+    g = gpus_per_node or n
+    if hybrid and not (1 < g < n and n % g == 0 and (strategy == "fsdp" or strategy == "zero3")):
+        raise ValueError(f"hybrid sharding needs fsdp or zero3 over several nodes of several GPUs, not {strategy} "
+                         f"with {g} of {n}")
+    if strategy == "fsdp" and hybrid:  # HSDP: module docstring
+        m = n // g
+        out.append(_c("all-gather of the parameters, forward (in the node)", "all_gather", param_bytes, g, True, 1.0,
+                      groups, "node"))
+        if reshard_after_forward:
+            out.append(_c("all-gather of the parameters, backward (in the node)", "all_gather", param_bytes, g, True,
+                          1.0, groups, "node"))
+        out.append(_c("reduce-scatter of the gradients (in the node)", "reduce_scatter", grad_bytes, g, True, bwd,
+                      groups, "node"))
+        out.append(_c("all-reduce of the gradient shard (across nodes)", "all_reduce", -(-grad_bytes // g), m, True,
+                      bwd, groups, "across_nodes", g))
+        return out
     if strategy == "fsdp":
         gathers = 2 if reshard_after_forward else 1
         out.append(_c("all-gather of the parameters, forward", "all_gather", param_bytes, n, True, 1.0, groups))
@@ -167,8 +206,12 @@ def collectives(*, strategy: str, world_size: int, param_bytes: int, grad_bytes:
         gather_overlap = 1.0 if overlap_comm else 0.0
         out.append(_c("all-gather of the parameters, forward", "all_gather", param_bytes, n, True, gather_overlap,
                       groups))
-        out.append(_c("all-gather of the parameters, backward", "all_gather", param_bytes, n, True, gather_overlap,
-                      groups))
+        if hybrid:  # hpZ: the backward gathers the secondary partition within the node
+            out.append(_c("all-gather of the parameters, backward (hpZ, in the node)", "all_gather", param_bytes, g,
+                          True, gather_overlap, groups, "node"))
+        else:
+            out.append(_c("all-gather of the parameters, backward", "all_gather", param_bytes, n, True,
+                          gather_overlap, groups))
         if offload_param:
             for phase in ("forward", "backward"):
                 out.append(_c(f"parameter partition host -> GPU ({phase})", "host_to_device", -(-param_bytes // n),
@@ -222,6 +265,15 @@ def comm_step_time(colls: list[Collective], *, micro_compute_s: float, accumulat
         nodes: nodes the ranks span.
     """
     gpu_bw, host_bw = gpu_link_bytes_per_s(ic, nodes), host_link_bytes_per_s(ic)
+    node_bw = gpu_link_bytes_per_s(ic, 1)
+
+    def link(c: Collective) -> float:
+        if c.scope == "node":
+            return node_bw
+        if c.scope == "across_nodes":  # the node's network, shared by its concurrent groups
+            return ic.network_gbps * 1e9 / 8 / max(1, c.concurrent) * NCCL_EFFICIENCY
+        return gpu_bw
+
     comm = exposed = host = 0.0
     for i in range(accumulation):
         last = i == accumulation - 1
@@ -232,7 +284,7 @@ def comm_step_time(colls: list[Collective], *, micro_compute_s: float, accumulat
             if c.on_host_link:
                 host += c.bytes_per_call / host_bw
                 continue
-            t = c.bytes_per_call / gpu_bw
+            t = c.bytes_per_call / link(c)
             latency = c.launches * COLLECTIVE_LATENCY_S
             comm += t + latency
             exposed += latency

@@ -44,7 +44,7 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, zero_settings_from_deepspeed
 
-__all__ = ["Variant", "VARIANTS", "deepspeed_config", "fsdp_arguments", "accelerate_config", "parallel_setup_for",
+__all__ = ["Variant", "VARIANTS", "HYBRID_VARIANTS", "deepspeed_config", "fsdp_arguments", "accelerate_config", "parallel_setup_for",
            "Launch", "launch_for", "write_launch", "DS_FILE", "FSDP_FILE", "ACCELERATE_FILE"]
 
 DS_FILE = "ds_config.json"
@@ -63,11 +63,14 @@ class Variant:
     cpu_offload: bool = False
     offload_optimizer: bool = False
     offload_param: bool = False
+    hybrid: bool = False  #: several nodes: FSDP2 HSDP (shard in the node, replicate across) / ZeRO-3 hpZ
 
     @property
     def label(self) -> str:
         if self.strategy == "ddp":
             return "DDP"
+        if self.hybrid:
+            return "FSDP2 HSDP" if self.strategy == "fsdp" else "ZeRO-3 hpZ"
         if self.strategy == "fsdp":
             name = "FSDP2 " + ("full_shard" if self.reshard_after_forward else "shard_grad_op")
             return name + (" + CPU offload" if self.cpu_offload else "")
@@ -89,11 +92,26 @@ VARIANTS = (
     Variant("zero3_offload_all", "zero3", 1, offload_optimizer=True, offload_param=True),
 )
 
+#: With several nodes (memfit.planner.parallel_plan adds them where the network is slower than the node's links):
+#: FSDP2 HSDP, launched by `accelerate launch` with `parallelism_config` dp_replicate_size = nodes, dp_shard_size =
+#: GPUs per node (accelerate's ParallelismConfig builds the 2-D mesh; TrainingArguments' `fsdp` cannot ask for
+#: it with FSDP2: memfit.parallel.setup `parallel_from_fsdp_args`), and ZeRO++ hpZ (`zero_hpz_partition_size` =
+#: GPUs per node in the DeepSpeed JSON)
+HYBRID_VARIANTS = (
+    Variant("fsdp_hybrid", "fsdp", 0, hybrid=True),
+    Variant("zero3_hpz", "zero3", 0, hybrid=True),
+)
 
-def deepspeed_config(v: Variant, *, hidden_size: int | None) -> dict[str, Any]:
-    """The DeepSpeed JSON of a ZeRO variant (module docstring); numbers where `"auto"` cannot be filled."""
+
+def deepspeed_config(v: Variant, *, hidden_size: int | None, gpus_per_node: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON of a ZeRO variant (module docstring); numbers where `"auto"` cannot be filled.
+    `gpus_per_node`: hpZ's partition size (a hybrid variant)."""
     stage = int(v.strategy[-1])
     zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if v.hybrid:
+        if not gpus_per_node:
+            raise MemfitError("ZeRO++ hpZ needs the GPUs per node (`zero_hpz_partition_size`)")
+        zero["zero_hpz_partition_size"] = gpus_per_node
     if hidden_size:
         zero["reduce_bucket_size"] = "auto"
         if stage == 3:
@@ -138,6 +156,9 @@ def accelerate_config(v: Variant, *, world_size: int, nodes: int, precision: str
                               "fsdp_reshard_after_forward": v.reshard_after_forward,
                               "fsdp_offload_params": v.cpu_offload, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
                               "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": False}
+        if v.hybrid:  # accelerate ParallelismConfig: the 2-D (replicate, shard) mesh of HSDP
+            out["parallelism_config"] = {"parallelism_config_dp_replicate_size": nodes,
+                                         "parallelism_config_dp_shard_size": world_size // nodes}
     else:
         out["distributed_type"] = "DEEPSPEED"
         out["deepspeed_config"] = {"deepspeed_config_file": DS_FILE, "zero3_init_flag": v.strategy == "zero3"}
@@ -169,9 +190,12 @@ def parallel_setup_for(v: Variant, *, world_size: int, nodes: int, hidden_size: 
             # param_dtype = reduce_dtype = the precision's dtype), as `memfit estimate --fsdp` and the accelerate config
             # reader (memfit.parallel.accelerate_config) apply it
             par = par.replace(param_dtype=precision, reduce_dtype=precision)
+        if v.hybrid:
+            par = par.replace(hybrid_shard=True)
         return par
-    zero, notes = zero_settings_from_deepspeed(deepspeed_config(v, hidden_size=hidden_size), hidden_size=hidden_size,
-                                               precision=precision)
+    zero, notes = zero_settings_from_deepspeed(deepspeed_config(v, hidden_size=hidden_size,
+                                                                gpus_per_node=world_size // nodes),
+                                               hidden_size=hidden_size, precision=precision)
     return ParallelSetup(world_size=world_size, nodes=nodes, strategy=v.strategy, zero=zero, notes=tuple(notes))
 
 
@@ -215,14 +239,21 @@ def launch_for(v: Variant, *, world_size: int, nodes: int, hidden_size: int | No
     """
     files: dict[str, str] = {}
     args = dict(training_args)
-    if v.strategy == "fsdp":
+    if v.strategy == "fsdp" and v.hybrid:  # the accelerate config carries FSDP2 and its 2-D mesh
+        code = list(code or []) + ["# FSDP2 HSDP: launch with `accelerate launch --config_file "
+                                   f"{ACCELERATE_FILE}` (its parallelism_config makes the 2-D mesh); torchrun with "
+                                   "TrainingArguments(fsdp=...) would shard over all GPUs instead"]
+        if accumulation > 1:  # as below: reduce every micro-step, as simulated
+            args["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    elif v.strategy == "fsdp":
         opts, cfg = fsdp_arguments(v)
         files[FSDP_FILE] = json.dumps(cfg, indent=2) + "\n"
         args.update(fsdp=opts, fsdp_config=FSDP_FILE)
         if accumulation > 1:  # reduce-scatter every micro-step, as memfit.parallel.fsdp simulates (memfit.planner.comm)
             args["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     elif v.strategy.startswith("zero"):
-        files[DS_FILE] = json.dumps(deepspeed_config(v, hidden_size=hidden_size), indent=2) + "\n"
+        files[DS_FILE] = json.dumps(deepspeed_config(v, hidden_size=hidden_size, gpus_per_node=world_size // nodes),
+                                    indent=2) + "\n"
         args["deepspeed"] = DS_FILE
     files[ACCELERATE_FILE] = _yaml(accelerate_config(v, world_size=world_size, nodes=nodes, precision=precision))
     per_node = world_size // nodes
@@ -235,7 +266,8 @@ def launch_for(v: Variant, *, world_size: int, nodes: int, hidden_size: int | No
         accel = (f"accelerate launch --config_file {ACCELERATE_FILE} --num_machines {nodes} --num_processes "
                  f"{world_size} --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR --main_process_port 29500 "
                  f"{script}   # on each node")
-    return Launch(files, args, dict(env or {}), list(code or []), [torchrun, accel])
+    commands = [accel] if (v.strategy == "fsdp" and v.hybrid) else [torchrun, accel]
+    return Launch(files, args, dict(env or {}), list(code or []), commands)
 
 
 def write_launch(folder: str | os.PathLike[str], launch: Launch, *, force: bool = False) -> list[str]:

@@ -56,7 +56,7 @@ from memfit.errors import MemfitError
 from memfit.gpus.catalog import GpuSpec, as_gpu_spec
 from memfit.gpus.interconnect import Interconnect, interconnect_for
 from memfit.planner.comm import Collective, StepTime, collectives, comm_step_time
-from memfit.planner.launch import VARIANTS, Launch, Variant, launch_for, parallel_setup_for
+from memfit.planner.launch import HYBRID_VARIANTS, VARIANTS, Launch, Variant, launch_for, parallel_setup_for
 from memfit.planner.throughput import StepCost, step_time_s
 from memfit.train_setup import TrainSetup
 
@@ -221,7 +221,8 @@ def _step(v: Variant, par, s: TrainSetup, m: _Model, spec: GpuSpec, ic: Intercon
                         offload_param=bool(z and z.offload_param), overlap_comm=bool(z.overlap_comm) if z else True,
                         groups=m.n_layer + 1, ddp_bucket_bytes=int((par.bucket_cap_mb or 25.0) * 2**20),
                         reduce_bucket_bytes=z.reduce_bucket_size * grad if z else None,
-                        allgather_bucket_bytes=z.allgather_bucket_size * gather if z else None)
+                        allgather_bucket_bytes=z.allgather_bucket_size * gather if z else None,
+                        hybrid=v.hybrid, gpus_per_node=par.gpus_per_node)
     return comm_step_time(colls, micro_compute_s=micro, accumulation=a, optimizer_s=opt, ic=ic, nodes=nodes), colls
 
 
@@ -265,6 +266,14 @@ def _optimizer_refusal(strategy: str, optim: str) -> str | None:
         return ("FSDP2 with `adafactor`: transformers' Adafactor mixes plain tensors with FSDP2's DTensor shards "
                 "(aten.add_ got mixed torch.Tensor and DTensor)")
     return None
+
+
+def _network_bound(ic: Interconnect, nodes: int) -> bool:
+    """The network is the bottleneck: a flat collective over the nodes runs slower than one within a node
+    (memfit.planner.comm `gpu_link_bytes_per_s`), so hybrid sharding is worth a candidate."""
+    from memfit.planner.comm import gpu_link_bytes_per_s
+
+    return gpu_link_bytes_per_s(ic, nodes) < gpu_link_bytes_per_s(ic, 1)
 
 
 def _families(setup: TrainSetup, spec: GpuSpec, allow: tuple[str, ...] = ()) -> list[tuple[dict[str, Any], int]]:
@@ -396,6 +405,10 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     notes = [n for n in [ic.note] if n]
     m = _model_facts(setup, spec)
     variants = [v for v in VARIANTS if v.strategy in allowed]
+    if nodes > 1 and world_size > nodes and _network_bound(ic, nodes):
+        # hybrid sharding keeps the parameter all-gathers in the node (memfit.planner.comm): after the flat ones
+        at = max(i for i, v in enumerate(variants) if v.tier == 0) + 1 if variants else 0
+        variants[at:at] = [v for v in HYBRID_VARIANTS if v.strategy in allowed]
     families = _families(setup, spec, allow)
     pars = {(v.key, setup.replace(**fam).precision): parallel_setup_for(
         v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size, precision=setup.replace(**fam).precision)
