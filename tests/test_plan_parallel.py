@@ -248,6 +248,7 @@ def test_write_launch_refuses_an_existing_file_before_simulating(tiny_bert_dir, 
 
 # -- precision and the optimizer, searched across GPUs -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_only_mixed_precision_makes_zero3_fit_and_the_launch_carries_it(states_heavy_bert):
     """ZeRO-3 with checkpointing already on and one sample per GPU: in fp32 rank 0 needs about 940 MiB reserved,
     in bf16 (DeepSpeed casts the model: bf16 partitions and gathers, half the activations) about 680 MiB."""
@@ -271,6 +272,7 @@ def test_only_mixed_precision_makes_zero3_fit_and_the_launch_carries_it(states_h
     assert r.simulations <= 4
 
 
+@pytest.mark.slow
 def test_only_a_smaller_optimizer_state_makes_ddp_fit(states_heavy_bert):
     """DDP keeps AdamW's 8 bytes per parameter on every GPU (82.7M parameters: 631 MiB); no micro-batch,
     checkpointing or precision fits, 8-bit AdamW or Adafactor does (tried only then: another optimizer)."""
@@ -320,6 +322,7 @@ def test_every_variants_accelerate_config_reads_back_to_the_simulated_setup(tmp_
         assert back.precision == precision and back.gradient_checkpointing is False
 
 
+@pytest.mark.slow
 def test_the_chosen_plans_accelerate_config_gives_the_same_per_rank_estimate(tiny_bert_dir, tmp_path):
     from memfit.parallel.accelerate_config import parallel_from_accelerate_config
 
@@ -338,6 +341,7 @@ def test_the_chosen_plans_accelerate_config_gives_the_same_per_rank_estimate(tin
 
 # -- `--allow` opt-ins across GPUs ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_only_lora_makes_ddp_fit_when_allowed(states_heavy_bert):
     """bf16 and Adafactor already (no precision or optimizer left to search): DDP's replicated weights, gradients
     and buckets do not fit 4 x 1650 MiB at any micro-batch; LoRA's frozen base does, and only with `--allow lora`."""
@@ -390,6 +394,7 @@ def test_hybrid_volumes_and_times_by_hand():
         comm.collectives(strategy="zero2", world_size=n, param_bytes=P, grad_bytes=S, hybrid=True, gpus_per_node=g)
 
 
+@pytest.mark.slow
 def test_two_nodes_plan_offers_hsdp_and_writes_its_2d_mesh(states_heavy_bert, tmp_path):
     """82.7M parameters over 2 nodes x 4 A100 joined by 100 Gb/s: the flat all-gathers cross the network every
     micro-step (about 36 ms for shard_grad_op's one), HSDP's stay on NVLink and only the gradient shard's all-reduce
