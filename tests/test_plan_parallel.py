@@ -411,6 +411,11 @@ def test_two_nodes_plan_offers_hsdp_and_writes_its_2d_mesh(states_heavy_bert, tm
     assert [c["scope"] for c in best.collectives][-1] == "across_nodes"
     assert r.launch.commands == [next(c for c in r.launch.commands if c.startswith("accelerate launch"))]
     write_launch(tmp_path, r.launch)
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cluster = load_config_from_file(str(tmp_path / ACCELERATE_FILE))  # accelerate's own reader takes the 2-D mesh
+    assert cluster.parallelism_config == {"parallelism_config_dp_replicate_size": 2,
+                                          "parallelism_config_dp_shard_size": 4}
     back = parallel_from_accelerate_config(tmp_path / ACCELERATE_FILE, hidden_size=1024, trainer_precision="bf16")
     assert back.parallel.hybrid_shard and back.parallel.shard_size == 4
     again = estimate(s.replace(**best.setup_changes), gpu="A100-40GB", parallel=back.parallel,
