@@ -71,7 +71,7 @@ def check_float8_gpu(compute_capability: tuple[int, int]) -> None:
     if cc < MIN_COMPUTE_CAPABILITY:
         raise MemfitError(f"float8 matmuls (torch._scaled_mm) need a GPU of compute capability 8.9 or newer (L4, "
                           f"RTX 4090, L40S, H100, B200); this one has `{cc}` (memfit assumes (8, 0) without a GPU); "
-                          f"pass e.g. `--gpu H100`")
+                          f"pass e.g. `--gpu H100-80GB`")
 
 
 def convert_float8(model: nn.Module, recipe: str) -> list[str]:
