@@ -60,9 +60,10 @@ def test_accelerate_s_filter_keeps_first_and_last_linear():
     assert converted == linears[1:-1]
 
 
-@pytest.mark.parametrize("recipe", FLOAT8_RECIPES)
-def test_fake_trace_equals_real_cpu_run(recipe):
-    setup = _setup(float8_recipe=recipe)
+@pytest.mark.parametrize("recipe, kw", [(r, {}) for r in FLOAT8_RECIPES]
+                         + [("tensorwise", dict(gradient_checkpointing=True))])
+def test_fake_trace_equals_real_cpu_run(recipe, kw):
+    setup = _setup(float8_recipe=recipe, **kw)
     with like_fake():
         real = simulate(setup, fake=False, splice=False, optimizer_steps=1)
     fake = simulate(setup, fake=True, splice=False, optimizer_steps=1)
@@ -70,7 +71,7 @@ def test_fake_trace_equals_real_cpu_run(recipe):
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     assert a == b, f"first difference at event {first}: real {a[first:first + 3]} fake {b[first:first + 3]}"
     # the float8 casts really ran: float8 storages (1 byte per element) are allocated and freed in the trace
-    assert len(a) > len(trace_key(simulate(_setup(), fake=True, splice=False, optimizer_steps=1).trace))
+    assert len(a) > len(trace_key(simulate(_setup(**kw), fake=True, splice=False, optimizer_steps=1).trace))
     note = next(n for n in fake.notes if n.startswith("torchao Float8"))
     assert f"`{recipe}`" in note and "13 linears converted" in note and "lm_head" in note
 

@@ -77,6 +77,7 @@ def check_float8_gpu(compute_capability: tuple[int, int]) -> None:
 def convert_float8(model: nn.Module, recipe: str) -> list[str]:
     """Swap `model`'s linears for torchao Float8Linear as accelerate does (module docstring); the converted names."""
     try:
+        _import_torchao_quietly()
         from accelerate.utils.ao import convert_model_to_fp8_ao
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.float8_linear import Float8Linear
@@ -84,6 +85,23 @@ def convert_float8(model: nn.Module, recipe: str) -> list[str]:
         raise MemfitError(f"float8 training needs torchao (`pip install 'torchao>=0.18'`): {err}") from err
     convert_model_to_fp8_ao(model, config=Float8LinearConfig.from_recipe_name(recipe))
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def _import_torchao_quietly() -> None:
+    """Import torchao with its import-time log lines silenced: on a CPU-only machine torchao/__init__.py logs
+    "Failed to load ..._C_*.so" for its CUDA extensions (float8 training does not use them: Float8Linear is Python
+    over `torch._scaled_mm`), and torch's pytree logs a deprecation for torchao's registered Enums."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def float8_note(recipe: str, converted: list[str], kept: list[str]) -> str:
