@@ -29,8 +29,9 @@ H100 = (9, 0)
 def _setup(**kw) -> TrainSetup:
     kw.setdefault("precision", "bf16")
     kw.setdefault("compute_capability", H100)
-    return TrainSetup(model=tiny_config("llama"), task="causal-lm", per_device_train_batch_size=B, max_length=SEQ,
-                      **kw)
+    kw.setdefault("per_device_train_batch_size", B)
+    kw.setdefault("max_length", SEQ)
+    return TrainSetup(model=tiny_config("llama"), task="causal-lm", **kw)
 
 
 def _meta_float8_model(recipe: str):
@@ -58,10 +59,14 @@ def test_accelerate_s_filter_keeps_first_and_last_linear():
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linears[0] == "model.layers.0.self_attn.q_proj" and linears[-1] == "lm_head"
     assert converted == linears[1:-1]
+    # accelerate's AORecipeKwargs default: inner dims padded to multiples of 16 for the CUDA _scaled_mm
+    assert all(model.get_submodule(n).config.pad_inner_dim for n in converted)
 
 
 @pytest.mark.parametrize("recipe, kw", [(r, {}) for r in FLOAT8_RECIPES]
-                         + [("tensorwise", dict(gradient_checkpointing=True))])
+                         + [("tensorwise", dict(gradient_checkpointing=True)),
+                            # 15 tokens: the grad_weight GEMM's inner dim is padded to 16 (pad_inner_dim)
+                            ("rowwise", dict(per_device_train_batch_size=1, max_length=15))])
 def test_fake_trace_equals_real_cpu_run(recipe, kw):
     setup = _setup(float8_recipe=recipe, **kw)
     with like_fake():

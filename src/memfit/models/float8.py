@@ -8,8 +8,9 @@ filter (utils/ao.py `filter_linear_layers` with `find_first_last_linear_layers`)
 and every linear whose `in_features` or `out_features` is not a multiple of 16. The step runs under bf16 autocast
 (accelerate utils/modeling.py `get_mixed_precision_context_manager`: `mixed_precision in ["bf16", "fp8"]`).
 memfit calls accelerate's `convert_model_to_fp8_ao` itself on the meta model, with
-`Float8LinearConfig.from_recipe_name(recipe)` (torchao 0.18 float8/config.py), i.e.
-`AORecipeKwargs(config=Float8LinearConfig.from_recipe_name(recipe))`.
+`Float8LinearConfig.from_recipe_name(recipe)` (torchao 0.18 float8/config.py) and `pad_inner_dim=True`, as
+accelerate's default `AORecipeKwargs()` sets it (`convert_float8`). For tensorwise that is accelerate's default
+config but for `enable_fsdp_float8_all_gather`, which only changes FSDP2's all-gather (not modelled here).
 
 What this changes in memory is whatever torchao's code allocates, recorded by the tracker like any other op: the
 float8 casts of input / weight / grad_output with their float32 scales, and `torch._scaled_mm`'s output (its meta
@@ -83,7 +84,14 @@ def convert_float8(model: nn.Module, recipe: str) -> list[str]:
         from torchao.float8.float8_linear import Float8Linear
     except ImportError as err:  # pragma: no cover - the `llm` extra installs torchao
         raise MemfitError(f"float8 training needs torchao (`pip install 'torchao>=0.18'`): {err}") from err
-    convert_model_to_fp8_ao(model, config=Float8LinearConfig.from_recipe_name(recipe))
+    import dataclasses
+
+    # pad_inner_dim=True as accelerate's AORecipeKwargs default sets it (utils/dataclasses.py `AORecipeKwargs.
+    # __post_init__`, ACCELERATE_FP8_PAD_INNER_DIM default True): the CUDA `_scaled_mm` needs inner dims that are
+    # multiples of 16 (torch/_meta_registrations.py `meta_scaled_mm`, checked off the CPU only), and the grad_weight
+    # GEMM's inner dim is the token count; torchao pads with zeros (float8/float8_ops.py `preprocess_addmm`).
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
+    convert_model_to_fp8_ao(model, config=config)
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
