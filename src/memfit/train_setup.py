@@ -336,6 +336,10 @@ class TrainSetup:
     activation_offloading: bool = False
     """TRL's `activation_offloading` (trl.models.get_act_offloading_ctx_manager): tensors saved for backward move to
     host memory, except those of the last module and parameters' views."""
+    # -- torchao Float8 training (issue 12): memfit.models.float8 --
+    float8_recipe: str | None = None
+    """torchao Float8 training recipe (tensorwise, rowwise, rowwise_with_gw_hp), applied as accelerate's
+    `mixed_precision="fp8"` (torchao backend) applies it; needs bf16 and a GPU of compute capability 8.9+."""
     # -- TRL (issue 13) -------------------------------------------------------------------------
     trainer: str = "trainer"
     """Which trainer runs the step: `trainer` (transformers.Trainer), `sft` (TRL SFTTrainer) or `dpo` (TRL
@@ -410,6 +414,12 @@ class TrainSetup:
         _check_peft(self)  # peft methods (issue 12)
         _check_quantization(self)
         _check_trl(self)  # TRL (issue 13)
+        if self.float8_recipe is not None:  # torchao Float8 training (issue 12)
+            from memfit.models.float8 import check_float8
+
+            check_float8(self.float8_recipe, precision=self.precision,
+                         quantized=self.load_in_4bit or self.load_in_8bit,
+                         peft=self.lora_r is not None or bool(self.peft_config))
         if self.task is None:  # last: it reads the model's config (a clear MemfitError when there is none)
             from memfit.models.build import default_task  # memfit.models imports this module
 

@@ -91,6 +91,9 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
                    default=None, help="attention implementation (flash kernels emulated; default: the model's, sdpa)")
     p.add_argument("--liger", action="store_true", default=None,
                    help="Trainer's use_liger_kernel: Liger's fused linear cross-entropy, RMSNorm, RoPE, SwiGLU")
+    p.add_argument("--float8", default=None, metavar="RECIPE", dest="float8_recipe",  # torchao Float8 (issue 12)
+                   help="torchao Float8 training as accelerate mixed_precision=fp8 applies it: tensorwise, rowwise or "
+                        "rowwise_with_gw_hp (needs --precision bf16 and an sm89+ GPU)")
     p.add_argument("--freeze-embeddings", action="store_true", default=None, help="the input embeddings are frozen")
     p.add_argument("--freeze-layers", type=int, default=None, help="the lowest N blocks are frozen")
     # quantization (issue 12): BitsAndBytesConfig's fields; `"quantization_config": {...}` in --args works too
@@ -152,7 +155,7 @@ def build_setup(args: argparse.Namespace):
                        ("max_grad_norm", "max_grad_norm"), ("gradient_checkpointing", "gradient_checkpointing"),
                        ("eval_strategy", "eval_strategy"), ("eval_accumulation_steps", "eval_accumulation_steps"),
                        ("eval_samples", "eval_samples"), ("lora_r", "lora_r"), ("attn", "attn_implementation"),
-                       ("liger", "use_liger_kernel"),
+                       ("liger", "use_liger_kernel"), ("float8_recipe", "float8_recipe"),  # Float8 (issue 12)
                        ("freeze_embeddings", "freeze_embeddings"), ("freeze_layers", "freeze_layers"),
                        # quantization (issue 12)
                        ("load_in_4bit", "load_in_4bit"), ("load_in_8bit", "load_in_8bit"),

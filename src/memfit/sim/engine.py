@@ -167,6 +167,12 @@ class _Runner:
                         f"TRL 1.16's SFTTrainer does not call it: --no-kbit-prep for such a run): it cast "
                         f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
                         f"float32, +{format_bytes(cast * 2)} of weights; --no-kbit-prep estimates without it")
+        if setup.float8_recipe is not None:  # torchao Float8 training (issue 12), as accelerate's prepare() does it
+            from memfit.models.float8 import check_float8_gpu, convert_float8, float8_note, high_precision_linears
+
+            check_float8_gpu(setup.compute_capability)
+            converted = convert_float8(model, setup.float8_recipe)
+            self.notes.append(float8_note(setup.float8_recipe, converted, high_precision_linears(model)))
         trl_steps.prepare_model(model, setup)  # TRL (issue 13): the fused LM head, before peft
         self.ref_model = trl_steps.build_reference(setup, self.spec)
         self.notes += trl_steps.notes(setup)
@@ -563,6 +569,10 @@ class _Runner:
             from memfit.sim.kernels.flex_attn import flex_patches
 
             bnb.enter_context(flex_patches(self.flex_log))
+        if s.float8_recipe is not None:  # torchao Float8 (issue 12): Float8Linear asks for CUDA's autocast state
+            from memfit.models.float8 import cuda_autocast_queries
+
+            bnb.enter_context(cuda_autocast_queries())
         offload = contextlib.nullcontext()  # issue 12: checkpoint offload, TRL activation offloading
         if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
             from memfit.sim.offload import host_offload_patch
