@@ -147,3 +147,18 @@ def test_warm_estimate_and_help_do_not_import_torch(tiny_bert_dir, tmp_path):
     for argv in (["--help"], ["estimate", "--help"], ["plan", "--bogus-flag"], ["estimate", "--batch-size", "x"]):
         out = _python(run.format(argv=argv), env)
         assert out.stdout.split()[-2] == "NO-TORCH", (argv, out.stderr)
+
+
+def test_every_upstream_package_whose_code_memfit_runs_is_in_the_key():
+    """TRL, Liger, DeepSpeed and torchao code runs in simulations too; an upgrade of one must not hit an old entry
+    (the key had only torch, transformers, peft, accelerate and bitsandbytes)."""
+    from importlib import metadata
+
+    versions = cache._versions()
+    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "liger-kernel", "deepspeed",
+                 "torchao"):
+        assert name in versions, name
+        try:
+            assert versions[name] == metadata.version(name)
+        except metadata.PackageNotFoundError:
+            assert versions[name] is None

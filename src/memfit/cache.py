@@ -13,7 +13,7 @@ changes the result:
   `gpu="auto"` (measured now, by NVML) is not cached;
 * the allocator config as parsed, and the raw `PYTORCH_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`;
 * memfit's version and a hash of the source of the installed memfit package (every `.py` and
-  `.json` file under it), and the versions of torch, transformers, peft, accelerate and bitsandbytes.
+  `.json` file under it), and the versions of every package whose code runs in a simulation (`_PACKAGES`).
 
 `memfit plan` results are cached the same way (`plan-v1/<key>.json`, `plan_key`): the key holds the
 same material plus the plan's own options (allowed and excluded remedies, margin, the allocator
@@ -46,7 +46,11 @@ _SUBDIR = "estimate-v1"
 PLAN_SCHEMA = "memfit.cache.plan/1"
 _PLAN_SUBDIR = "plan-v1"
 #: Packages whose code runs in the simulation: their versions are part of every key.
-_PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes")  # bitsandbytes: quantized layers (issue 12)
+#: bitsandbytes: quantized layers (issue 12); trl: its trainers' steps (sim/trl_steps.py); liger-kernel: Liger's
+#: patched modules (sim/kernels/liger.py); deepspeed: its config defaults and estimators (parallel/); torchao:
+#: Float8Linear (models/float8.py).
+_PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "liger-kernel", "deepspeed",
+             "torchao")
 
 
 def cache_dir() -> Path:
