@@ -128,6 +128,11 @@ class ParallelSetup:
     auto_wrap: str = "transformer"
     """`transformer`: each repeated block is a unit, then the root (TRANSFORMER_BASED_WRAP); `none`: the root only
     (NO_WRAP, accelerate's plugin default when the config names no policy)."""
+    # FSDP gradient accumulation (issue 14 FSDP accumulation): default = what the Trainer runs
+    sync_each_batch: bool = False
+    """`TrainingArguments(accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": ...}})`
+    (accelerate `GradientAccumulationPlugin.sync_each_batch`, default False): False runs the non-final micro-steps
+    of a window under `no_sync`, keeping unsharded gradients (memfit.parallel.fsdp); True reduce-scatters each."""
     # DeepSpeed
     zero: ZeroSettings | None = None
     """Resolved ZeRO settings (`zero_settings_from_deepspeed`); None with a zero strategy: DeepSpeed's defaults in fp32
