@@ -163,7 +163,8 @@ def parallel_setup_for(v: Variant, *, world_size: int, nodes: int, hidden_size: 
         return ParallelSetup(world_size=world_size, nodes=nodes, strategy="ddp")
     if v.strategy == "fsdp":
         opts, cfg = fsdp_arguments(v)
-        return parallel_from_fsdp_args(opts, cfg, world_size=world_size, nodes=nodes)[0]
+        # the launch sets accelerator_config sync_each_batch (launch_for), so memfit simulates that (issue 14)
+        return parallel_from_fsdp_args(opts, cfg, world_size=world_size, nodes=nodes)[0].replace(sync_each_batch=True)
     zero, notes = zero_settings_from_deepspeed(deepspeed_config(v, hidden_size=hidden_size), hidden_size=hidden_size,
                                                precision=precision)
     return ParallelSetup(world_size=world_size, nodes=nodes, strategy=v.strategy, zero=zero, notes=tuple(notes))
