@@ -57,7 +57,7 @@ def test_deepspeed_cli_with_auto_and_offload(tiny_bert_dir, tmp_path, capsys):
     (["--world-size", "6", "--nodes", "4"], "multiple"),
     (["--world-size", "2", "--fsdp", "hybrid_shard"], "FSDP1-only"),
     (["--world-size", "2", "--strategy", "zero2", "--fsdp", "full_shard"], "--strategy fsdp"),
-    (["--world-size", "2", "--deepspeed", "missing.json"], "cannot read"),
+    (["--world-size", "2", "--deepspeed", "missing.json"], "`missing.json` does not exist"),
 ])
 def test_bad_multi_gpu_flags_are_one_line_errors(tiny_bert_dir, flags, match, capsys):
     assert main(["estimate", tiny_bert_dir, "--max-length", "16", *flags]) == 2
