@@ -227,3 +227,23 @@ def test_sync_each_batch_from_args_file_and_trainer_config(tiny_bert_dir, tmp_pa
     data = _json(capsys)
     assert data["parallel"]["sync_each_batch"] is True
     assert any("every micro-step" in n for n in data["notes"])
+
+
+def test_trainer_accelerator_config_reaches_the_fsdp_setup():
+    """memfit.fit's preflight (fitting.engines.parallel_for_trainer) reads the Trainer's own accelerator_config."""
+    import types
+
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from memfit.fitting import engines
+
+    def trainer(accelerator_config):
+        args = types.SimpleNamespace(deepspeed=None, fsdp=True, fsdp_config={"version": 2}, world_size=2,
+                                     accelerator_config=accelerator_config)
+        model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64))
+        return types.SimpleNamespace(args=args, model=model, is_fsdp_enabled=True)
+
+    setup = types.SimpleNamespace(precision="fp32")
+    on = AcceleratorConfig(gradient_accumulation_kwargs={"sync_each_batch": True})
+    assert engines.parallel_for_trainer(trainer(on), setup)[0].sync_each_batch is True
+    assert engines.parallel_for_trainer(trainer(AcceleratorConfig()), setup)[0].sync_each_batch is False
