@@ -186,14 +186,26 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int,
                               "partition_parameters.py: ds_numel <= stage3_param_persistence_threshold -> ds_persist"))
     gathered = P - inv.persistent_params
     first = min(inv.largest_layer_params + z.prefetch_bucket_size, z.max_live_parameters, gathered)
-    later = min(max(first, z.max_reuse_distance // 2 + inv.largest_layer_params + z.prefetch_bucket_size),
-                z.max_live_parameters, gathered)
+    # trace complete (partitioned_param_coordinator.py, DeepSpeed 0.19.8; issue 14 ZeRO-3 live parameters):
+    # * `__params_to_release` keeps what is used again within stage3_max_reuse_distance elements; this retention
+    #   does not look at `__n_available_params`, so stage3_max_live_parameters does not cap it;
+    # * stage3_max_live_parameters gates only the prefetch (`_fetch_sub_module_impl`: `max_params_to_prefetch =
+    #   min(__max_n_available_params - __n_available_params, __prefetch_bucket_sz)`), and the prefetcher runs ahead:
+    #   every module fetch (containers, dropouts and activations too) pops the parameter queue until one bucket of
+    #   not-yet-gathered parameters (at least one parameter) is gathered, so it gathers faster than the modules
+    #   use, and `__params_to_release` keeps each parameter whose later use it has passed
+    #   (`__most_recent_step_id_param_fetched_for[param] > step_id`). With prefetching on, the gathered set grows to
+    #   max_live_parameters (measured in real 2-process runs: tests/test_parallel_deepspeed.py).
+    kept = z.max_reuse_distance // 2 + inv.largest_layer_params + z.prefetch_bucket_size
+    ahead = z.max_live_parameters if z.prefetch_bucket_size > 0 else 0
+    later = min(max(first, kept, ahead), gathered)
     out.append(ZeroBuffer("all-gathered parameters (trace being recorded)", b * first, "gpu", "fwd_bwd_first",
                           "weights", "partitioned_param_coordinator.py fetch_sub_module: largest module + prefetch "
                           "bucket, at most stage3_max_live_parameters"))
     out.append(ZeroBuffer("all-gathered parameters (trace complete)", b * later, "gpu", "fwd_bwd", "weights",
                           "partitioned_param_coordinator.py __params_to_release: reused within "
-                          "stage3_max_reuse_distance -> kept"))
+                          "stage3_max_reuse_distance, or passed by the prefetcher (up to stage3_max_live_parameters) "
+                          "-> kept"))
     if z.contiguous_gradients:
         out.append(ZeroBuffer("ipg bucket", b * z.reduce_bucket_size, "gpu", "setup", "temporaries",
                               "stage3.py __init__: bucket.buffer = torch.empty(reduce_bucket_size)"))
