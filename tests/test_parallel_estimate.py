@@ -77,8 +77,11 @@ def test_peft_t0_3b_zero3_offload_record():
     """peft's T0_3B LoRA (r=8) ZeRO-3 run with parameters and optimizer on the CPU, world size 1, batch 8, fp32
     (tests/data/published/peft_t0_3b_zero3_offload.json). Its config sets no bucket sizes: DeepSpeed's defaults.
     What stays on the GPU before training (persistent parameters + the 5e8-element fp32 ipg bucket) is
-    1926 MiB against the log's 1916 MiB; the peak at the script's 64 input / 4 label tokens is 7819 MiB against
-    9404 MiB (-16.9%, not attributed: the log's lengths are dynamic, DeepSpeed then was 0.8)."""
+    1926 MiB against the log's 1916 MiB; the peak at the script's 64 input / 4 label tokens is 9284 MiB against
+    9404 MiB (-1.3%; the log's lengths are dynamic, DeepSpeed then was 0.8). It was 7819 MiB (-16.9%) while memfit
+    capped the gathered parameters of a complete trace at the reuse distance's half (5e8 elements); DeepSpeed's
+    prefetcher keeps gathering ahead up to stage3_max_live_parameters (1e9: 3815 MiB in fp32; memfit.parallel.zero,
+    proved in tests/test_parallel_deepspeed.py)."""
     from pathlib import Path
 
     from memfit.parallel import zero_settings_from_deepspeed
@@ -94,7 +97,7 @@ def test_peft_t0_3b_zero3_offload_record():
     begin = record["extra"]["begin_allocated_mib"] * 2**20
     assert abs(resident - begin) <= 0.01 * begin
     peak = record["value_mib"] * 2**20
-    assert abs(r.peak_allocated_bytes - peak) <= 0.20 * peak  # measured -16.9%
+    assert abs(r.peak_allocated_bytes - peak) <= 0.05 * peak  # measured -1.3%
 
 
 def test_fsdp_frees_unsharded_parameters_after_each_block(tiny_bert_dir):
