@@ -57,7 +57,7 @@ def test_deepspeed_cli_with_auto_and_offload(tiny_bert_dir, tmp_path, capsys):
     (["--world-size", "6", "--nodes", "4"], "multiple"),
     (["--world-size", "2", "--fsdp", "hybrid_shard"], "FSDP1-only"),
     (["--world-size", "2", "--strategy", "zero2", "--fsdp", "full_shard"], "--strategy fsdp"),
-    (["--world-size", "2", "--deepspeed", "missing.json"], "cannot read"),
+    (["--world-size", "2", "--deepspeed", "missing.json"], "`missing.json` does not exist"),
 ])
 def test_bad_multi_gpu_flags_are_one_line_errors(tiny_bert_dir, flags, match, capsys):
     assert main(["estimate", tiny_bert_dir, "--max-length", "16", *flags]) == 2
@@ -77,8 +77,11 @@ def test_peft_t0_3b_zero3_offload_record():
     """peft's T0_3B LoRA (r=8) ZeRO-3 run with parameters and optimizer on the CPU, world size 1, batch 8, fp32
     (tests/data/published/peft_t0_3b_zero3_offload.json). Its config sets no bucket sizes: DeepSpeed's defaults.
     What stays on the GPU before training (persistent parameters + the 5e8-element fp32 ipg bucket) is
-    1926 MiB against the log's 1916 MiB; the peak at the script's 64 input / 4 label tokens is 7819 MiB against
-    9404 MiB (-16.9%, not attributed: the log's lengths are dynamic, DeepSpeed then was 0.8)."""
+    1926 MiB against the log's 1916 MiB; the peak at the script's 64 input / 4 label tokens is 9284 MiB against
+    9404 MiB (-1.3%; the log's lengths are dynamic, DeepSpeed then was 0.8). It was 7819 MiB (-16.9%) while memfit
+    capped the gathered parameters of a complete trace at the reuse distance's half (5e8 elements); DeepSpeed's
+    prefetcher keeps gathering ahead up to stage3_max_live_parameters (1e9: 3815 MiB in fp32; memfit.parallel.zero,
+    proved in tests/test_parallel_deepspeed.py)."""
     from pathlib import Path
 
     from memfit.parallel import zero_settings_from_deepspeed
@@ -94,7 +97,7 @@ def test_peft_t0_3b_zero3_offload_record():
     begin = record["extra"]["begin_allocated_mib"] * 2**20
     assert abs(resident - begin) <= 0.01 * begin
     peak = record["value_mib"] * 2**20
-    assert abs(r.peak_allocated_bytes - peak) <= 0.20 * peak  # measured -16.9%
+    assert abs(r.peak_allocated_bytes - peak) <= 0.05 * peak  # measured -1.3%
 
 
 def test_fsdp_frees_unsharded_parameters_after_each_block(tiny_bert_dir):
@@ -176,3 +179,74 @@ def test_estimate_next_to_a_live_zero3_config(tiny_bert_dir):
     finally:
         hf_deepspeed.unset_hf_deepspeed_config()
     del live
+
+
+# -- FSDP gradient accumulation (issue 14): the Trainer's no_sync unless sync_each_batch --------------------------
+def test_fsdp_accumulation_without_sync_holds_the_unsharded_gradients(tiny_bert_dir):
+    """With accumulation 2 the first micro-step runs under no_sync (accelerate's default): each rank then holds the
+    whole model's gradients unsharded, where sync_each_batch holds its 1/4 shard, so the peak rises by about 3/4 of
+    the fp32 gradient bytes, less what is reduce-scattered (one unit at a time) before the peak. Measured: 117058
+    parameters (468232 B of gradients), peaks 1720832 B without sync and 1468416 B with (252416 B more); without the
+    no_sync emulation both were 1468416. The exact figure is proved against real runs in test_parallel_real.py."""
+    from memfit.parallel.setup import sync_each_batch_from
+
+    kw = dict(per_device_train_batch_size=2, max_length=16, eval_strategy="no", weights_dtype="fp32",
+              gradient_accumulation_steps=2)
+    no_sync = estimate(tiny_bert_dir, parallel=ParallelSetup(world_size=4, strategy="fsdp"), **kw)
+    synced = estimate(tiny_bert_dir, parallel=ParallelSetup(world_size=4, strategy="fsdp", sync_each_batch=True), **kw)
+    grads_bytes = 4 * no_sync.trainable_params
+    extra = no_sync.peak_allocated_bytes - synced.peak_allocated_bytes
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_bert_dir)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    layer_bytes = 4 * (4 * h * h + 2 * h * i + 9 * h + i)  # one BertLayer's parameters: the largest FSDP unit
+    assert grads_bytes * 3 // 4 - layer_bytes <= extra <= grads_bytes, (extra, grads_bytes, layer_bytes)
+    assert any("`no_sync`" in n for n in no_sync.notes) and any("every micro-step" in n for n in synced.notes)
+    one = estimate(tiny_bert_dir, parallel=ParallelSetup(world_size=4, strategy="fsdp"),
+                   **{**kw, "gradient_accumulation_steps": 1})
+    assert not any("gradient accumulation" in n for n in one.notes)
+    # the reader of TrainingArguments(accelerator_config=...)
+    assert sync_each_batch_from({"gradient_accumulation_kwargs": {"sync_each_batch": True}}) is True
+    assert sync_each_batch_from({"split_batches": True}) is False and sync_each_batch_from(None) is False
+
+
+def test_sync_each_batch_from_args_file_and_trainer_config(tiny_bert_dir, tmp_path, capsys):
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from memfit.errors import MemfitError
+    from memfit.parallel.setup import sync_each_batch_from
+
+    assert sync_each_batch_from(AcceleratorConfig(gradient_accumulation_kwargs={"sync_each_batch": True})) is True
+    assert sync_each_batch_from(AcceleratorConfig()) is False
+    with pytest.raises(MemfitError, match="sync_each_batch` `'yes'`"):
+        sync_each_batch_from({"gradient_accumulation_kwargs": {"sync_each_batch": "yes"}})
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}))
+    flags = ["estimate", tiny_bert_dir, "--max-length", "16", "--eval-strategy", "no", "--world-size", "2",
+             "--fsdp", "full_shard", "--json", "--no-cache"]
+    assert main([*flags, "--args", str(args)]) == 0
+    data = _json(capsys)
+    assert data["parallel"]["sync_each_batch"] is True
+    assert any("every micro-step" in n for n in data["notes"])
+
+
+def test_trainer_accelerator_config_reaches_the_fsdp_setup():
+    """memfit.fit's preflight (fitting.engines.parallel_for_trainer) reads the Trainer's own accelerator_config."""
+    import types
+
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from memfit.fitting import engines
+
+    def trainer(accelerator_config):
+        args = types.SimpleNamespace(deepspeed=None, fsdp=True, fsdp_config={"version": 2}, world_size=2,
+                                     accelerator_config=accelerator_config)
+        model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64))
+        return types.SimpleNamespace(args=args, model=model, is_fsdp_enabled=True)
+
+    setup = types.SimpleNamespace(precision="fp32")
+    on = AcceleratorConfig(gradient_accumulation_kwargs={"sync_each_batch": True})
+    assert engines.parallel_for_trainer(trainer(on), setup)[0].sync_each_batch is True
+    assert engines.parallel_for_trainer(trainer(AcceleratorConfig()), setup)[0].sync_each_batch is False

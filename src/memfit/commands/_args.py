@@ -136,6 +136,7 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         if args.strategy not in (None, "fsdp"):
             raise MemfitError(f"--strategy `{args.strategy}` with --fsdp: give --strategy fsdp or leave it out")
         par, _ = parallel_from_fsdp_args(args.fsdp or True, args.fsdp_config, world_size=world, nodes=nodes)
+        par = par.replace(sync_each_batch=sync_each_batch_from_args(args))  # issue 14 FSDP accumulation
         if par.param_dtype is None and setup.precision in ("fp16", "bf16"):
             # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:
             # param_dtype = reduce_dtype = the precision's dtype) unless fsdp_config gives one (issue 14 strategies)
@@ -148,6 +149,15 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
                                                    hidden_size=None, precision=setup.precision)
         return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy, zero=zero, notes=tuple(notes)), gpu
     return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy), gpu
+
+
+# -- FSDP gradient accumulation (issue 14): `accelerator_config` of the --args file --
+def sync_each_batch_from_args(args: argparse.Namespace) -> bool:
+    """`accelerator_config.gradient_accumulation_kwargs.sync_each_batch` of `--args FILE` (False when unset)."""
+    from memfit.parallel.setup import sync_each_batch_from
+
+    path = args_source(args)
+    return sync_each_batch_from(read_args_file(path).get("accelerator_config")) if path else False
 
 
 # -- accelerate config files (issue 14 strategies) --
@@ -188,4 +198,7 @@ def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
             raise MemfitError(f"--grad-accum `{args.grad_accum}` and the DeepSpeed `gradient_accumulation_steps` "
                               f"`{gas}` of the accelerate config differ (transformers refuses the mismatch); give one")
         changes["gradient_accumulation_steps"] = gas
-    return acc.parallel, (setup.replace(**changes) if changes else setup)
+    par = acc.parallel
+    if par is not None and par.strategy == "fsdp":  # issue 14 FSDP accumulation: the file has no key for it
+        par = par.replace(sync_each_batch=sync_each_batch_from_args(args))
+    return par, (setup.replace(**changes) if changes else setup)

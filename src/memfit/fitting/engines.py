@@ -98,7 +98,8 @@ def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
             (as `TrainingArguments._process_fsdp_args` left them) are read.
         setup: the TrainSetup memfit read from the trainer (its precision fills DeepSpeed's `"auto"` dtypes).
     """
-    from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, zero_settings_from_deepspeed
+    from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, sync_each_batch_from, \
+        zero_settings_from_deepspeed
 
     args = trainer.args
     ds = getattr(args, "deepspeed", None)
@@ -124,6 +125,8 @@ def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
                           "the preflight estimates one GPU"]
         world, nodes = _world(args)
         parallel, notes = parallel_from_fsdp_args(True, fsdp_config, world_size=world, nodes=nodes)
+        # issue 14 FSDP accumulation: the Trainer's no_sync unless accelerator_config's sync_each_batch
+        parallel = parallel.replace(sync_each_batch=sync_each_batch_from(getattr(args, "accelerator_config", None)))
         notes = notes + [f"preflight per rank: FSDP2 (`fully_shard`, reshard_after_forward="
                          f"{parallel.reshard_after_forward}) over {world} rank(s), from the trainer's `fsdp_config`; "
                          "the estimate is rank 0's"]

@@ -231,3 +231,43 @@ def fsdp1_flat_grads_from_orig(model: torch.nn.Module, tracker) -> None:
         tracker.paused = False
         tracker.bind(fp.grad, rec)
         handle._use_sharded_grad_views()
+
+
+# -- gradient accumulation without communication (issue 14: FSDP accumulation) ------------------------------------
+@contextlib.contextmanager
+def fsdp_no_sync(model: torch.nn.Module, fsdp_version: int) -> Iterator[None]:
+    """What accelerate 1.15 `Accelerator.no_sync` runs around a non-final micro-step: FSDP2
+    `model.set_requires_gradient_sync(False)` (True again after), FSDP1 `FullyShardedDataParallel.no_sync()`."""
+    if fsdp_version == 2:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
+
+
+def fsdp_unsharded_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The unsharded gradients FSDP keeps between micro-steps under no-sync: FSDP2 each FSDPParam's
+    `unsharded_accumulated_grad` or its unsharded parameter's `.grad` (_fsdp_param_group.py `post_backward`:
+    `to_accumulated_grad_if_needed` when not `reduce_grads`); FSDP1 each FlatParameter's `.grad` (unsharded under
+    `no_sync`: _runtime_utils.py `_post_backward_hook` returns before `_reduce_grad`)."""
+    out: list[torch.Tensor] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()
+    for module in model.modules():
+        if FSDPModule and isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    acc = fp.unsharded_accumulated_grad
+                    if acc is not None:
+                        out.append(acc)
+                    elif hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None:
+                        out.append(fp._unsharded_param.grad)
+    if not out:
+        out = [p.grad for p in fsdp1_flat_params(model) if p.grad is not None]
+    return out

@@ -23,10 +23,22 @@ and the reduce-scatter inputs of the backward all appear in the trace as FSDP2 a
 shapes exact.
 
 Known limitations: FSDP1 with CPU offload is refused (its pinned host shards do not run on fake tensors);
-layer splicing is off (each block runs: seconds for 7B models); accelerate's
-gradient accumulation is taken to reduce-scatter every micro-step (no `set_requires_gradient_sync`
-saving); with `cpu_offload` the sharded parameters and optimizer state are moved out of the trace
+layer splicing is off (each block runs: seconds for 7B models); with `cpu_offload` the sharded parameters and optimizer state are moved out of the trace
 (host), and the sharded gradients are still counted on the GPU (a bound).
+
+Gradient accumulation (issue 14, FSDP accumulation): the Trainer runs every micro-step but the window's last
+under `accelerator.no_sync(model)` unless `accelerator_config={"gradient_accumulation_kwargs":
+{"sync_each_batch": True}}` (transformers 5.24 trainer.py `_inner_training_loop`: `sync_each_batch`, DeepSpeed or
+the last batch -> `nullcontext`, else `functools.partial(self.accelerator.no_sync, model=model)`), and accelerate
+1.15 `Accelerator.no_sync` calls `model.set_requires_gradient_sync(False)` for FSDP2 (`model.no_sync()` for
+FSDP1). So does the simulation (`ParallelSetup.sync_each_batch`): with accumulation > 1 its first micro-step runs
+without gradient sync, keeping the unsharded gradients (FSDP2 `_fsdp_param_group.py` `post_backward`: no
+reduce-scatter when not `reduce_grads`; `_fsdp_param.py` `to_accumulated_grad_if_needed` /
+`unsharded_accumulated_grad` with a reduce dtype; FSDP1 `_runtime_utils.py` `_post_backward_hook` returns
+before `_reduce_grad` when not `_sync_gradients`), and its second one is the window's last (reduce-scatter of
+the accumulated gradients). The micro-steps between (accumulation > 2) repeat the first with the unsharded
+gradients already held and accumulate into them; the last one holds them too and adds the reduce-scatter,
+so it bounds them.
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ from memfit.sim.tracker import StorageTracker
 from memfit.sim.quiet import isolated_simulation
 from memfit.train_setup import TrainSetup
 
-__all__ = ["simulate_fsdp", "ShardTracker"]
+__all__ = ["simulate_fsdp", "ShardTracker", "accumulation_note"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -94,6 +106,7 @@ class _FsdpRunner(_Runner):
         self.tracker = ShardTracker()
         self.parallel = parallel
         self.mesh = mesh
+        self._micro_steps_run = 0
 
     def _shard(self) -> None:
         p = self.parallel
@@ -138,6 +151,28 @@ class _FsdpRunner(_Runner):
         self._shard()
         self.tracker.paused = False
         super()._materialize()
+
+    def _no_sync(self, accumulation: int) -> bool:
+        """Whether this micro-step runs under accelerate's `no_sync` (module docstring: the simulated window is
+        one such micro-step, then the last, which syncs)."""
+        return accumulation > 1 and not self.parallel.sync_each_batch and self._micro_steps_run == 0
+
+    def micro_step(self, accumulation: int) -> None:
+        if not self._no_sync(accumulation):
+            self._micro_steps_run += 1
+            super().micro_step(accumulation)
+            return
+        self._micro_steps_run += 1
+        with dadapter.fsdp_no_sync(self.model, self.parallel.fsdp_version):
+            super().micro_step(accumulation)
+        tr = self.tracker
+        for grad in dadapter.fsdp_unsharded_grads(self.model):  # kept to the window's last micro-step
+            rec = tr.record_of(grad)
+            if rec is not None:
+                rec.category = "gradients"
+        # the gradients the optimizer steps on (and that replayed windows bind) are those of the syncing micro-step:
+        # under no-sync the parameters have none (FSDP2) or views of the unsharded FlatParameter gradient (FSDP1)
+        self.grad_recs = None
 
     def _release_fsdp1_grads(self) -> None:
         """FSDP1 with use_orig_params keeps the sharded gradients after zero_grad until the next forward (of training
@@ -184,4 +219,18 @@ def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps
         tracker = runner.tracker
         with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed), \
                 dadapter.fsdp1_storage_hooks(tracker.storage_allocated, tracker.storage_freed):
-            return runner.run(optimizer_steps=optimizer_steps)
+            sim = runner.run(optimizer_steps=optimizer_steps)
+    if setup.gradient_accumulation_steps > 1:
+        sim.notes.append(accumulation_note(parallel, setup.gradient_accumulation_steps))
+    return sim
+
+
+def accumulation_note(parallel: ParallelSetup, accumulation: int) -> str:
+    """What the estimate assumed of FSDP gradient accumulation (module docstring)."""
+    if parallel.sync_each_batch:
+        return (f"FSDP gradient accumulation ({accumulation} micro-steps): gradients reduce-scattered every "
+                "micro-step (`accelerator_config={\"gradient_accumulation_kwargs\": {\"sync_each_batch\": true}}`)")
+    return (f"FSDP gradient accumulation ({accumulation} micro-steps): the Trainer runs all but the last under "
+            "accelerate's `no_sync`, so each rank holds its units' unsharded gradients until the last; "
+            "`accelerator_config={\"gradient_accumulation_kwargs\": {\"sync_each_batch\": true}}` reduce-scatters "
+            "every micro-step instead (less memory, more communication)")

@@ -34,7 +34,8 @@ from memfit.errors import MemfitError
 from memfit.files import read_json_object
 
 __all__ = ["STRATEGIES", "ParallelSetup", "ZeroSettings", "parse_gpus", "zero_settings_from_deepspeed",
-           "parallel_from_fsdp_args", "read_json_file", "fsdp1_strategy", "fsdp_parallel", "FSDP1_STRATEGIES"]
+           "parallel_from_fsdp_args", "read_json_file", "fsdp1_strategy", "fsdp_parallel", "FSDP1_STRATEGIES",
+           "sync_each_batch_from"]
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 
@@ -128,6 +129,11 @@ class ParallelSetup:
     auto_wrap: str = "transformer"
     """`transformer`: each repeated block is a unit, then the root (TRANSFORMER_BASED_WRAP); `none`: the root only
     (NO_WRAP, accelerate's plugin default when the config names no policy)."""
+    # FSDP gradient accumulation (issue 14 FSDP accumulation): default = what the Trainer runs
+    sync_each_batch: bool = False
+    """`TrainingArguments(accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": ...}})`
+    (accelerate `GradientAccumulationPlugin.sync_each_batch`, default False): False runs the non-final micro-steps
+    of a window under `no_sync`, keeping unsharded gradients (memfit.parallel.fsdp); True reduce-scatters each."""
     # DeepSpeed
     zero: ZeroSettings | None = None
     """Resolved ZeRO settings (`zero_settings_from_deepspeed`); None with a zero strategy: DeepSpeed's defaults in fp32
@@ -517,3 +523,26 @@ def parallel_from_fsdp_args(fsdp: str | list[str] | bool, fsdp_config: dict[str,
     par = fsdp_parallel(version=1, reshard_after_forward=reshard, hybrid=hybrid, no_shard=no_shard, cfg=cfg,
                         world_size=world_size, nodes=nodes, auto_wrap=auto_wrap, notes=notes)
     return par, notes
+
+
+# -- FSDP gradient accumulation (issue 14 FSDP accumulation) --------------------------------------------------------
+def sync_each_batch_from(accelerator_config: Any) -> bool:
+    """`TrainingArguments(accelerator_config=...)`'s `gradient_accumulation_kwargs["sync_each_batch"]`: a dict, the
+    path of a JSON file (TrainingArguments reads one: `AcceleratorConfig.from_json_file`), an `AcceleratorConfig`, or
+    None; False when unset (accelerate `GradientAccumulationPlugin.sync_each_batch` default). An accelerate config
+    file has no key for it (accelerate 1.15 `accelerate config` / `launch` pass only the step count,
+    `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`)."""
+    if accelerator_config is None:
+        return False
+    if isinstance(accelerator_config, (str, Path)):
+        accelerator_config = read_json_file(accelerator_config, "accelerator_config")
+    if isinstance(accelerator_config, Mapping):
+        kwargs = accelerator_config.get("gradient_accumulation_kwargs")
+    else:
+        kwargs = getattr(accelerator_config, "gradient_accumulation_kwargs", None)
+    if kwargs is None:
+        return False
+    if not isinstance(kwargs, Mapping):
+        raise MemfitError(f"accelerator_config `gradient_accumulation_kwargs` `{kwargs!r}` must be an object such as "
+                          "{\"sync_each_batch\": true}")
+    return _flag(kwargs.get("sync_each_batch"), "gradient_accumulation_kwargs.sync_each_batch", False)

@@ -39,16 +39,20 @@ Stage 3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py `Ini
 * every parameter is partitioned: b*P/N per rank (on the host with `offload_param`), except those
   with `ds_numel <= stage3_param_persistence_threshold` (`Init._convert_to_deepspeed_param`:
   `param.ds_persist = True`), which stay whole on every rank;
-* forward and backward all-gather each module's parameters before it runs and release them after,
-  prefetching up to `stage3_prefetch_bucket_size` elements ahead and never holding more than
-  `stage3_max_live_parameters` (partitioned_param_coordinator.py `fetch_sub_module`). In the first
-  optimizer step the module trace is being recorded and every module's parameters are released
+* forward and backward all-gather each module's parameters before it runs and release them after
+  (partitioned_param_coordinator.py `fetch_sub_module`, `release_sub_module`). In the first
+  optimizer step the module trace is being recorded (no prefetch) and every module's parameters are released
   after it: a working set of b * min(largest module + prefetch bucket, max live, P), alive through
   forward and backward (a bound: the real set rises and falls module by module). Once the trace is
   complete, `__params_to_release` keeps any parameter that is used again within
-  `stage3_max_reuse_distance` elements: a forward module at x elements from the start is used again
-  in the backward 2*(P - x) elements later, so min(P, distance / 2) elements stay gathered from the
-  forward into the backward (with the default 1e9, the whole model for models under 2e9);
+  `stage3_max_reuse_distance` elements (a forward module at x elements from the start is used again
+  in the backward 2*(P - x) elements later, so distance / 2 elements stay gathered from the forward into the
+  backward), and any parameter whose later use the prefetcher has already passed; the prefetcher gathers at
+  least one parameter (up to `stage3_prefetch_bucket_size` elements) at every module fetch, parameterless modules
+  included, so it runs ahead until `__n_available_params` reaches `stage3_max_live_parameters`, which gates the
+  prefetch only. Kept: b * min(P, max(distance / 2 + largest module + bucket, max live)) (max live only with a
+  prefetch bucket); measured in real runs (tests/test_parallel_deepspeed.py: peaks unmoved by distance 0 or 40000,
+  or max live 30000 alone);
 * the ipg bucket: `reduce_bucket_size` elements of b, made at construction (`bucket.buffer = torch.empty(
   self.reduce_bucket_size, ...)` when `contiguous_gradients`);
 * `grad_partitions_flat_buffer`: T/N elements of the accumulation dtype (b), on `self.device` (the host
@@ -186,14 +190,26 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int,
                               "partition_parameters.py: ds_numel <= stage3_param_persistence_threshold -> ds_persist"))
     gathered = P - inv.persistent_params
     first = min(inv.largest_layer_params + z.prefetch_bucket_size, z.max_live_parameters, gathered)
-    later = min(max(first, z.max_reuse_distance // 2 + inv.largest_layer_params + z.prefetch_bucket_size),
-                z.max_live_parameters, gathered)
+    # trace complete (partitioned_param_coordinator.py, DeepSpeed 0.19.8; issue 14 ZeRO-3 live parameters):
+    # * `__params_to_release` keeps what is used again within stage3_max_reuse_distance elements; this retention
+    #   does not look at `__n_available_params`, so stage3_max_live_parameters does not cap it;
+    # * stage3_max_live_parameters gates only the prefetch (`_fetch_sub_module_impl`: `max_params_to_prefetch =
+    #   min(__max_n_available_params - __n_available_params, __prefetch_bucket_sz)`), and the prefetcher runs ahead:
+    #   every module fetch (containers, dropouts and activations too) pops the parameter queue until one bucket of
+    #   not-yet-gathered parameters (at least one parameter) is gathered, so it gathers faster than the modules
+    #   use, and `__params_to_release` keeps each parameter whose later use it has passed
+    #   (`__most_recent_step_id_param_fetched_for[param] > step_id`). With prefetching on, the gathered set grows to
+    #   max_live_parameters (measured in real 2-process runs: tests/test_parallel_deepspeed.py).
+    kept = z.max_reuse_distance // 2 + inv.largest_layer_params + z.prefetch_bucket_size
+    ahead = z.max_live_parameters if z.prefetch_bucket_size > 0 else 0
+    later = min(max(first, kept, ahead), gathered)
     out.append(ZeroBuffer("all-gathered parameters (trace being recorded)", b * first, "gpu", "fwd_bwd_first",
                           "weights", "partitioned_param_coordinator.py fetch_sub_module: largest module + prefetch "
                           "bucket, at most stage3_max_live_parameters"))
     out.append(ZeroBuffer("all-gathered parameters (trace complete)", b * later, "gpu", "fwd_bwd", "weights",
                           "partitioned_param_coordinator.py __params_to_release: reused within "
-                          "stage3_max_reuse_distance -> kept"))
+                          "stage3_max_reuse_distance, or passed by the prefetcher (up to stage3_max_live_parameters) "
+                          "-> kept"))
     if z.contiguous_gradients:
         out.append(ZeroBuffer("ipg bucket", b * z.reduce_bucket_size, "gpu", "setup", "temporaries",
                               "stage3.py __init__: bucket.buffer = torch.empty(reduce_bucket_size)"))

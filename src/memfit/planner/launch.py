@@ -184,7 +184,8 @@ def parallel_setup_for(v: Variant, *, world_size: int, nodes: int, hidden_size: 
         return ParallelSetup(world_size=world_size, nodes=nodes, strategy="ddp")
     if v.strategy == "fsdp":
         opts, cfg = fsdp_arguments(v)
-        par = parallel_from_fsdp_args(opts, cfg, world_size=world_size, nodes=nodes)[0]
+        # the launch sets accelerator_config sync_each_batch (launch_for), so memfit simulates that (issue 14)
+        par = parallel_from_fsdp_args(opts, cfg, world_size=world_size, nodes=nodes)[0].replace(sync_each_batch=True)
         if precision in ("fp16", "bf16"):
             # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:
             # param_dtype = reduce_dtype = the precision's dtype), as `memfit estimate --fsdp` and the accelerate config
