@@ -110,13 +110,15 @@ def _ddp_worker(rank, world, port, out, mode):
         fh.write(result)
 
 
-def _ddp_run(mode, port):
+def _ddp_run(mode, port, d):
+    """Run `mode` on 2 DDP ranks in `d` (a fresh folder: pytest's tmp_path, which pytest cleans up)."""
     import multiprocessing
 
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))  # the spawned ranks import helpers (spawn copies sys.path)
-    d = tempfile.mkdtemp()
+    d = str(d)
+    os.makedirs(d, exist_ok=False)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, d, mode)) for r in range(2)]
     for p in procs:
@@ -138,8 +140,9 @@ def _diff(a, b):
 
 
 @pytest.mark.slow
-def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
-    (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain", 29611), _ddp_run("oom", 29612)
+def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp(tmp_path):
+    (plain, w_plain, _), (rec, w_rec, _) = (_ddp_run("plain", 29611, tmp_path / "plain"),
+                                            _ddp_run("oom", 29612, tmp_path / "oom"))
     assert plain == ["ok", "ok"]
     assert rec == ["ok 4 0 DistributedDataParallel", "ok 4 1 DistributedDataParallel"]
     assert _diff(*w_rec) == 0.0  # the ranks agree
@@ -147,21 +150,22 @@ def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
 
 
 @pytest.mark.slow
-def test_ddp_rank_that_fails_for_good_stops_the_others():
-    results, _, _ = _ddp_run("fatal", 29613)
+def test_ddp_rank_that_fails_for_good_stops_the_others(tmp_path):
+    results, _, _ = _ddp_run("fatal", 29613, tmp_path / "fatal")
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
 
 
 @pytest.mark.slow
-def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others():
-    results, _, _ = _ddp_run("optimizer", 29614)
+def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others(tmp_path):
+    results, _, _ = _ddp_run("optimizer", 29614, tmp_path / "optimizer")
     # both ranks switch to Adafactor together; it fails on rank 1 too, and there is nothing smaller: both stop
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
 
 
 @pytest.mark.slow
-def test_ddp_ranks_switch_to_a_smaller_optimizer_together():
-    (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain-adafactor", 29616), _ddp_run("switch", 29617)
+def test_ddp_ranks_switch_to_a_smaller_optimizer_together(tmp_path):
+    (plain, w_plain, _), (rec, w_rec, _) = (_ddp_run("plain-adafactor", 29616, tmp_path / "plain"),
+                                            _ddp_run("switch", 29617, tmp_path / "switch"))
     assert plain == ["ok", "ok"]
     # rank 0's AdamW step succeeded and was undone from its host copy; both train with Adafactor from step 0
     assert rec == ["ok 4 1 DistributedDataParallel Adafactor", "ok 4 1 DistributedDataParallel Adafactor"]
@@ -170,9 +174,9 @@ def test_ddp_ranks_switch_to_a_smaller_optimizer_together():
 
 
 @pytest.mark.slow
-def test_ddp_checkpoints_hold_every_rank_s_files():
+def test_ddp_checkpoints_hold_every_rank_s_files(tmp_path):
     """Both ranks write into one checkpoint; only the main process publishes it, once all have written."""
-    results, _, d = _ddp_run("save", 29615)
+    results, _, d = _ddp_run("save", 29615, tmp_path / "save")
     assert results == ["ok 4 0 DistributedDataParallel", "ok 4 0 DistributedDataParallel"]
     run = os.path.join(d, "run")
     assert sorted(os.listdir(run)) == [f"checkpoint-{i}" for i in range(1, 5)]
@@ -183,8 +187,8 @@ def test_ddp_checkpoints_hold_every_rank_s_files():
 
 
 @pytest.mark.slow
-def test_ddp_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint():
-    results, _, d = _ddp_run("sigterm", 29618)
+def test_ddp_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path):
+    results, _, d = _ddp_run("sigterm", 29618, tmp_path / "sigterm")
     run = os.path.join(d, "run")
     assert results == [f"stopped 143 2 {os.path.join(run, 'checkpoint-2')}", "stopped 143 2 None"]
     assert sorted(os.listdir(run)) == ["checkpoint-2"]

@@ -111,8 +111,17 @@ def _ds_worker(rank, port, out, stage):
             helpers.inject_train_oom(t, at_call=2, min_batch=4)
         if rank == 1 and stage == 3:  # the same, in the loss: after the forward's last parameter all-gather
             _inject_oom_after_forward(t, at_call=2, min_batch=4)
-        report = mf.fit(t, plan=False, max_recoveries=2)
+        # a GPU too small for it: memfit's one-GPU plan (micro-batch, ...) must not be applied to a DeepSpeed run
+        import dataclasses
+
+        from memfit.gpus.catalog import resolve_gpu
+
+        tiny_gpu = dataclasses.replace(resolve_gpu("T4"), name="tiny", total_bytes=1 << 20)
+        report = mf.fit(t, gpu=tiny_gpu, plan=True, max_recoveries=2)
         w_fit = _full_weights(t, stage)
+        res.update(fits=report.preflight["fits"], plan_applied=report.plan_applied,
+                   no_plan_note=any("does not apply a plan to a DeepSpeed" in n for n in report.notes),
+                   micro_batch=t.args.per_device_train_batch_size, ga=t.args.gradient_accumulation_steps)
         res.update(steps=report.steps_completed, expected=report.steps_expected, chunks=report.micro_batch_chunks,
                    recoveries=len(report.oom_recoveries), parallel=report.preflight["parallel"],
                    predicted=report.preflight["predicted_peak_allocated_bytes"], checkpoints=report.checkpoints,
@@ -128,25 +137,33 @@ def _ds_worker(rank, port, out, stage):
 
             pre = mf.preflight(t)
             with without_hf_deepspeed_config():  # ZeRO-3's live config would build memfit's meta model under zero.Init
-                res["estimate"] = estimate(pre.setup, parallel=ParallelSetup(world_size=2, strategy=f"zero{stage}",
+                res["estimate"] = estimate(pre.setup, gpu=tiny_gpu, parallel=ParallelSetup(world_size=2, strategy=f"zero{stage}",
                                                                              zero=zero)).peak_allocated_bytes
             res["files"] = {c: sorted(os.listdir(os.path.join(run, c))) for c in sorted(os.listdir(run))}
             res["shards"] = sorted(os.listdir(os.path.join(run, "checkpoint-4", "global_step4")))
         torch.save(w_fit, os.path.join(out, f"w{rank}.pt"))
-        if stage == 2:  # resume from DeepSpeed's checkpoint-2 (its memfit-state.json: 2 chunks): the same steps 3 and 4
-            from transformers import TrainerCallback
+        # resume from DeepSpeed's checkpoint-2 (its memfit-state.json: 2 chunks): the same steps 3 and 4.
+        # ZeRO-2: the folder named; ZeRO-3: `True` in an output_dir holding a copy of it (a run stopped after step 2)
+        from transformers import TrainerCallback
 
-            again = helpers.tiny_trainer(os.path.join(out, "resumed"), bs=4, ga=2, deepspeed=_ds_config(stage))
-            taken = []
+        resumed_dir = os.path.join(out, "resumed")
+        if stage == 3 and rank == 0:
+            import shutil
 
-            class _Count(TrainerCallback):
-                def on_step_end(self, args, state, control, **kwargs):
-                    taken.append(state.global_step)
+            shutil.copytree(os.path.join(run, "checkpoint-2"), os.path.join(resumed_dir, "checkpoint-2"))
+        torch.distributed.barrier()
+        again = helpers.tiny_trainer(resumed_dir, bs=4, ga=2, deepspeed=_ds_config(stage))
+        taken = []
 
-            again.add_callback(_Count())
-            resumed = mf.fit(again, plan=False, resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
-            res["resumed"] = [resumed.steps_completed, resumed.micro_batch_chunks, len(resumed.oom_recoveries), taken]
-            res["diff_resumed"] = max((a - b).abs().max().item() for a, b in zip(w_fit, _full_weights(again, stage)))
+        class _Count(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                taken.append(state.global_step)
+
+        again.add_callback(_Count())
+        resumed = mf.fit(again, plan=False, resume_from_checkpoint=(
+            os.path.join(run, "checkpoint-2") if stage == 2 else True))
+        res["resumed"] = [resumed.steps_completed, resumed.micro_batch_chunks, len(resumed.oom_recoveries), taken]
+        res["diff_resumed"] = max((a - b).abs().max().item() for a, b in zip(w_fit, _full_weights(again, stage)))
         if stage == 2:  # a rank that cannot split further stops, and makes the other stop instead of waiting
             fatal = helpers.tiny_trainer(os.path.join(out, "fatal"), bs=4, ga=2, deepspeed=_ds_config(stage))
             if rank == 1:
@@ -194,9 +211,11 @@ def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(
     assert ".memfit-staging" not in files
     # each rank's optimizer partition (engine.save_checkpoint -> `_save_zero_checkpoint`), staged by both, published once
     assert {r for r in (0, 1) if any(f"zero_pp_rank_{r}_" in f for f in res[0]["shards"])} == {0, 1}, res[0]["shards"]
-    if stage == 2:
-        assert [r["resumed"] for r in res] == [[4, 2, 0, [3, 4]]] * 2  # steps 3 and 4 only, split as saved
-        assert res[0]["diff_resumed"] < 1e-5, res[0]["diff_resumed"]
+    assert [r["resumed"] for r in res] == [[4, 2, 0, [3, 4]]] * 2  # steps 3 and 4 only, split as saved
+    assert res[0]["diff_resumed"] < 1e-5, res[0]["diff_resumed"]
+    # predicted not to fit the tiny GPU, but no one-GPU plan on a DeepSpeed run, and the report says so
+    assert [(r["fits"], r["plan_applied"], r["no_plan_note"], r["micro_batch"], r["ga"]) for r in res] == [
+        (False, None, True, 4, 2)] * 2
     if stage == 2:  # rank 1 split 1 -> 2 -> 4 (max_recoveries=2) and still failed: both stop, at the same step
         assert [r["fatal"] for r in res] == ["PeerFailed 0 False", "OutOfMemoryError 0 True"]  # in the forward
 
