@@ -50,6 +50,9 @@ def _ddp_worker(rank, world, port, out, mode):
                               optim="adafactor" if mode == "plain-adafactor" else "adamw_torch_fused")
     elif mode == "save":  # both ranks write into one output_dir, as in a real run
         t = helpers.tiny_trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="steps", save_steps=1)
+    elif mode in ("eval", "plain-eval"):  # evaluation at steps 2 and 4 (and memfit.fit's at the end)
+        t = helpers.tiny_trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2, eval_strategy="steps", eval_steps=2,
+                                 per_device_eval_batch_size=4)
     elif mode == "sigterm":  # one output_dir, no checkpoint but the one the signal asks for
         t = helpers.tiny_trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="no")
     else:
@@ -58,6 +61,9 @@ def _ddp_worker(rank, world, port, out, mode):
     try:
         if mode in ("plain", "plain-adafactor"):  # DDP's own gradient all-reduce, no memfit
             t.train()
+        elif mode == "plain-eval":
+            t.train()
+            result = f"ok {t.evaluate()['eval_loss']!r}"
         else:
             if rank == 1 and mode == "oom":  # 2nd micro-step = the synchronising one of the 1st window
                 helpers.inject_train_oom(t, at_call=2, min_batch=4)
@@ -97,8 +103,13 @@ def _ddp_worker(rank, world, port, out, mode):
                             os.kill(os.getpid(), signal.SIGTERM)
 
                 t.add_callback(_Term())
+            if rank == 1 and mode == "eval":  # 8 eval examples a rank: the 2nd batch of 4 of the 1st evaluation
+                _inject_eval_oom(t, at_call=2, min_batch=4)
             report = mf.fit(t, plan=False, max_recoveries=2)
             result = f"ok {report.steps_completed} {len(report.oom_recoveries)} {type(t.model_wrapped).__name__}"
+            if mode == "eval":
+                result += (f" {[r['phase'] for r in report.oom_recoveries]} {t.args.per_device_eval_batch_size}"
+                           f" {report.final_metrics['eval_loss']!r}")
             if mode == "switch":
                 result += f" {type(t.optimizer.optimizer).__name__}"
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
@@ -108,6 +119,22 @@ def _ddp_worker(rank, world, port, out, mode):
     torch.save([p.detach() for p in t.model.parameters()], os.path.join(out, f"w{rank}.pt"))
     with open(os.path.join(out, f"{rank}.txt"), "w") as fh:
         fh.write(result)
+
+
+def _inject_eval_oom(trainer, at_call, min_batch):
+    """A real-format CUDA OOM in the loss of the `at_call`-th eval batch on, while eval batches hold `min_batch`."""
+    import helpers
+
+    original = trainer.compute_loss
+    calls = {"n": 0}
+
+    def compute_loss(model, inputs, *a, **k):
+        calls["n"] += not model.training
+        if not model.training and calls["n"] >= at_call and inputs["input_ids"].shape[0] >= min_batch:
+            raise helpers.oom_error()
+        return original(model, inputs, *a, **k)
+
+    trainer.compute_loss = compute_loss
 
 
 def _ddp_run(mode, port, d):
@@ -194,3 +221,16 @@ def test_ddp_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkp
     assert sorted(os.listdir(run)) == ["checkpoint-2"]
     assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"} <= set(
         os.listdir(os.path.join(run, "checkpoint-2")))
+
+
+@pytest.mark.slow
+def test_ddp_eval_oom_on_one_rank_makes_every_rank_rerun_the_evaluation_smaller(tmp_path):
+    """Rank 1's 2nd eval batch runs out of memory, rank 0's does not: without the vote before transformers'
+    per-batch gather, rank 1 would rerun its evaluation while rank 0 waits in the gather of batch 2."""
+    (plain, _, _), (rec, _, _) = (_ddp_run("plain-eval", 29619, tmp_path / "plain"),
+                                  _ddp_run("eval", 29620, tmp_path / "eval"))
+    assert [r.split()[:5] for r in rec] == [["ok", "4", "1", "DistributedDataParallel", "['eval']"]] * 2
+    assert [r.split()[5] for r in rec] == ["2", "2"]  # the same halved eval batch on both ranks
+    losses = [float(r.split()[6]) for r in rec]
+    assert losses[0] == losses[1]  # gathered over both ranks
+    assert abs(losses[0] - float(plain[0].split()[1])) < 1e-5  # the evaluation of the run without the OOM

@@ -468,10 +468,49 @@ class ChunkedTrainingStep:
                 exc = None
 
 
+class PeerEvalOOM(RuntimeError):
+    """Another rank's evaluation ran out of memory in this eval batch: every rank reruns the evaluation smaller."""
+
+
+def _agreed_prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Trainer.prediction_step` followed, on every rank, by one vote (a small all-reduce) before the batch's
+    gather: transformers' `evaluation_loop` calls `self.gather_function` (accelerate's `gather_for_metrics`, a
+    collective) right after each `prediction_step`. A rank whose prediction step ran out of memory says so, and
+    every rank then leaves the loop at that same batch (the OOM's rank with its error, the others with
+    PeerEvalOOM), before any rank enters the gather its peer would never join."""
+
+    def prediction_step(*args, **kwargs):
+        try:
+            out = original(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            oom = is_oom_error(exc)
+            dist_sync.agree_flags([int(not oom), int(oom)])
+            raise
+        fatal_any, oom_any = dist_sync.agree_flags([0, 0])
+        if fatal_any:
+            raise dist_sync.PeerFailed("memfit: another process of this run stopped with an error in evaluation "
+                                       "(see its log); this process stops too instead of waiting for it")
+        if oom_any:
+            raise PeerEvalOOM("another rank ran out of memory in this eval batch")
+        return out
+
+    return prediction_step
+
+
 def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recoveries: list[Recovery],
                      on_change: Callable[[str], None]) -> Callable[[], None]:
-    """Wrap `trainer.evaluate`: an OOM lowers the eval batch size and reruns the evaluation. Returns an undo."""
+    """Wrap `trainer.evaluate`: an OOM lowers the eval batch size and reruns the evaluation. Returns an undo.
+
+    Several ranks (torch.distributed initialised): each eval batch's prediction step is followed by a vote
+    (`_agreed_prediction_step`), so an OOM on one rank makes every rank rerun the evaluation, all with the
+    same halved `per_device_eval_batch_size` (the smallest over the ranks, halved) and
+    `eval_accumulation_steps=1`; a rank that cannot go lower stops, and the others with PeerFailed.
+    """
     original = trainer.evaluate
+    distributed = dist_sync.is_distributed()
+    original_step = trainer.prediction_step
+    if distributed:
+        trainer.prediction_step = _agreed_prediction_step(original_step)
 
     def evaluate(*args, **kwargs):
         while True:
@@ -481,14 +520,22 @@ def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recover
                 meter.record("eval")
                 return metrics
             except Exception as exc:  # noqa: BLE001
-                if not is_oom_error(exc):
+                peer = isinstance(exc, PeerEvalOOM)
+                if not (peer or is_oom_error(exc)):
                     raise
-                cause, tried = oom_cause(exc)
+                cause, tried = (str(exc), None) if peer else oom_cause(exc)
                 exc = None
             ta = trainer.args
             old_bs, old_acc = ta.per_device_eval_batch_size, ta.eval_accumulation_steps
             evals = sum(1 for r in recoveries if r.phase == "eval")
-            if (old_bs <= 1 and old_acc == 1) or evals >= max_recoveries:
+            if distributed:  # the same settings everywhere, whatever each rank had
+                neg_bs, evals = dist_sync.agree_flags([-old_bs, evals])
+                old_bs = -neg_bs
+            if (old_bs <= 1 and (old_acc or 1) == 1) or evals >= max_recoveries:
+                if peer:
+                    raise dist_sync.PeerFailed(
+                        f"memfit: another process of this run ran out of memory in evaluation even at "
+                        f"per_device_eval_batch_size={old_bs}; this process stops too")
                 raise torch.OutOfMemoryError(
                     f"memfit: out of memory in evaluation even at per_device_eval_batch_size={old_bs}, "
                     f"eval_accumulation_steps={old_acc}; last error: {cause}")
@@ -506,5 +553,7 @@ def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recover
 
     def undo() -> None:
         trainer.evaluate = original
+        if distributed:
+            trainer.prediction_step = original_step
 
     return undo
