@@ -104,7 +104,7 @@ def _ddp_worker(rank, world, port, out, mode):
 
                 t.add_callback(_Term())
             if rank == 1 and mode == "eval":  # 8 eval examples a rank: the 2nd batch of 4 of the 1st evaluation
-                _inject_eval_oom(t, at_call=2, min_batch=4)
+                helpers.inject_eval_oom(t, at_call=2, min_batch=4)
             report = mf.fit(t, plan=False, max_recoveries=2)
             result = f"ok {report.steps_completed} {len(report.oom_recoveries)} {type(t.model_wrapped).__name__}"
             if mode == "eval":
@@ -119,22 +119,6 @@ def _ddp_worker(rank, world, port, out, mode):
     torch.save([p.detach() for p in t.model.parameters()], os.path.join(out, f"w{rank}.pt"))
     with open(os.path.join(out, f"{rank}.txt"), "w") as fh:
         fh.write(result)
-
-
-def _inject_eval_oom(trainer, at_call, min_batch):
-    """A real-format CUDA OOM in the loss of the `at_call`-th eval batch on, while eval batches hold `min_batch`."""
-    import helpers
-
-    original = trainer.compute_loss
-    calls = {"n": 0}
-
-    def compute_loss(model, inputs, *a, **k):
-        calls["n"] += not model.training
-        if not model.training and calls["n"] >= at_call and inputs["input_ids"].shape[0] >= min_batch:
-            raise helpers.oom_error()
-        return original(model, inputs, *a, **k)
-
-    trainer.compute_loss = compute_loss
 
 
 def _ddp_run(mode, port, d):

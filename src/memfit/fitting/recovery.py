@@ -288,13 +288,25 @@ class ChunkedTrainingStep:
     def _voted_forward(self, model, inputs, *args, **kwargs):
         state, remaining, part = self._vote
         self._vote = None  # one vote per chunk
+        gathering = engines.forward_collectives(self.trainer, model)
+        tracker = engines.forward_tracker(model) if gathering else contextlib.nullcontext({"inside": False})
         try:
-            out = self.original_compute_loss(model, inputs, *args, **kwargs)
+            with tracker as where:
+                out = self.original_compute_loss(model, inputs, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - an OOM is voted on, anything else stops every rank
             if not is_oom_error(exc):
                 engines.forward_vote(failure=None, fatal=True, wanted_chunks=state.chunks, remaining=remaining)
                 raise
             failure = oom_cause(exc)
+            if where["inside"]:  # the peers are in an all-gather of this forward: a vote would not be matched
+                import torch.distributed as dist
+
+                message = engines.forward_oom_message(
+                    rank=dist.get_rank() if dist.is_initialized() else 0, engine=gathering,
+                    step=self.trainer.state.global_step, timeout_s=float(self.trainer.args.ddp_timeout),
+                    cause=str(exc).splitlines()[0][:200] if str(exc) else failure[0])
+                logger.error("%s", message)
+                raise engines.CollectiveForwardOOM(message) from None
             exc = None  # drop the traceback (it holds the activations)
         else:
             engines.forward_vote(failure=None, fatal=False, wanted_chunks=state.chunks, remaining=remaining)
