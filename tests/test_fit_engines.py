@@ -453,3 +453,41 @@ def test_zero3_oom_inside_the_forward_fails_fast_with_the_report_written_and_the
     assert report["status"] != "ok" and "inside the forward" in json.dumps(report["error"])
     # rank 0, waiting in the pooler's all-gather, got an error instead of waiting for the 90 s timeout
     assert res[0]["outcome"] != "ok" and res[0]["seconds"] < 60, res[0]
+
+
+def test_forward_tracker_tells_an_error_inside_the_forward_from_one_after_it():
+    class Boom(torch.nn.Module):
+        def __init__(self, fail):
+            super().__init__()
+            self.fail = fail
+
+        def forward(self, x):
+            if self.fail:
+                raise RuntimeError("CUDA out of memory.")
+            return x
+
+    with engines.forward_tracker(Boom(False)) as where:
+        pass
+    assert where == {"inside": False}
+    model = Boom(False)
+    with engines.forward_tracker(model) as where:
+        model(torch.ones(1))  # returned: an error now (the loss) is after the forward
+    assert where == {"inside": False}
+    model = Boom(True)
+    with pytest.raises(RuntimeError), engines.forward_tracker(model) as where:
+        model(torch.ones(1))
+    assert where == {"inside": True}
+    assert not model._forward_hooks and not model._forward_pre_hooks  # removed
+
+
+def test_forward_collectives_only_where_the_forward_all_gathers():
+    def engine(stage):
+        return types.SimpleNamespace(zero_optimization_stage=lambda: stage)
+
+    ds = types.SimpleNamespace(is_deepspeed_enabled=True)
+    assert engines.forward_collectives(ds, engine(3)) == "DeepSpeed ZeRO-3"
+    assert engines.forward_collectives(ds, engine(2)) is None  # ZeRO-1/2 forwards have no collective
+    assert engines.forward_collectives(types.SimpleNamespace(is_fsdp_enabled=True), object()) == "FSDP2"
+    assert engines.forward_collectives(types.SimpleNamespace(), object()) is None  # one GPU / DDP
+    msg = engines.forward_oom_message(rank=3, engine="FSDP2", step=7, timeout_s=1800, cause="CUDA out of memory.")
+    assert "\n" not in msg and all(p in msg for p in ("rank 3", "step 7", "FSDP2", "after 1800 s", "memfit plan --gpus"))
