@@ -76,6 +76,20 @@ def inject_train_oom(trainer, at_call, min_batch):
     trainer.compute_loss = compute_loss
 
 
+def inject_eval_oom(trainer, at_call, min_batch):
+    """A real-format CUDA OOM in the loss of the `at_call`-th eval batch on, while eval batches hold `min_batch`."""
+    original = trainer.compute_loss
+    calls = {"n": 0}
+
+    def compute_loss(model, inputs, *a, **k):
+        calls["n"] += not model.training
+        if not model.training and calls["n"] >= at_call and inputs["input_ids"].shape[0] >= min_batch:
+            raise oom_error()
+        return original(model, inputs, *a, **k)
+
+    trainer.compute_loss = compute_loss
+
+
 def bigger_trainer(out, optim, **kw):
     """tiny_trainer with weights much larger than activations (the optimizer state decides the fit)."""
     return tiny_trainer(out, bs=2, ga=1, optim=optim, cfg=dict(vocab_size=1000, hidden_size=128,

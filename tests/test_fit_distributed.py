@@ -50,6 +50,9 @@ def _ddp_worker(rank, world, port, out, mode):
                               optim="adafactor" if mode == "plain-adafactor" else "adamw_torch_fused")
     elif mode == "save":  # both ranks write into one output_dir, as in a real run
         t = helpers.tiny_trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="steps", save_steps=1)
+    elif mode in ("eval", "plain-eval"):  # evaluation at steps 2 and 4 (and memfit.fit's at the end)
+        t = helpers.tiny_trainer(os.path.join(out, f"run{rank}"), bs=4, ga=2, eval_strategy="steps", eval_steps=2,
+                                 per_device_eval_batch_size=4)
     elif mode == "sigterm":  # one output_dir, no checkpoint but the one the signal asks for
         t = helpers.tiny_trainer(os.path.join(out, "run"), bs=4, ga=2, save_strategy="no")
     else:
@@ -58,6 +61,9 @@ def _ddp_worker(rank, world, port, out, mode):
     try:
         if mode in ("plain", "plain-adafactor"):  # DDP's own gradient all-reduce, no memfit
             t.train()
+        elif mode == "plain-eval":
+            t.train()
+            result = f"ok {t.evaluate()['eval_loss']!r}"
         else:
             if rank == 1 and mode == "oom":  # 2nd micro-step = the synchronising one of the 1st window
                 helpers.inject_train_oom(t, at_call=2, min_batch=4)
@@ -97,8 +103,13 @@ def _ddp_worker(rank, world, port, out, mode):
                             os.kill(os.getpid(), signal.SIGTERM)
 
                 t.add_callback(_Term())
+            if rank == 1 and mode == "eval":  # 8 eval examples a rank: the 2nd batch of 4 of the 1st evaluation
+                helpers.inject_eval_oom(t, at_call=2, min_batch=4)
             report = mf.fit(t, plan=False, max_recoveries=2)
             result = f"ok {report.steps_completed} {len(report.oom_recoveries)} {type(t.model_wrapped).__name__}"
+            if mode == "eval":
+                result += (f" {[r['phase'] for r in report.oom_recoveries]} {t.args.per_device_eval_batch_size}"
+                           f" {report.final_metrics['eval_loss']!r}")
             if mode == "switch":
                 result += f" {type(t.optimizer.optimizer).__name__}"
     except Exception as exc:  # noqa: BLE001 - the test reads what each rank ended with
@@ -110,13 +121,15 @@ def _ddp_worker(rank, world, port, out, mode):
         fh.write(result)
 
 
-def _ddp_run(mode, port):
+def _ddp_run(mode, port, d):
+    """Run `mode` on 2 DDP ranks in `d` (a fresh folder: pytest's tmp_path, which pytest cleans up)."""
     import multiprocessing
 
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))  # the spawned ranks import helpers (spawn copies sys.path)
-    d = tempfile.mkdtemp()
+    d = str(d)
+    os.makedirs(d, exist_ok=False)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, d, mode)) for r in range(2)]
     for p in procs:
@@ -138,8 +151,9 @@ def _diff(a, b):
 
 
 @pytest.mark.slow
-def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
-    (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain", 29611), _ddp_run("oom", 29612)
+def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp(tmp_path):
+    (plain, w_plain, _), (rec, w_rec, _) = (_ddp_run("plain", 29611, tmp_path / "plain"),
+                                            _ddp_run("oom", 29612, tmp_path / "oom"))
     assert plain == ["ok", "ok"]
     assert rec == ["ok 4 0 DistributedDataParallel", "ok 4 1 DistributedDataParallel"]
     assert _diff(*w_rec) == 0.0  # the ranks agree
@@ -147,21 +161,22 @@ def test_ddp_oom_on_one_rank_recovers_with_the_gradients_of_plain_ddp():
 
 
 @pytest.mark.slow
-def test_ddp_rank_that_fails_for_good_stops_the_others():
-    results, _, _ = _ddp_run("fatal", 29613)
+def test_ddp_rank_that_fails_for_good_stops_the_others(tmp_path):
+    results, _, _ = _ddp_run("fatal", 29613, tmp_path / "fatal")
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
 
 
 @pytest.mark.slow
-def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others():
-    results, _, _ = _ddp_run("optimizer", 29614)
+def test_ddp_rank_that_fails_in_the_optimizer_step_stops_the_others(tmp_path):
+    results, _, _ = _ddp_run("optimizer", 29614, tmp_path / "optimizer")
     # both ranks switch to Adafactor together; it fails on rank 1 too, and there is nothing smaller: both stop
     assert results == ["error PeerFailed", "error OutOfMemoryError"]
 
 
 @pytest.mark.slow
-def test_ddp_ranks_switch_to_a_smaller_optimizer_together():
-    (plain, w_plain, _), (rec, w_rec, _) = _ddp_run("plain-adafactor", 29616), _ddp_run("switch", 29617)
+def test_ddp_ranks_switch_to_a_smaller_optimizer_together(tmp_path):
+    (plain, w_plain, _), (rec, w_rec, _) = (_ddp_run("plain-adafactor", 29616, tmp_path / "plain"),
+                                            _ddp_run("switch", 29617, tmp_path / "switch"))
     assert plain == ["ok", "ok"]
     # rank 0's AdamW step succeeded and was undone from its host copy; both train with Adafactor from step 0
     assert rec == ["ok 4 1 DistributedDataParallel Adafactor", "ok 4 1 DistributedDataParallel Adafactor"]
@@ -170,9 +185,9 @@ def test_ddp_ranks_switch_to_a_smaller_optimizer_together():
 
 
 @pytest.mark.slow
-def test_ddp_checkpoints_hold_every_rank_s_files():
+def test_ddp_checkpoints_hold_every_rank_s_files(tmp_path):
     """Both ranks write into one checkpoint; only the main process publishes it, once all have written."""
-    results, _, d = _ddp_run("save", 29615)
+    results, _, d = _ddp_run("save", 29615, tmp_path / "save")
     assert results == ["ok 4 0 DistributedDataParallel", "ok 4 0 DistributedDataParallel"]
     run = os.path.join(d, "run")
     assert sorted(os.listdir(run)) == [f"checkpoint-{i}" for i in range(1, 5)]
@@ -183,10 +198,23 @@ def test_ddp_checkpoints_hold_every_rank_s_files():
 
 
 @pytest.mark.slow
-def test_ddp_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint():
-    results, _, d = _ddp_run("sigterm", 29618)
+def test_ddp_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path):
+    results, _, d = _ddp_run("sigterm", 29618, tmp_path / "sigterm")
     run = os.path.join(d, "run")
     assert results == [f"stopped 143 2 {os.path.join(run, 'checkpoint-2')}", "stopped 143 2 None"]
     assert sorted(os.listdir(run)) == ["checkpoint-2"]
     assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"} <= set(
         os.listdir(os.path.join(run, "checkpoint-2")))
+
+
+@pytest.mark.slow
+def test_ddp_eval_oom_on_one_rank_makes_every_rank_rerun_the_evaluation_smaller(tmp_path):
+    """Rank 1's 2nd eval batch runs out of memory, rank 0's does not: without the vote before transformers'
+    per-batch gather, rank 1 would rerun its evaluation while rank 0 waits in the gather of batch 2."""
+    (plain, _, _), (rec, _, _) = (_ddp_run("plain-eval", 29619, tmp_path / "plain"),
+                                  _ddp_run("eval", 29620, tmp_path / "eval"))
+    assert [r.split()[:5] for r in rec] == [["ok", "4", "1", "DistributedDataParallel", "['eval']"]] * 2
+    assert [r.split()[5] for r in rec] == ["2", "2"]  # the same halved eval batch on both ranks
+    losses = [float(r.split()[6]) for r in rec]
+    assert losses[0] == losses[1]  # gathered over both ranks
+    assert abs(losses[0] - float(plain[0].split()[1])) < 1e-5  # the evaluation of the run without the OOM

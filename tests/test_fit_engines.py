@@ -111,8 +111,17 @@ def _ds_worker(rank, port, out, stage):
             helpers.inject_train_oom(t, at_call=2, min_batch=4)
         if rank == 1 and stage == 3:  # the same, in the loss: after the forward's last parameter all-gather
             _inject_oom_after_forward(t, at_call=2, min_batch=4)
-        report = mf.fit(t, plan=False, max_recoveries=2)
+        # a GPU too small for it: memfit's one-GPU plan (micro-batch, ...) must not be applied to a DeepSpeed run
+        import dataclasses
+
+        from memfit.gpus.catalog import resolve_gpu
+
+        tiny_gpu = dataclasses.replace(resolve_gpu("T4"), name="tiny", total_bytes=1 << 20)
+        report = mf.fit(t, gpu=tiny_gpu, plan=True, max_recoveries=2)
         w_fit = _full_weights(t, stage)
+        res.update(fits=report.preflight["fits"], plan_applied=report.plan_applied,
+                   no_plan_note=any("does not apply a plan to a DeepSpeed" in n for n in report.notes),
+                   micro_batch=t.args.per_device_train_batch_size, ga=t.args.gradient_accumulation_steps)
         res.update(steps=report.steps_completed, expected=report.steps_expected, chunks=report.micro_batch_chunks,
                    recoveries=len(report.oom_recoveries), parallel=report.preflight["parallel"],
                    predicted=report.preflight["predicted_peak_allocated_bytes"], checkpoints=report.checkpoints,
@@ -128,25 +137,37 @@ def _ds_worker(rank, port, out, stage):
 
             pre = mf.preflight(t)
             with without_hf_deepspeed_config():  # ZeRO-3's live config would build memfit's meta model under zero.Init
-                res["estimate"] = estimate(pre.setup, parallel=ParallelSetup(world_size=2, strategy=f"zero{stage}",
+                res["estimate"] = estimate(pre.setup, gpu=tiny_gpu, parallel=ParallelSetup(world_size=2, strategy=f"zero{stage}",
                                                                              zero=zero)).peak_allocated_bytes
             res["files"] = {c: sorted(os.listdir(os.path.join(run, c))) for c in sorted(os.listdir(run))}
             res["shards"] = sorted(os.listdir(os.path.join(run, "checkpoint-4", "global_step4")))
         torch.save(w_fit, os.path.join(out, f"w{rank}.pt"))
-        if stage == 2:  # resume from DeepSpeed's checkpoint-2 (its memfit-state.json: 2 chunks): the same steps 3 and 4
-            from transformers import TrainerCallback
+        # resume from DeepSpeed's checkpoint-2 (its memfit-state.json: 2 chunks): the same steps 3 and 4.
+        # ZeRO-2: the folder named; ZeRO-3: `True` in an output_dir holding a copy of it (a run stopped after step 2)
+        from transformers import TrainerCallback
 
-            again = helpers.tiny_trainer(os.path.join(out, "resumed"), bs=4, ga=2, deepspeed=_ds_config(stage))
-            taken = []
+        resumed_dir = os.path.join(out, "resumed")
+        if stage == 3 and rank == 0:
+            import shutil
 
-            class _Count(TrainerCallback):
-                def on_step_end(self, args, state, control, **kwargs):
-                    taken.append(state.global_step)
+            shutil.copytree(os.path.join(run, "checkpoint-2"), os.path.join(resumed_dir, "checkpoint-2"))
+        torch.distributed.barrier()
+        again = helpers.tiny_trainer(resumed_dir, bs=4, ga=2, deepspeed=_ds_config(stage))
+        if rank == 1:  # memfit.fit's evaluation at the end: rank 1's eval batch of 8 (its 8 examples) does not fit
+            helpers.inject_eval_oom(again, at_call=1, min_batch=8)
+        taken = []
 
-            again.add_callback(_Count())
-            resumed = mf.fit(again, plan=False, resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
-            res["resumed"] = [resumed.steps_completed, resumed.micro_batch_chunks, len(resumed.oom_recoveries), taken]
-            res["diff_resumed"] = max((a - b).abs().max().item() for a, b in zip(w_fit, _full_weights(again, stage)))
+        class _Count(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                taken.append(state.global_step)
+
+        again.add_callback(_Count())
+        resumed = mf.fit(again, plan=False, resume_from_checkpoint=(
+            os.path.join(run, "checkpoint-2") if stage == 2 else True))
+        res["resumed"] = [resumed.steps_completed, resumed.micro_batch_chunks, taken]
+        res["eval"] = [[r["phase"] for r in resumed.oom_recoveries], again.args.per_device_eval_batch_size,
+                       resumed.final_metrics["eval_loss"]]
+        res["diff_resumed"] = max((a - b).abs().max().item() for a, b in zip(w_fit, _full_weights(again, stage)))
         if stage == 2:  # a rank that cannot split further stops, and makes the other stop instead of waiting
             fatal = helpers.tiny_trainer(os.path.join(out, "fatal"), bs=4, ga=2, deepspeed=_ds_config(stage))
             if rank == 1:
@@ -194,9 +215,13 @@ def test_deepspeed_oom_on_one_rank_recovers_with_the_update_of_a_run_without_it(
     assert ".memfit-staging" not in files
     # each rank's optimizer partition (engine.save_checkpoint -> `_save_zero_checkpoint`), staged by both, published once
     assert {r for r in (0, 1) if any(f"zero_pp_rank_{r}_" in f for f in res[0]["shards"])} == {0, 1}, res[0]["shards"]
-    if stage == 2:
-        assert [r["resumed"] for r in res] == [[4, 2, 0, [3, 4]]] * 2  # steps 3 and 4 only, split as saved
-        assert res[0]["diff_resumed"] < 1e-5, res[0]["diff_resumed"]
+    assert [r["resumed"] for r in res] == [[4, 2, [3, 4]]] * 2  # steps 3 and 4 only, split as saved
+    # the OOM in rank 1's evaluation: both ranks reran it with the same halved eval batch, one gathered loss
+    assert [r["eval"][:2] for r in res] == [[["eval"], 4]] * 2 and res[0]["eval"][2] == res[1]["eval"][2]
+    assert res[0]["diff_resumed"] < 1e-5, res[0]["diff_resumed"]
+    # predicted not to fit the tiny GPU, but no one-GPU plan on a DeepSpeed run, and the report says so
+    assert [(r["fits"], r["plan_applied"], r["no_plan_note"], r["micro_batch"], r["ga"]) for r in res] == [
+        (False, None, True, 4, 2)] * 2
     if stage == 2:  # rank 1 split 1 -> 2 -> 4 (max_recoveries=2) and still failed: both stop, at the same step
         assert [r["fatal"] for r in res] == ["PeerFailed 0 False", "OutOfMemoryError 0 True"]  # in the forward
 
@@ -372,3 +397,97 @@ def test_parallel_for_trainer_reads_the_trainer_s_own_settings():
     assert engines.parallel_for_trainer(_fake_trainer(), setup) == (None, [])
     with pytest.raises(MemfitError, match="stage"):
         engines.parallel_for_trainer(_fake_trainer(deepspeed={"zero_optimization": {"stage": 7}}), setup)
+
+
+# -- ZeRO-3: an OOM inside the forward, between parameter all-gathers: fail fast, report first, peers told --------
+
+def _ds_forward_oom_worker(rank, port, out):
+    os.environ.update(DS_ACCELERATOR="cpu", WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import helpers
+
+    import memfit.fitting.run as mf
+
+    res = {}
+    try:
+        t = helpers.tiny_trainer(os.path.join(out, "run"), bs=4, ga=2, deepspeed=_ds_config(3), ddp_timeout=90)
+        if rank == 1:  # after the 2nd BertLayer's forward: rank 0 goes on to the pooler's all-gather and waits there
+            def fail(module, args, output):
+                if module.training:
+                    raise helpers.oom_error()
+
+            t.model.bert.encoder.layer[1].register_forward_hook(fail)
+        started = time.monotonic()
+        try:
+            mf.fit(t, plan=False, report_path=os.path.join(out, f"report{rank}.json"))
+            res["outcome"] = "ok"
+        except BaseException as exc:  # noqa: BLE001
+            res["outcome"] = type(exc).__name__
+            res["message"] = str(exc).splitlines()[0]
+            res["seconds"] = time.monotonic() - started
+            res["initialized"] = torch.distributed.is_initialized()
+    except Exception as exc:  # noqa: BLE001
+        import traceback
+
+        res["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+    with open(os.path.join(out, f"{rank}.json"), "w") as fh:
+        json.dump(res, fh)
+    os._exit(0)  # no barrier: the group is gone
+
+
+@pytest.mark.slow
+def test_zero3_oom_inside_the_forward_fails_fast_with_the_report_written_and_the_peer_told(tmp_path):
+    pytest.importorskip("deepspeed")
+    d = str(tmp_path)
+    _spawn(_ds_forward_oom_worker, (_free_port(), d), timeout=120)
+    res = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
+    for r in res:
+        assert "error" not in r, r.get("error")
+    print(res)
+    assert res[1]["outcome"] == "CollectiveForwardOOM"
+    msg = res[1]["message"]
+    for part in ("rank 1", "inside the forward", "DeepSpeed ZeRO-3", "after 90 s", "memfit plan --gpus"):
+        assert part in msg, (part, msg)
+    assert not res[1]["initialized"]  # the process group was destroyed, after the report
+    report = json.load(open(os.path.join(d, "report1.json")))
+    assert report["status"] != "ok" and "inside the forward" in json.dumps(report["error"])
+    # rank 0, waiting in the pooler's all-gather, got an error instead of waiting for the 90 s timeout
+    assert res[0]["outcome"] != "ok" and res[0]["seconds"] < 60, res[0]
+
+
+def test_forward_tracker_tells_an_error_inside_the_forward_from_one_after_it():
+    class Boom(torch.nn.Module):
+        def __init__(self, fail):
+            super().__init__()
+            self.fail = fail
+
+        def forward(self, x):
+            if self.fail:
+                raise RuntimeError("CUDA out of memory.")
+            return x
+
+    with engines.forward_tracker(Boom(False)) as where:
+        pass
+    assert where == {"inside": False}
+    model = Boom(False)
+    with engines.forward_tracker(model) as where:
+        model(torch.ones(1))  # returned: an error now (the loss) is after the forward
+    assert where == {"inside": False}
+    model = Boom(True)
+    with pytest.raises(RuntimeError), engines.forward_tracker(model) as where:
+        model(torch.ones(1))
+    assert where == {"inside": True}
+    assert not model._forward_hooks and not model._forward_pre_hooks  # removed
+
+
+def test_forward_collectives_only_where_the_forward_all_gathers():
+    def engine(stage):
+        return types.SimpleNamespace(zero_optimization_stage=lambda: stage)
+
+    ds = types.SimpleNamespace(is_deepspeed_enabled=True)
+    assert engines.forward_collectives(ds, engine(3)) == "DeepSpeed ZeRO-3"
+    assert engines.forward_collectives(ds, engine(2)) is None  # ZeRO-1/2 forwards have no collective
+    assert engines.forward_collectives(types.SimpleNamespace(is_fsdp_enabled=True), object()) == "FSDP2"
+    assert engines.forward_collectives(types.SimpleNamespace(), object()) is None  # one GPU / DDP
+    msg = engines.forward_oom_message(rank=3, engine="FSDP2", step=7, timeout_s=1800, cause="CUDA out of memory.")
+    assert "\n" not in msg and all(p in msg for p in ("rank 3", "step 7", "FSDP2", "after 1800 s", "memfit plan --gpus"))

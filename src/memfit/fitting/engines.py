@@ -43,7 +43,9 @@ Not recoverable (the run stops with an error, the other ranks too where they can
 inside a backward (the engine's reduce-scatter of that backward is under way on the other ranks), and,
 under ZeRO-3 / FSDP2, an OOM part-way through a forward after a parameter all-gather the other ranks
 are waiting in (an OOM before the forward's first collective, or anywhere in a ZeRO-1/2 forward, which
-has none, is recovered).
+has none, is recovered). The forward case is told apart by `forward_tracker` (hooks on the model): such a
+rank does not vote (its peers wait in an all-gather, not in the vote), raises `CollectiveForwardOOM` with one
+line (`forward_oom_message`), and `memfit.fit` writes the report and then `abort_peers()`.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import torch
+
 from memfit.errors import MemfitError
 from memfit.fitting import distributed as dist_sync
 
-__all__ = ["engine_of", "parallel_for_trainer", "ForwardFailed", "forward_vote", "run_agreed_chunks",
+__all__ = ["engine_of", "forward_collectives", "forward_tracker", "CollectiveForwardOOM", "abort_peers", "parallel_for_trainer", "ForwardFailed", "forward_vote", "run_agreed_chunks",
            "deepspeed_boundary_held", "fsdp2_gradient_sync", "AgreedChunks", "check_can_split"]
 
 
@@ -67,6 +71,68 @@ def engine_of(trainer: Any) -> str | None:
     if getattr(trainer, "is_fsdp_enabled", False):
         return "fsdp"
     return None
+
+
+def forward_collectives(trainer: Any, model: Any) -> str | None:
+    """The engine whose forward itself runs collectives (`DeepSpeed ZeRO-3`: parameter all-gathers in the
+    submodules' pre-forward hooks, deepspeed/runtime/zero/parameter_offload.py `_pre_forward_module_hook`;
+    `FSDP2`: an all-gather in each `fully_shard` module's pre-forward, FSDPState._pre_forward), else None."""
+    engine = engine_of(trainer)
+    if engine == "fsdp":
+        return "FSDP2"
+    if engine == "deepspeed":
+        stage = getattr(model, "zero_optimization_stage", None)  # DeepSpeedEngine.zero_optimization_stage()
+        if callable(stage) and stage() == 3:
+            return "DeepSpeed ZeRO-3"
+    return None
+
+
+@contextlib.contextmanager
+def forward_tracker(model: Any) -> Iterator[dict[str, bool]]:
+    """`{"inside": True}` from `model`'s first forward pre-hook (prepended: before FSDP2's root all-gather)
+    until its forward returns: an error raised while it is True was raised inside the model's forward."""
+    state = {"inside": False}
+
+    def pre(module, args):
+        state["inside"] = True
+
+    def post(module, args, output):
+        state["inside"] = False
+
+    handles = [model.register_forward_pre_hook(pre, prepend=True), model.register_forward_hook(post)]
+    try:
+        yield state
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class CollectiveForwardOOM(torch.OutOfMemoryError):
+    """An OOM inside a forward whose engine all-gathers in it: the peers wait in a collective this rank will not
+    join, and cannot be told in-band. `memfit.fit` writes the report, then `abort_peers()`."""
+
+    abort_peers = True
+
+
+def forward_oom_message(*, rank: int, engine: str, step: int, timeout_s: float, cause: str) -> str:
+    """The one line a rank prints when its forward ran out of memory between the engine's all-gathers."""
+    return (f"memfit: rank {rank} ran out of memory inside the forward at optimizer step {step} under {engine}, "
+            "between parameter all-gathers the other ranks are waiting in, so the ranks cannot split together; "
+            "memfit writes the report, then destroys this process group (gloo peers then fail at once; NCCL peers "
+            f"wait until their timeout, after {timeout_s:.0f} s: TrainingArguments.ddp_timeout); lower "
+            "per_device_train_batch_size before launching (`memfit plan --gpus N x GPU` computes it) and resume "
+            f"from the last checkpoint. Last error: {cause}")
+
+
+def abort_peers() -> None:
+    """Destroy this rank's process group (after its report is written), so that a peer waiting on it sees an
+    error when the backend reports the closed connection (gloo does) instead of waiting until its timeout.
+    NCCL peers are not told: they wait until the timeout (the limit is documented in README's memfit.fit)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _world(args: Any) -> tuple[int, int]:

@@ -288,13 +288,25 @@ class ChunkedTrainingStep:
     def _voted_forward(self, model, inputs, *args, **kwargs):
         state, remaining, part = self._vote
         self._vote = None  # one vote per chunk
+        gathering = engines.forward_collectives(self.trainer, model)
+        tracker = engines.forward_tracker(model) if gathering else contextlib.nullcontext({"inside": False})
         try:
-            out = self.original_compute_loss(model, inputs, *args, **kwargs)
+            with tracker as where:
+                out = self.original_compute_loss(model, inputs, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - an OOM is voted on, anything else stops every rank
             if not is_oom_error(exc):
                 engines.forward_vote(failure=None, fatal=True, wanted_chunks=state.chunks, remaining=remaining)
                 raise
             failure = oom_cause(exc)
+            if where["inside"]:  # the peers are in an all-gather of this forward: a vote would not be matched
+                import torch.distributed as dist
+
+                message = engines.forward_oom_message(
+                    rank=dist.get_rank() if dist.is_initialized() else 0, engine=gathering,
+                    step=self.trainer.state.global_step, timeout_s=float(self.trainer.args.ddp_timeout),
+                    cause=str(exc).splitlines()[0][:200] if str(exc) else failure[0])
+                logger.error("%s", message)
+                raise engines.CollectiveForwardOOM(message) from None
             exc = None  # drop the traceback (it holds the activations)
         else:
             engines.forward_vote(failure=None, fatal=False, wanted_chunks=state.chunks, remaining=remaining)
@@ -468,10 +480,49 @@ class ChunkedTrainingStep:
                 exc = None
 
 
+class PeerEvalOOM(RuntimeError):
+    """Another rank's evaluation ran out of memory in this eval batch: every rank reruns the evaluation smaller."""
+
+
+def _agreed_prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Trainer.prediction_step` followed, on every rank, by one vote (a small all-reduce) before the batch's
+    gather: transformers' `evaluation_loop` calls `self.gather_function` (accelerate's `gather_for_metrics`, a
+    collective) right after each `prediction_step`. A rank whose prediction step ran out of memory says so, and
+    every rank then leaves the loop at that same batch (the OOM's rank with its error, the others with
+    PeerEvalOOM), before any rank enters the gather its peer would never join."""
+
+    def prediction_step(*args, **kwargs):
+        try:
+            out = original(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            oom = is_oom_error(exc)
+            dist_sync.agree_flags([int(not oom), int(oom)])
+            raise
+        fatal_any, oom_any = dist_sync.agree_flags([0, 0])
+        if fatal_any:
+            raise dist_sync.PeerFailed("memfit: another process of this run stopped with an error in evaluation "
+                                       "(see its log); this process stops too instead of waiting for it")
+        if oom_any:
+            raise PeerEvalOOM("another rank ran out of memory in this eval batch")
+        return out
+
+    return prediction_step
+
+
 def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recoveries: list[Recovery],
                      on_change: Callable[[str], None]) -> Callable[[], None]:
-    """Wrap `trainer.evaluate`: an OOM lowers the eval batch size and reruns the evaluation. Returns an undo."""
+    """Wrap `trainer.evaluate`: an OOM lowers the eval batch size and reruns the evaluation. Returns an undo.
+
+    Several ranks (torch.distributed initialised): each eval batch's prediction step is followed by a vote
+    (`_agreed_prediction_step`), so an OOM on one rank makes every rank rerun the evaluation, all with the
+    same halved `per_device_eval_batch_size` (the smallest over the ranks, halved) and
+    `eval_accumulation_steps=1`; a rank that cannot go lower stops, and the others with PeerFailed.
+    """
     original = trainer.evaluate
+    distributed = dist_sync.is_distributed()
+    original_step = trainer.prediction_step
+    if distributed:
+        trainer.prediction_step = _agreed_prediction_step(original_step)
 
     def evaluate(*args, **kwargs):
         while True:
@@ -481,14 +532,22 @@ def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recover
                 meter.record("eval")
                 return metrics
             except Exception as exc:  # noqa: BLE001
-                if not is_oom_error(exc):
+                peer = isinstance(exc, PeerEvalOOM)
+                if not (peer or is_oom_error(exc)):
                     raise
-                cause, tried = oom_cause(exc)
+                cause, tried = (str(exc), None) if peer else oom_cause(exc)
                 exc = None
             ta = trainer.args
             old_bs, old_acc = ta.per_device_eval_batch_size, ta.eval_accumulation_steps
             evals = sum(1 for r in recoveries if r.phase == "eval")
-            if (old_bs <= 1 and old_acc == 1) or evals >= max_recoveries:
+            if distributed:  # the same settings everywhere, whatever each rank had
+                neg_bs, evals = dist_sync.agree_flags([-old_bs, evals])
+                old_bs = -neg_bs
+            if (old_bs <= 1 and (old_acc or 1) == 1) or evals >= max_recoveries:
+                if peer:
+                    raise dist_sync.PeerFailed(
+                        f"memfit: another process of this run ran out of memory in evaluation even at "
+                        f"per_device_eval_batch_size={old_bs}; this process stops too")
                 raise torch.OutOfMemoryError(
                     f"memfit: out of memory in evaluation even at per_device_eval_batch_size={old_bs}, "
                     f"eval_accumulation_steps={old_acc}; last error: {cause}")
@@ -506,5 +565,7 @@ def guard_evaluation(trainer: Any, *, max_recoveries: int, meter: Meter, recover
 
     def undo() -> None:
         trainer.evaluate = original
+        if distributed:
+            trainer.prediction_step = original_step
 
     return undo

@@ -496,6 +496,10 @@ def _report_failure(exc: BaseException, trainer: Any, guards: _Guards, run: _Run
             write_report(report, run.report_path)
             exc.add_note(f"memfit: the report of this run ({report.status}) is in {run.report_path}")
         exc.memfit_report = report  # type: ignore[attr-defined]  (read by `memfit train`)
+    if getattr(exc, "abort_peers", False):  # issue 14: an OOM between an engine's all-gathers (fitting/engines.py)
+        from memfit.fitting.engines import abort_peers
+
+        abort_peers()  # after the report: the peers see an error instead of waiting (gloo), or time out (NCCL)
 
 
 def _finish(trainer: Any, guards: _Guards, run: _Run, outcome: _Outcome) -> FitReport:
