@@ -32,6 +32,7 @@ offload is modelled as "no optimizer state on the GPU".
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -42,9 +43,10 @@ from memfit.estimator import MemoryReport
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
 from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes
 from memfit.allocator.bounded import bounded_reserved
-from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model
+from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model, planned_simulations
 from memfit.planner.ranking import Candidate, StepTimer, rank
 from memfit.planner.throughput import paged_traffic_bytes
+from memfit.planner.workers import WorkerPool, worker_count
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
@@ -182,6 +184,7 @@ def plan(
     non_pytorch_bytes: int | None = None,
     exclude: tuple[str, ...] = (),
     cache: bool = False,
+    workers: int | None = None,
 ) -> PlanResult:
     """Search the remedies for the fastest configuration of `setup` that fits `gpu`.
 
@@ -199,6 +202,9 @@ def plan(
         exclude: remedy names (memfit.remedies.REGISTRY) not to search, e.g. `("mixed_precision",)`
             when the run cannot use it (memfit.fit on the CPU).
         cache: read and write memfit's cache of plans (memfit.cache.plan_key; the CLI's default, issue 15).
+        workers: processes that run the independent simulations (memfit.planner.workers.worker_count; None:
+            `MEMFIT_WORKERS`, else this process's CPUs where forking is safe; 1: all in this process). The
+            result does not depend on it.
     """
     started = time.perf_counter()
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
@@ -222,15 +228,23 @@ def plan(
             if hit is not None:
                 return dataclasses.replace(hit, cached=True, elapsed_s=round(time.perf_counter() - started, 2))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
+    n_workers = worker_count(workers)
     sims = Simulations()
-    base = _estimate_baseline(setup, budget, alloc_conf, sims)
     verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
     axes = _candidate_axes(setup, spec, verdicts, allow=allow, exclude=exclude)
-    model = fit_memory_model(setup, base.report, axes, sims)
-    ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
-                  base_time_s=base.step_time_s)
-    verified = _verify(setup, ranked, base, budget, sims, alloc_conf=alloc_conf, verify_top=verify_top,
-                       max_plans=max_plans)
+    if n_workers > 1:  # issue 15: the baseline and every partial simulation are known now; start them all
+        import memfit.sim.engine  # noqa: F401 - imported before the fork: no worker imports torch / transformers
+    with WorkerPool(n_workers) as pool:
+        if pool.workers > 1:
+            sims.prefetch(pool, "estimate", setup, (budget, alloc_conf))  # the longest first
+            for s, kwargs in planned_simulations(setup, axes):
+                sims.prefetch(pool, "phase_peaks", s, kwargs)
+        base = _estimate_baseline(setup, budget, alloc_conf, sims)
+        model = fit_memory_model(setup, base.report, axes, sims)
+        ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
+                      base_time_s=base.step_time_s)
+        verified = _verify(setup, ranked, base, budget, sims, alloc_conf=alloc_conf, verify_top=verify_top,
+                           max_plans=max_plans, pool=pool)
     chosen = _choose(verified, base.plan)
     miss = _miss(base.plan, verified.plans, chosen, budget, verdicts, allow)
     result = PlanResult(
@@ -393,7 +407,7 @@ class _Verified(NamedTuple):
 
 
 def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget: Budget, sims: Simulations, *,
-            alloc_conf: str | None, verify_top: int, max_plans: int) -> _Verified:
+            alloc_conf: str | None, verify_top: int, max_plans: int, pool: WorkerPool | None = None) -> _Verified:
     """Verify the best candidates until one fits (at most `verify_top`); the next ones as fitted plans.
 
     Args:
@@ -405,20 +419,18 @@ def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget:
         alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF.
         verify_top: how many candidates to verify at most.
         max_plans: how many plans to return.
+        pool: where the candidates that may be verified are estimated ahead, all at once (memfit.planner.workers;
+            the ones not needed, once one fits, are stopped and not counted).
     """
     plans: list[Plan] = []
     chosen = None
-    seen = set()
     verified = 0
-    for c in ranked:
-        # issue 12: a change the others already make (checkpointing under kbit prep) is not proposed
-        c = dataclasses.replace(c, changes=implied_changes(setup, c.changes).changes)
-        key = tuple(sorted(c.changes.items()))
-        if key in seen or not c.changes:
-            continue
-        seen.add(key)
-        if conflict(_describe(setup, c.changes, base.report.checkpointing)[0]):
-            continue  # e.g. ZeRO-Offload with an 8-bit optimizer (memfit.remedies: `incompatible`)
+    candidates = _distinct_candidates(setup, ranked, base)
+    head = list(itertools.islice(candidates, verify_top))  # the ones that may be verified
+    if pool is not None and pool.workers > 1 and verify_top > 1:
+        for c in head:
+            sims.prefetch(pool, "estimate", setup.replace(**c.changes), (budget, alloc_conf))
+    for c in itertools.chain(head, candidates):
         if verified < verify_top and chosen is None:
             verified += 1
             plans.append(_verified_plan(setup, c, budget, sims, alloc_conf))
@@ -429,6 +441,21 @@ def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget:
         if len(plans) >= max_plans and chosen is not None:
             break
     return _Verified(plans, chosen)
+
+
+def _distinct_candidates(setup: TrainSetup, ranked: list[Candidate], base: _Baseline):
+    """The ranked candidates a plan may show, best first: each set of changes once, none that conflict."""
+    seen = set()
+    for c in ranked:
+        # issue 12: a change the others already make (checkpointing under kbit prep) is not proposed
+        c = dataclasses.replace(c, changes=implied_changes(setup, c.changes).changes)
+        key = tuple(sorted(c.changes.items()))
+        if key in seen or not c.changes:
+            continue
+        seen.add(key)
+        if conflict(_describe(setup, c.changes, base.report.checkpointing)[0]):
+            continue  # e.g. ZeRO-Offload with an 8-bit optimizer (memfit.remedies: `incompatible`)
+        yield c
 
 
 def _verified_plan(setup: TrainSetup, c: Candidate, budget: Budget, sims: Simulations,
