@@ -30,6 +30,7 @@ def _setup(model):
                       eval_strategy="epoch", per_device_eval_batch_size=8, eval_samples=16)
 
 
+@pytest.mark.slow
 @linux_only
 def test_the_plan_is_the_same_serial_and_in_workers(bert4):
     # a GPU too small for the setup as it is: fits, ranking and verification all run
@@ -40,6 +41,7 @@ def test_the_plan_is_the_same_serial_and_in_workers(bert4):
     assert parallel == serial
 
 
+@pytest.mark.slow
 def test_the_planned_simulations_are_the_ones_the_fits_ask_for(bert4):
     # what is started ahead is exactly what fit_memory_model asks for: nothing runs twice, nothing in the parent
     setup = _setup(bert4)

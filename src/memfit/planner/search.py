@@ -32,7 +32,6 @@ offload is modelled as "no optimizer state on the GPU".
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -232,19 +231,22 @@ def plan(
     sims = Simulations()
     verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
     axes = _candidate_axes(setup, spec, verdicts, allow=allow, exclude=exclude)
-    if n_workers > 1:  # issue 15: the baseline and every partial simulation are known now; start them all
-        import memfit.sim.engine  # noqa: F401 - imported before the fork: no worker imports torch / transformers
-    with WorkerPool(n_workers) as pool:
+    planned = planned_simulations(setup, axes) if n_workers > 1 else []
+    if planned:  # issue 15: the baseline and every partial simulation are known now: start them all
+        _warm_up(sims, planned)
+    with WorkerPool(n_workers if planned else 1) as pool:
         if pool.workers > 1:
             sims.prefetch(pool, "estimate", setup, (budget, alloc_conf))  # the longest first
-            for s, kwargs in planned_simulations(setup, axes):
+            for s, kwargs in planned[1:]:
                 sims.prefetch(pool, "phase_peaks", s, kwargs)
         base = _estimate_baseline(setup, budget, alloc_conf, sims)
         model = fit_memory_model(setup, base.report, axes, sims)
-        ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
-                      base_time_s=base.step_time_s)
-        verified = _verify(setup, ranked, base, budget, sims, alloc_conf=alloc_conf, verify_top=verify_top,
-                           max_plans=max_plans, pool=pool)
+    ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
+                  base_time_s=base.step_time_s)
+    # the candidates are verified one by one, here, after the workers are stopped: the first one usually fits, and
+    # estimating the next ones ahead cost 2.4-2.7 s CPU more per seed plan for nothing (bench/README.md, issue 15)
+    verified = _verify(setup, ranked, base, budget, sims, alloc_conf=alloc_conf, verify_top=verify_top,
+                       max_plans=max_plans)
     chosen = _choose(verified, base.plan)
     miss = _miss(base.plan, verified.plans, chosen, budget, verdicts, allow)
     result = PlanResult(
@@ -257,6 +259,24 @@ def plan(
     if key is not None:
         _store(key, result)
     return result
+
+
+def _warm_up(sims: Simulations, planned: list) -> None:
+    """Run the first planned training simulation here, before the workers are forked, and keep its result for
+    its request (`Simulations.prefetch` on a serial pool). The first simulation in a process pays several seconds
+    of CPU the next ones do not (the model's transformers modules imported, the first meta model built, the
+    fake-tensor kernels' first dispatch: 2.7 s CPU for the seed case's first `build_meta_model`, 0.02 s for the
+    next, measured under load on the 2-core machine); paid here once, each worker inherits it by the fork.
+    `planned` is reordered so that it comes first."""
+    first = next((i for i, (_, kw) in enumerate(planned) if kw.get("train", True) and not kw.get("optimizer_only")),
+                 0)
+    planned.insert(0, planned.pop(first))
+    setup, kwargs = planned[0]
+    sims.prefetch(WorkerPool(1), "phase_peaks", setup, kwargs)
+    try:
+        sims.pending[-1][3].get()  # computed now; a MemfitError is raised again where the fit asks for it
+    except MemfitError:
+        pass
 
 
 def _cache_key(setup: TrainSetup, gpu: Any, spec: GpuSpec, **options: Any) -> str | None:
@@ -407,7 +427,7 @@ class _Verified(NamedTuple):
 
 
 def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget: Budget, sims: Simulations, *,
-            alloc_conf: str | None, verify_top: int, max_plans: int, pool: WorkerPool | None = None) -> _Verified:
+            alloc_conf: str | None, verify_top: int, max_plans: int) -> _Verified:
     """Verify the best candidates until one fits (at most `verify_top`); the next ones as fitted plans.
 
     Args:
@@ -419,18 +439,11 @@ def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget:
         alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF.
         verify_top: how many candidates to verify at most.
         max_plans: how many plans to return.
-        pool: where the candidates that may be verified are estimated ahead, all at once (memfit.planner.workers;
-            the ones not needed, once one fits, are stopped and not counted).
     """
     plans: list[Plan] = []
     chosen = None
     verified = 0
-    candidates = _distinct_candidates(setup, ranked, base)
-    head = list(itertools.islice(candidates, verify_top))  # the ones that may be verified
-    if pool is not None and pool.workers > 1 and verify_top > 1:
-        for c in head:
-            sims.prefetch(pool, "estimate", setup.replace(**c.changes), (budget, alloc_conf))
-    for c in itertools.chain(head, candidates):
+    for c in _distinct_candidates(setup, ranked, base):
         if verified < verify_top and chosen is None:
             verified += 1
             plans.append(_verified_plan(setup, c, budget, sims, alloc_conf))
