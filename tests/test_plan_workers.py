@@ -141,3 +141,12 @@ def test_the_training_process_plans_serially():
     from memfit.fitting import run
 
     assert "workers=1" in inspect.getsource(run._agreed_plan)
+
+
+@linux_only
+def test_a_worker_that_dies_is_a_clear_error():
+    import os
+
+    with WorkerPool(2) as pool:  # a worker killed (e.g. out of host memory) must not leave the planner waiting
+        with pytest.raises(MemfitError, match=r"worker process died .* `MEMFIT_WORKERS=1`"):
+            pool.submit(os._exit, 1).get()  # the worker ends without a result

@@ -93,17 +93,33 @@ class _Done:
             self._ran = True
             try:
                 self._value = self._fn(*self._args)
-            except BaseException as e:  # noqa: BLE001 - raised again on every get, as a worker's would be
+            except Exception as e:  # noqa: BLE001 - raised again on every get, as a worker's would be
                 self._error = e
         if self._error is not None:
             raise self._error
         return self._value
 
 
+class _Pending:
+    """A task in a worker: `get` waits for its result or raises what it raised."""
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def get(self) -> Any:
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return self._future.result()
+        except BrokenProcessPool:  # a worker was killed (out of host memory, a signal): never wait forever
+            raise MemfitError("a planner worker process died while simulating (out of host memory?); run again "
+                              "with `MEMFIT_WORKERS=1` to simulate in this process") from None
+
+
 class WorkerPool:
     """Runs functions (module-level, picklable arguments and results) in forked workers, or lazily here.
 
-    Use as a context manager: leaving it stops the workers, also those still running a task nobody reads.
+    Use as a context manager: leaving it stops the workers (a task nobody read is not started).
     """
 
     def __init__(self, workers: int) -> None:
@@ -111,20 +127,22 @@ class WorkerPool:
         self._pool = None
         if workers > 1:
             import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-            # fork: the workers inherit the imported modules and warm caches (no spawn, no imports)
-            self._pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+            # fork: the workers inherit the imported modules and warm caches (no spawn, no imports). Not
+            # multiprocessing.Pool: when one of its workers dies its task's result never comes
+            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                             initializer=_worker_init)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A handle whose `get()` returns `fn(*args)` or raises what it raised."""
         if self._pool is None:
             return _Done(fn, args)
-        return self._pool.apply_async(fn, args)
+        return _Pending(self._pool.submit(fn, *args))
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()  # a speculative task still running is not waited for
-            self._pool.join()
+            self._pool.shutdown(wait=True, cancel_futures=True)  # tasks nobody read are not started
             self._pool = None
 
     def __enter__(self) -> WorkerPool:
