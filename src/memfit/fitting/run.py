@@ -336,6 +336,7 @@ def _agreed_plan(trainer: Any, pre: PreflightReport, *, gpu: Any, budget_bytes: 
                            non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None,
                            # apply_plan applies mixed precision only on CUDA: do not plan on it elsewhere
                            exclude=() if torch.cuda.is_available() else ("mixed_precision",),
+                           workers=1,  # plan speed (issue 15): never fork the training process (memfit.planner.workers)
                            **({} if margin is None else {"margin": margin}))
     from memfit.fitting.distributed import agree
 

@@ -32,7 +32,8 @@ from memfit.trace import TRAIN_PHASES
 from memfit.train_setup import TrainSetup
 
 __all__ = ["TRAINABLE_KEYS", "WEIGHT_KEYS", "Budget", "Simulations", "PhasePeaks", "OptimizerCost", "LinearFit", "EvalFit",
-           "EvalChoice", "TrainPeaks", "Axes", "MemoryModel", "fit_memory_model", "train_peaks", "eval_choice"]
+           "EvalChoice", "TrainPeaks", "Axes", "MemoryModel", "fit_memory_model", "planned_simulations", "train_peaks",
+           "eval_choice"]
 
 def simulate(setup: TrainSetup, **kwargs: Any):
     """memfit.sim.engine.simulate, imported on first use: torch and transformers take seconds to import, which a
@@ -75,15 +76,48 @@ class _Counts(NamedTuple):
 
     params: int
     trainable_params: int
+    paged_bytes: int = 0
+
+
+def _phase_peaks_of(setup: TrainSetup, kwargs: dict[str, Any]) -> PhasePeaks:
+    """One partial simulation's per-phase peaks, by value (picklable: a worker process returns it)."""
+    sim = simulate(setup, **kwargs)
+    tp = peaks(sim.trace)
+    return PhasePeaks({p: pk.bytes for p, pk in tp.by_phase.items()},
+                      {p: dict(pk.breakdown) for p, pk in tp.by_phase.items()},
+                      _Counts(sim.params, sim.trainable_params, sim.paged_bytes))
+
+
+def _estimate_of(setup: TrainSetup, budget: Budget, alloc_conf: str | None) -> MemoryReport:
+    """A full estimate with the budget's capacity (a worker process returns it)."""
+    return estimate(setup, gpu=budget.spec, alloc_conf=alloc_conf, non_pytorch_bytes=budget.outside_bytes,
+                    capacity_bytes=budget.capacity_bytes)
+
+
+def _reuse_candidate(setup: TrainSetup, kwargs: dict[str, Any], base: TrainSetup) -> bool:
+    """What `Simulations._reused` can tell before the baseline ran: the request is the baseline's beginning."""
+    return kwargs == {"optimizer_steps": 0} and setup.gradient_accumulation_steps == 2 and \
+        base.gradient_accumulation_steps >= 2 and setup == base.replace(gradient_accumulation_steps=2,
+                                                                        eval_strategy="no")
 
 
 @dataclass
 class Simulations:
-    """Runs the planner's simulations and counts them (`PlanResult.simulations`)."""
+    """Runs the planner's simulations and counts them (`PlanResult.simulations`).
+
+    Simulations submitted ahead (`prefetch`, memfit.planner.workers: in worker processes) are read back when
+    asked for in the same way, and counted then, as the serial path counts them: the result is the same.
+    """
 
     count: int = 0
     #: the setup as it is and its full estimate (step 1), whose first micro-steps a fit may reuse (`_reused`)
     baseline: tuple[TrainSetup, MemoryReport] | None = None
+    #: recording mode (`planned`): requests are noted, not run, and answered with zeros
+    record_for: TrainSetup | None = None
+    requests: list[tuple[TrainSetup, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    #: submitted ahead: (kind, setup, kwargs or (budget, alloc_conf), handle with .get())
+    pending: list[tuple[str, TrainSetup, Any, Any]] = dataclasses.field(default_factory=list)
+    ran_here: int = 0  #: simulations run in this process (not prefetched)
 
     def phase_peaks(self, setup: TrainSetup, **kwargs: Any) -> PhasePeaks:
         """Per-phase peaks of a partial simulation of `setup` (kwargs: memfit.sim.engine.simulate's).
@@ -91,14 +125,41 @@ class Simulations:
         Evaluation runs only in an evaluation-only simulation (`train=False`)."""
         train = kwargs.get("train", True)
         setup = setup.replace(eval_strategy=setup.eval_strategy if not train else "no")
+        if self.record_for is not None:
+            if not _reuse_candidate(setup, kwargs, self.record_for):
+                self.requests.append((setup, kwargs))
+            return PhasePeaks({}, {}, _Counts(0, 0))
         reused = self._reused(setup, kwargs)
         if reused is not None:
             return reused
-        sim = simulate(setup, **kwargs)
+        result = self._take("phase_peaks", setup, kwargs)
+        if result is None:
+            self.ran_here += 1
+            result = _phase_peaks_of(setup, kwargs)
         self.count += 1
-        tp = peaks(sim.trace)
-        return PhasePeaks({p: pk.bytes for p, pk in tp.by_phase.items()},
-                          {p: dict(pk.breakdown) for p, pk in tp.by_phase.items()}, sim)
+        return result
+
+    def prefetch(self, pool: Any, kind: str, setup: TrainSetup, args: Any) -> None:
+        """Submit a simulation to `pool` (memfit.planner.workers.WorkerPool) ahead of its request.
+
+        Args:
+            pool: where it runs.
+            kind: "phase_peaks" (args: simulate's kwargs, the setup as `phase_peaks` passes it) or "estimate"
+                (args: (budget, alloc_conf)).
+            setup: the setup simulated.
+            args: as `kind` says.
+        """
+        handle = pool.submit(_phase_peaks_of, setup, args) if kind == "phase_peaks" else \
+            pool.submit(_estimate_of, setup, *args)
+        self.pending.append((kind, setup, args, handle))
+
+    def _take(self, kind: str, setup: TrainSetup, args: Any) -> Any:
+        """The prefetched result of this request (raising what its simulation raised), or None."""
+        for i, (k, s, a, handle) in enumerate(self.pending):
+            if k == kind and a == args and s == setup:
+                del self.pending[i]
+                return handle.get()
+        return None
 
     def _reused(self, setup: TrainSetup, kwargs: dict[str, Any]) -> PhasePeaks | None:
         """The peaks of `simulate(setup, optimizer_steps=0)` read from the baseline's trace, when that
@@ -107,11 +168,10 @@ class Simulations:
         `micro_step`) and evaluation (which runs after the optimizer steps). Its events are then those of the
         baseline before the first optimizer-step event, less the cuBLAS workspaces `estimate` adds
         (memfit.estimator `_with_workspaces`). None otherwise. tests/test_speed.py compares it with the simulation."""
-        if self.baseline is None or kwargs != {"optimizer_steps": 0} or setup.gradient_accumulation_steps != 2:
+        if self.baseline is None:
             return None
         base, report = self.baseline
-        if not report.trace or base.gradient_accumulation_steps < 2 or \
-                setup != base.replace(gradient_accumulation_steps=2, eval_strategy="no"):
+        if not report.trace or not _reuse_candidate(setup, kwargs, base):
             return None
         events = []
         for ev in report.trace:
@@ -128,10 +188,30 @@ class Simulations:
 
     def estimate(self, setup: TrainSetup, budget: Budget, alloc_conf: str | None) -> MemoryReport:
         """A full estimate (simulation + allocator replay) of `setup` with the budget's capacity."""
-        report = estimate(setup, gpu=budget.spec, alloc_conf=alloc_conf, non_pytorch_bytes=budget.outside_bytes,
-                          capacity_bytes=budget.capacity_bytes)
+        report = self._take("estimate", setup, (budget, alloc_conf))
+        if report is None:
+            self.ran_here += 1
+            report = _estimate_of(setup, budget, alloc_conf)
         self.count += 1
         return report
+
+
+def planned_simulations(setup: TrainSetup, axes: Axes) -> list[tuple[TrainSetup, dict[str, Any]]]:
+    """The partial simulations `fit_memory_model` will ask for (setup as `Simulations.phase_peaks` passes it,
+    simulate's kwargs), in its order, found by running it with every answer zero; without the one the
+    baseline's trace answers (`Simulations._reused`). A combination whose micro-batch-2 simulation fails is
+    asked for at micro-batch 1 too (its request is then unused). Nothing is simulated."""
+    rec = Simulations(record_for=setup)
+    fit_memory_model(setup, _ZeroReport(), axes, rec)  # type: ignore[arg-type]
+    return rec.requests
+
+
+class _ZeroReport:
+    """The baseline report `planned_simulations` hands `fit_memory_model`: only what `_optimizer_costs` reads."""
+
+    phase_breakdowns: dict = {}
+    phases: dict = {}
+    paged_bytes = 0
 
 
 @dataclass(frozen=True)

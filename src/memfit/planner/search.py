@@ -42,9 +42,10 @@ from memfit.estimator import MemoryReport
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
 from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes
 from memfit.allocator.bounded import bounded_reserved
-from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model
+from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model, planned_simulations
 from memfit.planner.ranking import Candidate, StepTimer, rank
 from memfit.planner.throughput import paged_traffic_bytes
+from memfit.planner.workers import WorkerPool, worker_count
 from memfit.train_setup import TrainSetup
 
 __all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
@@ -182,6 +183,7 @@ def plan(
     non_pytorch_bytes: int | None = None,
     exclude: tuple[str, ...] = (),
     cache: bool = False,
+    workers: int | None = None,
 ) -> PlanResult:
     """Search the remedies for the fastest configuration of `setup` that fits `gpu`.
 
@@ -199,6 +201,9 @@ def plan(
         exclude: remedy names (memfit.remedies.REGISTRY) not to search, e.g. `("mixed_precision",)`
             when the run cannot use it (memfit.fit on the CPU).
         cache: read and write memfit's cache of plans (memfit.cache.plan_key; the CLI's default, issue 15).
+        workers: processes that run the independent simulations (memfit.planner.workers.worker_count; None:
+            `MEMFIT_WORKERS`, else this process's CPUs where forking is safe; 1: all in this process). The
+            result does not depend on it.
     """
     started = time.perf_counter()
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
@@ -222,13 +227,24 @@ def plan(
             if hit is not None:
                 return dataclasses.replace(hit, cached=True, elapsed_s=round(time.perf_counter() - started, 2))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
+    n_workers = worker_count(workers)
     sims = Simulations()
-    base = _estimate_baseline(setup, budget, alloc_conf, sims)
     verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
     axes = _candidate_axes(setup, spec, verdicts, allow=allow, exclude=exclude)
-    model = fit_memory_model(setup, base.report, axes, sims)
+    planned = planned_simulations(setup, axes) if n_workers > 1 else []
+    if planned:  # issue 15: the baseline and every partial simulation are known now: start them all
+        _warm_up(sims, planned)
+    with WorkerPool(n_workers if planned else 1) as pool:
+        if pool.workers > 1:
+            sims.prefetch(pool, "estimate", setup, (budget, alloc_conf))  # the longest first
+            for s, kwargs in planned[1:]:
+                sims.prefetch(pool, "phase_peaks", s, kwargs)
+        base = _estimate_baseline(setup, budget, alloc_conf, sims)
+        model = fit_memory_model(setup, base.report, axes, sims)
     ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
                   base_time_s=base.step_time_s)
+    # the candidates are verified one by one, here, after the workers are stopped: the first one usually fits, and
+    # estimating the next ones ahead cost 2.4-2.7 s CPU more per seed plan for nothing (bench/README.md, issue 15)
     verified = _verify(setup, ranked, base, budget, sims, alloc_conf=alloc_conf, verify_top=verify_top,
                        max_plans=max_plans)
     chosen = _choose(verified, base.plan)
@@ -243,6 +259,24 @@ def plan(
     if key is not None:
         _store(key, result)
     return result
+
+
+def _warm_up(sims: Simulations, planned: list) -> None:
+    """Run the first planned training simulation here, before the workers are forked, and keep its result for
+    its request (`Simulations.prefetch` on a serial pool). The first simulation in a process pays several seconds
+    of CPU the next ones do not (the model's transformers modules imported, the first meta model built, the
+    fake-tensor kernels' first dispatch: 2.7 s CPU for the seed case's first `build_meta_model`, 0.02 s for the
+    next, measured under load on the 2-core machine); paid here once, each worker inherits it by the fork.
+    `planned` is reordered so that it comes first."""
+    first = next((i for i, (_, kw) in enumerate(planned) if kw.get("train", True) and not kw.get("optimizer_only")),
+                 0)
+    planned.insert(0, planned.pop(first))
+    setup, kwargs = planned[0]
+    sims.prefetch(WorkerPool(1), "phase_peaks", setup, kwargs)
+    try:
+        sims.pending[-1][3].get()  # computed now; a MemfitError is raised again where the fit asks for it
+    except MemfitError:
+        pass
 
 
 def _cache_key(setup: TrainSetup, gpu: Any, spec: GpuSpec, **options: Any) -> str | None:
@@ -408,17 +442,8 @@ def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget:
     """
     plans: list[Plan] = []
     chosen = None
-    seen = set()
     verified = 0
-    for c in ranked:
-        # issue 12: a change the others already make (checkpointing under kbit prep) is not proposed
-        c = dataclasses.replace(c, changes=implied_changes(setup, c.changes).changes)
-        key = tuple(sorted(c.changes.items()))
-        if key in seen or not c.changes:
-            continue
-        seen.add(key)
-        if conflict(_describe(setup, c.changes, base.report.checkpointing)[0]):
-            continue  # e.g. ZeRO-Offload with an 8-bit optimizer (memfit.remedies: `incompatible`)
+    for c in _distinct_candidates(setup, ranked, base):
         if verified < verify_top and chosen is None:
             verified += 1
             plans.append(_verified_plan(setup, c, budget, sims, alloc_conf))
@@ -429,6 +454,21 @@ def _verify(setup: TrainSetup, ranked: list[Candidate], base: _Baseline, budget:
         if len(plans) >= max_plans and chosen is not None:
             break
     return _Verified(plans, chosen)
+
+
+def _distinct_candidates(setup: TrainSetup, ranked: list[Candidate], base: _Baseline):
+    """The ranked candidates a plan may show, best first: each set of changes once, none that conflict."""
+    seen = set()
+    for c in ranked:
+        # issue 12: a change the others already make (checkpointing under kbit prep) is not proposed
+        c = dataclasses.replace(c, changes=implied_changes(setup, c.changes).changes)
+        key = tuple(sorted(c.changes.items()))
+        if key in seen or not c.changes:
+            continue
+        seen.add(key)
+        if conflict(_describe(setup, c.changes, base.report.checkpointing)[0]):
+            continue  # e.g. ZeRO-Offload with an 8-bit optimizer (memfit.remedies: `incompatible`)
+        yield c
 
 
 def _verified_plan(setup: TrainSetup, c: Candidate, budget: Budget, sims: Simulations,
