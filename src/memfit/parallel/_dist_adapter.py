@@ -89,6 +89,25 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+def _watched_storage(orig_alloc, orig_free, on_alloc, on_free):
+    """FSDP's storage allocate / free functions wrapped: `on_alloc(tensor)` after an allocation that changed the
+    storage's size, `on_free(tensor)` before a free of a non-empty storage (FSDP2 `alloc_storage(tensor)`, FSDP1
+    `_alloc_storage(tensor, size)`: the extra arguments pass through)."""
+
+    def alloc_storage(tensor, *args):
+        was = tensor.untyped_storage().size()
+        orig_alloc(tensor, *args)
+        if was != tensor.untyped_storage().size():
+            on_alloc(tensor)
+
+    def free_storage(tensor):
+        if tensor.untyped_storage().size() != 0:
+            on_free(tensor)
+        orig_free(tensor)
+
+    return alloc_storage, free_storage
+
+
 @contextlib.contextmanager
 def fsdp_storage_hooks(on_alloc, on_free) -> Iterator[None]:
     """Call `on_alloc(tensor)` after and `on_free(tensor)` before FSDP2 resizes a tensor's storage.
@@ -100,18 +119,7 @@ def fsdp_storage_hooks(on_alloc, on_free) -> Iterator[None]:
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     orig_alloc, orig_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
-
-    def alloc_storage(tensor):
-        was = tensor.untyped_storage().size()
-        orig_alloc(tensor)
-        if was != tensor.untyped_storage().size():
-            on_alloc(tensor)
-
-    def free_storage(tensor):
-        if tensor.untyped_storage().size() != 0:
-            on_free(tensor)
-        orig_free(tensor)
-
+    alloc_storage, free_storage = _watched_storage(orig_alloc, orig_free, on_alloc, on_free)
     _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
     _fsdp_param.free_storage = free_storage
     try:
@@ -176,17 +184,7 @@ def fsdp1_storage_hooks(on_alloc, on_free) -> Iterator[None]:
         return a.untyped_storage() is b.untyped_storage() or (
             a.untyped_storage().data_ptr() != 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
-    def alloc_storage(tensor, size):
-        was = tensor.untyped_storage().size()
-        orig_alloc(tensor, size)
-        if was != tensor.untyped_storage().size():
-            on_alloc(tensor)
-
-    def free_storage(tensor):
-        if tensor.untyped_storage().size() != 0:
-            on_free(tensor)
-        orig_free(tensor)
-
+    alloc_storage, free_storage = _watched_storage(orig_alloc, orig_free, on_alloc, on_free)
     _flat_param._alloc_storage, _flat_param._free_storage = alloc_storage, free_storage
     _flat_param._data_ptr_allocated, _flat_param._same_storage = data_ptr_allocated, same_storage
     try:
