@@ -8,9 +8,9 @@ import pytest
 
 from conftest import save_bert_config
 from memfit.errors import MemfitError
-from memfit.planner import memory_model, workers
+from memfit.planner import workers
 from memfit.planner.memory_model import Simulations, fit_memory_model, planned_simulations
-from memfit.planner.search import _budget_for, _candidate_axes, plan
+from memfit.planner.search import _budget_for, _candidate_axes
 from memfit.planner.workers import WorkerPool, worker_count
 from memfit.remedies import REGISTRY
 from memfit.gpus.catalog import as_gpu_spec
@@ -30,15 +30,53 @@ def _setup(model):
                       eval_strategy="epoch", per_device_eval_batch_size=8, eval_samples=16)
 
 
+_COMPARE = """
+import json, sys
+from memfit.planner.search import plan
+from memfit.planner.workers import worker_count
+from memfit.train_setup import TrainSetup
+
+setup = TrainSetup(model=sys.argv[1], max_length=128, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                   eval_strategy="epoch", per_device_eval_batch_size=8, eval_samples=16)
+assert worker_count(2) == 2, "forking refused in a fresh process"
+serial = plan(setup, gpu="700MiB", workers=1).to_json()
+parallel = plan(setup, gpu="700MiB", workers=2).to_json()
+serial.pop("elapsed_s"), parallel.pop("elapsed_s")
+print(json.dumps({"serial": serial, "parallel": parallel}, default=str))
+"""
+
+
 @pytest.mark.slow
 @linux_only
 def test_the_plan_is_the_same_serial_and_in_workers(bert4):
+    """In a fresh process: one that ran a Trainer keeps threads (tqdm's monitor, gloo's) and plans serially, so
+    in the test process the comparison could silently be serial against serial."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("MEMFIT_WORKERS", None)
+    r = subprocess.run([sys.executable, "-c", _COMPARE, str(bert4)], capture_output=True, text=True, timeout=900,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
     # a GPU too small for the setup as it is: fits, ranking and verification all run
-    serial = plan(_setup(bert4), gpu="700MiB", workers=1).to_json()
-    parallel = plan(_setup(bert4), gpu="700MiB", workers=2).to_json()
-    serial.pop("elapsed_s"), parallel.pop("elapsed_s")
-    assert serial["simulations"] > 5 and serial["plans"]
-    assert parallel == serial
+    assert out["serial"]["simulations"] > 5 and out["serial"]["plans"]
+    assert out["parallel"] == out["serial"]
+
+
+def _as_in_a_fresh_process(monkeypatch):
+    """No CUDA, no process group, and no thread but the ones this test starts (earlier tests in the same
+    pytest process leave threads: tqdm's monitor, gloo's), so that worker_count's own rules are what is tested."""
+    import torch
+
+    original, base = threading.active_count, threading.active_count()
+    monkeypatch.setattr(threading, "active_count", lambda: original() - base + 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
 
 
 @pytest.mark.slow
@@ -91,6 +129,7 @@ def test_the_serial_pool_runs_lazily_and_raises_the_same():
 
 @linux_only
 def test_worker_count(monkeypatch):
+    _as_in_a_fresh_process(monkeypatch)
     monkeypatch.delenv("MEMFIT_WORKERS", raising=False)
     monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, raising=False)
     assert worker_count() == workers.MAX_WORKERS  # capped
@@ -110,6 +149,7 @@ def test_worker_count(monkeypatch):
 
 @linux_only
 def test_no_fork_where_it_is_unsafe(monkeypatch):
+    _as_in_a_fresh_process(monkeypatch)
     monkeypatch.delenv("MEMFIT_WORKERS", raising=False)
     assert worker_count(2) == 2
     monkeypatch.setattr(workers.sys, "platform", "darwin")  # spawn by default: serial
