@@ -280,3 +280,50 @@ def test_python_dash_m_memfit_is_the_memfit_command():
     r = subprocess.run([sys.executable, "-m", "memfit", "--version"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
     assert r.returncode == 0 and r.stdout.startswith("memfit "), r.stdout + r.stderr
+
+
+def _memfit_process(*args: str, cache_dir: Path) -> subprocess.CompletedProcess:
+    """`python -m memfit ...` as the console script runs it (memfit.cli.entry), output piped as in a script."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+           "MEMFIT_CACHE_DIR": str(cache_dir), "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def test_the_fast_exit_of_a_compute_verb_keeps_its_output_exit_code_and_cache(tmp_path):
+    """Issue 15: `estimate`, `plan`, `diagnose` and `replay` end the process without the interpreter's teardown
+    (memfit.cli.entry). Their whole output must still arrive through a pipe, the exit code be the verb's, the cache
+    entry be written, and stderr hold none of the import-time noise of torchao or bitsandbytes."""
+    model = "sentence-transformers/all-MiniLM-L6-v2"
+    fits = _memfit_process("estimate", model, "--gpu", "T4", "--max-length", "64", "--check", cache_dir=tmp_path)
+    assert fits.returncode == 0, fits.stderr
+    assert fits.stdout.rstrip().splitlines()[-1].startswith("simulated in"), fits.stdout[-300:]
+    assert fits.stderr == ""
+    assert list(tmp_path.rglob("*.json")), "the cache entry was not written before the exit"
+    short = _memfit_process("estimate", model, "--gpu", "1GiB", "--max-length", "512", "--batch-size", "256",
+                            "--check", cache_dir=tmp_path)
+    assert short.returncode == 1, short.stdout[-500:] + short.stderr
+    bad = _memfit_process("estimate", model, "--gpu", "24", cache_dir=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "error" in bad.stderr, bad.stderr
+
+
+def test_a_compute_verb_exits_normally_while_a_non_daemon_thread_runs(monkeypatch):
+    """With a non-daemon thread alive, `entry` takes Python's normal exit (which joins it), not os._exit."""
+    import threading
+
+    from memfit import cli
+
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append(("os._exit", code)))
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, daemon=False)
+    worker.start()
+    try:
+        with pytest.raises(SystemExit) as done:
+            cli._exit_now(3)
+        assert done.value.code == 3 and not exits
+    finally:
+        release.set()
+        worker.join()
+    cli._exit_now(4)
+    assert exits == [("os._exit", 4)]

@@ -113,3 +113,28 @@ def test_liger_kernel_config_keys_are_checked():
         TrainSetup(model=_llama(), task="causal-lm", use_liger_kernel=True, liger_kernel_config={"rmsnorm": False})
     s = TrainSetup.from_kwargs(_llama(), task="causal-lm", training_args={"use_liger_kernel": True})
     assert s.use_liger_kernel and not any("not modelled" in n for n in s.notes)
+
+
+def test_supported_model_types_read_from_source_match_liger_imported():
+    """The liger check reads `MODEL_TYPE_TO_APPLY_LIGER_FN`'s keys from the installed source without importing it
+    (issue 15: the import cost 0.8 s of a seed plan); the keys must be exactly the imported dict's, and a fresh
+    process must not import liger_kernel.transformers to answer."""
+    import subprocess
+    import sys
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    from_source = lg._model_types_from_source()
+    assert from_source is not None and list(from_source) == sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)
+    assert "llama" in from_source and "xlnet" not in from_source
+    code = ("import sys; from memfit.sim.kernels.liger import liger_supported_model_types as f; "
+            "names = f(); print(len(names), 'liger_kernel.transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == [str(len(MODEL_TYPE_TO_APPLY_LIGER_FN)), "False"]
+
+
+def test_supported_model_types_fall_back_to_the_import_when_the_literal_is_not_found(monkeypatch):
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    monkeypatch.setattr(lg, "_model_types_from_source", lambda: None)
+    assert lg.liger_supported_model_types() == sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)

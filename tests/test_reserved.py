@@ -115,6 +115,23 @@ def test_a_replay_that_completes_completes_identically_at_its_own_peak(seed, cap
     assert replay(events, capacity_bytes=tight) == r
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), extra_mib=st.integers(-64, 64), expandable=st.booleans(),
+       split=st.sampled_from([None, 8 * MiB]))
+def test_the_capped_replay_taken_from_the_uncapped_one_is_the_capped_replay(seed, extra_mib, expandable, split):
+    """bounded.`_capped` (issue 15) returns the uncapped replay where the two must agree: it must equal the capped
+    replay at every capacity, below, at and above the uncapped peak, with and without expandable segments."""
+    from memfit.allocator.bounded import _capped
+
+    events = _random_trace(seed)
+    conf = AllocConf(expandable_segments=expandable, max_split_size_bytes=split)
+    uncapped = replay(events, conf=conf)
+    capacity = max(uncapped.peak_reserved_bytes + extra_mib * MiB, MiB)
+    assert _capped(events, conf, capacity, uncapped) == replay(events, conf=conf, capacity_bytes=capacity)
+    if not expandable and extra_mib >= 0:  # the shortcut itself was taken
+        assert _capped(events, conf, capacity, uncapped) is uncapped
+
+
 # -- steady state ----------------------------------------------------------------------------------
 def _bert(hidden=64, layers=2, vocab=200, intermediate=128):
     return BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,

@@ -1,8 +1,6 @@
 """`python -m memfit ...`: the same as the `memfit` command."""
 
-import sys
-
-from memfit.cli import main
+from memfit.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
