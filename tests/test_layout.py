@@ -65,7 +65,7 @@ LAYERS = [
     {"planner"},
     {"diagnosis"},
     {"fitting", "testing"},  # fitting.callback (MemfitCallback), fitting.trl_data (issue 13); fitting.engines (issue 14)
-    {"cli", "commands", "__main__"},  # __main__: `python -m memfit`; commands.train_trl: train --trainer (issue 13)
+    {"cli", "commands", "__main__", "server"},  # server: `memfit serve` (issue 15); __main__: `python -m memfit`; commands.train_trl: train --trainer (issue 13)
 ]
 
 

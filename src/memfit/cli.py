@@ -16,9 +16,9 @@ import threading
 
 from memfit.errors import MemfitError
 
-__all__ = ["main", "entry"]
+__all__ = ["main", "entry", "run_here"]
 
-VERBS = ("estimate", "plan", "diagnose", "train", "replay")
+VERBS = ("estimate", "plan", "diagnose", "train", "replay", "serve")
 #: Verbs that run with Python's cyclic collector paused (memfit.collector: imports and simulations, seconds
 #: saved, no result changed); not `train`, a long real training run that needs it.
 _COLLECTOR_PAUSED = ("estimate", "plan", "diagnose", "replay")
@@ -105,11 +105,23 @@ def entry() -> None:
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb not in _COLLECTOR_PAUSED:
         sys.exit(main(argv))
+    from memfit.server import run_served  # a `memfit serve` of this environment runs it warm, if one runs
+
+    code = run_served(argv)
+    _exit_now(run_here(argv) if code is None else code)
+
+
+def run_here(argv: list[str]) -> int:
+    """A compute verb (_COLLECTOR_PAUSED) in this process, which ends with it (`entry`; a `memfit serve` child)."""
     gc.disable()  # memfit.collector.paused restores this state: off until the process ends
+    quiet_import_noise()
+    return main(argv)
+
+
+def quiet_import_noise() -> None:
+    """The loggers of `_IMPORT_NOISE_LOGGERS` at ERROR, for the rest of this process (memfit's own)."""
     for name in _IMPORT_NOISE_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    code = main(argv)
-    _exit_now(code)
 
 
 def _exit_now(code: int) -> None:
