@@ -8,6 +8,10 @@ Each figure is the median of `--runs` subprocess runs of `python -m memfit.cli .
 * estimate warm: the same command again with the cache one cold run filled (memfit.cache);
 * plan: `memfit plan --max-length 4096` of the seed case (no cache: every run simulates).
 
+* served: the same cold estimates (an empty cache each) and plans while a `memfit serve` runs (memfit.server,
+  started once for the bench in a temporary socket folder; `--no-serve` skips it). The other figures run with
+  `MEMFIT_NO_SERVER=1`, so a server the user keeps never makes them look faster.
+
 Cases: the seed case (`memfit estimate` without a model: xlnet-large-cased on a V100-16GB) and
 `meta-llama/Llama-3.1-8B --task causal-lm`. The last line is
 `estimate_cold_s=<x> estimate_warm_s=<y> plan_s=<z>` (medians of the seed case).
@@ -40,9 +44,19 @@ def _cpu_children_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _run(argv: list[str], cache_dir: str, figure: str) -> float:
+def _env(cache_dir: str, serve_dir: str | None) -> dict[str, str]:
     env = dict(os.environ, MEMFIT_CACHE_DIR=cache_dir,
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MEMFIT_NO_SERVER", None)
+    if serve_dir is None:
+        env["MEMFIT_NO_SERVER"] = "1"
+    else:
+        env["MEMFIT_SERVE_DIR"] = serve_dir
+    return env
+
+
+def _run(argv: list[str], cache_dir: str, figure: str, serve_dir: str | None = None) -> float:
+    env = _env(cache_dir, serve_dir)
     cpu_before = _cpu_children_s()
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "memfit.cli", *argv], env=env, capture_output=True, text=True)
@@ -53,10 +67,46 @@ def _run(argv: list[str], cache_dir: str, figure: str) -> float:
     return elapsed
 
 
+def _served(tmp: str, runs: int) -> dict[str, float]:
+    """The cold estimates and the plan again, each a fresh client process, while one `memfit serve` runs."""
+    serve_dir = os.path.join(tmp, "serve")
+    env = _env(os.path.join(tmp, "serve-cache"), serve_dir)
+    server = subprocess.Popen([sys.executable, "-m", "memfit.cli", "serve", "--idle-minutes", "10"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: dict[str, float] = {}
+    try:
+        started = time.perf_counter()
+        ready = server.stdout.readline()
+        if "ready at" not in ready:
+            raise SystemExit(f"`memfit serve` did not start: {ready}{server.stderr.read()[-400:]}")
+        print(f"memfit serve ready in {time.perf_counter() - started:.2f} s", flush=True)
+        for name, argv in CASES.items():
+            cold = [_run(["estimate", *argv], os.path.join(tmp, f"served-{name}-{i}"), f"served_{name}_cold",
+                         serve_dir) for i in range(runs)]
+            out[f"served_{name}_cold"] = statistics.median(cold)
+            print(f"served estimate {name}, cold cache: {out[f'served_{name}_cold']:.2f} s "
+                  f"({', '.join(f'{t:.2f}' for t in cold)})", flush=True)
+        plan = [_run(PLAN, os.path.join(tmp, f"served-plan-{i}"), "served_plan", serve_dir) for i in range(runs)]
+        out["served_plan"] = statistics.median(plan)
+        print(f"served plan seed --max-length 4096: {out['served_plan']:.2f} s ({', '.join(f'{t:.2f}' for t in plan)})")
+        subprocess.run([sys.executable, "-m", "memfit.cli", "serve", "--stop"], env=env, capture_output=True)
+        tail = server.communicate(timeout=60)[0].strip().splitlines()
+        served = tail[-1] if tail else ""
+        expected = f"ended after {runs * (len(CASES) + 1)} requests"
+        if expected not in served:  # a figure a client ran on its own is not a served figure
+            raise SystemExit(f"the server did not run every served figure: `{served}`, expected `{expected}`")
+    finally:
+        if server.poll() is None:
+            server.kill()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    runs = parser.parse_args().runs
+    parser.add_argument("--no-serve", action="store_true", help="skip the figures with a `memfit serve` running")
+    opts = parser.parse_args()
+    runs = opts.runs
     medians: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as tmp:
         for name, argv in CASES.items():
@@ -71,9 +121,14 @@ def main() -> None:
         plan = [_run(PLAN, os.path.join(tmp, f"plan-{i}"), "plan") for i in range(runs)]
         medians["plan"] = statistics.median(plan)
         print(f"plan seed --max-length 4096: {medians['plan']:.2f} s ({', '.join(f'{t:.2f}' for t in plan)})")
-    print("CPU seconds (median; runs): " + ", ".join(
+        if not opts.no_serve:
+            medians.update(_served(tmp, runs))
+    print("CPU seconds (median; runs; served_*: the client process only, the server's child is not counted): " + ", ".join(
         f"{k} {statistics.median(v):.2f} ({', '.join(f'{t:.2f}' for t in v)})" for k, v in CPU_S.items()))
     print(f"runs={runs} cpus={os.cpu_count()} python={sys.version.split()[0]} load_average={os.getloadavg()[0]:.1f}")
+    if not opts.no_serve:
+        print(f"served_estimate_cold_s={medians['served_seed_cold']:.2f} served_plan_s={medians['served_plan']:.2f} "
+              "(with `memfit serve` running)")
     print(f"estimate_cold_s={medians['seed_cold']:.2f} estimate_warm_s={medians['seed_warm']:.2f} "
           f"plan_s={medians['plan']:.2f}")
 
