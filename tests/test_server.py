@@ -152,3 +152,18 @@ def test_without_a_server_a_client_runs_alone_at_once(tmp_path, monkeypatch):
     assert server.run_served(["estimate"]) is None
     with pytest.raises(MemfitError, match="more than 0"):
         server.serve(idle_s=0)
+
+
+def test_a_served_command_writes_files_with_the_clients_umask(server, tmp_path):
+    env = _env(tmp_path / "serve", tmp_path / "cache-1")
+    work = tmp_path / "work"
+    work.mkdir()
+    code = ("import os, subprocess, sys; os.umask(0o077); "
+            "sys.exit(subprocess.run([sys.executable, '-m', 'memfit', 'estimate', sys.argv[1], '--gpu', 'T4', "
+            "'--max-length', '32', '--snapshot', 'run.pickle']).returncode)")
+    r = subprocess.run([sys.executable, "-c", code, MODEL], env=env, cwd=work, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (work / "run.pickle").stat().st_mode & 0o777 == 0o600
+    assert memfit("serve", "--stop", env=env).returncode == 0
+    assert "ended after 1 request" in server.finish()[1]

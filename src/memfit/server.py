@@ -41,8 +41,9 @@ _PROTOCOL = b"memfit-serve/1"
 #: constants, torch's and the allocator's settings, Python's own): part of the server key, by prefix.
 _KEY_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "TRITON", "PYTHON",
             "TOKENIZERS", "OMP_", "MKL", "BNB", "DS_", "DEEPSPEED", "ACCELERATE", "TRL", "LIGER", "XDG_", "LD_",
-            "MEMFIT_", "PATH", "HOME")
-_UNKEYED = ("MEMFIT_CACHE_DIR",)  #: read at every call (memfit.cache.cache_dir), applied by the child
+            "MEMFIT_", "PATH", "HOME", "LANG", "LC_")
+#: read at every call (memfit.cache.cache_dir) and applied by the child, or only the client's / server's own
+_UNKEYED = ("MEMFIT_CACHE_DIR", "MEMFIT_NO_SERVER", "MEMFIT_SERVE_WARMUP")
 _UNIX_PATH_MAX = 104  #: sockaddr_un's sun_path is 108 bytes on Linux, 104 on macOS
 
 
@@ -94,6 +95,8 @@ def run_served(argv: list[str]) -> int | None:
     printed when None is returned."""
     if os.environ.get("MEMFIT_NO_SERVER", "").strip() not in ("", "0") or not hasattr(socket, "AF_UNIX"):
         return None
+    if "-" in argv and os.isatty(0):  # typed input: a server's child is not in the terminal's foreground group
+        return None
     folder = socket_dir()
     try:
         if not any(name.endswith(".sock") for name in os.listdir(folder)):
@@ -113,28 +116,35 @@ def run_served(argv: list[str]) -> int | None:
         return None
     with conn:
         try:
-            request = json.dumps({"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+            umask = os.umask(0o077)
+            os.umask(umask)
+            request = json.dumps({"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ),
+                                  "umask": umask}).encode()
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             socket.send_fds(conn, [_PROTOCOL + struct.pack("!Q", len(request))], [0, 1, 2])
             conn.sendall(request)
-            child = _read_int(conn)
+            tag, value = _read_message(conn)
         except (OSError, ValueError):
             return None  # the server refused before running anything (another user, a protocol change)
-        if child is None:
+        if tag is None:
             return None
-        while True:
+        child, code = (value, None) if tag == b"P" else (None, value)
+        while code is None:
             try:
-                code = _read_int(conn)
-                break
+                tag, value = _read_message(conn)
             except KeyboardInterrupt:  # Ctrl-C reaches the client's process group; the child is the server's
-                try:
-                    os.kill(child, signal.SIGINT)
-                except OSError:
-                    pass
+                if child is not None and child > 1:
+                    try:
+                        os.kill(child, signal.SIGINT)
+                    except OSError:
+                        pass
+                continue
             except OSError:
-                code = None
+                tag = None
+            if tag != b"C":
                 break
+            code = value
     if code is None:
         print(f"memfit: the `memfit serve` process {child} ran this command and ended without an exit code "
               "(killed?); run it again, or with MEMFIT_NO_SERVER=1", file=sys.stderr)
@@ -142,14 +152,19 @@ def run_served(argv: list[str]) -> int | None:
     return code
 
 
-def _read_int(conn: socket.socket) -> int | None:
+def _read_message(conn: socket.socket) -> tuple[bytes | None, int]:
+    """One message of a server's child: (b"P", its pid) first, then (b"C", the exit code); (None, 0) at the end."""
     data = b""
-    while len(data) < 8:
-        chunk = conn.recv(8 - len(data))
+    while len(data) < 9:
+        chunk = conn.recv(9 - len(data))
         if not chunk:
-            return None
+            return None, 0
         data += chunk
-    return struct.unpack("!q", data)[0]
+    return data[:1], struct.unpack("!q", data[1:])[0]
+
+
+def _message(tag: bytes, value: int) -> bytes:
+    return tag + struct.pack("!q", value)
 
 
 def stop() -> bool:
@@ -159,7 +174,7 @@ def stop() -> bool:
     try:
         conn.connect(os.fspath(path))
         socket.send_fds(conn, [b"memfit-stop/1" + struct.pack("!Q", 0)], [])
-        conn.recv(8)
+        conn.recv(9)
     except OSError:
         return False
     finally:
@@ -242,7 +257,7 @@ def serve(*, idle_s: float = DEFAULT_IDLE_S, ready=None) -> int:
             with conn:
                 kind, fds, request = _receive(conn)
                 if kind == "stop":
-                    conn.sendall(struct.pack("!q", 0))
+                    conn.sendall(_message(b"C", 0))
                     break
                 if kind != "run":
                     for fd in fds:
@@ -328,13 +343,18 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:  # p
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        try:
+            sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as Python sets it up for a process of its own
+        except (AttributeError, ValueError):
+            pass
         os.chdir(request["cwd"])
+        os.umask(int(request.get("umask", 0o022)))
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
         argv = [str(a) for a in request["argv"]]
         sys.argv = ["memfit", *argv]
         conn.settimeout(None)
-        conn.sendall(struct.pack("!q", os.getpid()))
+        conn.sendall(_message(b"P", os.getpid()))
         from memfit import cli
 
         code = cli.run_here(argv)
@@ -352,7 +372,7 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:  # p
             except (OSError, ValueError):
                 pass
         try:
-            conn.sendall(struct.pack("!q", code))
+            conn.sendall(_message(b"C", code))
         except OSError:
             pass
         os._exit(code if 0 <= code < 256 else 1)
