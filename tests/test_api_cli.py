@@ -313,8 +313,12 @@ def test_a_compute_verb_exits_normally_while_a_non_daemon_thread_runs(monkeypatc
 
     from memfit import cli
 
+    import atexit
+
     exits = []
     monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append(("os._exit", code)))
+    # the real handlers would end this pytest process's logging, temporary folders and plugins
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: exits.append(("atexit",)))
     release = threading.Event()
     worker = threading.Thread(target=release.wait, daemon=False)
     worker.start()
@@ -326,4 +330,4 @@ def test_a_compute_verb_exits_normally_while_a_non_daemon_thread_runs(monkeypatc
         release.set()
         worker.join()
     cli._exit_now(4)
-    assert exits == [("os._exit", 4)]
+    assert exits == [("atexit",), ("os._exit", 4)]
