@@ -99,7 +99,8 @@ def entry() -> None:
     re-enabling the collector after the verb another 0.3 s: one full collection), measured on the 2-core
     machine (bench/README.md, issue 15). What an exit must still do is done first: output flushed, atexit
     handlers run (logging, multiprocessing, tempfile); with a non-daemon thread still running the normal exit
-    is taken, as it would join it. `train` exits normally: its run owns files and processes.
+    is taken, as it would join it. `train` exits normally: its run owns files and processes. Where a
+    `memfit serve` of this environment runs, a compute verb runs in a child of it (memfit.server).
     """
     argv = sys.argv[1:]
     verb = next((a for a in argv if not a.startswith("-")), None)
@@ -107,7 +108,11 @@ def entry() -> None:
         sys.exit(main(argv))
     from memfit.server import run_served  # a `memfit serve` of this environment runs it warm, if one runs
 
-    code = run_served(argv)
+    try:
+        code = run_served(argv)
+    except KeyboardInterrupt:  # before a served child could be told
+        print("memfit: interrupted", file=sys.stderr)
+        _exit_now(130)
     _exit_now(run_here(argv) if code is None else code)
 
 

@@ -124,27 +124,32 @@ def run_served(argv: list[str]) -> int | None:
                 stream.flush()
             socket.send_fds(conn, [_PROTOCOL + struct.pack("!Q", len(request))], [0, 1, 2])
             conn.sendall(request)
-            tag, value = _read_message(conn)
         except (OSError, ValueError):
-            return None  # the server refused before running anything (another user, a protocol change)
-        if tag is None:
-            return None
-        child, code = (value, None) if tag == b"P" else (None, value)
+            return None  # the server is gone or refused before anything ran
+        child = code = None
+        interrupted = False
         while code is None:
             try:
                 tag, value = _read_message(conn)
             except KeyboardInterrupt:  # Ctrl-C reaches the client's process group; the child is the server's
-                if child is not None and child > 1:
-                    try:
-                        os.kill(child, signal.SIGINT)
-                    except OSError:
-                        pass
-                continue
+                interrupted = True
+                tag, value = b"I", 0
             except OSError:
-                tag = None
-            if tag != b"C":
+                tag, value = None, 0
+            if tag == b"P":
+                child = value
+            elif tag == b"C":
+                code = value
+            elif tag is None:
+                if child is None:
+                    return None  # refused before a child started (another user, a protocol change): run alone
                 break
-            code = value
+            if interrupted and child is not None and child > 1:
+                interrupted = False
+                try:
+                    os.kill(child, signal.SIGINT)
+                except OSError:
+                    pass
     if code is None:
         print(f"memfit: the `memfit serve` process {child} ran this command and ended without an exit code "
               "(killed?); run it again, or with MEMFIT_NO_SERVER=1", file=sys.stderr)
