@@ -111,7 +111,11 @@ def test_ctrl_c_of_a_client_interrupts_its_served_command(server, tmp_path):
     env = _env(tmp_path / "serve", tmp_path / "cache-1")
     client = subprocess.Popen([sys.executable, "-m", "memfit", "plan", MODEL, "--gpu", "T4", "--max-length", "512",
                                "--no-cache"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)  # running in the server's child by now (a served client starts in well under a second)
+    psutil = pytest.importorskip("psutil")
+    deadline = time.monotonic() + 120
+    while not psutil.Process(server.proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the server has forked the child that runs the plan
+    time.sleep(0.5)
     client.send_signal(signal.SIGINT)
     out, err = client.communicate(timeout=120)
     assert client.returncode == 130 and "interrupted" in err, (client.returncode, out[-300:], err[-500:])

@@ -106,9 +106,9 @@ def entry() -> None:
     verb = next((a for a in argv if not a.startswith("-")), None)
     if verb not in _COLLECTOR_PAUSED:
         sys.exit(main(argv))
-    from memfit.server import run_served  # a `memfit serve` of this environment runs it warm, if one runs
-
     try:
+        from memfit.server import run_served  # a `memfit serve` of this environment runs it warm, if one runs
+
         code = run_served(argv)
     except KeyboardInterrupt:  # before a served child could be told
         print("memfit: interrupted", file=sys.stderr)
