@@ -153,3 +153,12 @@ def test_describe_takes_an_allocator_setting_that_is_no_trainsetup_field():
 
     names, args, env, code = _describe(TrainSetup(), {"alloc_conf": "expandable_segments:True"}, None)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} and names
+
+
+def test_the_as_is_line_of_a_run_that_does_not_fit_says_by_how_much(small_bert, capsys):
+    """Issue 15 (verdicts that read against their own numbers): a failing run's nvidia-smi figure is the one up to
+    its running out of the budget; the line says the shortfall and that the figure stops there."""
+    assert main(["plan", small_bert, "--batch-size", "64", "--max-length", "512", "--gpu", "600MiB"]) in (0, 1)
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal's width
+    first = out[out.index("As is"):out.index("budget with")]
+    assert "does not fit, short by" in first and "until the budget runs out" in first, first

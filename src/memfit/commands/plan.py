@@ -144,9 +144,14 @@ def render(result, *, is_seed: bool = False) -> None:
         from memfit.commands.estimate import SEED_CASE_TEXT
 
         c.print(f"[dim]{SEED_CASE_TEXT.replace('to estimate', 'to plan')}[/dim]")
-    state = "[green]fits[/green]" if result.fits_as_is else "[red]does not fit[/red]"
-    c.print(f"[bold]As is[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): nvidia-smi would show "
-            f"~{format_bytes(b.device_used_bytes)}; budget with {result.margin:.0%} margin {format_bytes(result.budget_bytes)}")
+    if result.fits_as_is:
+        state = "[green]fits[/green]"
+        shown = f"nvidia-smi would show ~{format_bytes(b.device_used_bytes)}"
+    else:  # the device figure of a run that fails is the one up to its failure (Plan.peak_reserved_bytes)
+        state = f"[red]does not fit[/red], short by {format_bytes(max(-b.headroom_bytes, 0))}"
+        shown = f"nvidia-smi would show ~{format_bytes(b.device_used_bytes)} until the budget runs out"
+    c.print(f"[bold]As is[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): {shown}; budget with "
+            f"{result.margin:.0%} margin {format_bytes(result.budget_bytes)}")
     t = Table(title="Plans (fastest first within: same method, then other optimizer, then opt-ins; "
                     "* = verified by full simulation + allocator replay; > = chosen)", title_justify="left")
     for col in ("#", "changes", "peak reserved", "device used", "headroom", "step time", "fits"):
