@@ -205,7 +205,10 @@ def _preload() -> None:
 
         seed = dict(SEED_CASE)
         gpu, training_args, model = seed.pop("gpu"), seed.pop("training_args"), seed.pop("model")
-        estimate(TrainSetup.from_kwargs(model, training_args=training_args, **seed), gpu=gpu, cache=False)
+        try:
+            estimate(TrainSetup.from_kwargs(model, training_args=training_args, **seed), gpu=gpu, cache=False)
+        except MemfitError:  # a warm-up only: the requests run as they would without it
+            pass
 
 
 def serve(*, idle_s: float = DEFAULT_IDLE_S, ready=None) -> int:
@@ -229,7 +232,10 @@ def serve(*, idle_s: float = DEFAULT_IDLE_S, ready=None) -> int:
     if len(os.fsencode(path)) >= _UNIX_PATH_MAX:
         raise MemfitError(f"the socket path `{path}` is too long for a Unix socket; set MEMFIT_SERVE_DIR to a "
                           "shorter folder")
+    before = dict(os.environ)
     _preload()
+    # what the imports set (torch._inductor: TORCHINDUCTOR_CACHE_DIR): a fresh process's imports would set it too
+    imported_env = {k: v for k, v in os.environ.items() if before.get(k) != v}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # pragma: no cover - nothing above touches CUDA
         raise MemfitError("CUDA was initialized while preloading; a server cannot fork from that state")
@@ -271,7 +277,7 @@ def serve(*, idle_s: float = DEFAULT_IDLE_S, ready=None) -> int:
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover - the child ends in os._exit; tests/test_server.py runs it
                     listener.close()
-                    _run_child(conn, fds, request)
+                    _run_child(conn, fds, request, imported_env)
                 for fd in fds:
                     os.close(fd)
                 children.add(pid)
@@ -340,22 +346,26 @@ def _receive(conn: socket.socket) -> tuple[str, list[int], dict]:
     return "run", fds, request
 
 
-def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:  # pragma: no cover - in the child
-    """In the forked child: become the client's process (fds, cwd, environment, argv), run it, send the code."""
+def _run_child(conn: socket.socket, fds: list[int], request: dict,
+               imported_env: dict[str, str]) -> None:  # pragma: no cover - in the child
+    """In the forked child: become the client's process (fds, cwd, environment, argv), run it, send the code.
+    `imported_env`: what the server's imports added to its environment, kept where the client has no value."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
-            os.close(fd)
+            if fd != target:
+                os.close(fd)
         try:
             sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as Python sets it up for a process of its own
         except (AttributeError, ValueError):
             pass
         os.chdir(request["cwd"])
         os.umask(int(request.get("umask", 0o022)))
+        env = {str(k): str(v) for k, v in request["env"].items()}
         os.environ.clear()
-        os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+        os.environ.update({**{k: v for k, v in imported_env.items() if k not in env}, **env})
         argv = [str(a) for a in request["argv"]]
         sys.argv = ["memfit", *argv]
         conn.settimeout(None)
