@@ -138,3 +138,17 @@ def test_supported_model_types_fall_back_to_the_import_when_the_literal_is_not_f
 
     monkeypatch.setattr(lg, "_model_types_from_source", lambda: None)
     assert lg.liger_supported_model_types() == sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('x = 1\nMODEL_TYPE_TO_APPLY_LIGER_FN = {\n    "llama": f,\n    "qwen2": g,\n}\n', ("llama", "qwen2")),
+    ('\nMODEL_TYPE_TO_APPLY_LIGER_FN = {\n    "llama": f,\n}\nMODEL_TYPE_TO_APPLY_LIGER_FN["x"] = h\n', None),
+    ('\nMODEL_TYPE_TO_APPLY_LIGER_FN = {\n    "llama": f,\n}\nMODEL_TYPE_TO_APPLY_LIGER_FN.update(more)\n', None),
+    ('\nMODEL_TYPE_TO_APPLY_LIGER_FN = {\n    NAME: f,\n}\n', None),  # a key that is not a string literal
+    ('\nMODEL_TYPE_TO_APPLY_LIGER_FN = dict(llama=f)\n', None),
+    ('\nMODEL_TYPE_TO_APPLY_LIGER_FN = {\n    "llama": f,\n}\nif X:\n    MODEL_TYPE_TO_APPLY_LIGER_FN = {}\n', None),
+])
+def test_the_source_reader_takes_only_a_literal_nothing_changes_later(text, expected):
+    """What the reader cannot be sure of (the dict changed later, keys that are not literals) falls back to the
+    import (None here), so a liger-kernel version that builds the dict differently is still answered right."""
+    assert lg.model_types_in_source(text) == expected

@@ -44,6 +44,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -102,10 +103,18 @@ def _model_types_from_source() -> tuple[str, ...] | None:
             text = fh.read()
     except OSError:
         return None
+    return model_types_in_source(text)
+
+
+def model_types_in_source(text: str) -> tuple[str, ...] | None:
+    """The keys of the `MODEL_TYPE_TO_APPLY_LIGER_FN = {...}` literal in monkey_patch.py's `text`; None unless it is
+    one top-level literal of string keys that nothing in the file changes afterwards."""
     start = text.find("\nMODEL_TYPE_TO_APPLY_LIGER_FN = {")
     end = text.find("\n}", start)
-    if start < 0 or end < 0:
+    if start < 0 or end < 0 or text.count("MODEL_TYPE_TO_APPLY_LIGER_FN =") != 1:
         return None
+    if re.search(r"MODEL_TYPE_TO_APPLY_LIGER_FN\s*(\[[^\]]*\]\s*=[^=]|\.update\(|\.setdefault\(|\|=)", text):
+        return None  # the dict is changed after the literal: only the import tells its keys
     try:
         tree = ast.parse(text[start + 1:end + 2])
     except SyntaxError:
