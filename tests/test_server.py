@@ -171,3 +171,37 @@ def test_a_served_command_writes_files_with_the_clients_umask(server, tmp_path):
     assert (work / "run.pickle").stat().st_mode & 0o777 == 0o600
     assert memfit("serve", "--stop", env=env).returncode == 0
     assert "ended after 1 request" in server.finish()[1]
+
+
+def test_a_served_child_runs_its_own_exit_handlers_not_the_servers(tmp_path):
+    """A child forked from the server ends like a fresh process: the exit handlers its request registered run
+    (temporary folders, logging), the server's own do not (they could remove what the server still uses)."""
+    import atexit
+    import socket as socketlib
+
+    from memfit import cli, server
+
+    ours, theirs = socketlib.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the child the server would fork
+        try:
+            ours.close()
+            atexit.register(lambda: (tmp_path / "server-handler-ran").write_text("x"))
+
+            def request(argv):
+                atexit.register(lambda: (tmp_path / "request-handler-ran").write_text("x"))
+                return 0
+
+            cli.run_here = request
+            null = [os.open(os.devnull, os.O_RDWR) for _ in range(3)]
+            server._run_child(theirs, null, {"argv": ["estimate"], "cwd": str(tmp_path), "env": dict(os.environ)},
+                              {"ADDED_BY_IMPORT": "1"})
+        finally:
+            os._exit(99)  # not reached: _run_child ends the process
+    theirs.close()
+    messages = [server._read_message(ours) for _ in range(3)]
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert messages == [(b"P", pid), (b"C", 0), (None, 0)]
+    assert (tmp_path / "request-handler-ran").exists()
+    assert not (tmp_path / "server-handler-ran").exists()

@@ -350,7 +350,12 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict,
                imported_env: dict[str, str]) -> None:  # pragma: no cover - in the child
     """In the forked child: become the client's process (fds, cwd, environment, argv), run it, send the code.
     `imported_env`: what the server's imports added to its environment, kept where the client has no value."""
+    import atexit
+
     code = 1
+    # the server's exit handlers are the server's (they could remove what it still uses); the ones this request
+    # registers run at its end, as at a fresh process's exit (CPython's atexit module)
+    getattr(atexit, "_clear", lambda: None)()
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
@@ -381,6 +386,10 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict,
         traceback.print_exc()
         code = 1
     finally:
+        try:
+            getattr(atexit, "_run_exitfuncs", lambda: None)()
+        except BaseException:  # noqa: BLE001 - an exit handler's failure is printed by atexit itself
+            pass
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
