@@ -172,53 +172,48 @@ def _entry_path(key: str) -> Path:
     return cache_dir() / _SUBDIR / f"{key}.json"
 
 
-def load_entry(key: str) -> dict[str, Any] | None:
-    """The stored report of `key`, or None (missing, unreadable, corrupt, or another key's)."""
+def _load(path: Path, schema: str, key: str, field: str) -> dict[str, Any] | None:
+    """`field` of the entry at `path`, or None (missing, unreadable, corrupt, another schema or another key's)."""
     try:
-        with open(_entry_path(key), encoding="utf-8") as fh:
+        with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("key") != key:
+    if not isinstance(data, dict) or data.get("schema") != schema or data.get("key") != key:
         return None
-    report = data.get("report")
-    return report if isinstance(report, dict) else None
+    value = data.get(field)
+    return value if isinstance(value, dict) else None
 
 
-def store_entry(key: str, report_json: dict[str, Any]) -> Path | None:
+def _store(path: Path, schema: str, key: str, field: str, value: dict[str, Any]) -> Path | None:
     """Write the entry atomically (a temporary file, then os.replace). Returns its path, or None when the
-    folder cannot be written (the cache is an optimisation: a failure never stops an estimate)."""
-    path = _entry_path(key)
+    folder cannot be written (the cache is an optimisation: a failure never stops an estimate or a plan)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"schema": SCHEMA, "key": key, "report": report_json})
+        write_json_atomic(path, {"schema": schema, "key": key, field: value})
         return path
     except (OSError, TypeError, ValueError):
         return None
+
+
+def load_entry(key: str) -> dict[str, Any] | None:
+    """The stored report of `key`, or None (missing, unreadable, corrupt, or another key's)."""
+    return _load(_entry_path(key), SCHEMA, key, "report")
+
+
+def store_entry(key: str, report_json: dict[str, Any]) -> Path | None:
+    """Write the estimate entry atomically; None when the folder cannot be written (never stops an estimate)."""
+    return _store(_entry_path(key), SCHEMA, key, "report", report_json)
 
 
 def load_plan(key: str) -> dict[str, Any] | None:
     """The stored `PlanResult.to_json()` of `key`, or None (missing, unreadable, corrupt, or another key's)."""
-    try:
-        with open(cache_dir() / _PLAN_SUBDIR / f"{key}.json", encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA or data.get("key") != key:
-        return None
-    result = data.get("plan")
-    return result if isinstance(result, dict) else None
+    return _load(cache_dir() / _PLAN_SUBDIR / f"{key}.json", PLAN_SCHEMA, key, "plan")
 
 
 def store_plan(key: str, plan_json: dict[str, Any]) -> Path | None:
     """Write the plan entry atomically; None when the folder cannot be written (never stops a plan)."""
-    path = cache_dir() / _PLAN_SUBDIR / f"{key}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"schema": PLAN_SCHEMA, "key": key, "plan": plan_json})
-        return path
-    except (OSError, TypeError, ValueError):
-        return None
+    return _store(cache_dir() / _PLAN_SUBDIR / f"{key}.json", PLAN_SCHEMA, key, "plan", plan_json)
 
 
 def default_task(model: Any) -> tuple[str, str] | None:
