@@ -16,7 +16,7 @@ import threading
 
 from memfit.errors import MemfitError
 
-__all__ = ["main", "entry", "run_here"]
+__all__ = ["main", "entry", "run_here", "finish_process"]
 
 VERBS = ("estimate", "plan", "diagnose", "train", "replay", "serve")
 #: Verbs that run with Python's cyclic collector paused (memfit.collector: imports and simulations, seconds
@@ -131,17 +131,25 @@ def quiet_import_noise() -> None:
 
 def _exit_now(code: int) -> None:
     """End the process with `code` after what Python's own exit would do that anyone can see (see `entry`)."""
-    run_exit_handlers = getattr(__import__("atexit"), "_run_exitfuncs", None)  # CPython's atexit module
     busy = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if run_exit_handlers is None or busy:
+    if not hasattr(__import__("atexit"), "_run_exitfuncs") or busy:
         sys.exit(code)
-    run_exit_handlers()
+    finish_process()
+    os._exit(code)
+
+
+def finish_process() -> None:
+    """What an exit must do before `os._exit`: the atexit handlers (CPython's atexit module), then stdout and
+    stderr flushed (`_exit_now`; a `memfit serve` child, memfit.server)."""
+    try:
+        getattr(__import__("atexit"), "_run_exitfuncs", lambda: None)()
+    except BaseException:  # noqa: BLE001 - atexit prints a handler's failure itself
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (`memfit estimate | head`) or stream: nothing to save
             pass
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -386,15 +386,9 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict,
         traceback.print_exc()
         code = 1
     finally:
-        try:
-            getattr(atexit, "_run_exitfuncs", lambda: None)()
-        except BaseException:  # noqa: BLE001 - an exit handler's failure is printed by atexit itself
-            pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        from memfit.cli import finish_process
+
+        finish_process()  # this request's exit handlers (the server's were cleared), then the output flushed
         try:
             conn.sendall(_message(b"C", code))
         except OSError:
