@@ -108,11 +108,8 @@ def run_served(argv: list[str]) -> int | None:
     path = socket_path()
     if len(os.fsencode(path)) >= _UNIX_PATH_MAX:
         return None
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(os.fspath(path))
-    except OSError:  # no server for this environment (or a stale socket of one that died)
-        conn.close()
+    conn = _connect(path)
+    if conn is None:  # no server for this environment (or a stale socket of one that died)
         return None
     with conn:
         try:
@@ -175,15 +172,15 @@ def _message(tag: bytes, value: int) -> bytes:
 def stop() -> bool:
     """Ask this environment's server to exit; whether one was running."""
     path = socket_path()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(os.fspath(path))
-        socket.send_fds(conn, [b"memfit-stop/1" + struct.pack("!Q", 0)], [])
-        conn.recv(9)
-    except OSError:
+    conn = _connect(path)
+    if conn is None:
         return False
-    finally:
-        conn.close()
+    with conn:
+        try:
+            socket.send_fds(conn, [b"memfit-stop/1" + struct.pack("!Q", 0)], [])
+            conn.recv(9)
+        except OSError:
+            return False
     return True
 
 
@@ -294,15 +291,22 @@ def serve(*, idle_s: float = DEFAULT_IDLE_S, ready=None) -> int:
     return served
 
 
-def _alive(path: Path) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _connect(path: Path) -> socket.socket | None:
+    """A connection to the server listening at `path`, or None when none does."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.connect(os.fspath(path))
-        return True
+        conn.connect(os.fspath(path))
     except OSError:
-        return False
-    finally:
-        probe.close()
+        conn.close()
+        return None
+    return conn
+
+
+def _alive(path: Path) -> bool:
+    conn = _connect(path)
+    if conn is not None:
+        conn.close()
+    return conn is not None
 
 
 def _reaped(children: set[int]) -> set[int]:
