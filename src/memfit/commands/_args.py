@@ -123,9 +123,9 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         raise MemfitError("--deepspeed and --fsdp are two engines; give one")
     if args.deepspeed:
         from memfit.models.build import resolve_config
+        from memfit.models.catalog import hidden_size
 
-        config = resolve_config(setup.model).config
-        hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
+        hidden = hidden_size(resolve_config(setup.model).config)
         zero, notes = zero_settings_from_deepspeed(args.deepspeed, hidden_size=hidden, precision=setup.precision)
         if args.strategy and args.strategy != f"zero{zero.stage}":
             raise MemfitError(f"--strategy `{args.strategy}` and `zero_optimization.stage` `{zero.stage}` of "
@@ -179,9 +179,9 @@ def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
     hidden = None
     try:
         from memfit.models.build import resolve_config
+        from memfit.models.catalog import hidden_size
 
-        config = resolve_config(setup.model).config
-        hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0]) or None
+        hidden = hidden_size(resolve_config(setup.model).config)
     except MemfitError:
         hidden = None
     acc = parallel_from_accelerate_config(args.accelerate_config, hidden_size=hidden, world_size=world_size,

@@ -146,16 +146,6 @@ def _world(args: Any) -> tuple[int, int]:
     return max(world, 1), max(nodes, 1)
 
 
-def _hidden_size(config: Any) -> int | None:
-    """What transformers fills DeepSpeed's `"auto"` buckets from (integrations/deepspeed.py
-    `trainer_config_finalize`: `hidden_size`, else the largest of `hidden_sizes`)."""
-    h = getattr(config, "hidden_size", None)
-    if h:
-        return int(h)
-    sizes = getattr(config, "hidden_sizes", None)
-    return int(max(sizes)) if sizes else None
-
-
 def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
     """The ParallelSetup of the run `trainer` is configured for, or None for one GPU or DDP. Returns (setup, notes).
 
@@ -164,6 +154,7 @@ def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
             (as `TrainingArguments._process_fsdp_args` left them) are read.
         setup: the TrainSetup memfit read from the trainer (its precision fills DeepSpeed's `"auto"` dtypes).
     """
+    from memfit.models.catalog import hidden_size
     from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, sync_each_batch_from, \
         zero_settings_from_deepspeed
 
@@ -172,7 +163,7 @@ def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
     if ds:
         world, nodes = _world(args)
         model = getattr(trainer.model, "module", trainer.model)
-        zero, notes = zero_settings_from_deepspeed(ds, hidden_size=_hidden_size(getattr(model, "config", None)),
+        zero, notes = zero_settings_from_deepspeed(ds, hidden_size=hidden_size(getattr(model, "config", None)),
                                                    precision=setup.precision)
         notes = notes + [f"preflight per rank: DeepSpeed ZeRO-{zero.stage} over {world} rank(s) on {nodes} node(s), "
                          "from the trainer's `deepspeed` config; the estimate is rank 0's"]

@@ -37,6 +37,7 @@ __all__ = [
     "find_bundled",
     "load_bundled_config",
     "bundled_info",
+    "hidden_size",
     "ALIASES",
 ]
 
@@ -166,3 +167,14 @@ def load_bundled_config(hub_id: str) -> PretrainedConfig:
     resolved = find_bundled(hub_id)
     config._name_or_path = resolved
     return config
+
+
+def hidden_size(config: Any) -> int | None:
+    """The model's width, as transformers fills DeepSpeed's `"auto"` buckets from it (integrations/deepspeed.py
+    `trainer_config_finalize`): `hidden_size`, else the largest of `hidden_sizes` (ConvNeXt, ResNet, Swin's
+    per-stage widths); None when the config has neither."""
+    width = getattr(config, "hidden_size", None)
+    if width:
+        return int(width)
+    sizes = getattr(config, "hidden_sizes", None)
+    return (int(max(sizes)) or None) if sizes else None

@@ -173,6 +173,7 @@ class _Model:
 
 def _model_facts(setup: TrainSetup, spec: GpuSpec) -> _Model:
     from memfit.models.build import resolve_config
+    from memfit.models.catalog import hidden_size
     from memfit.parallel.rank import _meta_model, param_inventory
     from memfit.planner.ranking import StepTimer
 
@@ -180,7 +181,7 @@ def _model_facts(setup: TrainSetup, spec: GpuSpec) -> _Model:
     inv = param_inventory(model)
     elem = next(iter(model.parameters())).element_size()
     cfg = resolve_config(setup.model).config
-    hidden = getattr(cfg, "hidden_size", None) or max(getattr(cfg, "hidden_sizes", None) or [0]) or None
+    hidden = hidden_size(cfg)
     timer = StepTimer.for_setup(setup, spec)  # the model's depth and width
     return _Model(inv.total_params, inv.trainable_params, elem, hidden, timer.n_layer, timer.d_model)
 
