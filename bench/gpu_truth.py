@@ -42,7 +42,7 @@ the GpuSpec that `memfit.gpus.catalog.resolve_gpu("auto")` returns in a probe ch
 
 One configuration (`--snapshot-config`, default the first of the run) also records the
 allocator trace (`torch.cuda.memory._record_memory_history`), saves `torch.cuda.memory._snapshot()`
-as a pickle and replays it through `memfit.allocator.caching.replay_torch_snapshot`: the model's peak
+as a pickle and replays it through `memfit.allocator.snapshot.replay_snapshot`: the model's peak
 reserved against the observed one (exact match is the target).
 
 Output: `<out>/gpu_truth-<gpu>-<date>.csv` (one row per configuration, with GPU, driver, CUDA,
@@ -506,10 +506,10 @@ def _pct(x: float | None) -> str:
 
 # -- snapshot replay -----------------------------------------------------------------------------
 def replay_snapshot(path: str, measured_peak_reserved: int | None = None) -> dict[str, Any]:
-    from memfit.allocator.snapshot import load_snapshot, replay_torch_snapshot
+    from memfit.allocator import snapshot
 
-    snap = load_snapshot(path)  # refuses every global: a pickle can run code
-    rep = replay_torch_snapshot(snap)
+    snap = snapshot.load_snapshot(path)  # refuses every global: a pickle can run code
+    rep = snapshot.replay_snapshot(snap)
     model = rep.report.peak_reserved_bytes
     observed = rep.observed_peak_reserved_bytes
     res = {

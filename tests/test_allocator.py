@@ -6,10 +6,7 @@ import time
 import pytest
 
 from memfit.allocator.conf import AllocConf
-from memfit.allocator import (
-    AllocatorModel, Driver, events_from_torch_snapshot, get_allocation_size, replay, replay_torch_snapshot,
-    round_size,
-)
+from memfit.allocator import AllocatorModel, Driver, get_allocation_size, replay, replay_snapshot, round_size
 from memfit.errors import MemfitError
 from memfit.trace import TraceEvent
 from memfit.units import KiB, MiB
@@ -223,12 +220,9 @@ def _toy_snapshot():
     return {"device_traces": [trace], "segments": segments}
 
 
-def test_snapshot_conversion():
+def test_snapshot_replay_from_the_start_state():
     snap = _toy_snapshot()
-    ev = events_from_torch_snapshot(snap)  # the older single-stream view: P's free is dropped
-    assert [e.action for e in ev] == ["alloc", "free", "empty_cache", "alloc"]
-    assert ev[1].id == ev[0].id
-    out = replay_torch_snapshot(snap)  # the exact replay from the reconstructed start state
+    out = replay_snapshot(snap)  # the exact replay from the reconstructed start state
     assert out.start.blocks == ((0x10000000, 1024, "allocated", 1000),)  # round_size(1000), before recording
     assert out.start.reserved_bytes == 2 * MiB
     assert out.report.peak_reserved_bytes == 22 * MiB  # S + B
@@ -236,8 +230,8 @@ def test_snapshot_conversion():
     assert out.observed_peak_reserved_bytes == 22 * MiB
     assert out.observed_num_cudamalloc == 2 and out.report.num_cudamalloc == 2
     assert out.exact
-    with pytest.raises(MemfitError):
-        events_from_torch_snapshot({"device_traces": []})
+    with pytest.raises(MemfitError, match="no trace for device `0`"):
+        replay_snapshot({"device_traces": [], "segments": []})
 
 
 def test_import_snapshot_module_first():
@@ -246,7 +240,7 @@ def test_import_snapshot_module_first():
     import sys
 
     code = ("import memfit.allocator.snapshot as s; import memfit.allocator as a; "
-            "assert a.replay_torch_snapshot is s.replay_torch_snapshot; assert a.SnapshotReplay is s.SnapshotReplay")
+            "assert a.replay_snapshot is s.replay_snapshot; assert a.SnapshotReplay is s.SnapshotReplay")
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ})
 
 
