@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit.cli import main
-from memfit.diagnosis.causes import diagnose, detect_phase
+from memfit.diagnosis import detect_phase, diagnose
 from memfit.errors import MemfitError
 from memfit.diagnosis.strings import LANGS, MESSAGES
 from memfit.units import GiB, MiB
@@ -53,7 +53,7 @@ def test_seed_message_is_a_true_shortfall_not_fragmentation():
     outside = next(c for c in d.causes if c.kind == "non_pytorch")
     assert abs(outside.bytes / GiB - 0.997) < 0.005  # 15.78 - 2.75 MiB - 14.78
     assert "outside PyTorch's cache" in outside.text and "15.78 GiB" in outside.text
-    assert "expandable_segments" not in d.advice_ids
+    assert "allocator" not in d.advice_ids
 
 
 # ------------------------------------------------------------------ phases
@@ -78,6 +78,17 @@ def test_seed_message_is_a_true_shortfall_not_fragmentation():
      "save"),
     (TRAIN + [(TF, "_finalize_training", "self._load_best_model()"), (TF, "_load_best_model", "model.load_state_dict(state_dict)")],
      "load_best"),
+    # train(resume_from_checkpoint=...): the checkpoint's weights into the model, its optimizer state (both
+    # through load_state_dict, which alone reads as model loading / the optimizer) are the resume
+    ([("train.py", "<module>", "trainer.train(resume_from_checkpoint=True)"),
+      (TF, "train", "self._load_from_checkpoint(resume_from_checkpoint)"),
+      (TF, "_load_from_checkpoint", "load_result = model.load_state_dict(state_dict, False)"),
+      ("/x/torch/nn/modules/module.py", "load_state_dict", "load(self, state_dict)")],
+     "resume"),
+    (TRAIN + [(TF, "_prepare_for_training", "self._load_optimizer_and_scheduler(resume_from_checkpoint)"),
+              (TF, "_load_optimizer_and_scheduler", "self.optimizer.load_state_dict("),
+              ("/x/torch/optim/optimizer.py", "load_state_dict", "state[param] = _cast(param, v)")],
+     "resume"),
     (TRAIN + [(TF, "get_batch_samples", "batch_samples.append(next(epoch_iterator))"),
               ("/x/torch/utils/data/_utils/fetch.py", "fetch", "return self.collate_fn(data)"),
               ("/x/transformers/data/data_collator.py", "__call__", "batch = pad_without_fast_tokenizer_warning(")],
@@ -97,8 +108,9 @@ def test_phase_from_traceback(frames, phase):
 def test_evaluation_log_file_phase_and_advice():
     d = diagnose((DATA / "trainer_eval.log").read_text(encoding="utf-8"))
     assert d.phase == "eval" and "prediction_step" in d.phase_frame
-    assert d.advice_ids[:3] == ("eval_batch_size", "eval_accumulation_steps", "preprocess_logits")
-    assert "expandable_segments" in d.advice_ids  # 2.30 of 21.2 GiB unallocated (11%): contributes
+    assert d.advice_ids[:3] == ("eval_settings.batch_size", "eval_settings.accumulation_steps",
+                             "eval_settings.preprocess_logits")
+    assert "allocator" in d.advice_ids  # 2.30 of 21.2 GiB unallocated (11%): contributes
 
 
 def test_long_log_several_errors_crlf_ansi_uses_last_and_its_traceback():
@@ -129,7 +141,7 @@ def test_exception_objects_are_accepted():
 def test_fragmentation_primary_and_self_pid_in_container():
     d = diagnose(CORPUS["mask2dit4"])  # 40.69 GiB unallocated, request 35.60 GiB
     assert d.causes[0].kind == "fragmentation" and d.causes[0].primary
-    assert d.advice_ids[0] == "expandable_segments"
+    assert d.advice_ids[0] == "allocator"
     assert "self_pid" in kinds(d) and "other_processes" not in kinds(d)
 
 
@@ -138,7 +150,7 @@ def test_fragmentation_contributing_to_shortfall():
     assert d.causes[0].kind == "shortfall" and d.causes[0].bytes == pytest.approx((22.78 - 12.73) * GiB, rel=1e-3)
     frag = next(c for c in d.causes if c.kind == "fragmentation")
     assert not frag.primary and "Fragmentation" in frag.text
-    assert d.advice_ids[-1] == "expandable_segments"
+    assert d.advice_ids[-1] == "allocator"
 
 
 def test_memory_cap():

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit.cli import main
-from memfit.diagnosis.causes import CAUSE_KINDS, detect_phase, diagnose
-from memfit.diagnosis.operations import (ADVICE_REMEDY, OPERATION_ADVICE, OPERATIONS, detect_operation,
+from memfit.diagnosis import CAUSE_KINDS, detect_phase, diagnose
+from memfit.diagnosis.operations import (OPERATION_ADVICE, OPERATIONS, detect_operation,
                                          logits_shape_for, traceback_frames)
 from memfit.diagnosis.strings import MESSAGES
 from memfit.units import GiB, MiB
@@ -74,14 +74,14 @@ def test_corpus_frames_without_message(cid):
 
 def test_lm_loss_advice_comes_before_the_phase_advice():
     d = diagnose(BY_ID["ms_swift_2044"]["text"])
-    assert d.advice_ids[:2] == ("liger_kernel", "logits_to_keep")
+    assert d.advice_ids[:2] == ("liger", "logits_to_keep")
     assert "use_liger_kernel=True" in d.advice[0] and "pip install liger-kernel" in d.advice[0]
 
 
 def test_fragmentation_advice_still_leads_when_it_decides():
     # 5.51 GiB unallocated + 1.41 GiB free > the 4.64 GiB request: expandable_segments is the fix
     d = diagnose(BY_ID["llamafactory_6800"]["text"])
-    assert d.causes[0].kind == "fragmentation" and d.advice_ids[:2] == ("expandable_segments", "liger_kernel")
+    assert d.causes[0].kind == "fragmentation" and d.advice_ids[:2] == ("allocator", "liger")
 
 
 def test_nccl_oom_is_found_and_sized():
@@ -262,8 +262,9 @@ def test_collective_only_when_nothing_outside_is_specific():
 def test_eval_phase_keeps_eval_advice_first_and_drops_liger():
     d = diagnose((DATA / "trainer_eval.log").read_text(encoding="utf-8"))
     assert d.phase == "eval" and d.operation == "lm_head"
-    assert d.advice_ids[:3] == ("eval_batch_size", "eval_accumulation_steps", "preprocess_logits")
-    assert "liger_kernel" not in d.advice_ids and "logits_to_keep" in d.advice_ids
+    assert d.advice_ids[:3] == ("eval_settings.batch_size", "eval_settings.accumulation_steps",
+                             "eval_settings.preprocess_logits")
+    assert "liger" not in d.advice_ids and "logits_to_keep" in d.advice_ids
 
 
 def test_plain_training_traceback_has_no_operation():
@@ -291,7 +292,7 @@ def test_logits_cause_needs_a_setup_and_the_vocab(monkeypatch):
 
     config = LlamaConfig(vocab_size=128256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=4)
-    monkeypatch.setattr("memfit.diagnosis.causes._plan_for", lambda setup, m: None)  # the planner is tested elsewhere
+    monkeypatch.setattr("memfit.diagnosis.gpu_match.plan_for", lambda setup, m: None)  # the planner is tested elsewhere
     frames = TRAIN + [(f"{SP}/transformers/loss/loss_utils.py", "ForCausalLMLoss", "logits = logits.float()")]
     text = tb(*frames, tried="3.91 GiB")
     assert not any(c.kind == "logits" for c in diagnose(text).causes)  # no setup: nothing claimed
@@ -342,16 +343,19 @@ def test_cli_nccl_log(tmp_path, capsys):
     assert out["format"] == "nccl" and out["operation"] == "nccl" and out["advice_ids"][0] == "nccl_buffers"
 
 
-def test_advice_remedy_table_matches_the_remedies():
-    from memfit.remedies import remedy_for_advice
+def test_advice_that_recommends_a_remedy_is_named_by_the_remedy():
+    from memfit.diagnosis.advice import PHASE_ADVICE
+    from memfit.remedies import REGISTRY, remedy_for_advice
 
-    ids = {a for advice in OPERATION_ADVICE.values() for a in advice}
-    assert ids <= set(ADVICE_REMEDY)
-    for advice_id, remedy in ADVICE_REMEDY.items():
-        if remedy is not None:  # a None entry is claimed by a remedy's own `advice` when one is added
-            assert remedy_for_advice(advice_id).name == remedy
+    ids = {a for advice in (*OPERATION_ADVICE.values(), *PHASE_ADVICE.values()) for a in advice}
+    for advice_id in ids:  # an id under a remedy's name is one that remedy declares (its `advice`)
+        head = advice_id.split(".")[0]
+        if head in REGISTRY:
+            assert remedy_for_advice(advice_id) is REGISTRY[head], advice_id
+        else:
+            assert remedy_for_advice(advice_id) is None, advice_id
     d = diagnose(tb(*TRAIN, (f"{SP}/transformers/loss/loss_utils.py", "ForCausalLMLoss", "logits = logits.float()")))
-    assert "micro_batch" in d.remedies and "sequence_length" in d.remedies
+    assert "micro_batch" in d.remedies and "truncation" in d.remedies and "liger" in d.remedies
 
 
 @settings(max_examples=200, deadline=None)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from memfit.cli import main
-from memfit.diagnosis.causes import diagnose, gpu_from_message
+from memfit.diagnosis import diagnose, gpu_from_message
 from memfit.errors import MemfitError
 from memfit.oom_text import parse_oom
 from memfit.train_setup import TrainSetup

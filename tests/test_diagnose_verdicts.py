@@ -18,13 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit.cli import main
+from memfit.diagnosis import detect_phase, diagnose
 from memfit.diagnosis.causes import (
     ALLOCATION_HEADROOM_MIN_BYTES,
     CAUSE_KINDS,
     ALLOCATION_HEADROOM_SHARE,
     XPU_MAX_SINGLE_ALLOCATION_BYTES,
-    detect_phase,
-    diagnose,
 )
 from memfit.errors import MemfitError
 from memfit.fitting.recovery import OOM_FRAGMENTS as RECOVERY_FRAGMENTS
@@ -84,7 +83,7 @@ def check_invariants(m, d) -> None:
     # ... and decides when free memory alone was short of a large-pool request that the cache covers.
     if None not in (T, F, U) and not exceeds_total and F < T <= U + F and T > K_SMALL_BUFFER:
         assert primary in ("fragmentation", "memory_cap", "backend_limit"), primary
-        assert "expandable_segments" in d.advice_ids[:2]
+        assert "allocator" in d.advice_ids[:2]
 
     # The GPU is never full, and memory never short, when free memory exceeds the request.
     if T is not None and F is not None and F >= T:
@@ -173,7 +172,7 @@ def test_fragmentation_is_judged_by_unused_cache_plus_free_not_by_its_share():
     d = diagnose(ISSUE_FRAG)  # 910.35 MiB unused (4% of the cache) + 115.69 MiB free >= 158 MiB
     assert d.causes[0].kind == "fragmentation" and d.causes[0].primary
     assert "would have fit" in d.causes[0].text
-    assert d.advice_ids[0] == "expandable_segments"
+    assert d.advice_ids[0] == "allocator"
     assert "Not fragmentation" not in _text(d)
     shortfall = next(c for c in d.causes if c.kind == "shortfall")
     assert "True shortfall" not in shortfall.text  # the deficit is explained, not contradicted
@@ -374,7 +373,7 @@ def test_chinese_strings_use_the_same_figures_as_english():
 
 
 def test_gpu_from_message_takes_the_closest_card_and_names_the_others():
-    from memfit.diagnosis.causes import gpu_from_message
+    from memfit.diagnosis import gpu_from_message
     from memfit.oom_text import find_ooms
 
     msg = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "

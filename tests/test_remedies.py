@@ -34,7 +34,7 @@ CASES = [
     ("freeze", BERT, dict(per_device_train_batch_size=2, max_length=16), {"freeze_embeddings": True}, None),
     ("lora", BERT, dict(per_device_train_batch_size=2, max_length=16), {"lora_r": 4}, None),
     ("offload", BERT, dict(per_device_train_batch_size=2, max_length=16), {"offload_optimizer_state": True}, None),
-    ("sequence_length", BERT, dict(per_device_train_batch_size=4, max_length=128), {"max_length": 32}, None),
+    ("truncation", BERT, dict(per_device_train_batch_size=4, max_length=128), {"max_length": 32}, None),
 ]
 
 
@@ -155,7 +155,7 @@ def test_apply_plan_goes_through_the_remedies(tmp_path):
 
 
 def test_diagnose_names_the_remedies_its_advice_recommends():
-    from memfit.diagnosis.causes import diagnose
+    from memfit.diagnosis import diagnose
 
     d = diagnose("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity "
                  "of 15.78 GiB of which 100.00 MiB is free. Of the allocated memory 14.90 GiB is allocated by PyTorch, "

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memfit.diagnosis.causes import Diagnosis, diagnose
+    from memfit.diagnosis.verb import Diagnosis, diagnose
     from memfit.errors import MemfitError
     from memfit.estimator import MemoryReport, estimate
     from memfit.fitting.preflight import PreflightReport, preflight
@@ -40,8 +40,8 @@ _LAZY = {
     "TrainSetup": "memfit.train_setup",
     "MemoryReport": "memfit.estimator",
     "estimate": "memfit.estimator",
-    "Diagnosis": "memfit.diagnosis.causes",
-    "diagnose": "memfit.diagnosis.causes",
+    "Diagnosis": "memfit.diagnosis.verb",
+    "diagnose": "memfit.diagnosis.verb",
     "PlanResult": "memfit.planner.search",
     "plan": "memfit.planner.search",
     "FitReport": "memfit.fitting.run",

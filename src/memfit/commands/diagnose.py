@@ -23,9 +23,9 @@ from memfit.diagnosis.strings import LANGS, t
 from memfit.oom_text import decode_log
 
 if TYPE_CHECKING:
-    from memfit.diagnosis.causes import Diagnosis
+    from memfit.diagnosis.verb import Diagnosis
 
-# memfit.diagnosis.causes is imported where it runs: the CLI imports every verb's module to build its parser
+# memfit.diagnosis.verb is imported where it runs: the CLI imports every verb's module to build its parser
 # (memfit.cli), and an estimate does not need it (issue 15)
 
 __all__ = ["diagnose_command_parser", "diagnose_command"]
@@ -60,7 +60,7 @@ def _read_source(args: argparse.Namespace) -> tuple[str, str]:
     if args.logfile == "-":
         buffer = getattr(sys.stdin, "buffer", None)  # bytes: a UTF-16 pipe from PowerShell decodes too
         return (decode_log(buffer.read()) if buffer is not None else sys.stdin.read()), "stdin"
-    from memfit.diagnosis.causes import read_log
+    from memfit.diagnosis.verb import read_log
 
     return read_log(args.logfile), str(Path(args.logfile))
 
@@ -174,7 +174,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
     if args.model is not None or args.args_file is not None:
         setup, _, _ = build_setup(args)  # `--args` without `--model`: the file's "model", else a MemfitError
     saved = _saved_plan(args.plan_file) if args.plan_file else None
-    from memfit.diagnosis.causes import diagnose
+    from memfit.diagnosis.verb import diagnose
 
     d = diagnose(text, lang=args.lang, setup=setup)
     gpu_processes = _gpu_processes() if d.is_oom else []

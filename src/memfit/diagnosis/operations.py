@@ -1,6 +1,6 @@
 """Which operation an out-of-memory error happened in, read from the innermost traceback frames.
 
-`detect_phase` (memfit.diagnosis.causes) says *when* in training an OOM happened (forward,
+`detect_phase` (memfit.diagnosis.phase) says *when* in training an OOM happened (forward,
 backward, optimizer step, ...); `detect_operation` says *what* allocated: the logits over the
 vocabulary, the S x S attention matrix, a bitsandbytes dequantization, an FSDP / ZeRO-3
 parameter gather, a KV cache during generation, NCCL's own buffers. Each operation has its
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from memfit.oom_text import normalize_log
 
-__all__ = ["Operation", "detect_operation", "traceback_frames", "nccl_oom_line", "OPERATIONS", "OPERATION_ADVICE", "ADVICE_REMEDY",
+__all__ = ["Operation", "detect_operation", "traceback_frames", "nccl_oom_line", "OPERATIONS", "OPERATION_ADVICE",
            "NCCL_OOM_RE", "logits_shape_for"]
 
 
@@ -49,12 +49,14 @@ OPERATIONS = ("lm_loss", "lm_head", "attention_scores", "attention_sdpa", "bnb_d
               "dpo_reference", "generation", "fsdp_unshard", "zero3_fetch", "zero_buckets", "collective",
               "nccl", "unknown")
 
-#: Advice ids per operation, most effective first (texts in memfit.diagnosis.strings, ``advice.<id>``).
+#: Advice ids per operation, most effective first (texts in memfit.diagnosis.strings, ``advice.<id>``). An id
+#: that recommends a memory remedy is the remedy's id (memfit.remedies `Remedy.advice`: liger, flash_attention,
+#: micro_batch, truncation, gradient_checkpointing); the others are advice no remedy of this version simulates.
 OPERATION_ADVICE: dict[str, tuple[str, ...]] = {
-    "lm_loss": ("liger_kernel", "logits_to_keep", "micro_batch", "shorter_sequences"),
-    "lm_head": ("liger_kernel", "logits_to_keep", "micro_batch", "shorter_sequences"),
-    "attention_scores": ("flash_attention", "shorter_sequences", "micro_batch"),
-    "attention_sdpa": ("flash_attention", "shorter_sequences", "micro_batch"),
+    "lm_loss": ("liger", "logits_to_keep", "micro_batch", "truncation"),
+    "lm_head": ("liger", "logits_to_keep", "micro_batch", "truncation"),
+    "attention_scores": ("flash_attention", "truncation", "micro_batch"),
+    "attention_sdpa": ("flash_attention", "truncation", "micro_batch"),
     "bnb_dequant": ("bnb_compute_dtype", "micro_batch", "gradient_checkpointing"),
     "kbit_prep": ("kbit_prep_cast", "smaller_model_load"),
     "dpo_reference": ("precompute_ref_log_probs", "peft_reference"),
@@ -65,22 +67,6 @@ OPERATION_ADVICE: dict[str, tuple[str, ...]] = {
     "collective": ("collective_output",),
     "nccl": ("nccl_buffers",),
     "unknown": (),
-}
-
-#: Which memfit remedy (memfit.remedies.REGISTRY name) each operation advice id stands for.
-#: The link itself is the remedy's: a Remedy lists the ids it answers in its `advice`, and
-#: memfit.remedies.remedy_for_advice (hence `Diagnosis.remedies` and the planner) finds it from
-#: there, so a remedy added later picks its id up without a change here. None: no remedy of this
-#: version simulates it (DPO's precomputed reference, FSDP / ZeRO-3 settings, NCCL, generation): the
-#: advice is text only until a remedy claims the id.
-#: tests/test_diagnose_operations.py checks every named remedy against remedy_for_advice.
-ADVICE_REMEDY: dict[str, str | None] = {
-    "liger_kernel": "liger", "logits_to_keep": None, "flash_attention": "flash_attention", "bnb_compute_dtype": None,
-    "kbit_prep_cast": None, "precompute_ref_log_probs": None, "peft_reference": None, "generation_kv_cache": None,
-    "fsdp_reshard": None, "fsdp_cpu_offload": None, "more_gpus": None, "zero3_live_params": None,
-    "zero_offload_param": None, "zero_bucket_sizes": None, "collective_output": None, "nccl_buffers": None,
-    "micro_batch": "micro_batch", "shorter_sequences": "sequence_length",
-    "gradient_checkpointing": "gradient_checkpointing", "smaller_model_load": None,
 }
 
 # ----------------------------------------------------------------------------- frames
@@ -111,7 +97,7 @@ def traceback_frames(traceback_text: str) -> list[tuple[str, str, str, str]]:
     (``File "...", line N, in f`` and frames pasted without their start) and rich's boxed ones;
     code-only frames have file = func = "" and no frame line; when no frame is left at all, the
     last line is taken as the code line (see the module doc). The frame line reads as
-    memfit.diagnosis.causes writes the phase's frame."""
+    memfit.diagnosis.phase writes the phase's frame."""
     out: list[tuple[str, str, str, str]] = []
     want_code = False
     lines = traceback_text.splitlines()

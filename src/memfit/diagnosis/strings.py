@@ -62,6 +62,8 @@ MESSAGES: dict[str, dict[str, str]] = {
     "phase.eval": {"en": "evaluation / prediction loop", "zh": "评估 / 预测循环"},
     "phase.save": {"en": "saving a checkpoint", "zh": "保存检查点"},
     "phase.load_best": {"en": "loading the best model at the end of training", "zh": "训练结束时加载最佳模型"},
+    "phase.resume": {"en": "resuming from a checkpoint (loading its weights and optimizer state)",
+                     "zh": "从检查点恢复训练（加载其权重和优化器状态）"},
     "phase.data_collation": {"en": "building the batch (data collation)", "zh": "构建批次（数据整理 collate）"},
     "phase.model_loading": {"en": "loading the model / moving it to the GPU", "zh": "加载模型 / 移动到 GPU"},
     "phase.unknown": {"en": "unknown (no traceback frames)", "zh": "未知（没有调用栈信息）"},
@@ -523,7 +525,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "耗尽的是主机内存（RAM），不是显存：CPU 上 {tried} 的分配失败了。",
     },
     # ------------------------------------------------------------------ advice
-    "advice.expandable_segments": {
+    "advice.allocator": {
         "en": "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment before Python starts, "
         "so the allocator grows segments instead of leaving unusable gaps.",
         "zh": "在启动 Python 之前设置环境变量 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True，"
@@ -608,7 +610,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "提高或取消显存上限（torch.cuda.set_per_process_memory_fraction 或 "
         "PYTORCH_CUDA_ALLOC_CONF 中的 per_process_memory_fraction）。",
     },
-    "advice.shorter_sequences": {
+    "advice.truncation": {
         "en": "Use shorter sequences: lower max_length / max_seq_length, and pad per batch "
         "(padding='longest', group_by_length=True) so padding does not inflate activations.",
         "zh": "缩短序列：降低 max_length / max_seq_length，并按批次填充（padding='longest'、"
@@ -633,7 +635,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "将 per_device_train_batch_size 减半并将 gradient_accumulation_steps 加倍："
         "有效批次（批次 × 累积步数 × GPU 数）和训练结果保持不变。",
     },
-    "advice.optimizer_8bit": {
+    "advice.optimizer": {
         "en": "Use a smaller optimizer state: optim='adamw_bnb_8bit' (bitsandbytes) or optim='adafactor'. "
         "AdamW keeps two fp32 states per trainable parameter (8 bytes each).",
         "zh": "使用更小的优化器状态：optim='adamw_bnb_8bit'（bitsandbytes）或 optim='adafactor'。"
@@ -644,16 +646,16 @@ MESSAGES: dict[str, dict[str, str]] = {
         "the adapter's size.",
         "zh": "用 LoRA 适配器（peft）代替全参数训练：梯度和优化器状态缩小到适配器的规模。",
     },
-    "advice.eval_batch_size": {
+    "advice.eval_settings.batch_size": {
         "en": "Lower per_device_eval_batch_size (it is set separately from the training batch size).",
         "zh": "降低 per_device_eval_batch_size（它与训练批次大小是分开设置的）。",
     },
-    "advice.eval_accumulation_steps": {
+    "advice.eval_settings.accumulation_steps": {
         "en": "Set eval_accumulation_steps (e.g. 8) so predictions move to the CPU every few steps instead "
         "of piling up on the GPU.",
         "zh": "设置 eval_accumulation_steps（例如 8），让预测结果每隔几步转移到 CPU，而不是堆积在 GPU 上。",
     },
-    "advice.preprocess_logits": {
+    "advice.eval_settings.preprocess_logits": {
         "en": "Pass preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1) to the Trainer so "
         "full-vocabulary logits (batch × sequence × vocabulary) are not kept.",
         "zh": "给 Trainer 传入 preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1)，"
@@ -672,6 +674,17 @@ MESSAGES: dict[str, dict[str, str]] = {
         "free the optimizer first (del trainer.optimizer; torch.cuda.empty_cache()).",
         "zh": "加载最佳检查点时，权重、梯度和优化器状态仍在 GPU 上：设置 load_best_model_at_end=False，"
         "在新进程中加载最佳检查点，或先释放优化器（del trainer.optimizer; torch.cuda.empty_cache()）。",
+    },
+    "advice.resume_checkpoint": {
+        "en": "Resuming loads the checkpoint's weights and optimizer state into a model and optimizer already on the "
+        "GPU; with more than one process transformers loads optimizer.pt straight onto each GPU (trainer.py "
+        "`_load_optimizer_and_scheduler`: map_location=args.device), next to the state it is copied into. Resume "
+        "on GPUs with nothing else on them, or start a new run from the checkpoint's model files (a fresh "
+        "optimizer state).",
+        "zh": "恢复训练时，检查点的权重和优化器状态会被加载到已在 GPU 上的模型和优化器中；多进程时 transformers "
+        "直接把 optimizer.pt 加载到每块 GPU 上（trainer.py `_load_optimizer_and_scheduler`：map_location=args.device），"
+        "与要复制进去的状态同时存在。请在没有其他进程的 GPU 上恢复，或从检查点的模型文件开始新的训练"
+        "（全新的优化器状态）。",
     },
     "advice.smaller_model_load": {
         "en": "The weights alone do not fit: load in bf16 (dtype=torch.bfloat16), quantize to 4/8 bit "
@@ -695,7 +708,7 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "使用 CUDA_LAUNCH_BLOCKING=1 重新运行，使调用栈指向真正失败的操作。",
     },
     # ------------------------------------------------------------------ advice for operations
-    "advice.liger_kernel": {
+    "advice.liger": {
         "en": "Use Liger's fused linear cross-entropy, which computes the loss chunk by chunk and never "
         "materialises the full logits: `pip install liger-kernel` and TrainingArguments / SFTConfig "
         "(use_liger_kernel=True).",

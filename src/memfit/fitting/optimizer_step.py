@@ -28,9 +28,10 @@ stepped one after the other. Retrying such a step would apply it twice. So `Opti
      so the same update. Kept for the rest of the run. Only where the step has group-sized
      temporaries (foreach); fused and for-loop steps have none.
    - when the state itself does not fit and none exists yet (the first step): the optimizer is
-     replaced by one with a smaller state, as `memfit plan`'s optimizer remedy would (8-bit
-     AdamW with bitsandbytes on CUDA, else Adafactor), `args.optim` is set to it (saved with
-     every checkpoint, memfit.fitting.resume, so a resumed run rebuilds it), and the step is
+     replaced by one with a smaller state, the optimizer remedy's choice (memfit.remedies.optimizer
+     `smaller_optimizers`: 8-bit AdamW with bitsandbytes on CUDA, else Adafactor; none for an optimizer
+     whose state is small already), `args.optim` is set to it (saved with every checkpoint,
+     memfit.fitting.resume, so a resumed run rebuilds it), and the step is
      retried: no step lost, but a different optimizer (`allow_optimizer_switch=False`
      forbids it). Not with a GradScaler (fp16).
    Freeing gradients as they are used would lower the first step's peak but not the steady
@@ -197,13 +198,17 @@ def _per_parameter_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(g, params=[p]) for g in groups for p in g["params"]]
 
 
-def _smaller_optimizer(params: list[torch.Tensor]) -> str:
-    """The optimizer memfit's plan would switch to (memfit.remedies.optimizer): 8-bit AdamW where it runs."""
+def _smaller_optimizer(current: Any, params: list[torch.Tensor]) -> str | None:
+    """The optimizer to switch to: memfit.remedies.optimizer's first smaller optimizer that runs here (8-bit AdamW
+    where bitsandbytes is installed and the parameters are on a CUDA GPU, else Adafactor; never a paged one, whose
+    managed memory the guard does not measure); None when `current` already has a small state."""
     import importlib.util
 
-    if all(p.is_cuda for p in params) and importlib.util.find_spec("bitsandbytes") is not None:
-        return "adamw_bnb_8bit"
-    return "adafactor"
+    from memfit.remedies.optimizer import smaller_optimizers
+
+    bnb = all(p.is_cuda for p in params) and importlib.util.find_spec("bitsandbytes") is not None
+    out = smaller_optimizers(str(getattr(current, "value", current)), paged=False, bitsandbytes=bnb)
+    return out[0] if out else None
 
 
 class _SwitchNeeded(Exception):
@@ -447,8 +452,8 @@ class OptimizerStepGuard:
             return "the optimizer is not accelerate's AcceleratedOptimizer around a torch optimizer, which memfit replaces"
         if getattr(getattr(self.trainer, "accelerator", None), "scaler", None) is not None:
             return "fp16 mixed precision's GradScaler keeps per-optimizer state, so memfit does not replace it"
-        if _smaller_optimizer(_params(opt)) == str(getattr(self.trainer.args.optim, "value", self.trainer.args.optim)):
-            return f"it already is `{type(opt).__name__}`"
+        if _smaller_optimizer(self.trainer.args.optim, _params(opt)) is None:
+            return f"`{type(opt).__name__}` already has a small state"
         return None
 
     def _switch(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -456,7 +461,7 @@ class OptimizerStepGuard:
         from transformers import Trainer
 
         args = self.trainer.args
-        args.optim = _smaller_optimizer(_params(opt))
+        args.optim = _smaller_optimizer(args.optim, _params(opt))
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, self.trainer.model)
         groups = [{"params": g["params"], "weight_decay": g.get("weight_decay", 0.0)} for g in opt.param_groups]
         new = cls(groups, **kwargs)

@@ -111,7 +111,7 @@ class Meter:
 def oom_cause(exc: BaseException) -> tuple[str, int | None]:
     """The diagnosis's first cause and the bytes the failed allocation tried; never raises."""
     try:
-        from memfit.diagnosis.causes import diagnose
+        from memfit.diagnosis.verb import diagnose
 
         d = diagnose(exc)
         tried = d.message.tried_to_allocate_bytes if d.message else None

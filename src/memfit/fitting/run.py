@@ -53,7 +53,7 @@ from typing import Any, Callable, NamedTuple
 
 from memfit.errors import MemfitError
 from memfit.files import write_json_atomic
-from memfit.trace import RUN_PHASES
+from memfit.trace import FINAL_EVAL, OPTIMIZER, RUN_PHASES, TRAINING
 from memfit.fitting.preflight import (PreflightFlag, PreflightReport, check_budget, check_budget_covers_model,
                                      check_trainer, preflight)
 from memfit.gpus.catalog import as_gpu_spec
@@ -155,7 +155,7 @@ def _make_callback(meter: Meter, step: Any = None, optimizer_guard: Any = None):
                 optimizer_guard.evaluated = True
 
         def on_optimizer_step(self, args, state, control, **kwargs):
-            meter.record("optimizer")
+            meter.record(OPTIMIZER)
 
     return _PhaseMeter()
 
@@ -453,7 +453,7 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
 class _Outcome:
     """How far training got (filled in as it goes, so that a failure's report says it)."""
 
-    phase: str = "train"  #: "train", then "final_eval"
+    phase: str = TRAINING  #: memfit.trace.TRAINING, then FINAL_EVAL
     finished: bool = False  #: `trainer.train` returned
     train_metrics: dict[str, Any] = field(default_factory=dict)
     final_metrics: dict[str, Any] = field(default_factory=dict)
@@ -468,7 +468,7 @@ def _train(trainer: Any, guards: _Guards, run: _Run, *, resume_dir: str | None) 
             out = trainer.train(resume_from_checkpoint=resume_dir)
             outcome.finished = True
             outcome.train_metrics = dict(out.metrics)
-            outcome.phase = "final_eval"
+            outcome.phase = FINAL_EVAL
             if trainer.eval_dataset is not None and guards.signals.received is None:
                 outcome.final_metrics = dict(trainer.evaluate())
     except BaseException as exc:
@@ -482,7 +482,7 @@ def _report_failure(exc: BaseException, trainer: Any, guards: _Guards, run: _Run
     from memfit.fitting import _trainer as adapter
 
     if is_oom_error(exc):
-        from memfit.diagnosis.causes import diagnose
+        from memfit.diagnosis import diagnose
 
         d = diagnose(exc)
         logger.error("memfit: unrecoverable out-of-memory error in the %s phase: %s", d.phase,
@@ -545,47 +545,22 @@ def failure_record(exc: BaseException, *, phase: str, step: int, checkpoints: li
 
     Args:
         exc: the exception that ended the run.
-        phase: where the caller was ("train": inside `trainer.train`, then refined from the traceback's
-            Trainer frames (save, eval, optimizer, resume, load_best) or, for an out-of-memory error,
-            from memfit's diagnosis; "final_eval": the evaluation after it; "final_save": `memfit train`'s
-            save of the model).
+        phase: where the caller was, one of memfit.trace.FAILURE_PHASES (TRAINING: inside `trainer.train`, then
+            refined from the exception's traceback frames by memfit.diagnosis.phase, the table diagnose reads
+            tracebacks with; FINAL_EVAL: the evaluation after it; FINAL_SAVE: `memfit train`'s save of the model).
         step: optimizer steps completed (`trainer.state.global_step`).
         checkpoints: the checkpoints this run wrote (the newest is where a resume starts).
     """
-    message = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
-    where = (_phase_of(exc) or phase) if phase == "train" else phase
-    if is_oom_error(exc) and phase == "train":
-        with contextlib.suppress(Exception):
-            from memfit.diagnosis.causes import diagnose
+    from memfit.diagnosis.phase import phase_of_exception
+    from memfit.trace import UNKNOWN
 
-            diagnosed = diagnose(exc).phase
-            where = diagnosed if diagnosed and diagnosed != "unknown" else where
+    message = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
+    where = phase
+    if phase == TRAINING:
+        found = phase_of_exception(exc)
+        where = found if found != UNKNOWN else phase
     return {"type": type(exc).__name__, "message": message, "phase": where, "steps_completed": step,
             "last_checkpoint": checkpoints[-1] if checkpoints else None}
-
-
-#: Trainer (transformers 5.24 trainer.py) and memfit functions that name the phase a traceback failed in,
-#: innermost first wins.
-_PHASE_FRAMES = (
-    ("_save_checkpoint", "save"), ("save_model", "save"), ("_load_best_model", "load_best"),
-    ("_load_from_checkpoint", "resume"), ("_load_optimizer_and_scheduler", "resume"), ("_load_rng_state", "resume"),
-    ("evaluation_loop", "eval"), ("evaluate", "eval"), ("prediction_step", "eval"),
-    ("optimizer_step", "optimizer"), ("_optimizer_step", "optimizer"),
-    ("training_step", "train"), ("compute_loss", "train"),
-)
-
-
-def _phase_of(exc: BaseException) -> str | None:
-    tb = exc.__traceback__
-    names = []
-    while tb is not None:
-        names.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    table = dict(_PHASE_FRAMES)
-    for name in reversed(names):
-        if name in table:
-            return table[name]
-    return None
 
 
 def write_report(report: "FitReport", path: str) -> None:
@@ -610,7 +585,7 @@ def _report(trainer: Any, run: _Run, guards: _Guards, outcome: _Outcome, *,
     if effective_after != effective:  # never expected: recovery keeps the effective batch size
         notes.append(f"effective batch size changed from {effective} to {effective_after}")
     predicted = dict(pre.estimate.phases)
-    step_end = pre.estimate.phase_breakdowns.get("optimizer")
+    step_end = pre.estimate.phase_breakdowns.get(OPTIMIZER)
     if step_end:
         # Trainer saves (and loads the best model) after the step and zero_grad: weights and optimizer
         # state stay; safetensors copies to the host one tensor at a time and load_best copies in place

@@ -227,13 +227,8 @@ def _step(v: Variant, par, s: TrainSetup, m: _Model, spec: GpuSpec, ic: Intercon
     return comm_step_time(colls, micro_compute_s=micro, accumulation=a, optimizer_s=opt, ic=ic, nodes=nodes), colls
 
 
-#: optimizers the multi-GPU search offers (memfit.remedies.optimizer `_variants`, less the paged ones: their state
-#: lives in CUDA managed memory outside PyTorch's allocator, which the per-rank budget does not model)
-_SEARCHED_OPTIMIZERS = ("adamw_bnb_8bit", "adafactor")
-
-
 #: what the `--allow` opt-ins bring across GPUs: the single-GPU remedies' own variants (memfit.remedies), each alone
-_OPT_INS = ("sequence_length", "lora", "freeze", "qlora")
+_OPT_INS = ("truncation", "lora", "freeze", "qlora")
 
 
 def _refusal(strategy: str, family: dict[str, Any]) -> str | None:
@@ -289,17 +284,19 @@ def _families(setup: TrainSetup, spec: GpuSpec, allow: tuple[str, ...] = ()) -> 
     """
     from memfit.remedies import REGISTRY
 
-    mp, opt = REGISTRY["mixed_precision"], REGISTRY["optimizer"]
+    from memfit.remedies.optimizer import smaller_optimizers
+
+    mp = REGISTRY["mixed_precision"]
     precisions: list[dict[str, Any]] = [{}]
     if mp.check(setup, spec).applies:
         precisions += mp.variants(setup, spec)
-    optims: list[dict[str, Any]] = [{}]
-    if opt.check(setup, spec).applies:
-        optims += [o for o in opt.variants(setup, spec) if o["optim"] in _SEARCHED_OPTIMIZERS]
+    # the optimizer remedy's smaller optimizers, less the paged ones: their state lives in CUDA managed memory outside
+    # PyTorch's allocator, which the per-rank budget does not model
+    optims: list[dict[str, Any]] = [{}] + [{"optim": o} for o in smaller_optimizers(setup.optim, paged=False)]
     out = [({**p, **o}, 1 if o else 0) for o in optims for p in precisions]
     for name in _OPT_INS:
         r = REGISTRY[name]
-        if r.opt_in not in allow or not r.check(setup, spec).applies:
+        if name not in allow or not r.check(setup, spec).applies:
             continue
         for var in r.variants(setup, spec):
             if name == "qlora":

@@ -40,7 +40,8 @@ from memfit.allocator.conf import parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
-from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes
+from memfit.models.resolve import resolve
+from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes, remedy_id
 from memfit.allocator.bounded import bounded_reserved
 from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model, planned_simulations
 from memfit.planner.ranking import Candidate, StepTimer, rank
@@ -206,6 +207,7 @@ def plan(
             result does not depend on it.
     """
     started = time.perf_counter()
+    exclude = tuple(map(remedy_id, exclude))  # an earlier remedy name is accepted (memfit.remedies.ALIASES)
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
     setup = _as_setup(setup)
     if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
@@ -311,7 +313,7 @@ def _check_options(*, margin: float, allow: tuple[str, ...] | list[str], exclude
     """Clear errors for a bad margin, exclusion or opt-in, before anything runs. Returns `allow`, stripped."""
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of the GPU kept free)")
-    allow = tuple(a.strip() for a in allow if a.strip())
+    allow = tuple(remedy_id(a.strip()) for a in allow if a.strip())
     bad = [x for x in exclude if x not in REGISTRY]
     if bad:
         raise MemfitError(f"cannot exclude `{bad[0]}`; remedies are: {', '.join(REGISTRY)}")
@@ -324,13 +326,14 @@ def _check_options(*, margin: float, allow: tuple[str, ...] | list[str], exclude
 
 
 def _as_setup(setup: Any) -> TrainSetup:
-    """The TrainSetup to plan: `setup` itself, or a model id's defaults; a clear error for anything else."""
+    """The TrainSetup to plan, resolved (memfit.models.resolve): `setup` itself, or a model id's defaults; a clear
+    error for anything else."""
     if isinstance(setup, str):  # a model id
-        return TrainSetup(model=setup)
+        setup = TrainSetup(model=setup)
     if not isinstance(setup, TrainSetup):
         raise MemfitError(f"setup `{type(setup).__name__}` is not a TrainSetup; pass TrainSetup(...), "
                           "TrainSetup.from_kwargs(model, training_args={...}) or a model id")
-    return setup
+    return resolve(setup)
 
 
 def _budget_for(spec: GpuSpec, margin: float, non_pytorch_bytes: int | None) -> Budget:
@@ -381,7 +384,7 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
     variants; the micro-batches that divide the effective batch size."""
     def axis(name: str, current: dict[str, Any]) -> list[dict[str, Any]]:
         r = REGISTRY[name]
-        if (r.opt_in and r.opt_in not in allow) or not verdicts[name].applies or name in exclude:
+        if (r.opt_in and name not in allow) or not verdicts[name].applies or name in exclude:
             return [current]
         return [current] + r.variants(setup, spec)
 
@@ -391,7 +394,7 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
         checkpointing=axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing})
         + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]],  # issue 12
         optimizers=axis("optimizer", {"optim": setup.optim}),
-        lengths=axis("sequence_length", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
+        lengths=axis("truncation", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
         offloads=axis("offload", {}),
         micro_batches=[b for b in range(1, e + 1) if e % b == 0],
         kernels=_kernel_axis(setup, spec, verdicts, allow=allow, exclude=exclude),
@@ -405,7 +408,7 @@ def _kernel_axis(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], *, 
     entries, so that the search does not multiply its simulations."""
     def usable(name: str) -> bool:
         r = REGISTRY[name]
-        return verdicts[name].applies and name not in exclude and (not r.opt_in or r.opt_in in allow)
+        return verdicts[name].applies and name not in exclude and (not r.opt_in or name in allow)
 
     lean: dict[str, Any] = {}
     for name in ("flash_attention", "liger"):
@@ -522,8 +525,8 @@ def _miss(baseline: Plan, plans: list[Plan], chosen: int | None, budget: Budget,
     miss = -closest.headroom_bytes
     suggestions: list[str] = []
     for name, r in REGISTRY.items():
-        if r.opt_in and r.opt_in not in allow and verdicts[name].applies:
-            suggestions.append(f"allow `{r.opt_in}` ({r.title}: saves {r.saves}; costs: {r.costs})")
+        if r.opt_in and name not in allow and verdicts[name].applies:
+            suggestions.append(f"allow `{name}` ({r.title}: saves {r.saves}; costs: {r.costs})")
     need = (budget.budget_bytes + miss) / (1 - budget.margin)
     bigger = sorted((g for g in CATALOG.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
     if bigger:

@@ -3,39 +3,61 @@
 Each remedy says whether it applies to a setup (and if not, why), which variants of the
 setup it proposes (TrainSetup field changes), what a user changes to apply one (the
 TrainingArguments kwargs, environment variables and code), how memfit.fit applies it to a live
-Trainer, under which ids diagnose recommends it, and what it cannot be combined with. Its
+Trainer, under which advice ids diagnose recommends it, and what it cannot be combined with. Its
 effect is never assumed: the planner simulates every variant it proposes
 (memfit.planner.search). REGISTRY's order is the order a plan lists its remedies in.
+
+A remedy has one id (`Remedy.name`, its module's name): the registry, `--allow`, the planner's
+plans, diagnose's advice and memfit.fit all use it. Adding a remedy is writing its module and
+naming it in `_MODULES`.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from typing import Any, NamedTuple
 
 from memfit.errors import MemfitError
 
 from memfit.remedies.base import Remedy, Applicability
-from memfit.remedies import (
-    allocator, attention, checkpoint_offload, checkpointing, eval_settings, freeze, liger, lora, micro_batch,
-    mixed_precision, offload, optimizer, padding, quantization, sequence_length,
-)
 
-__all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "remedy_for_field", "remedy_for_advice", "conflict",
-           "Implied", "implied_changes"]
+__all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "ALIASES", "remedy_id", "remedy_for_field",
+           "remedy_for_advice", "conflict", "Implied", "implied_changes"]
 
-REGISTRY: dict[str, Remedy] = {
-    r.name: r
-    for r in (
-        mixed_precision.REMEDY, checkpointing.REMEDY, checkpoint_offload.REMEDY, optimizer.REMEDY, micro_batch.REMEDY,
-        sequence_length.REMEDY, lora.REMEDY, freeze.REMEDY, offload.REMEDY, eval_settings.REMEDY,
-        allocator.REMEDY, padding.REMEDY, attention.REMEDY, liger.REMEDY, quantization.REMEDY,
-    )
-}
-#: `--allow` names of the remedies that change the method and need the user's consent.
-OPT_IN = {r.opt_in: r.name for r in REGISTRY.values() if r.opt_in}
+#: The remedy modules (memfit.remedies.<id>, each with its `REMEDY`), in the order a plan lists them.
+_MODULES = ("mixed_precision", "gradient_checkpointing", "checkpoint_offload", "optimizer", "micro_batch",
+            "truncation", "lora", "freeze", "offload", "eval_settings", "allocator", "padding", "flash_attention",
+            "liger", "qlora")
+
+
+def _load(module: str) -> Remedy:
+    r: Remedy = importlib.import_module(f"memfit.remedies.{module}").REMEDY
+    bad = [a for a in r.advice if a != r.name and not a.startswith(f"{r.name}.")]
+    if r.name != module or bad:  # one id: the module's name, and the advice under it
+        raise AssertionError(f"remedy module `{module}`: its REMEDY is named `{r.name}` and advises {bad}; a "
+                             f"remedy is named as its module and its advice ids are `{module}` or `{module}.<variant>`")
+    return r
+
+
+REGISTRY: dict[str, Remedy] = {m: _load(m) for m in _MODULES}
+#: The remedies that change the method and need the user's consent: their ids are the `--allow` names.
+OPT_IN: tuple[str, ...] = tuple(name for name, r in REGISTRY.items() if r.opt_in)
+#: Earlier names of remedies, accepted wherever a remedy is named (`allow`, `exclude`) with a warning: name -> id.
+ALIASES: dict[str, str] = {"sequence_length": "truncation"}
 
 _BY_FIELD = {f: r for r in REGISTRY.values() for f in r.fields}
 _BY_ADVICE = {a: r for r in REGISTRY.values() for a in r.advice}
+
+
+def remedy_id(name: str) -> str:
+    """The id of the remedy `name` names: `name` itself, or the id an alias of `ALIASES` stands for (with a
+    FutureWarning that names the id)."""
+    if name in ALIASES:
+        warnings.warn(f"memfit: remedy `{name}` is called `{ALIASES[name]}`; `{name}` is accepted as its earlier "
+                      "name", FutureWarning, stacklevel=3)
+        return ALIASES[name]
+    return name
 
 
 def remedy_for_field(name: str) -> Remedy | None:

@@ -22,5 +22,5 @@ REMEDY = Remedy(
     name="allocator", title="allocator settings",
     saves="reserved-but-unallocated memory (fragmentation)", costs="none measurable",
     check=_check, variants=lambda setup, gpu: [{"alloc_conf": c} for c in CANDIDATES], apply=_apply,
-    fields=("alloc_conf",), advice=("expandable_segments",),
+    fields=("alloc_conf",), advice=("allocator",),
 )

@@ -24,13 +24,15 @@ TrainerAdapter = Any
 class Remedy:
     """One memory remedy.
 
-    The planner asks `check` and `variants` and describes a chosen variant with `apply`;
-    memfit.fit changes a live Trainer with `apply_to_trainer`; diagnose recommends it under the
-    ids in `advice`; `incompatible` names remedies it must never be combined with (the planner
-    skips such combinations).
+    `name` is its one id: the name of its module's remedy in memfit.remedies.REGISTRY, the `--allow` name of
+    an opt-in, the name a plan lists, the advice id under which diagnose recommends it and the name
+    memfit.fit applies. The planner asks `check` and `variants` and describes a chosen variant with `apply`;
+    memfit.fit changes a live Trainer with `apply_to_trainer`; diagnose recommends it under the ids in
+    `advice`; `incompatible` names remedies it must never be combined with (the planner skips such
+    combinations).
     """
 
-    name: str
+    name: str  #: its id
     title: str
     saves: str  #: what memory it saves
     costs: str  #: what it costs (speed, accuracy, method)
@@ -45,7 +47,8 @@ class Remedy:
     #: trainer, its own changes, log, adapter -> the changes applied; None: never applied automatically
     #: (it changes the training method or needs code the user writes)
     apply_to_trainer: Callable[[Any, dict[str, Any], list[str], TrainerAdapter], dict[str, Any]] | None = None
-    #: ids of memfit.diagnosis's advice that recommend this remedy
+    #: memfit.diagnosis's advice ids that recommend this remedy: `name`, or `name.<variant>` where diagnose gives
+    #: several pieces of advice for it (texts: memfit.diagnosis.strings ``advice.<id>``)
     advice: tuple[str, ...] = ()
-    opt_in: str | None = None  #: `--allow` name when the remedy changes the method
+    opt_in: bool = False  #: it changes the method: only with the user's consent (`--allow <name>`)
     incompatible: tuple[str, ...] = field(default_factory=tuple)

@@ -45,5 +45,5 @@ REMEDY = Remedy(
     saves="evaluation activations and accumulated predictions", costs="evaluation a little slower",
     check=_check, variants=_variants, apply=_apply,
     fields=("per_device_eval_batch_size", "eval_accumulation_steps"), apply_to_trainer=_apply_to_trainer,
-    advice=("eval_batch_size", "eval_accumulation_steps", "preprocess_logits"),
+    advice=("eval_settings.batch_size", "eval_settings.accumulation_steps", "eval_settings.preprocess_logits"),
 )

@@ -39,7 +39,7 @@ def _apply(changes, setup, **_):
 
 
 REMEDY = Remedy(
-    name="freeze", title="freeze embeddings", opt_in="freeze",
+    name="freeze", title="freeze embeddings", opt_in=True,
     saves="gradients and optimizer state of the embeddings", costs="embeddings are not fine-tuned",
     check=_check, variants=_variants, apply=_apply,
     fields=("freeze_embeddings", "freeze_layers"),

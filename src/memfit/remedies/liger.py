@@ -47,5 +47,5 @@ REMEDY = Remedy(
     saves="the logits and their float32 copy (fused linear cross-entropy), norm and MLP activations",
     costs="none measured by Liger (often faster); needs the liger-kernel package (Triton)",
     check=_check, variants=lambda setup, gpu: [{"use_liger_kernel": True}], apply=_apply,
-    fields=("use_liger_kernel",), advice=("liger_kernel",),
+    fields=("use_liger_kernel",), advice=("liger",),
 )

@@ -23,7 +23,7 @@ def _apply(changes, setup, **_):
 
 
 REMEDY = Remedy(
-    name="lora", title="LoRA", opt_in="lora",
+    name="lora", title="LoRA", opt_in=True,
     saves="gradients and optimizer state of the base model", costs="a different method (adapters, not full fine-tuning)",
     check=_check, variants=lambda setup, gpu: [{"lora_r": 16}], apply=_apply,
     fields=("lora_r",), advice=("lora",),

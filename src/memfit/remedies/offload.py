@@ -28,7 +28,7 @@ def _apply(changes, setup, **_):
 
 
 REMEDY = Remedy(
-    name="offload", title="optimizer-state CPU offload", opt_in="offload",
+    name="offload", title="optimizer-state CPU offload", opt_in=True,
     saves="optimizer state (moved to host memory)", costs="optimizer step on the CPU; needs DeepSpeed",
     check=_check, variants=lambda setup, gpu: [{"offload_optimizer_state": True}], apply=_apply,
     fields=("offload_optimizer_state",),

@@ -13,6 +13,8 @@ AdamW's 32-bit states, `paged_adamw_8bit` bitsandbytes' 8-bit ones. All change t
 
 from memfit.remedies.base import Applicability, Remedy
 
+__all__ = ["REMEDY", "smaller_optimizers"]
+
 _CHEAPER = ("adamw_bnb_8bit", "adafactor")
 #: transformers 5.24 `OptimizerNames.PAGED_ADAMW_8BIT` / `PAGED_ADAMW` -> bitsandbytes.optim.AdamW with
 #: `is_paged=True` and `optim_bits` 8 / 32 (trainer_optimizer.py `_get_bitsandbytes_optimizer`)
@@ -34,16 +36,31 @@ def _paged_ok(gpu) -> bool:
     return gpu is None or getattr(gpu, "vendor", "nvidia") == "nvidia"
 
 
-def _variants(setup, gpu):
-    optim = setup.optim
-    out = [] if _small_state(optim) else [o for o in _CHEAPER if o != optim]
+def smaller_optimizers(current: str, *, paged: bool = True, bitsandbytes: bool = True) -> tuple[str, ...]:
+    """The optimizers with a smaller or paged state that replace `current`, most preferred first: the one answer
+    to "which smaller optimizer" for the planner (this remedy's variants), the multi-GPU search
+    (memfit.planner.parallel_plan) and memfit.fit's switch at the first optimizer step
+    (memfit.fitting.optimizer_step). Empty: `current` already has a small (or paged) state.
+
+    Args:
+        current: the setup's `TrainingArguments.optim` (a name of transformers' `OptimizerNames`).
+        paged: offer bitsandbytes' paged optimizers (their state lives in CUDA managed memory, outside PyTorch's
+            allocator: only on NVIDIA GPUs, and only where that memory is modelled).
+        bitsandbytes: offer bitsandbytes' optimizers at all (False: it is not installed, or the parameters are
+            not on a CUDA GPU); Adafactor is transformers' own.
+    """
+    out = [] if _small_state(current) else [o for o in _CHEAPER if o != current]
     # paged AdamW for the Adam / Lion family (sgd / Adafactor users would gain a state); an 8-bit user gains
     # only the paging, so paged_adamw_8bit alone
-    if _paged_ok(gpu) and not optim.startswith("paged_") and ("adam" in optim or "lion" in optim):
-        out += [o for o in _PAGED if not (_small_state(optim) and o == "paged_adamw_32bit")]
-    elif optim == "paged_adamw_32bit":
+    if paged and not current.startswith("paged_") and ("adam" in current or "lion" in current):
+        out += [o for o in _PAGED if not (_small_state(current) and o == "paged_adamw_32bit")]
+    elif paged and current == "paged_adamw_32bit":
         out.append("paged_adamw_8bit")
-    return [{"optim": o} for o in out]
+    return tuple(o for o in out if bitsandbytes or o not in _BNB)
+
+
+def _variants(setup, gpu):
+    return [{"optim": o} for o in smaller_optimizers(setup.optim, paged=_paged_ok(gpu))]
 
 
 def _check(setup, gpu):
@@ -76,5 +93,5 @@ REMEDY = Remedy(
     costs="a different optimizer; bitsandbytes ones need bitsandbytes and a CUDA GPU; paged ones page over PCIe "
           "when the GPU is short",
     check=_check, variants=_variants, apply=_apply,
-    fields=("optim",), apply_to_trainer=_apply_to_trainer, advice=("optimizer_8bit",),
+    fields=("optim",), apply_to_trainer=_apply_to_trainer, advice=("optimizer",),
 )

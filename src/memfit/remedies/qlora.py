@@ -53,7 +53,7 @@ def _apply(changes, setup, **_):
 
 
 REMEDY = Remedy(
-    name="qlora", title="QLoRA (4-bit base weights)", opt_in="qlora",
+    name="qlora", title="QLoRA (4-bit base weights)", opt_in=True,
     saves="about 3/4 of the weights (bf16) or 7/8 (fp32), and the base model's gradients and optimizer state",
     costs="a different method (quantized frozen base, adapters); dequantization makes steps slower",
     check=_check, variants=_variants, apply=_apply,

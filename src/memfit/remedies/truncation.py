@@ -34,8 +34,8 @@ def _apply(changes, setup, **_):
 
 
 REMEDY = Remedy(
-    name="sequence_length", title="shorter sequences", opt_in="truncation",
+    name="truncation", title="shorter sequences", opt_in=True,
     saves="activations (quadratic part: attention)", costs="cuts the text of long examples",
     check=_check, variants=_variants, apply=_apply,
-    fields=("max_length", "truncation"), advice=("shorter_sequences",),
+    fields=("max_length", "truncation"), advice=("truncation",),
 )
