@@ -115,11 +115,11 @@ def _train_args(tmp_path, data, **flags):
 def test_train_takes_output_dir_and_no_cuda_from_the_file(tmp_path):
     from transformers import TrainingArguments
 
-    from memfit.commands.train import _training_kwargs
+    from memfit.commands._train_common import training_kwargs
 
     args = _train_args(tmp_path, {"output_dir": str(tmp_path / "from-file"), "no_cuda": True, "max_steps": 2},
                        output_dir=tmp_path / "from-flag")
-    kwargs, notes = _training_kwargs(args, is_default=False)
+    kwargs, notes = training_kwargs(args, is_default=False)
     assert kwargs.pop("output_dir") == str(tmp_path / "from-flag")  # the flag wins ...
     assert any("--output-dir" in n and "the flag wins" in n for n in notes)  # ... with a note
     assert kwargs.pop("use_cpu") is True and any("no_cuda" in n for n in notes)
@@ -128,12 +128,12 @@ def test_train_takes_output_dir_and_no_cuda_from_the_file(tmp_path):
 
 
 def test_train_rejects_unknown_and_estimate_only_names(tmp_path):
-    from memfit.commands.train import _training_kwargs
+    from memfit.commands._train_common import training_kwargs
 
     with pytest.raises(MemfitError, match="did you mean `learning_rate`"):
-        _training_kwargs(_train_args(tmp_path, {"learning_rat": 1e-4}), is_default=False)
+        training_kwargs(_train_args(tmp_path, {"learning_rat": 1e-4}), is_default=False)
     with pytest.raises(MemfitError, match="does not take"):
-        _training_kwargs(_train_args(tmp_path, {"lora_r": 8}), is_default=False)
+        training_kwargs(_train_args(tmp_path, {"lora_r": 8}), is_default=False)
 
 
 # -- 3. cudaMallocAsync ---------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_plan_without_gpu_is_an_error(tiny_bert_dir):
 def test_reports_have_a_short_repr(tiny_bert_dir):
     from transformers import BertConfig
 
-    from memfit.fitting.preflight import PreflightReport
+    from memfit.fitting.preflight_check import PreflightReport
 
     config = BertConfig.from_pretrained(tiny_bert_dir)
     r = estimate(TrainSetup(model=config, max_length=16), gpu="T4")

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 from transformers import TrainerCallback  # noqa: E402
 
-import memfit.commands.train as train_cmd  # noqa: E402
+import memfit.commands._train_common as train_common  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.commands.train import bundled_model_dir  # noqa: E402
 
@@ -59,8 +59,8 @@ def _one_line(err):
 
 def _with_callback(monkeypatch, callback):
     """Add `callback` to the Trainer `memfit train` builds (it is passed to fit with the progress bar)."""
-    original = train_cmd._progress_callback
-    monkeypatch.setattr(train_cmd, "_progress_callback", lambda console: _Both(original(console), callback))
+    original = train_common.progress_callback
+    monkeypatch.setattr(train_common, "progress_callback", lambda console: _Both(original(console), callback))
 
 
 class _Both(TrainerCallback):

@@ -20,8 +20,8 @@ from memfit.files import read_json_object
 
 __all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "ATTN_IMPLEMENTATIONS", "HUB_FLASH_KERNELS",
            "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
-           "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields", "TRL_TRAINERS",
-           "TRL_CONFIG_NAMES"]
+           "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields", "TRAINERS",
+           "TRL_TRAINERS", "TRL_CONFIG_NAMES", "EVAL_STRATEGIES", "BNB_4BIT_QUANT_TYPES"]
 
 #: task name -> the Auto class head it builds (transformers.AutoModelFor...).
 TASKS = {
@@ -40,6 +40,8 @@ _TASK_ALIASES = {
     "seq2seq": "seq2seq-lm", "text2text-generation": "seq2seq-lm",
 }
 PRECISIONS = ("fp32", "fp16", "bf16")
+#: `eval_strategy` values: transformers.trainer_utils.IntervalStrategy.
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 #: `optim` names of TrainingArguments (transformers.training_args.OptimizerNames) memfit simulates.
 OPTIMIZERS = (
@@ -96,7 +98,10 @@ _NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "auto_find_batch_siz
 
 # -- TRL (issue 13) ---------------------------------------------------------------------------------------
 #: `trainer` values: transformers' Trainer, TRL's SFTTrainer, TRL's DPOTrainer.
-TRL_TRAINERS = ("trainer", "sft", "dpo")
+TRAINERS = ("trainer", "sft", "dpo")
+#: The TRL trainers of TRAINERS: their steps are simulated by memfit.sim.trl_steps, `memfit train --trainer`
+#: runs them (memfit.commands.train_trl), and their configs' names are TRL_CONFIG_NAMES.
+TRL_TRAINERS = ("sft", "dpo")
 #: SFTConfig / DPOConfig fields (TRL 1.16) that TrainingArguments does not have (`dataclasses.fields(SFTConfig)`
 #: minus TRAINING_ARGS_NAMES; tests/test_trl.py checks these lists against the installed TRL). Kept as text so
 #: that reading an arguments file does not import TRL. Read when `trainer` is `sft` / `dpo`, rejected otherwise.
@@ -232,6 +237,12 @@ CHECKPOINT_KWARGS = ("use_reentrant", "offload", "every_n_layers")
 LIGER_CONFIG_KEYS = ("rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "rms_norm",
                      "layer_norm")
 
+# -- quantization (issue 12) --
+#: `bnb_4bit_quant_type` values (transformers 5.24 `BitsAndBytesConfig`: nf4 or fp4).
+BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
+#: The `bnb_4bit_quant_storage` names BitsAndBytesConfig accepts (transformers 5.24 `BitsAndBytesConfig.__init__`).
+QUANT_STORAGE_DTYPES = ("float16", "float32", "int8", "uint8", "float64", "bfloat16")
+
 
 @dataclass(kw_only=True)
 class TrainSetup:
@@ -259,31 +270,37 @@ class TrainSetup:
     """Whether inputs are truncated to max_length (only matters with example_lengths)."""
     target_length: int | None = None
     """Decoder (labels) length for seq2seq-lm; defaults to max_length."""
-    precision: str = "fp32"
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     """fp32, fp16 (AMP + GradScaler) or bf16 (AMP)."""
-    weights_dtype: str = "auto"
+    weights_dtype: str = field(default="auto", metadata={"choices": ("auto", *PRECISIONS)})
     """Dtype the weights are loaded in: auto (transformers 5 `from_pretrained` default: the config's
     dtype, e.g. bf16 for Llama 3, fp32 when the config has none), fp32, fp16 or bf16."""
-    optim: str = "adamw_torch_fused"
+    optim: str = field(default="adamw_torch_fused", metadata={"choices": OPTIMIZERS})
     """TrainingArguments.optim name; the transformers 5 default is adamw_torch_fused."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (TrainingArguments default 0); no memory of its own."""
     max_grad_norm: float = 1.0
     """Gradient clipping; 0 disables it."""
     gradient_checkpointing: bool = False
+    """Activations of each block recomputed in backward instead of kept (`model.gradient_checkpointing_enable`)."""
     eval_accumulation_steps: int | None = None
     """Move predictions to the CPU every N eval steps; None keeps all on the GPU until the end."""
-    eval_strategy: str = "no"
+    eval_strategy: str = field(default="no", metadata={"choices": EVAL_STRATEGIES})
     """no, steps or epoch; anything but `no` adds the evaluation phase."""
     eval_samples: int | None = None
     """Examples in the eval set (sizes the on-device prediction buffer); None: 1000 examples."""
     prediction_loss_only: bool = False
-    attn_implementation: str | None = None
+    """Evaluation keeps only the loss, no logits (TrainingArguments `prediction_loss_only`)."""
+    attn_implementation: str | None = field(default=None,
+                                            metadata={"choices": (*ATTN_IMPLEMENTATIONS, *HUB_FLASH_KERNELS)})
     """eager, sdpa, flash_attention_2, flash_attention_3, flex_attention, or a flash-attn hub kernel
     (`kernels-community/flash-attn2`); None keeps the model's default (sdpa)."""
     lora_r: int | None = None
     """LoRA rank (peft); None trains the full model."""
     lora_alpha: int = 16
+    """LoRA scaling numerator (peft `LoraConfig.lora_alpha`): scales the update, changes no memory."""
     lora_dropout: float = 0.0
+    """Dropout on the input of each LoRA adapter (peft `LoraConfig.lora_dropout`); 0: none."""
     lora_target_modules: list[str] | None = None
     """Module names LoRA wraps; None lets peft pick its default for the architecture."""
     # -- peft methods beyond LoRA (issue 12; memfit.models.peft_methods) --
@@ -304,14 +321,14 @@ class TrainSetup:
     """Base weights in 4 bits (bitsandbytes Linear4bit); needs LoRA on top (QLoRA)."""
     load_in_8bit: bool = False
     """Base weights in 8 bits (bitsandbytes LLM.int8 Linear8bitLt); needs LoRA on top."""
-    bnb_4bit_quant_type: str = "fp4"
+    bnb_4bit_quant_type: str = field(default="fp4", metadata={"choices": BNB_4BIT_QUANT_TYPES})
     """nf4 or fp4 (BitsAndBytesConfig's default is fp4; QLoRA recipes use nf4)."""
-    bnb_4bit_compute_dtype: str | None = None
+    bnb_4bit_compute_dtype: str | None = field(default=None, metadata={"choices": PRECISIONS})
     """Dtype Linear4bit dequantizes to and computes in: fp32, fp16 or bf16; None is BitsAndBytesConfig's
     default, float32."""
     bnb_4bit_use_double_quant: bool = False
     """Quantize the absmax statistics again (uint8 + fp32 per 256 blocks)."""
-    bnb_4bit_quant_storage: str = "uint8"
+    bnb_4bit_quant_storage: str = field(default="uint8", metadata={"choices": QUANT_STORAGE_DTYPES})
     """Dtype of the packed 4-bit storage (uint8, int8, float16, bfloat16, float32, float64)."""
     llm_int8_threshold: float = 6.0
     """LLM.int8 outlier threshold (0 disables the mixed-precision decomposition)."""
@@ -341,12 +358,12 @@ class TrainSetup:
     """torchao Float8 training recipe (tensorwise, rowwise, rowwise_with_gw_hp), applied as accelerate's
     `mixed_precision="fp8"` (torchao backend) applies it; needs bf16 and a GPU of compute capability 8.9+."""
     # -- TRL (issue 13) -------------------------------------------------------------------------
-    trainer: str = "trainer"
+    trainer: str = field(default="trainer", metadata={"choices": TRAINERS})
     """Which trainer runs the step: `trainer` (transformers.Trainer), `sft` (TRL SFTTrainer) or `dpo` (TRL
     DPOTrainer); TRL's steps are simulated by memfit.sim.trl_steps."""
     packing: bool = False
     """SFTConfig.packing: examples packed into sequences of `max_length` tokens."""
-    packing_strategy: str = "bfd"
+    packing_strategy: str = field(default="bfd", metadata={"choices": PACKING_STRATEGIES})
     """SFTConfig.packing_strategy: bfd, bfd_split (both imply padding-free, sft_trainer.py) or wrapped."""
     padding_free: bool = False
     """SFTConfig.padding_free: the micro-batch flattened to one row with position_ids (needs a varlen kernel)."""
@@ -636,8 +653,6 @@ def _check_types(setup: "TrainSetup") -> None:
 #: `bnb_4bit_compute_dtype` spellings -> torch dtype name (BitsAndBytesConfig takes a torch dtype or its name).
 _COMPUTE_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                    "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-#: The `bnb_4bit_quant_storage` names BitsAndBytesConfig accepts (transformers 5.24 `BitsAndBytesConfig.__init__`).
-QUANT_STORAGE_DTYPES = ("float16", "float32", "int8", "uint8", "float64", "bfloat16")
 #: BitsAndBytesConfig keys -> TrainSetup field (`to_dict()` also writes `_load_in_4bit` / `_load_in_8bit`).
 _BNB_KEYS = {
     "load_in_4bit": "load_in_4bit", "_load_in_4bit": "load_in_4bit",
@@ -770,8 +785,8 @@ def _check_issue12_fields(setup: "TrainSetup") -> None:
 
 def _check_trl(setup: "TrainSetup") -> None:
     """TRL (issue 13): the TRL fields' values, and the combinations TRL 1.16 itself refuses or changes."""
-    if setup.trainer not in TRL_TRAINERS:
-        raise MemfitError(f"trainer `{setup.trainer}` is not one of {', '.join(TRL_TRAINERS)}")
+    if setup.trainer not in TRAINERS:
+        raise MemfitError(f"trainer `{setup.trainer}` is not one of {', '.join(TRAINERS)}")
     for name in ("packing", "padding_free", "assistant_only_loss", "precompute_ref_log_probs"):
         if not isinstance(getattr(setup, name), bool):
             raise MemfitError(f"`{name}` must be true or false; got `{getattr(setup, name)!r}`")

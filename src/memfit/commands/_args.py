@@ -88,11 +88,11 @@ def args_source(args: argparse.Namespace) -> str | None:
 
 # -- multi-GPU flags (issue 14): --gpus, --world-size, --nodes, --strategy, --deepspeed, --fsdp, --fsdp-config --
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    from memfit.commands._setup_flags import add_parallel_flags
+
     g = p.add_argument_group("multi-GPU (rank 0 of a DDP / FSDP2 / DeepSpeed ZeRO run)")
     g.add_argument("--gpus", default=None, metavar="NxGPU", help="e.g. 8xA100-80GB: world size and GPU in one")
-    g.add_argument("--world-size", type=int, default=None, help="ranks in all (one GPU each)")
-    g.add_argument("--nodes", type=int, default=None, help="nodes the ranks are spread over (default 1)")
-    g.add_argument("--strategy", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None)
+    add_parallel_flags(g)  # --world-size, --nodes, --strategy: ParallelSetup's fields
     g.add_argument("--deepspeed", default=None, metavar="DS.json", help="DeepSpeed config (\"auto\" filled as transformers fills it)")
     g.add_argument("--fsdp", default=None, help="TrainingArguments fsdp options, e.g. \"full_shard auto_wrap\"")
     g.add_argument("--fsdp-config", default=None, metavar="FILE", help="TrainingArguments fsdp_config JSON")
@@ -107,6 +107,8 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
 
     gpu = None
     world = getattr(args, "world_size", None)
+    if world is not None and world < 1:
+        raise MemfitError(f"--world-size `{world}` must be at least 1 (ranks in all, one GPU each)")
     if getattr(args, "gpus", None):
         count, gpu = parse_gpus(args.gpus)
         if world is not None and world != count:
@@ -193,10 +195,14 @@ def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
         changes["gradient_checkpointing"] = True
     gas = acc.gradient_accumulation_steps
     if gas is not None and gas != setup.gradient_accumulation_steps:
-        if getattr(args, "grad_accum", None) is not None:
+        if getattr(args, "gradient_accumulation_steps", None) is not None:
+            from memfit.commands._setup_flags import flag_name
+
             # transformers HfTrainerDeepSpeedConfig.trainer_config_process: fill_match, then a mismatch error
-            raise MemfitError(f"--grad-accum `{args.grad_accum}` and the DeepSpeed `gradient_accumulation_steps` "
-                              f"`{gas}` of the accelerate config differ (transformers refuses the mismatch); give one")
+            flag = flag_name(args, "gradient_accumulation_steps")
+            raise MemfitError(f"{flag} `{args.gradient_accumulation_steps}` and the DeepSpeed "
+                              f"`gradient_accumulation_steps` `{gas}` of the accelerate config differ (transformers "
+                              "refuses the mismatch); give one")
         changes["gradient_accumulation_steps"] = gas
     par = acc.parallel
     if par is not None and par.strategy == "fsdp":  # issue 14 FSDP accumulation: the file has no key for it

@@ -53,73 +53,17 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = False) -> None:
-    """The model and TrainingArguments flags shared by `estimate`, `plan` and `diagnose`."""
+    """The model, the setup flags (memfit.commands._setup_flags: one per TrainSetup field) and `--args`, shared
+    by `estimate`, `plan` and `diagnose`; `--gpu`, `--alloc-conf` and `--json` too unless `model_option`
+    (diagnose, whose `--model` names the run that failed)."""
+    from memfit.commands._setup_flags import add_setup_flags
+
     model_help = "hub id (bundled ones work offline), model directory, or config.json"
     if model_option:
         p.add_argument("--model", default=None, help=model_help + " of the run that failed")
     else:
         p.add_argument("model", nargs="?", help=model_help)
-    p.add_argument("--task", default=None, help="seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm (default: from the "
-                   "config's architectures: causal-lm for GPT-2/Llama, seq2seq-lm for T5/BART, seq-cls for encoders)")
-    p.add_argument("--num-labels", type=int, default=None, help="labels of a classification head (default 2)")
-    p.add_argument("--batch-size", type=int, default=None, help="per_device_train_batch_size (default 8)")
-    p.add_argument("--eval-batch-size", type=int, default=None, help="per_device_eval_batch_size (default 8)")
-    p.add_argument("--grad-accum", type=int, default=None, help="gradient_accumulation_steps (default 1)")
-    p.add_argument("--max-length", type=int, default=None, help="padded sequence length in tokens (default 512)")
-    p.add_argument("--example-lengths", default=None,
-                   help="token lengths of the examples, comma-separated or @FILE (one per line); the worst batch is simulated")
-    p.add_argument("--no-truncation", action="store_true", help="examples are not truncated to --max-length")
-    p.add_argument("--target-length", type=int, default=None, help="decoder length for seq2seq-lm")
-    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None, help="mixed precision (default fp32)")
-    p.add_argument("--weights-dtype", choices=("auto", "fp32", "fp16", "bf16"), default=None,
-                   help="dtype the weights are loaded in (default auto: the config's, as transformers 5 loads them)")
-    p.add_argument("--optim", default=None, help="TrainingArguments optim name (default adamw_torch_fused)")
-    p.add_argument("--weight-decay", type=float, default=None)
-    p.add_argument("--max-grad-norm", type=float, default=None)
-    p.add_argument("--gradient-checkpointing", action="store_true", default=None)
-    p.add_argument("--eval-strategy", choices=("no", "steps", "epoch"), default=None)
-    p.add_argument("--eval-accumulation-steps", type=int, default=None)
-    p.add_argument("--eval-samples", type=int, default=None, help="examples in the eval set (default 1000)")
-    p.add_argument("--lora-r", type=int, default=None, help="train a LoRA adapter of this rank (peft)")
-    p.add_argument("--lora-target-modules", default=None, help="comma-separated module names LoRA wraps")
-    # peft methods (issue 12): DoRA, and any peft method from its adapter_config.json (memfit.models.peft_methods)
-    p.add_argument("--use-dora", action="store_true", default=None, help="LoRA with DoRA (peft use_dora; with --lora-r)")
-    p.add_argument("--peft-config", default=None, metavar="FILE",
-                   help="a peft method's adapter_config.json (or its directory): IA3, LoHa, OFT, prefix tuning, ...")
-    # attention implementations and Liger kernels (issue 12)
-    p.add_argument("--attn", choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
-                   default=None, help="attention implementation (flash kernels emulated; default: the model's, sdpa)")
-    p.add_argument("--liger", action="store_true", default=None,
-                   help="Trainer's use_liger_kernel: Liger's fused linear cross-entropy, RMSNorm, RoPE, SwiGLU")
-    p.add_argument("--float8", default=None, metavar="RECIPE", dest="float8_recipe",  # torchao Float8 (issue 12)
-                   help="torchao Float8 training as accelerate mixed_precision=fp8 applies it: tensorwise, rowwise or "
-                        "rowwise_with_gw_hp (needs --precision bf16 and an sm89+ GPU)")
-    p.add_argument("--freeze-embeddings", action="store_true", default=None, help="the input embeddings are frozen")
-    p.add_argument("--freeze-layers", type=int, default=None, help="the lowest N blocks are frozen")
-    # quantization (issue 12): BitsAndBytesConfig's fields; `"quantization_config": {...}` in --args works too
-    p.add_argument("--load-in-4bit", action="store_true", default=None,
-                   help="base weights in 4 bits (bitsandbytes; QLoRA with --lora-r)")
-    p.add_argument("--load-in-8bit", action="store_true", default=None, help="base weights in 8 bits (LLM.int8)")
-    p.add_argument("--bnb-4bit-quant-type", choices=("nf4", "fp4"), default=None,
-                   help="4-bit data type (BitsAndBytesConfig default fp4)")
-    p.add_argument("--bnb-4bit-compute-dtype", choices=("fp32", "fp16", "bf16"), default=None,
-                   help="dtype 4-bit layers compute in (BitsAndBytesConfig default fp32)")
-    p.add_argument("--double-quant", action="store_true", default=None,
-                   help="bnb_4bit_use_double_quant: quantize the absmax statistics too")
-    p.add_argument("--no-kbit-prep", action="store_true", default=None,
-                   help="do not model peft's prepare_model_for_kbit_training (float32 casts, checkpointing); "
-                        "TRL's SFTTrainer does not call it")
-    # TRL (issue 13): SFTConfig / DPOConfig settings, under their TRL names
-    p.add_argument("--trainer", choices=("trainer", "sft", "dpo"), default=None,
-                   help="the trainer: transformers' Trainer (default), TRL's SFTTrainer or DPOTrainer")
-    p.add_argument("--packing", nargs="?", const="bfd", choices=("bfd", "bfd_split", "wrapped"), default=None,
-                   help="SFT packing, with its strategy (default bfd, which is padding-free)")
-    p.add_argument("--padding-free", action="store_true", default=None, help="SFT padding-free batches")
-    p.add_argument("--completion-only-loss", action="store_true", default=None, help="SFT loss on completions only")
-    p.add_argument("--assistant-only-loss", action="store_true", default=None,
-                   help="SFT loss on assistant turns only (memfit train takes the same flag)")
-    p.add_argument("--precompute-ref-log-probs", action="store_true", default=None,
-                   help="DPO reference log-probs computed before training")
+    add_setup_flags(p)
     p.add_argument("--args", dest="args_file", default=None, help="JSON file of TrainingArguments kwargs and memfit settings (\"model\", \"max_length\", ...); "
                         "legacy names are read with a note, unknown names are an error; a flag wins over the file")
     if model_option:
@@ -129,62 +73,11 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
     p.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
 
 
-def _lengths(text: str) -> list[int]:
-    if text.startswith("@"):
-        try:
-            with open(text[1:], encoding="utf-8") as fh:
-                items = fh.read().split()
-        except OSError as err:
-            raise MemfitError(f"cannot read example lengths file `{text[1:]}`: {err.strerror}") from err
-    else:
-        items = [x for x in text.replace(",", " ").split() if x]
-    try:
-        return [int(x) for x in items]
-    except ValueError as err:
-        raise MemfitError(f"example lengths must be whole token counts; got `{text[:60]}`") from err
-
-
 def build_setup(args: argparse.Namespace):
+    from memfit.commands._setup_flags import setup_fields
     from memfit.train_setup import TrainSetup
 
-    fields = {}
-    for flag, name in (("task", "task"), ("num_labels", "num_labels"), ("batch_size", "per_device_train_batch_size"),
-                       ("eval_batch_size", "per_device_eval_batch_size"), ("grad_accum", "gradient_accumulation_steps"),
-                       ("max_length", "max_length"), ("target_length", "target_length"), ("precision", "precision"),
-                       ("weights_dtype", "weights_dtype"), ("optim", "optim"), ("weight_decay", "weight_decay"),
-                       ("max_grad_norm", "max_grad_norm"), ("gradient_checkpointing", "gradient_checkpointing"),
-                       ("eval_strategy", "eval_strategy"), ("eval_accumulation_steps", "eval_accumulation_steps"),
-                       ("eval_samples", "eval_samples"), ("lora_r", "lora_r"), ("attn", "attn_implementation"),
-                       ("liger", "use_liger_kernel"), ("float8_recipe", "float8_recipe"),  # Float8 (issue 12)
-                       ("freeze_embeddings", "freeze_embeddings"), ("freeze_layers", "freeze_layers"),
-                       # quantization (issue 12)
-                       ("load_in_4bit", "load_in_4bit"), ("load_in_8bit", "load_in_8bit"),
-                       ("bnb_4bit_quant_type", "bnb_4bit_quant_type"),
-                       ("bnb_4bit_compute_dtype", "bnb_4bit_compute_dtype"),
-                       ("double_quant", "bnb_4bit_use_double_quant")):
-        value = getattr(args, flag)
-        if value is not None:
-            fields[name] = value
-    if getattr(args, "no_kbit_prep", None):
-        fields["kbit_prep"] = False
-    for flag in ("trainer", "padding_free", "completion_only_loss", "assistant_only_loss",  # TRL (issue 13)
-                 "precompute_ref_log_probs"):
-        if getattr(args, flag, None) is not None:
-            fields[flag] = getattr(args, flag)
-    if getattr(args, "packing", None) is not None:
-        fields["packing"], fields["packing_strategy"] = True, args.packing
-    if args.example_lengths:
-        fields["example_lengths"] = _lengths(args.example_lengths)
-    if args.no_truncation:
-        fields["truncation"] = False
-    if args.lora_target_modules:
-        fields["lora_target_modules"] = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
-    if getattr(args, "use_dora", None):  # peft methods (issue 12)
-        fields["use_dora"] = True
-    if getattr(args, "peft_config", None):
-        from memfit.models.peft_methods import read_peft_config_file
-
-        fields["peft_config"] = read_peft_config_file(args.peft_config)
+    fields = setup_fields(args)
     gpu = getattr(args, "gpu", None)
     # the task from memfit's cache, so a cached estimate or plan (issue 15) never imports transformers
     use_cache = getattr(getattr(args, "func", None), "__name__", None) in ("estimate_command", "plan_command") \
@@ -235,15 +128,18 @@ def estimate_command(args: argparse.Namespace) -> int:
     from memfit.estimator import estimate
 
     if args.list_models:
-        from memfit.models.catalog import bundled_model_ids
+        from memfit.models.catalog import bundled_aliases, bundled_model_ids
 
         print("\n".join(bundled_model_ids()))
+        print("\n".join(f"{alias} (same architecture as {target})" for alias, target in bundled_aliases().items()))
         return 0
-    for flag in ("batch_size", "eval_batch_size", "grad_accum", "max_length", "num_labels", "lora_r",
-                 "eval_accumulation_steps", "eval_samples", "target_length"):
-        value = getattr(args, flag)
+    from memfit.commands._setup_flags import flag_name
+
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_length", "num_labels", "lora_r", "eval_accumulation_steps", "eval_samples", "target_length"):
+        value = getattr(args, name)
         if value is not None and value <= 0:
-            raise MemfitError(f"`--{flag.replace('_', '-')}` must be a positive integer; got `{value}`")
+            raise MemfitError(f"`{flag_name(args, name)}` must be a positive integer; got `{value}`")
     if args.snapshot is not None:
         from memfit.allocator.export import check_snapshot_path
 

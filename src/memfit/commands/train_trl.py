@@ -29,38 +29,43 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.commands._setup_flags import flag_name, split_list
+from memfit.commands._train_common import (Run, check_counts, check_model_dir, check_output_dir, check_resume,
+                                           first_line, fit_and_report, print_preflight, read_budget,
+                                           set_aside_earlier_results, training_kwargs)
 from memfit.errors import MemfitError
+from memfit.train_setup import TRL_TRAINERS
 
-__all__ = ["TRL_TRAINERS", "check_trl_flags", "train_trl_command", "read_trl_data"]
+__all__ = ["TRL_TRAINERS", "TRL_DEFAULT_MAX_LENGTH", "check_trl_flags", "train_trl_command", "read_trl_data"]
 
-TRL_TRAINERS = ("sft", "dpo")
-
-#: flag dest -> (the flag, the trainer whose config has it)
+#: flag dest -> the trainer whose config has it (None: both TRL trainers, LoRA through peft_config)
 _TRL_FLAGS = {
-    "packing": ("--packing", "sft"),
-    "padding_free": ("--padding-free", "sft"),
-    "completion_only_loss": ("--completion-only-loss", "sft"),
-    "assistant_only_loss": ("--assistant-only-loss", "sft"),
-    "dataset_text_field": ("--dataset-text-field", "sft"),
-    "precompute_ref_log_probs": ("--precompute-ref-log-probs", "dpo"),
-    "lora_r": ("--lora-r", None),
-    "lora_target_modules": ("--lora-target-modules", None),
+    "packing": "sft",
+    "packing_strategy": "sft",
+    "padding_free": "sft",
+    "completion_only_loss": "sft",
+    "assistant_only_loss": "sft",
+    "dataset_text_field": "sft",
+    "precompute_ref_log_probs": "dpo",
+    "lora_r": None,
+    "lora_target_modules": None,
 }
 
 #: SFTConfig.max_length and DPOConfig.max_length default (TRL 1.16 sft_config.py / dpo_config.py)
-_TRL_DEFAULT_MAX_LENGTH = 1024
+TRL_DEFAULT_MAX_LENGTH = 1024
 
-#: classification-only flags of `memfit train` (dest -> flag)
-_CLS_FLAGS = {"text_column": "--text-column", "label_column": "--label-column", "num_labels": "--num-labels"}
+#: classification-only flags of `memfit train` (dests)
+_CLS_FLAGS = ("text_column", "label_column", "num_labels")
 
 
 def check_trl_flags(args: argparse.Namespace) -> str:
     """The trainer `args` asks for (`trainer`, `sft`, `dpo`), or a MemfitError for a flag of another trainer."""
     trainer = getattr(args, "trainer", None) or "trainer"
-    for dest, (flag, owner) in _TRL_FLAGS.items():
+    for dest, owner in _TRL_FLAGS.items():
         value = getattr(args, dest, None)
-        if value in (None, False):
+        if value is None or (value is False and trainer == "trainer"):  # `--no-...` asks for nothing here
             continue
+        flag = flag_name(args, dest)
         if trainer == "trainer":
             need = f"--trainer {owner}" if owner else "--trainer sft or --trainer dpo"
             raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
@@ -70,16 +75,16 @@ def check_trl_flags(args: argparse.Namespace) -> str:
                    "dpo": "it is DPOConfig's (the reference model of DPO)"}[owner]
             raise MemfitError(f"`{flag}` is for `--trainer {owner}`, not `--trainer {trainer}`: {why}; remove it")
     if trainer != "trainer":
-        for dest, flag in _CLS_FLAGS.items():
+        for dest in _CLS_FLAGS:
             if getattr(args, dest, None) is not None:
-                raise MemfitError(f"`{flag}` is a classification setting; `--trainer {trainer}` trains a causal "
+                raise MemfitError(f"`{flag_name(args, dest)}` is a classification setting; `--trainer {trainer}` trains a causal "
                                   "language model" + (" (name the text column with --dataset-text-field)"
                                                       if dest == "text_column" else "") + "; remove it")
-        if str(args.task).lower() not in ("seq-cls", "causal-lm", "causal_lm"):
+        if args.task is not None and str(args.task).lower() not in ("seq-cls", "causal-lm", "causal_lm"):
             raise MemfitError(f"`--task {args.task}` does not go with `--trainer {trainer}`, which trains a causal "
                               "language model; remove --task")
         if getattr(args, "lora_r", None) is not None and args.lora_r <= 0:
-            raise MemfitError(f"`--lora-r` must be a positive integer; got `{args.lora_r}`")
+            raise MemfitError(f"`{flag_name(args, 'lora_r')}` must be a positive integer; got `{args.lora_r}`")
     elif getattr(args, "lora_r", None) is not None:  # pragma: no cover - caught above
         raise MemfitError("`--lora-r` needs `--trainer sft` or `--trainer dpo`")
     return trainer
@@ -184,8 +189,9 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
 
 @dataclass
 class TrlInputs:
-    """What `memfit train --trainer sft|dpo` asks for, every value checked (the fields memfit.commands.train's
-    `_fit` and `_set_aside_earlier_results` read are named as in its `_Inputs`)."""
+    """What `memfit train --trainer sft|dpo` asks for, every value checked (the fields that
+    memfit.commands._train_common's `fit_and_report` and `set_aside_earlier_results` read are named as in the
+    classification run's `_Inputs`)."""
 
     trainer: str
     model_dir: str
@@ -212,12 +218,10 @@ def _causal_lm_check(model_dir: str, trainer: str) -> Any:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from memfit.commands.train import _first_line
-
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as err:
-        raise MemfitError(f"the config.json of `{model_dir}` cannot be read ({_first_line(err)}); pass a Hugging "
+        raise MemfitError(f"the config.json of `{model_dir}` cannot be read ({first_line(err)}); pass a Hugging "
                           "Face model directory") from None
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     archs = list(getattr(config, "architectures", None) or [])
@@ -264,42 +268,30 @@ def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict
 
 def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     """Check the flags, the model directory, the --args file, the output dir, the budget, --resume and the data."""
-    from memfit.commands import train as T
-
     if args.model is None or args.data is None:
         raise MemfitError(f"`--trainer {trainer}` needs a model directory and --data (the built-in default is a "
                           "classification run); got " + ("neither" if args.model is None and args.data is None else
                                                           "no --data" if args.data is None else "no model"))
-    for flag in ("batch_size", "eval_batch_size", "grad_accum", "max_length", "max_steps", "max_recoveries"):
-        value = getattr(args, flag)
-        if value is not None and (value <= 0 if flag != "max_recoveries" else value < 0):
-            raise MemfitError(f"`--{flag.replace('_', '-')}` must be a positive integer; got `{value}`")
-    T._check_model_dir(args.model, args.model)
+    check_counts(args, ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                        "max_length", "max_steps", "max_recoveries"))
+    check_model_dir(args.model, args.model)
     model_dir = args.model
     config = _causal_lm_check(model_dir, trainer)
-    kwargs, notes = T._training_kwargs(args, False, trainer=trainer)
-    if args.eval_batch_size is None and "per_device_eval_batch_size" not in kwargs:
+    kwargs, notes = training_kwargs(args, False, trainer=trainer)
+    if args.per_device_eval_batch_size is None and "per_device_eval_batch_size" not in kwargs:
         kwargs["per_device_eval_batch_size"] = kwargs["per_device_train_batch_size"]
     output_dir = kwargs.pop("output_dir", None) or "memfit-train-out"
     use_cpu = kwargs.pop("use_cpu", None)
     if use_cpu is not None and not isinstance(use_cpu, bool):
         raise MemfitError(f"`use_cpu` in `{args.args_file}` must be true or false; got `{use_cpu!r}`")
-    T._check_output_dir(output_dir, model_dir)
-    budget_bytes = None
-    if args.budget:
-        from memfit.fitting.preflight import check_budget
-
-        if str(args.budget).strip() in ("0", "0.0"):
-            raise MemfitError(f"memory budget `{args.budget}` is zero; give a size such as `800MiB`")
-        budget_bytes = check_budget(args.budget)
-    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
-        raise MemfitError(f"--resume `{args.resume}` is not a folder; pass a checkpoint-N folder of an earlier run, "
-                          "or --resume alone for the last one in --output-dir")
+    check_output_dir(output_dir, model_dir)
+    budget_bytes = read_budget(args.budget)
+    check_resume(args.resume)
     positions = getattr(config, "max_position_embeddings", None)
-    if "max_length" not in kwargs and isinstance(positions, int) and positions < _TRL_DEFAULT_MAX_LENGTH:
+    if "max_length" not in kwargs and isinstance(positions, int) and positions < TRL_DEFAULT_MAX_LENGTH:
         kwargs["max_length"] = positions
         notes.append(f"max_length {positions}: the model's positions (max_position_embeddings), below TRL's default "
-                     f"{_TRL_DEFAULT_MAX_LENGTH}")
+                     f"{TRL_DEFAULT_MAX_LENGTH}")
     targs = trl_config(trainer, output_dir, use_cpu, kwargs)  # every setting checked before the data is read
     from memfit.train_setup import TrainSetup
 
@@ -346,12 +338,10 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
 def _tokenizer(inputs: TrlInputs) -> Any:
     from transformers import AutoTokenizer
 
-    from memfit.commands.train import _first_line
-
     try:
         tok = AutoTokenizer.from_pretrained(inputs.model_dir)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` cannot be loaded ({_first_line(err)}); the model "
+        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` cannot be loaded ({first_line(err)}); the model "
                           "directory needs its tokenizer files (tokenizer.json, tokenizer_config.json)") from None
     if inputs.data.conversational and not getattr(tok, "chat_template", None):
         raise MemfitError(f"the tokenizer of `{inputs.model_dir}` has no chat template, which the chat messages of "
@@ -373,8 +363,7 @@ def _peft_config(args: argparse.Namespace) -> Any:
     from memfit.train_setup import TrainSetup
 
     defaults = TrainSetup()  # memfit's LoRA defaults, as `memfit estimate --lora-r` simulates them
-    targets = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()] if args.lora_target_modules \
-        else "all-linear"
+    targets = split_list(args.lora_target_modules or "") or "all-linear"
     return LoraConfig(r=args.lora_r, lora_alpha=defaults.lora_alpha, lora_dropout=defaults.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM")
 
@@ -388,8 +377,7 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
     from transformers.trainer_callback import PrinterCallback
     from transformers.utils import logging as hf_logging
 
-    from memfit.commands.train import _first_line, _Run
-    from memfit.fitting.preflight import check_budget_covers_model
+    from memfit.fitting.preflight_check import check_budget_covers_model
 
     try:
         import trl
@@ -408,14 +396,14 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
     try:
         model = AutoModelForCausalLM.from_pretrained(inputs.model_dir)
     except (OSError, ValueError) as err:
-        raise MemfitError(f"the model in `{inputs.model_dir}` cannot be loaded as a causal LM ({_first_line(err)})") \
+        raise MemfitError(f"the model in `{inputs.model_dir}` cannot be loaded as a causal LM ({first_line(err)})") \
             from None
     check_budget_covers_model(model, inputs.budget_bytes)
     try:
         train_ds = Dataset.from_list(inputs.data.rows)
         eval_ds = Dataset.from_list(inputs.eval_rows) if inputs.eval_rows else None
     except Exception as err:  # noqa: BLE001 - pyarrow's type errors: mixed types in a column
-        raise MemfitError(f"the examples of `{inputs.data.path}` cannot be made a dataset ({_first_line(err)}); give "
+        raise MemfitError(f"the examples of `{inputs.data.path}` cannot be made a dataset ({first_line(err)}); give "
                           "each column one type in every example") from None
     cls = trl.SFTTrainer if inputs.trainer == "sft" else trl.DPOTrainer
     try:
@@ -424,12 +412,12 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
             trainer = cls(model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=_peft_config(args))
     except (ValueError, KeyError, TypeError) as err:  # TRL's own checks (a template without generation markers, ...)
-        raise MemfitError(f"{cls.__name__} rejected the setup: {_first_line(err)}") from None
+        raise MemfitError(f"{cls.__name__} rejected the setup: {first_line(err)}") from None
     trainer.remove_callback(PrinterCallback)
     from memfit.fitting.resume import resolve_checkpoint
 
     resolve_checkpoint(trainer, args.resume)
-    return _Run(trainer, tokenizer, targs)
+    return Run(trainer, tokenizer, targs)
 
 
 def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: Any) -> Any:
@@ -453,22 +441,18 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
     for note in inputs.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     pre = mf.preflight(trainer, gpu=args.gpu, budget_bytes=inputs.budget_bytes)
-    from memfit.commands.train import print_preflight
-
     print_preflight(console, pre, no_plan=args.no_plan)
     return pre
 
 
 def train_trl_command(args: argparse.Namespace, trainer: str, console: Any) -> int:
     """`memfit train --trainer sft|dpo`: check every input, build TRL's trainer, preflight, `memfit.fit`, report."""
-    from memfit.commands import train as T
-
     inputs = read_trl_inputs(args, trainer)
     run = build_trl_trainer(args, inputs)
     pre = _preflight(console, args, inputs, run)
-    T._set_aside_earlier_results(console, inputs)
+    set_aside_earlier_results(console, inputs)
     import warnings
 
     with warnings.catch_warnings():  # transformers 5.24 renames gradient checkpointing; TRL calls the old names
         warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-        return T._fit(console, args, inputs, run, pre)
+        return fit_and_report(console, args, inputs, run, pre)

@@ -102,8 +102,11 @@ class ParallelSetup:
     """How a run is spread over GPUs. `world_size` ranks over `nodes` nodes, one GPU per rank."""
 
     world_size: int = 1
+    """Ranks in all, one GPU each."""
     nodes: int = 1
-    strategy: str = "ddp"
+    """Nodes the ranks are spread over, the same number of GPUs on each."""
+    strategy: str = field(default="ddp", metadata={"choices": STRATEGIES})
+    """ddp (DistributedDataParallel), fsdp (FSDP2 `fully_shard`), or DeepSpeed ZeRO stage 1, 2 or 3."""
     # DDP
     bucket_cap_mb: float | None = None
     """DDP `bucket_cap_mb` (TrainingArguments `ddp_bucket_cap_mb`); None: DDP's default of 25 MiB with a first
