@@ -61,6 +61,10 @@ class OomPrediction:
     state, memfit.allocator.bounded); None in the setup or the evaluation."""
 
 
+#: MemoryReport fields kept out of `to_json` (and the cache): the trace and what replays it.
+_NOT_IN_JSON = frozenset({"trace", "replay_conf"})
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Peak memory of one fine-tuning setup. All sizes in bytes."""
@@ -139,6 +143,9 @@ class MemoryReport:
     """Strategy, world size, nodes, the rank's buffers, host memory for offload (per rank and per node),
     NCCL bytes outside PyTorch and what nvidia-smi shows per GPU (memfit.parallel)."""
     trace: list[TraceEvent] = field(repr=False, compare=False, default_factory=list)
+    replay_conf: AllocConf | None = field(default=None, repr=False, compare=False)
+    """The allocator settings of the replay the reserved figures come from (the views in memfit.report replay
+    `trace` with them); None, as `trace` is empty, in a report read from the cache. Not in the JSON."""
 
     def __repr__(self) -> str:
         from memfit.units import format_bytes
@@ -152,7 +159,7 @@ class MemoryReport:
     def from_json(cls, data: dict[str, Any]) -> "MemoryReport":
         """The report `to_json` wrote (the cache's entries), without the trace. `steady_state.oom` (the
         OOM event, not in the JSON) is None; `steady_state.oom_step` says which step runs out."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"trace"}
+        names = {f.name for f in dataclasses.fields(cls)} - _NOT_IN_JSON
         kwargs = {k: v for k, v in data.items() if k in names}
         if kwargs.get("oom") is not None:
             kwargs["oom"] = OomPrediction(**kwargs["oom"])
@@ -173,12 +180,39 @@ class MemoryReport:
 
     def to_json(self) -> dict[str, Any]:
         """The stable `--json` schema (documented in README.md, "JSON output")."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "trace"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_IN_JSON}
         out["oom"] = None if self.oom is None else dataclasses.asdict(self.oom)
         out["steady_state"] = None if self.steady_state is None else self.steady_state.to_json()
         out["headroom_bytes"] = self.headroom_bytes
         out["schema"] = "memfit.estimate/1"
         return out
+
+    # -- views (memfit.report; matplotlib for `plot`, pandas for `timeline(as_frame=True)`) --
+    def timeline(self, *, as_frame: bool = False, max_samples: int | None = None) -> Any:
+        """The memory timeline of the simulated run: a list of memfit.report.timeline.Sample (allocated by
+        category, reserved, the largest live storages), or a pandas DataFrame with `as_frame=True`."""
+        from memfit.report import report_timeline, timeline_frame
+
+        tl = report_timeline(self, max_samples=max_samples)
+        return timeline_frame(tl) if as_frame else tl.samples
+
+    def to_html(self, path: Any) -> str:
+        """Write the interactive report (one self-contained HTML file, no network access); returns the path."""
+        from memfit.report import write_views
+
+        return write_views(self, html_path=path)[0]
+
+    def plot(self, path: Any) -> str:
+        """Write the timeline as a stacked area chart, PNG or SVG by the extension (needs matplotlib)."""
+        from memfit.report import write_views
+
+        return write_views(self, plot_path=path)[0]
+
+    def _repr_html_(self) -> str:
+        """The interactive report inline in a notebook (a summary when the report has no trace)."""
+        from memfit.report.html import notebook_html
+
+        return notebook_html(self)
 
 
 def _setup_json(setup: TrainSetup) -> dict[str, Any]:
@@ -401,7 +435,7 @@ def estimate(
         alloc_conf=_conf_text(conf), notes=notes, setup=_setup_json(setup),
         elapsed_s=round(time.perf_counter() - started, 3), capacity_bytes=capacity, required_bytes=required,
         shortfall_bytes=shortfall, uncapped_peak_reserved_bytes=bounded.uncapped.peak_reserved_bytes,
-        steady_state=bounded.steady, trace=trace,
+        steady_state=bounded.steady, trace=trace, replay_conf=conf,
         reserved_at_peak_allocated_bytes=alloc.reserved_at_peak_allocated_bytes,
         quantization=quantization, paged_bytes=sim.paged_bytes,
         attn_implementation=sim.attn_implementation, emulated_kernels=list(sim.attn_kernels),

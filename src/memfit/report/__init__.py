@@ -1,0 +1,109 @@
+"""memfit's own views of an estimate: the memory timeline (`timeline`), one self-contained
+interactive HTML file (`html`) and a static stacked area chart (`plot`, matplotlib).
+
+The views only show what `memfit.estimate` computed: the trace it simulated, replayed with the
+allocator settings and capacity of its own replay (memfit.report.timeline). They need the
+report's trace, so an estimate read from memfit's cache (which keeps no trace) cannot be drawn:
+estimate with `cache=False` (the CLI's `--no-cache`).
+
+The CLI's `--html FILE` / `--plot FILE`: `check_view_paths` before the simulation (a bad path
+fails at once), `write_views` after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memfit.errors import MemfitError
+from memfit.report.timeline import DEFAULT_MAX_SAMPLES, DEFAULT_TOP_N, Timeline, timeline
+
+if TYPE_CHECKING:
+    from memfit.estimator import MemoryReport
+
+__all__ = ["report_timeline", "timeline_frame", "check_view_paths", "write_views", "HTML_SUFFIXES", "PLOT_SUFFIXES"]
+
+HTML_SUFFIXES = (".html", ".htm")
+PLOT_SUFFIXES = (".png", ".svg")
+
+
+def report_timeline(report: "MemoryReport", *, max_samples: int | None = None, top_n: int = DEFAULT_TOP_N
+                    ) -> Timeline:
+    """The timeline of `report`: its trace replayed as the estimate replayed it (at `capacity_bytes`, or
+    without a GPU at `required_bytes`)."""
+    if not report.trace:
+        raise MemfitError(f"the report of `{report.model}` has no trace (read from memfit's cache): estimate with "
+                          "cache=False (memfit estimate --no-cache) to draw its timeline")
+    conf = report.replay_conf
+    if conf is None:
+        from memfit.allocator.conf import parse_alloc_conf
+
+        conf = parse_alloc_conf(report.alloc_conf)
+    capacity = report.capacity_bytes if report.capacity_bytes is not None else report.required_bytes
+    return timeline(report.trace, conf=conf, capacity_bytes=capacity,
+                    max_samples=max_samples or DEFAULT_MAX_SAMPLES, top_n=top_n)
+
+
+def timeline_frame(tl: Timeline) -> Any:
+    """The samples as a pandas DataFrame: index, phase, step, allocated_bytes, reserved_bytes and one
+    `<category>_bytes` column per category."""
+    try:
+        import pandas as pd
+    except ImportError as err:
+        raise MemfitError("timeline(as_frame=True) needs pandas, which is not installed; `pip install pandas` "
+                          "or call timeline() for a list of samples") from err
+    rows = [{"index": s.index, "phase": s.phase, "step": s.step, "allocated_bytes": s.allocated_bytes,
+             "reserved_bytes": s.reserved_bytes, **{f"{c}_bytes": s.by_category[c] for c in tl.categories}}
+            for s in tl.samples]
+    return pd.DataFrame(rows)
+
+
+def _check(path: Any, flag: str, suffixes: tuple[str, ...], writes: str) -> Path:
+    p = Path(path)
+    if p.suffix.lower() not in suffixes:
+        raise MemfitError(f"`{path}`: {flag} writes {writes}; give a file name such as `memfit{suffixes[0]}`")
+    if p.is_dir():
+        raise MemfitError(f"`{path}` is a directory; {flag} needs a file name such as `{p}/memfit{suffixes[0]}`")
+    if not p.parent.exists():
+        raise MemfitError(f"the directory of `{path}` does not exist; create `{p.parent}` first ({flag})")
+    return p
+
+
+def check_view_paths(html_path: Any = None, plot_path: Any = None) -> None:
+    """One-line MemfitError unless the views can be written there (call before the simulation)."""
+    if html_path is not None:
+        _check(html_path, "--html", HTML_SUFFIXES, ".html")
+    if plot_path is not None:
+        _check(plot_path, "--plot", PLOT_SUFFIXES, ".png or .svg")
+        from memfit.report.plot import require_matplotlib
+
+        require_matplotlib()
+
+
+def write_views(report: "MemoryReport", html_path: Any = None, plot_path: Any = None) -> list[str]:
+    """Write the HTML report and/or the plot of `report`; the paths written, in that order.
+
+    Raises a one-line MemfitError for a bad path or extension, a report without a trace, or a plot
+    without matplotlib."""
+    check_view_paths(html_path, plot_path)
+    if html_path is None and plot_path is None:
+        return []
+    tl = report_timeline(report)
+    written = []
+    if html_path is not None:
+        from memfit.report.html import render_html
+
+        written.append(_write(Path(html_path), render_html(report, tl).encode("utf-8"), "--html"))
+    if plot_path is not None:
+        from memfit.report.plot import render_plot
+
+        written.append(_write(Path(plot_path), render_plot(report, tl, Path(plot_path).suffix.lower()), "--plot"))
+    return written
+
+
+def _write(path: Path, data: bytes, flag: str) -> str:
+    try:
+        path.write_bytes(data)
+    except OSError as err:
+        raise MemfitError(f"cannot write `{path}` ({err.strerror}); choose a writable path for {flag}") from err
+    return str(path)

@@ -1,0 +1,311 @@
+"""The estimate as one self-contained interactive HTML file.
+
+Works offline and makes no network request of any kind: the data (a JSON script,
+`<script id="memfit-data" type="application/json">`) and the charting code (memfit.report._chart,
+hand-written JavaScript drawing SVG) are inline, the styles too; no font, image or script is
+referenced. The page: the memory timeline (allocated stacked by category, the reserved line, the
+GPU's memory and what PyTorch can use, the phases as bands, the peak and an OOM marked; hovering a
+point lists the largest live storages), then the breakdown at the peak, per-phase peaks, what
+`nvidia-smi` would show, the steady state of a long run, the OOM message and the report's notes.
+
+Stable hooks for tests and tools: `path[data-category=<category>]` (one per category),
+`path[data-series=reserved]`, `line[data-line=gpu-total|pytorch-capacity|required]`,
+`[data-marker=peak]` (its `data-bytes`), `[data-marker=oom]`, `#memfit-tooltip` (rows `tr.tensor`).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import TYPE_CHECKING, Any
+
+from memfit.report._chart import CHART_JS
+from memfit.report.style import PHASE_COLORS, category_color, category_label, phase_label
+from memfit.report.timeline import Timeline
+from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from memfit.estimator import MemoryReport
+
+__all__ = ["render_html", "timeline_data", "notebook_html", "DATA_SCHEMA"]
+
+DATA_SCHEMA = "memfit.report.timeline/1"
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#222;margin:24px auto;max-width:1180px;padding:0 16px}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px}
+.sub{color:#555;margin:0 0 14px}
+.cards{display:flex;flex-wrap:wrap;gap:10px;margin:12px 0}
+.card{border:1px solid #ddd;border-radius:6px;padding:8px 12px;min-width:150px}
+.card b{display:block;font-size:17px}.card span{color:#666;font-size:12px}
+.bad{color:#b00020}.good{color:#1b7f3b}
+#memfit-chart-wrap{position:relative}
+#memfit-chart{width:100%;height:auto;display:block;font-size:11px}
+.grid{stroke:#e3e3e3}.frame{stroke:#888}
+.band-label{fill:#555;font-size:11px}
+.reserved{fill:none;stroke:#111;stroke-width:1.6}
+.hline{stroke-width:1.3;stroke-dasharray:6 4}
+.hline.gpu-total{stroke:#b00020}.hline.pytorch-capacity{stroke:#e07b00}.hline.required{stroke:#6a3d9a}
+.hline-label{fill:#333;font-size:11px}
+.peak{fill:#fff;stroke:#111;stroke-width:2;pointer-events:none}
+.peak-label{font-weight:600;fill:#111}
+.oom{stroke:#b00020;stroke-width:2}.oom-label{fill:#b00020;font-weight:600}
+.cursor{stroke:#333;stroke-dasharray:2 2;pointer-events:none}.cursor-dot{fill:#111;pointer-events:none}
+#memfit-tooltip{position:absolute;display:none;background:#fff;border:1px solid #999;border-radius:4px;
+box-shadow:0 2px 8px rgba(0,0,0,.2);padding:6px 8px;font-size:12px;pointer-events:none;max-width:640px;z-index:2}
+#memfit-tooltip table{border-collapse:collapse;margin-top:4px}
+#memfit-tooltip td,#memfit-tooltip th{padding:1px 6px;text-align:left;white-space:nowrap}
+.tt-head{font-weight:600}
+.legend{display:flex;flex-wrap:wrap;gap:14px;margin:6px 0 0 80px;font-size:13px}
+.legend i{display:inline-block;width:12px;height:12px;margin-right:5px;vertical-align:-1px}
+table.t{border-collapse:collapse;margin:4px 0}
+table.t td,table.t th{border-bottom:1px solid #eee;padding:3px 12px 3px 0;text-align:left}
+.num{text-align:right!important;font-variant-numeric:tabular-nums}
+pre{background:#f7f7f7;border:1px solid #ddd;padding:10px;white-space:pre-wrap}
+ul.notes li{margin:3px 0}
+"""
+
+
+def _json_script(data: Any) -> str:
+    """JSON safe inside a <script> element: `<`, `>` and `&` escaped (they occur only in strings)."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _lines(report: "MemoryReport") -> list[dict[str, Any]]:
+    out = []
+    if report.gpu is not None:
+        out.append({"id": "gpu-total", "label": f"GPU memory ({report.gpu['name']})", "bytes": report.gpu["total_bytes"]})
+        if report.capacity_bytes is not None:
+            out.append({"id": "pytorch-capacity", "label": "what PyTorch can use", "bytes": report.capacity_bytes})
+    if report.required_bytes is not None:
+        out.append({"id": "required", "label": "required (smallest memory PyTorch needs)",
+                    "bytes": report.required_bytes})
+    return out
+
+
+def timeline_data(report: "MemoryReport", tl: Timeline) -> dict[str, Any]:
+    """What the page's script draws (the `memfit-data` JSON)."""
+    tensors: dict[str, dict[str, Any]] = {}
+    samples = []
+    for s in tl.samples:
+        for t in s.top:
+            if str(t.id) not in tensors:
+                tensors[str(t.id)] = {"size_bytes": t.size_bytes, "category": t.category, "module": t.module,
+                                      "phase": t.phase, "shape": None if t.shape is None else list(t.shape),
+                                      "dtype": t.dtype}
+        samples.append({"index": s.index, "phase": s.phase, "step": s.step, "allocated_bytes": s.allocated_bytes,
+                        "reserved_bytes": s.reserved_bytes,
+                        "by_category": {c: b for c, b in s.by_category.items() if b},
+                        "top": [t.id for t in s.top]})
+    oom = None
+    if report.oom is not None or tl.oom_index is not None:
+        o = report.oom
+        oom = {"index": tl.oom_index, "phase": o.phase if o else tl.spans[-1].phase,
+               "step": o.step if o else tl.spans[-1].step, "message": o.message if o else None}
+    parallel = report.parallel or {}
+    return {
+        "schema": DATA_SCHEMA,
+        "model": report.model,
+        "rank": parallel.get("rank", 0),
+        "world_size": parallel.get("world_size", 1),
+        "peak_allocated_bytes": report.peak_allocated_bytes,
+        "peak_reserved_bytes": report.peak_reserved_bytes,
+        "peak_index": tl.peak_index,
+        "num_events": tl.num_events,
+        "replay_capacity_bytes": tl.replay_capacity_bytes,
+        "categories": list(tl.categories),
+        "colors": {c: category_color(c, i) for i, c in enumerate(tl.categories)},
+        "labels": {c: category_label(c) for c in tl.categories},
+        "phase_colors": PHASE_COLORS,
+        "lines": _lines(report),
+        "spans": [{"phase": sp.phase, "step": sp.step, "start": sp.start, "end": sp.end} for sp in tl.spans],
+        "oom": oom,
+        "samples": samples,
+        "tensors": tensors,
+    }
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _card(label: str, value: str, note: str = "", cls: str = "") -> str:
+    c = f' class="{cls}"' if cls else ""
+    return f'<div class="card"><span>{_e(label)}</span><b{c}>{_e(value)}</b><span>{_e(note)}</span></div>'
+
+
+def _summary(report: "MemoryReport") -> str:
+    oom_in_trace = report.oom is not None and report.oom.step in (None, 1, 2)
+    cards = [
+        _card("peak allocated", format_bytes(report.peak_allocated_bytes),
+              f"in {report.peak_phase}" + (", with memory enough to get there" if oom_in_trace else "")),
+        _card("peak reserved", format_bytes(report.peak_reserved_bytes), "caching-allocator model"),
+    ]
+    if report.gpu is not None:
+        cards.append(_card("nvidia-smi would show", format_bytes(report.device_used_bytes),
+                           f"of {format_bytes(report.gpu['total_bytes'])} ({report.gpu['name']})"))
+        fits = "fits" if report.fits else "does not fit"
+        head = report.headroom_bytes
+        note = (f"{format_bytes(head)} spare" if head is not None and head >= 0
+                else f"{format_bytes(report.shortfall_bytes or 0)} short")
+        cards.append(_card("on this GPU", fits, note, "good" if report.fits else "bad"))
+    if report.required_bytes is not None:
+        cards.append(_card("required", format_bytes(report.required_bytes), "smallest memory PyTorch needs"))
+    return '<div class="cards">' + "".join(cards) + "</div>"
+
+
+def _table(head: list[str], rows: list[list[str]], num_cols: set[int] = frozenset({1, 2})) -> str:
+    th = "".join(f'<th{" class=num" if i in num_cols else ""}>{_e(h)}</th>' for i, h in enumerate(head))
+    body = "".join("<tr>" + "".join(f'<td{" class=num" if i in num_cols else ""}>{c}</td>' for i, c in enumerate(r))
+                   + "</tr>" for r in rows)
+    return f'<table class="t"><tr>{th}</tr>{body}</table>'
+
+
+def _breakdown(report: "MemoryReport", tl: Timeline | None) -> str:
+    cats = list(tl.categories) if tl is not None else list(report.breakdown)
+    total = report.peak_allocated_bytes or 1
+    rows = []
+    for i, (cat, b) in enumerate(report.breakdown.items()):
+        if not b:
+            continue
+        pos = cats.index(cat) if cat in cats else i
+        sw = f'<i style="display:inline-block;width:10px;height:10px;background:{category_color(cat, pos)}"></i> '
+        rows.append([sw + _e(category_label(cat)), _e(format_bytes(b)), f"{100 * b / total:.1f}%"])
+    rows.append(["<b>total</b>", f"<b>{_e(format_bytes(report.peak_allocated_bytes))}</b>", ""])
+    return (f"<h2>At the peak ({_e(report.peak_phase)})</h2>" + _table(["category", "bytes", "share"], rows))
+
+
+def _phases(report: "MemoryReport") -> str:
+    rows = []
+    for phase, b in report.phases.items():
+        res = report.reserved_by_phase.get(phase)
+        rows.append([_e(phase), _e(format_bytes(b)), "not reached" if res is None else _e(format_bytes(res))])
+    return "<h2>Peak per phase</h2>" + _table(["phase", "allocated", "reserved"], rows)
+
+
+def _device(report: "MemoryReport") -> str:
+    rows = [
+        ["reserved by PyTorch's allocator at its peak", _e(format_bytes(report.peak_reserved_bytes))],
+        ["outside PyTorch (CUDA context, kernels, libraries)", _e(format_bytes(report.non_pytorch_bytes))],
+        ["<b>what nvidia-smi would show</b>", f"<b>{_e(format_bytes(report.device_used_bytes))}</b>"],
+        ["reserved at the allocated peak", _e(format_bytes(report.reserved_at_peak_allocated_bytes))],
+        ["fragmentation at the reserved peak", _e(format_bytes(report.fragmentation_at_peak_bytes))],
+    ]
+    if report.paged_bytes:
+        rows.append(["paged optimizer state (CUDA managed memory, in no figure above)",
+                     _e(format_bytes(report.paged_bytes))])
+    if report.parallel:
+        p = report.parallel
+        for key, label in (("nvidia_smi_per_gpu_bytes", "nvidia-smi per GPU"), ("nccl_bytes", "NCCL buffers"),
+                           ("host_bytes_per_rank", "host memory per rank"),
+                           ("host_bytes_per_node", "host memory per node")):
+            if isinstance(p.get(key), int):
+                rows.append([_e(label), _e(format_bytes(p[key]))])
+    out = "<h2>What nvidia-smi would show</h2>" + _table(["", "bytes"], rows, {1})
+    st = report.steady_state
+    if st is not None and st.step_reserved_bytes:
+        steps = ", ".join(format_bytes(b) for b in st.step_reserved_bytes)
+        settled = (f"settles from step {st.settled_after_steps}" if st.settled_after_steps is not None
+                   else "still changing" if st.oom_step is None else f"runs out of memory in step {st.oom_step}")
+        out += (f"<h2>A long run</h2><p>peak reserved over {st.steps_replayed} optimizer steps: "
+                f"<b>{_e(format_bytes(st.reserved_bytes))}</b> ({_e(settled)}); per step: {_e(steps)}</p>")
+    return out
+
+
+def _oom(report: "MemoryReport", tl: Timeline | None) -> str:
+    o = report.oom
+    if o is None:
+        return ""
+    where = f"{o.phase}" + (f" of optimizer step {o.step}" if o.step is not None else "")
+    if tl is not None and tl.oom_index is None:
+        where += " (a later repetition of the simulated step: past the end of this timeline)"
+    elif tl is not None:
+        where += f" (trace event {tl.oom_index}, marked on the timeline)"
+    return (f'<h2 class="bad">Out of memory</h2><p>The run runs out of memory in the {_e(where)}, allocating '
+            f"{_e(format_bytes(o.tried_to_allocate_bytes))} of {_e(o.category)} with "
+            f"{_e(format_bytes(o.allocated_bytes))} allocated and {_e(format_bytes(o.reserved_bytes))} reserved. "
+            f'PyTorch would print:</p><pre id="memfit-oom-message">{_e(o.message)}</pre>')
+
+
+def _notes(report: "MemoryReport", tl: Timeline | None) -> str:
+    notes = list(report.notes)
+    if tl is not None and all(t.shape is None for s in tl.samples for t in s.top):
+        notes.append("the trace records storages (bytes, category, module, phase), not tensors: shape and dtype "
+                     "are not known")
+    if not notes:
+        return ""
+    return "<h2>Notes</h2><ul class=notes>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"
+
+
+def _title(report: "MemoryReport") -> str:
+    return f"memfit estimate: {report.model}"
+
+
+def _subtitle(report: "MemoryReport") -> str:
+    setup = report.setup
+    bits = [report.task, f"batch {setup.get('per_device_train_batch_size')}", f"length {setup.get('sequence_length')}",
+            setup.get("precision") or "", f"{report.trainable_params:,} of {report.params:,} parameters trained"]
+    if report.gpu is not None:
+        bits.append(report.gpu["name"])
+    else:
+        bits.append("no GPU given")
+    if report.parallel:
+        bits.append(f"{report.parallel.get('strategy')} over {report.parallel.get('world_size')} GPUs")
+    return " \u00b7 ".join(str(b) for b in bits if b)
+
+
+def _chart_intro(report: "MemoryReport", tl: Timeline) -> str:
+    parts = ["Allocated memory stacked by category, reserved memory (black line) as the caching-allocator model "
+             "replays the run"]
+    if report.gpu is None:
+        parts.append(", on a GPU that leaves exactly the required memory to PyTorch (no GPU given)")
+    else:
+        parts.append(f", on the {report.gpu['name']}")
+    parts.append(". Hover to see the largest live storages.")
+    if report.parallel:
+        parts.append(f" Rank 0 of {report.parallel.get('world_size')}: the report holds rank 0's trace only "
+                     f"(ranks differ: {report.parallel.get('ranks_differ', 'unknown')}).")
+    return "<p class=sub>" + _e("".join(parts)) + "</p>"
+
+
+def _legend(tl: Timeline) -> str:
+    items = "".join(f'<span data-legend-category="{_e(c)}"><i style="background:{category_color(c, i)}"></i>'
+                    f"{_e(category_label(c))}</span>" for i, c in enumerate(tl.categories))
+    items += '<span><i style="background:#111;height:2px;vertical-align:3px"></i>reserved</span>'
+    return f'<div class="legend">{items}</div>'
+
+
+def _body(report: "MemoryReport", tl: Timeline) -> str:
+    return (f"<h1>{_e(_title(report))}</h1><p class=sub>{_e(_subtitle(report))}</p>{_summary(report)}"
+            f"<h2>Memory over the simulated steps</h2>{_chart_intro(report, tl)}"
+            '<div id="memfit-chart-wrap"><svg id="memfit-chart" role="img" aria-label="memory timeline"></svg>'
+            '<div id="memfit-tooltip"></div></div>'
+            f'{_legend(tl)}<p id="memfit-off-scale" class=sub></p>'
+            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}"
+            f"{_notes(report, tl)}"
+            f'<script id="memfit-data" type="application/json">{_json_script(timeline_data(report, tl))}</script>'
+            f"<script>{CHART_JS}</script>")
+
+
+def render_html(report: "MemoryReport", tl: Timeline) -> str:
+    """The whole page for `report` and its timeline `tl` (memfit.report.report_timeline)."""
+    return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+            '<meta name=viewport content="width=device-width,initial-scale=1">'
+            f"<title>{_e(_title(report))}</title><style>{_CSS}</style></head>"
+            f"<body>{_body(report, tl)}</body></html>\n")
+
+
+def notebook_html(report: "MemoryReport") -> str:
+    """The report in a notebook cell: the page in an isolated frame (its ids and script stay its own), or
+    the tables alone when the report has no trace (read from memfit's cache)."""
+    if not report.trace:
+        return (f"<div><b>{_e(_title(report))}</b><p>{_e(_subtitle(report))}</p>{_summary(report)}"
+                f"{_oom(report, None)}{_breakdown(report, None)}{_phases(report)}{_device(report)}"
+                f"{_notes(report, None)}<p><i>no trace (read from memfit's cache): estimate with cache=False to see "
+                "the timeline</i></p></div>")
+    from memfit.report import report_timeline
+
+    page = render_html(report, report_timeline(report))
+    return (f'<iframe srcdoc="{_e(page)}" style="width:100%;height:1100px;border:1px solid #ddd" '
+            'sandbox="allow-scripts"></iframe>')

@@ -1,0 +1,260 @@
+"""The memory timeline of an estimate: what was live, by category, and what the allocator reserved,
+at sampled moments of the simulated run.
+
+A view of what `memfit.estimate` computed, not a new model: allocated bytes are the trace's live
+storages counted as `memfit.peaks` counts them (each rounded to 512, `inputs` with activations), so
+the timeline's highest point is `MemoryReport.peak_allocated_bytes`; reserved bytes come from the
+caching-allocator model (`memfit.allocator.caching.AllocatorModel`) replaying the same trace with
+the settings and capacity of the estimate's own replay (the GPU's memory left to PyTorch, or
+without a GPU `required_bytes`), so their highest point is `peak_reserved_bytes` and a run that
+runs out of memory stops where the estimate says it does.
+
+The x axis is the event index of the trace (one allocation or free per event, in program order).
+Runs of more events than `max_samples` are downsampled: each bucket of events keeps its highest
+and lowest allocated moment and its highest reserved one, and the peak and the OOM are always
+kept. The largest live storages are kept at the sample points only (`top_n` each).
+
+Known limitation: the trace records storages (bytes, category, module, phase), not tensors, so
+shape and dtype are None unless the trace's events carry them (`shape`, `dtype` attributes).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memfit.allocator.caching import AllocatorModel, Block, Driver
+from memfit.allocator.conf import AllocConf
+from memfit.errors import MemfitError
+from memfit.peaks import _FOLD, BREAKDOWN_KEYS, rounded
+from memfit.trace import TraceEvent
+
+__all__ = ["LiveTensor", "Sample", "PhaseSpan", "Timeline", "timeline", "DEFAULT_MAX_SAMPLES", "DEFAULT_TOP_N"]
+
+#: Samples kept at most (a few thousand: the HTML view stays well under a few MB).
+DEFAULT_MAX_SAMPLES = 3000
+#: Largest live storages kept at each sample (what hovering a point lists).
+DEFAULT_TOP_N = 8
+#: Stacking order of the categories (bottom first): the report's breakdown keys, then what the
+#: estimator adds (the cuBLAS workspaces); any other category follows in order of appearance.
+CATEGORY_ORDER = BREAKDOWN_KEYS + ("workspaces",)
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """One live storage of the trace."""
+
+    id: int  #: storage id in the trace
+    size_bytes: int  #: as `memory_allocated()` counts it (rounded to 512)
+    category: str
+    module: str  #: module path active when it was allocated
+    phase: str  #: phase in which it was allocated
+    shape: tuple[int, ...] | None = None  #: None: the trace records storages, not tensors
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The state after trace event `index`."""
+
+    index: int
+    phase: str
+    step: int | None  #: optimizer step (1, 2, ...) of a training phase; None in the setup and the evaluation
+    allocated_bytes: int
+    reserved_bytes: int
+    by_category: dict[str, int]  #: every category of the timeline, 0 where none is live
+    top: tuple[LiveTensor, ...]  #: the largest live storages, largest first
+
+
+@dataclass(frozen=True)
+class PhaseSpan:
+    """A run of consecutive events of one phase: trace events `start` to `end` (inclusive)."""
+
+    phase: str
+    step: int | None
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Timeline:
+    samples: list[Sample]
+    spans: list[PhaseSpan]
+    categories: tuple[str, ...]  #: categories allocated anywhere in the trace, in stacking order
+    num_events: int  #: events replayed (up to and including the failing request when the run runs out of memory)
+    peak_index: int  #: event of the allocated peak (memfit.peaks: the first moment it is reached)
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    replay_capacity_bytes: int | None  #: memory available to PyTorch in the replay the reserved line comes from
+    oom_index: int | None
+    """Event whose request runs out of memory: the replay stops there, and the last sample is that moment
+    (the request not granted); None when the run completes."""
+
+
+_TRAIN = ("forward", "backward", "optimizer")
+
+
+def _spans(trace: Sequence[TraceEvent], n: int) -> list[PhaseSpan]:
+    """Consecutive runs of one phase; training phases numbered by the optimizer step they belong to
+    (a step ends with its run of `optimizer` events, as memfit.sim.engine writes them)."""
+    out: list[PhaseSpan] = []
+    step = 1
+    for i in range(n):
+        ph = trace[i].phase
+        if out and out[-1].phase == ph:
+            continue
+        if out:
+            prev = out[-1]
+            out[-1] = PhaseSpan(prev.phase, prev.step, prev.start, i - 1)
+            if prev.phase == "optimizer":
+                step += 1
+        out.append(PhaseSpan(ph, step if ph in _TRAIN else None, i, i))
+    if out:
+        last = out[-1]
+        out[-1] = PhaseSpan(last.phase, last.step, last.start, n - 1)
+    return out
+
+
+def _replay(trace: Sequence[TraceEvent], conf: AllocConf, capacity_bytes: int | None
+            ) -> tuple[list[int], list[int], int | None]:
+    """Allocated (as memfit.peaks counts it) and reserved (the allocator model) after each event,
+    as `memfit.allocator.caching.replay` replays the trace, up to and including the failing request, if
+    any (its index is the third value; at it, the state when the request fails)."""
+    m = AllocatorModel(conf, Driver(capacity_bytes))
+    blocks: dict[int, Block] = {}
+    sizes: dict[int, int] = {}
+    total = 0
+    allocated: list[int] = []
+    reserved: list[int] = []
+    for i, ev in enumerate(trace):
+        if ev.action == "alloc":
+            if ev.size_bytes > 0:  # CUDACachingAllocator::allocate skips malloc for 0 bytes
+                block, _ = m.malloc(ev.size_bytes)
+                if block is None:  # the moment of the OOM: the request not granted, the cache after free-and-retry
+                    allocated.append(total)
+                    reserved.append(m.reserved)
+                    return allocated, reserved, i
+                blocks[ev.id] = block
+            size = rounded(ev.size_bytes)
+            sizes[ev.id] = size
+            total += size
+        elif ev.action == "free":
+            b = blocks.pop(ev.id, None)
+            if b is not None:
+                m.free(b)
+            total -= sizes.pop(ev.id, 0)
+        elif ev.action == "empty_cache":
+            m.release_cached_blocks()
+        else:
+            raise MemfitError(f"trace action `{ev.action}` is unknown; use `alloc`, `free` or `empty_cache`")
+        allocated.append(total)
+        reserved.append(m.reserved)
+    return allocated, reserved, None
+
+
+def _argmax(values: list[int], lo: int, hi: int) -> int:
+    best = lo
+    for i in range(lo + 1, hi):
+        if values[i] > values[best]:
+            best = i
+    return best
+
+
+def _argmin(values: list[int], lo: int, hi: int) -> int:
+    best = lo
+    for i in range(lo + 1, hi):
+        if values[i] < values[best]:
+            best = i
+    return best
+
+
+def _sample_points(allocated: list[int], reserved: list[int], max_samples: int, keep: Sequence[int]) -> list[int]:
+    n = len(allocated)
+    if n <= max_samples:
+        return list(range(n))
+    buckets = max(1, (max_samples - len(keep) - 2) // 3)
+    points = {0, n - 1, *keep}
+    for b in range(buckets):
+        lo, hi = b * n // buckets, (b + 1) * n // buckets
+        if hi > lo:
+            points.update((_argmax(allocated, lo, hi), _argmin(allocated, lo, hi), _argmax(reserved, lo, hi)))
+    return sorted(points)
+
+
+def _category(ev: TraceEvent) -> str:
+    return _FOLD.get(ev.category, ev.category)
+
+
+def _live_tensor(ev: TraceEvent) -> LiveTensor:
+    shape = getattr(ev, "shape", None)
+    return LiveTensor(ev.id, rounded(ev.size_bytes), _category(ev), ev.module, ev.phase,
+                      None if shape is None else tuple(shape), getattr(ev, "dtype", None))
+
+
+def timeline(
+    trace: Sequence[TraceEvent],
+    *,
+    conf: AllocConf = AllocConf(),
+    capacity_bytes: int | None = None,
+    max_samples: int = DEFAULT_MAX_SAMPLES,
+    top_n: int = DEFAULT_TOP_N,
+) -> Timeline:
+    """The timeline of `trace` (`MemoryReport.trace`), reserved memory replayed at `capacity_bytes`.
+
+    Args:
+        trace: the estimate's trace.
+        conf: the allocator settings of the estimate's replay.
+        capacity_bytes: memory available to PyTorch in that replay (None: unlimited).
+        max_samples: samples kept at most (at least 16).
+        top_n: largest live storages kept at each sample.
+    """
+    if max_samples < 16:
+        raise MemfitError(f"max_samples `{max_samples}` is too few to draw a timeline; give at least 16")
+    allocated, reserved, oom_index = _replay(trace, conf, capacity_bytes)
+    n = len(allocated)
+    if n == 0:
+        raise MemfitError("the trace is empty: nothing to draw")
+    peak_index = _argmax(allocated, 0, n)
+    peak_reserved_index = _argmax(reserved, 0, n)
+    keep = (peak_index, peak_reserved_index) + (() if oom_index is None else (oom_index,))
+    points = _sample_points(allocated, reserved, max_samples, keep)
+    spans = _spans(trace, n)
+
+    seen: dict[str, None] = {}
+    for ev in trace[:n]:
+        if ev.action == "alloc":
+            seen.setdefault(_category(ev), None)
+    categories = tuple(c for c in CATEGORY_ORDER if c in seen) + tuple(c for c in seen if c not in CATEGORY_ORDER)
+
+    by_cat = dict.fromkeys(categories, 0)
+    live: dict[int, LiveTensor] = {}
+    order: list[tuple[int, int]] = []  # (size, -id) of the live storages, ascending: the largest at the end
+    span_at = 0
+    samples: list[Sample] = []
+    want = iter(points)
+    next_point = next(want, None)
+    for i in range(n):
+        ev = trace[i]
+        if i == oom_index:
+            pass  # the failing request: never allocated
+        elif ev.action == "alloc":
+            t = _live_tensor(ev)
+            live[ev.id] = t
+            by_cat[t.category] += t.size_bytes
+            bisect.insort(order, (t.size_bytes, -t.id))
+        elif ev.action == "free":
+            t = live.pop(ev.id, None)
+            if t is not None:
+                by_cat[t.category] -= t.size_bytes
+                del order[bisect.bisect_left(order, (t.size_bytes, -t.id))]
+        if i != next_point:
+            continue
+        while spans[span_at].end < i:
+            span_at += 1
+        top = tuple(live[-key[1]] for key in order[-1:-top_n - 1:-1]) if top_n > 0 else ()
+        samples.append(Sample(i, spans[span_at].phase, spans[span_at].step, allocated[i], reserved[i],
+                              dict(by_cat), top))
+        next_point = next(want, None)
+    return Timeline(samples, spans, categories, n, peak_index,
+                    allocated[peak_index], reserved[peak_reserved_index], capacity_bytes, oom_index)
