@@ -100,7 +100,8 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
   // the GPU's lines, labelled at the end away from the peak
   var labelRight = X(peak.index) < M.l + PW * 0.5;
   var offScale = document.getElementById("memfit-off-scale");
-  D.lines.forEach(function (ln) {
+  var lastLabelY = -1e9;
+  D.lines.slice().sort(function (a, b) { return b.bytes - a.bytes; }).forEach(function (ln) {
     if (ln.bytes > ymax) {  // off the scale: named under the chart
       var p = document.createElement("span");
       p.setAttribute("data-line", ln.id);
@@ -111,7 +112,9 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
     }
     var yy = Y(ln.bytes);
     el("line", {x1: M.l, x2: W - M.r, y1: yy, y2: yy, "class": "hline " + ln.id, "data-line": ln.id, "data-bytes": ln.bytes});
-    text(ln.label + ": " + fmt(ln.bytes), {x: labelRight ? W - M.r - 4 : M.l + 4, y: yy - 5,
+    var ly = yy - 5 - lastLabelY < 13 ? yy + 13 : yy - 5;  // below its line when the one above is close
+    lastLabelY = ly;
+    text(ln.label + ": " + fmt(ln.bytes), {x: labelRight ? W - M.r - 4 : M.l + 4, y: ly,
                                            "text-anchor": labelRight ? "end" : "start", "class": "hline-label"});
   });
 
@@ -134,10 +137,17 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
   var dot = el("circle", {cx: 0, cy: 0, r: 4, "class": "cursor-dot", visibility: "hidden"});
   var overlay = el("rect", {x: M.l, y: M.t, width: PW, height: PH, fill: "transparent", "data-role": "hover"});
 
+  // the sample under the mouse: of those within SNAP_PX of it, the highest (several samples share a
+  // pixel when the run is long, and the one to show there is its highest, the peak among them)
+  var SNAP_PX = 1.5;
   function nearest(idx) {
     var lo = 0, hi = S.length - 1;
     while (hi - lo > 1) { var mid = (lo + hi) >> 1; if (S[mid].index <= idx) lo = mid; else hi = mid; }
-    return Math.abs(S[lo].index - idx) <= Math.abs(S[hi].index - idx) ? lo : hi;
+    var k = Math.abs(S[lo].index - idx) <= Math.abs(S[hi].index - idx) ? lo : hi;
+    var x = X(idx), best = k;
+    for (var j = k - 1; j >= 0 && x - X(S[j].index) <= SNAP_PX; j--) { if (S[j].allocated_bytes > S[best].allocated_bytes) best = j; }
+    for (var j2 = k + 1; j2 < S.length && X(S[j2].index) - x <= SNAP_PX; j2++) { if (S[j2].allocated_bytes > S[best].allocated_bytes) best = j2; }
+    return best;
   }
   function cell(row, str, cls) { var td = document.createElement("td"); td.textContent = str; if (cls) td.className = cls; row.appendChild(td); return td; }
   function show(k, evt) {
@@ -148,6 +158,7 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
     dot.setAttribute("visibility", "visible");
     tip.textContent = "";
     tip.setAttribute("data-index", s.index);
+    tip.setAttribute("data-allocated-bytes", s.allocated_bytes);
     var head = document.createElement("div");
     head.className = "tt-head";
     head.textContent = "event " + s.index + " \u00b7 " + phaseLabel(s.phase, s.step);

@@ -70,10 +70,13 @@ def render_plot(report: "MemoryReport", tl: Timeline, suffix: str = ".png") -> b
     ax.stackplot(x, ys, labels=[category_label(c) for c in tl.categories],
                  colors=[category_color(c, i) for i, c in enumerate(tl.categories)], alpha=0.88, zorder=2)
     ax.plot(x, [s.reserved_bytes / unit for s in tl.samples], color="#111", lw=1.3, label="reserved", zorder=3)
-    for b, label, color in shown:
+    last = None
+    for b, label, color in sorted(shown, reverse=True):
         ax.axhline(b / unit, color=color, ls="--", lw=1.1, zorder=3)
-        ax.text(tl.num_events, b / unit, f"{label}: {format_bytes(b)} ", ha="right", va="bottom", fontsize=8,
-                color=color)
+        below = last is not None and last - b < 0.035 * top  # the label above is close: this one under its line
+        ax.text(tl.num_events, b / unit, f"{label}: {format_bytes(b)} ", ha="right", va="top" if below else "bottom",
+                fontsize=8, color=color)
+        last = b
     peak = max(tl.samples, key=lambda s: s.allocated_bytes)
     ax.plot([peak.index], [peak.allocated_bytes / unit], "o", ms=6, mfc="white", mec="#111", zorder=4)
     right = peak.index > 0.7 * tl.num_events
