@@ -123,13 +123,13 @@ def test_bitsandbytes_source_still_has_the_rules_memfit_emulates():
 
 
 # -- the simulation -------------------------------------------------------------------------------------------------
-def _sim(**kw):
+def _sim(gpu=None, **kw):
     from memfit.sim.engine import simulate
 
     fields = dict(model=_tiny_config(), task="causal-lm", per_device_train_batch_size=1, max_length=2048,
                   precision="bf16", lora_r=8)
     fields.update(kw)
-    return simulate(TrainSetup(**fields))
+    return simulate(TrainSetup(**fields), gpu=gpu)
 
 
 def _op_allocs(sim, op, phase):
@@ -327,8 +327,10 @@ def test_gemm_4bit_kernel_choice_is_bitsandbytes_own_heuristic():
 
 @pytest.mark.slow
 def test_fused_4bit_gemm_allocates_only_its_output():
+    from memfit.gpus.catalog import resolve_gpu
+
     fused = _sim(load_in_4bit=True, bnb_4bit_compute_dtype="bf16", kbit_prep=False, max_length=16,
-                 gpu_sm_count=128, compute_capability=(8, 9))
+                 gpu=resolve_gpu("RTX-4090"))  # 128 SMs, compute capability 8.9
     assert fused.quantization["gemm_4bit_paths"] == ["fused"]
     shapes = [(128, 128), (64, 128), (64, 128), (128, 128), (384, 128), (384, 128), (128, 384)]
     assert _op_allocs(fused, "gemm_4bit", "forward") == [2 * 16 * n for n, _ in shapes] * 2 * 2  # outputs only

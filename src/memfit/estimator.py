@@ -308,9 +308,8 @@ def estimate(
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise MemfitError(f"capacity_bytes `{capacity_bytes!r}` must be a positive number of bytes")
     if spec is not None and tuple(setup.compute_capability) != tuple(spec.compute_capability):
+        # the setup's own checks (bf16, a bf16 4-bit compute dtype) are the GPU's; the simulation gets the GpuSpec
         setup = setup.replace(compute_capability=tuple(spec.compute_capability))
-    if spec is not None and setup.load_in_4bit and spec.sm_count and setup.gpu_sm_count != spec.sm_count:
-        setup = setup.replace(gpu_sm_count=spec.sm_count)  # bitsandbytes' 4-bit GEMM choice (issue 12)
     if alloc_conf is None:
         import os
 
@@ -344,11 +343,11 @@ def estimate(
     if parallel is not None:  # multi-GPU (issue 14): rank 0's trace from memfit.parallel
         from memfit.parallel.rank import simulate_rank
 
-        rank = simulate_rank(setup, parallel)
+        rank = simulate_rank(setup, parallel, gpu=spec)
         sim = rank.sim
         sim.notes = list(sim.notes) + rank.notes
     else:
-        sim = simulate(setup)
+        sim = simulate(setup, gpu=spec)
     notes = list(sim.notes) + [n for n in conf.notes if "cudaMallocAsync" not in n]
     if conf.backend == "cudaMallocAsync":
         notes.insert(0, CUDA_MALLOC_ASYNC_NOTE)

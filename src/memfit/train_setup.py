@@ -334,8 +334,6 @@ class TrainSetup:
     """LLM.int8 outlier threshold (0 disables the mixed-precision decomposition)."""
     llm_int8_skip_modules: list[str] | None = None
     """Module names kept unquantized; None: transformers' default (the LM head, `get_keys_to_not_convert`)."""
-    gpu_sm_count: int | None = None
-    """SMs of the target GPU: bitsandbytes picks its 4-bit GEMM kernel by it; `estimate(gpu=...)` sets it."""
     kbit_prep: bool = True
     """Run peft's `prepare_model_for_kbit_training` on a quantized model (as peft's QLoRA recipes do): it casts the
     non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on. TRL 1.16's SFTTrainer does
@@ -718,8 +716,6 @@ def _check_quantization(setup: "TrainSetup") -> None:
     if setup.bnb_4bit_quant_storage not in QUANT_STORAGE_DTYPES:
         raise MemfitError(f"bnb_4bit_quant_storage `{setup.bnb_4bit_quant_storage}` must be one of "
                           f"{', '.join(QUANT_STORAGE_DTYPES)}")
-    if setup.gpu_sm_count is not None:
-        _positive_int("gpu_sm_count", setup.gpu_sm_count)
     t = setup.llm_int8_threshold
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         raise MemfitError(f"`llm_int8_threshold` must be a finite number >= 0; got `{t!r}`")

@@ -43,6 +43,8 @@ so it bounds them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from memfit.errors import MemfitError
@@ -53,6 +55,9 @@ from memfit.sim.engine import Simulation, _Runner
 from memfit.sim.tracker import StorageTracker
 from memfit.sim.quiet import isolated_simulation
 from memfit.train_setup import TrainSetup
+
+if TYPE_CHECKING:
+    from memfit.gpus.catalog import GpuSpec
 
 __all__ = ["simulate_fsdp", "ShardTracker", "accumulation_note"]
 
@@ -101,8 +106,8 @@ class ShardTracker(StorageTracker):
 
 
 class _FsdpRunner(_Runner):
-    def __init__(self, setup: TrainSetup, parallel: ParallelSetup, mesh) -> None:
-        super().__init__(setup, fake=True, splice=False)
+    def __init__(self, setup: TrainSetup, parallel: ParallelSetup, mesh, gpu: GpuSpec | None = None) -> None:
+        super().__init__(setup, fake=True, splice=False, gpu=gpu)
         self.tracker = ShardTracker()
         self.parallel = parallel
         self.mesh = mesh
@@ -206,8 +211,9 @@ class _FsdpRunner(_Runner):
                             rec.category = "host"
 
 
-def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps: int = 2) -> Simulation:
-    """Rank 0's simulated trace under FSDP2 or FSDP1 (module docstring)."""
+def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps: int = 2,
+                  gpu: GpuSpec | None = None) -> Simulation:
+    """Rank 0's simulated trace under FSDP2 or FSDP1 (module docstring); `gpu`: the target GPU's GpuSpec."""
     if parallel.fsdp_version == 1 and parallel.cpu_offload:
         # FSDP1's CPUOffload pins its host shards and gradients (`_flat_param.py` `pin_memory`), which a FakeTensor
         # cannot do, and memfit's fake run has one device: not emulated
@@ -215,7 +221,7 @@ def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps
                           "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy is")
     replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
     with isolated_simulation(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
-        runner = _FsdpRunner(setup, parallel, mesh)
+        runner = _FsdpRunner(setup, parallel, mesh, gpu)
         tracker = runner.tracker
         with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed), \
                 dadapter.fsdp1_storage_hooks(tracker.storage_allocated, tracker.storage_freed):

@@ -20,13 +20,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.parallel.nccl import hybrid_group_nccl_bytes, nccl_buffer_bytes
 from memfit.parallel.setup import ParallelSetup
 from memfit.parallel.zero import ParamInventory, ZeroBuffer, deepspeed_model_states_bytes, zero_buffers
 from memfit.trace import TraceEvent
 from memfit.train_setup import TrainSetup
+
+if TYPE_CHECKING:
+    from memfit.gpus.catalog import GpuSpec
 
 __all__ = ["RankResult", "simulate_rank", "param_inventory", "ddp_bucket_bytes"]
 
@@ -229,8 +232,9 @@ def _per_rank_zero2(sim_trace, buffers, layouts, b: int):
     return rank0[0], rank0[1], out
 
 
-def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
-    """Rank 0's trace under `parallel` and what it holds beyond it (module docstring)."""
+def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | None = None) -> RankResult:
+    """Rank 0's trace under `parallel` and what it holds beyond it (module docstring); `gpu`: the target
+    GPU's GpuSpec, as memfit.sim.engine.simulate takes it."""
     from memfit.sim.engine import simulate
 
     nccl = nccl_buffer_bytes(parallel.world_size, parallel.nodes)
@@ -244,7 +248,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     if parallel.strategy == "fsdp":
         from memfit.parallel.fsdp import simulate_fsdp
 
-        sim = simulate_fsdp(setup, parallel)
+        sim = simulate_fsdp(setup, parallel, gpu=gpu)
         host = 0
         if parallel.cpu_offload:
             inv = param_inventory(_meta_model(setup))
@@ -255,7 +259,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     if parallel.strategy == "ddp":
         model = _meta_model(setup)
         buckets = ddp_bucket_bytes(model, parallel.bucket_cap_mb)
-        sim = simulate(setup)
+        sim = simulate(setup, gpu=gpu)
         sim.trace = _ddp_trace(sim.trace, buckets, parallel.gradient_as_bucket_view)
         notes.append(f"DDP: {len(buckets)} gradient buckets of {sum(buckets) / 2**20:.1f} MiB in all"
                      + (" (gradient_as_bucket_view: the gradients are views of them)"
@@ -267,7 +271,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup) -> RankResult:
     model = _meta_model(base)
     inv = param_inventory(model, z.param_persistence_threshold if z.stage == 3 else 0)
     buffers = zero_buffers(z, inv, parallel.world_size, gpus_per_node=parallel.gpus_per_node)
-    sim = simulate(base)
+    sim = simulate(base, gpu=gpu)
     ranks: list[dict[str, Any]] = []
     if z.stage == 2 and z.contiguous_gradients and not z.offload_optimizer and parallel.world_size > 1:
         # issue 14 item 4: each rank's grads_in_partition has its own size and creation point

@@ -27,28 +27,27 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
-from memfit.errors import MemfitError
-from memfit.models.limits import check_sequence_lengths
 from memfit.sim.quiet import isolated_simulation
-from memfit.models.build import ModelSpec, build_meta_model, resolve_config, to_empty_tied
-from memfit.models.quantization import (capture, meta_safe_deepcopy, parameter_count, prepare_for_kbit_training,
-                                        quant_spec, quant_state_tensors, quantization_summary, quantize_meta_model,
-                                        quiet_bnb_logs, restore)
+from memfit.models.build import ModelSpec, to_empty_tied
+from memfit.models.quantization import capture, parameter_count, quant_state_tensors, quiet_bnb_logs, restore
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
 from memfit.sim.cuda_patches import cuda_patches
 from memfit.sim.optimizers import build_optimizer
-from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events, truncate_layers
+from memfit.sim.prepare import prepare_model
+from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events
 from memfit.sim.tracker import StorageTracker, TrackedEvent
 from memfit.sim import trl_steps
 from memfit.trace import TraceEvent
-from memfit.units import format_bytes
 from memfit.train_setup import TrainSetup
+
+if TYPE_CHECKING:
+    from memfit.gpus.catalog import GpuSpec
 
 __all__ = ["Simulation", "simulate"]
 
@@ -73,12 +72,12 @@ class Simulation:
     notes: list[str] = field(default_factory=list)
     attn_kernels: list[str] = field(default_factory=list)
     attn_implementation: str | None = None
-    """Emulated attention kernels that ran (flash_attention_2, flash_attention_2:varlen, ...; issue 12)."""
+    """Emulated attention kernels that ran (flash_attention_2, flash_attention_2:varlen, ...)."""
     model_name: str = ""
     model_type: str = ""
     eval_steps_held: int = 0
     weights_dtype: str = "float32"
-    quantization: dict | None = None  #: memfit.models.quantization.quantization_summary (issue 12)
+    quantization: dict | None = None  #: memfit.models.quantization.quantization_summary
     paged_bytes: int = 0  #: optimizer state in CUDA managed memory (paged optimizers), not in the trace
 
 
@@ -125,129 +124,33 @@ def _accepts_loss_kwargs(model: nn.Module) -> bool:
 
 
 class _Runner:
-    def __init__(self, setup: TrainSetup, *, fake: bool, splice: bool, spec: ModelSpec | None = None) -> None:
+    def __init__(self, setup: TrainSetup, *, fake: bool, splice: bool, spec: ModelSpec | None = None,
+                 gpu: GpuSpec | None = None) -> None:
         self.setup = setup
         self.fake = fake
         self.low = _LOW[setup.precision]
-        self.notes: list[str] = []
-        self.spec = spec or resolve_config(setup.model)
-        # attention implementations (issue 12): flash models are built with sdpa, then switched
-        self.flash_log: list[str] | None = None
+        # the target GPU: its GpuSpec (memfit.gpus.catalog), else only the compute capability the setup names
+        self.gpu = gpu
+        self.compute_capability = tuple(gpu.compute_capability if gpu is not None else setup.compute_capability)
+        prepared = prepare_model(setup, splice=splice, compute_capability=self.compute_capability,
+                                 amp_dtype=self.low, spec=spec)
+        self.spec = prepared.spec
+        self.notes = prepared.notes
+        self.flash_log, self.flex_log = prepared.flash_log, prepared.flex_log
+        self.quant, self.quant_summary = prepared.quant, prepared.quant_summary
+        self.ref_model = prepared.ref_model
+        self.model = prepared.model
+        self.cut, self.sizes, self.names = prepared.cut, prepared.sizes, prepared.names
+        self.checkpointing = prepared.checkpointing
+        self.fwd_model = self.cut if self.cut is not None else self.model
+        self.eval_model = self.fwd_model  # the evaluation forward is spliced too
         self.liger_log: list[str] = []
         self._act_offload = None
-        attn = setup.attn_implementation
-        # issue 12: flex attention runs transformers' own flex path with the compiled kernels emulated
-        self.flex_log: list[str] | None = [] if attn == "flex_attention" else None
-        if self.flex_log is not None and not isinstance(setup.model, nn.Module):
-            from memfit.sim.kernels.flex_attn import check_flex_model
-            from memfit.train_setup import TASKS
-
-            check_flex_model(self.spec.config, TASKS[setup.task], self.spec.name)
-        flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
-        model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, self.spec)
-        if flash:
-            from memfit.sim.kernels.flash_attn import use_flash_attention
-
-            name = use_flash_attention(model, attn, compute_capability=setup.compute_capability, amp_dtype=self.low)
-            if name != attn:
-                self.notes.append(f"`{attn}` is a build of flash-attn; simulated as {name} (the same kernels)")
-            self.flash_log = []
-        self.notes += check_sequence_lengths(model, setup, self.spec.name, self.spec.config)
-        # quantization (issue 12): bitsandbytes layers as from_pretrained(quantization_config=...) builds them,
-        # then peft's prepare_model_for_kbit_training, before LoRA (memfit.models.quantization)
-        self.quant = quant_spec(setup)
-        self.quant_summary = None
-        if self.quant is not None:
-            quantize_meta_model(model, self.quant)
-            if setup.kbit_prep:
-                cast = prepare_for_kbit_training(model)
-                if cast:
-                    self.notes.append(
-                        f"peft's prepare_model_for_kbit_training was run on the model (as peft's QLoRA recipes do; "
-                        f"TRL 1.16's SFTTrainer does not call it: --no-kbit-prep for such a run): it cast "
-                        f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
-                        f"float32, +{format_bytes(cast * 2)} of weights; --no-kbit-prep estimates without it")
-        if setup.float8_recipe is not None:  # torchao Float8 training (issue 12), as accelerate's prepare() does it
-            from memfit.models.float8 import check_float8_gpu, convert_float8, float8_note, high_precision_linears
-
-            check_float8_gpu(setup.compute_capability)
-            converted = convert_float8(model, setup.float8_recipe)
-            self.notes.append(float8_note(setup.float8_recipe, converted, high_precision_linears(model)))
-        trl_steps.prepare_model(model, setup)  # TRL (issue 13): the fused LM head, before peft
-        self.ref_model = trl_steps.build_reference(setup, self.spec)
-        self.notes += trl_steps.notes(setup)
-        if setup.lora_r is not None or setup.peft_config:  # LoRA / DoRA / any peft method (issue 12)
-            model = self._apply_lora(model)
-            from memfit.models.peft_methods import peft_notes
-
-            self.notes += peft_notes(setup)
-        if self.quant is not None:
-            self.quant_summary = quantization_summary(model, self.quant, kbit_prep=setup.kbit_prep)
-        if setup.freeze_embeddings:
-            emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-            if emb is None:
-                raise MemfitError("`freeze_embeddings` needs a model with input embeddings (get_input_embeddings())")
-            emb.requires_grad_(False)
-        if setup.freeze_layers:
-            stacks = repeated_layer_lists(model)
-            if not stacks or setup.freeze_layers > len(stacks[0][1]):
-                have = len(stacks[0][1]) if stacks else 0
-                raise MemfitError(f"`freeze_layers` is `{setup.freeze_layers}` but the model has {have} blocks; "
-                                  f"freeze at most {have}")
-            for block in list(stacks[0][1])[: setup.freeze_layers]:
-                block.requires_grad_(False)
-            splice = False  # frozen and trained blocks differ: the generic block cannot stand for both
-        self.tracker = StorageTracker()
         self.sdpa_backends: list[str] = []
-        self.cut = None
-        if splice and setup.peft_config:  # peft methods (issue 12): only those whose blocks are independent
-            from memfit.models.peft_methods import splice_allowed
-
-            splice = splice_allowed(setup)
-        if splice and not isinstance(setup.model, nn.Module):
-            try:
-                with meta_safe_deepcopy() if self.quant is not None else contextlib.nullcontext():
-                    self.cut, self.sizes, self.names = truncate_layers(model)
-            except SpliceRefused:
-                self.cut = None
-        self.checkpointing = None
-        if setup.gradient_checkpointing:  # on for a quantized model with kbit_prep (TrainSetup says why)
-            try:
-                ckpt_kwargs = setup.gradient_checkpointing_kwargs  # issue 12: use_reentrant, offload, every_n_layers
-                self.checkpointing = enable_checkpointing(model, ckpt_kwargs)
-                if self.cut is not None:
-                    enable_checkpointing(self.cut, ckpt_kwargs)
-            except ValueError as err:
-                raise MemfitError(f"gradient checkpointing is not possible here: {err}") from err
-            if self.checkpointing == "memfit" and setup.gradient_checkpointing_kwargs:
-                self.notes.append("`gradient_checkpointing_kwargs` apply to Hugging Face's checkpointing; memfit's own "
-                                  "(non-reentrant, on the device) is simulated for this model")
-            if self.checkpointing == "memfit":
-                self.notes.append(
-                    f"{type(model).__name__} has no gradient checkpointing in transformers; "
-                    "memfit's per-block checkpointing (memfit.models.blocks) is simulated"
-                )
-        self.model = model
-        self.fwd_model = self.cut if self.cut is not None else model
-        self.eval_model = self.fwd_model  # the evaluation forward is spliced too (issue 15)
-        # MoE (issue 12): a routing-dependent experts implementation is refused; the routing figures noted
-        from memfit.sim import moe
-
-        moe.check_experts_implementation(model)
-        figures = moe.routing_figures(model, tokens=setup.per_device_train_batch_size * setup.max_length)
-        if figures is not None:
-            self.notes.append(moe.routing_note(figures))
-        if (mxfp4 := moe.mxfp4_note(model)) is not None:
-            self.notes.append(mxfp4)
+        self.tracker = StorageTracker()
         if self.cut is not None:
             self.tagger = LayerTagger(self.cut, self.tracker, self.names)
             self.tracker.tag_fn = self.tagger.current
-
-    def _apply_lora(self, model: nn.Module) -> nn.Module:
-        """peft's get_peft_model on the meta model: LoRA (DoRA) or the setup's `peft_config` (issue 12)."""
-        from memfit.models.peft_methods import apply_peft
-
-        return apply_peft(model, self.setup)
 
     # -- phases ----------------------------------------------------------------------------
     def _materialize(self) -> None:
@@ -256,12 +159,12 @@ class _Runner:
         tr.phase = "setup"
         tr.paused = True
         quantized = {}
-        if self.quant is not None:  # to_empty drops the bitsandbytes parameters' quant states (issue 12)
+        if self.quant is not None:  # to_empty drops the bitsandbytes parameters' quant states
             quantized = {id(m): capture(m) for m in (self.model, self.cut) if m is not None}
         to_empty_tied(self.model, device="cpu")  # plain to_empty unties shared weights
         if self.cut is not None:
             to_empty_tied(self.cut, device="cpu")
-        if self.setup.lora_r is not None or self.setup.peft_config:  # peft (issue 12): meta tensors in plain attributes
+        if self.setup.lora_r is not None or self.setup.peft_config:  # peft: meta tensors in plain attributes
             from memfit.models.peft_methods import materialize_plain_tensors
 
             for m in (self.model, self.cut):
@@ -318,7 +221,7 @@ class _Runner:
         if self.cut is not None:
             self.tagger.reset()
         scaled_for_ga = False
-        if self.setup.trainer != "trainer":  # TRL (issue 13): SFT / DPO batch and loss
+        if self.setup.trainer != "trainer":  # TRL: SFT / DPO batch and loss
             loss, start = trl_steps.micro_loss(self)
         else:
             seq = self.setup.sequence_length
@@ -326,7 +229,7 @@ class _Runner:
             self._register_batch(batch)
             # Trainer (transformers 5.24 get_batch_samples / compute_loss): a model whose forward takes loss kwargs gets
             # `num_items_in_batch` (the window's label count, an int64 scalar moved to the device); ForCausalLMLoss then
-            # sums and divides (fixed_cross_entropy) and training_step does not divide by the accumulation (issue 12)
+            # sums and divides (fixed_cross_entropy) and training_step does not divide by the accumulation
             if self.setup.task == "causal-lm" and "labels" in batch and _accepts_loss_kwargs(self.fwd_model):
                 batch["num_items_in_batch"] = torch.zeros((), dtype=torch.long)
                 self.tracker.register(batch["num_items_in_batch"], "inputs")
@@ -473,7 +376,7 @@ class _Runner:
                 rec = tr.record_of(step)
                 if rec is not None:
                     rec.category = "host"
-        for buf in getattr(self.optimizer, "paged_tensors", ()):  # paged optimizers: cudaMallocManaged (issue 12)
+        for buf in getattr(self.optimizer, "paged_tensors", ()):  # paged optimizers: cudaMallocManaged
             rec = tr.record_of(buf)
             if rec is not None:
                 rec.category = "paged"
@@ -482,7 +385,7 @@ class _Runner:
         tr = self.tracker
         s = self.setup
         tr.phase = "eval"
-        # the evaluation forward is spliced as the training one is (issue 15): the cut model runs and
+        # the evaluation forward is spliced as the training one is: the cut model runs and
         # memfit.sim.splice writes the full model's events (tests/test_splice.py checks equal figures)
         self.eval_model.eval()
         first_event = len(tr.events)
@@ -545,86 +448,92 @@ class _Runner:
                 p.grad = torch.empty_like(p)
                 self.tracker.register(p.grad, "gradients")
 
+    def _cuda_emulation(self) -> tuple[list[contextlib.AbstractContextManager], Any]:
+        """What makes the CPU run allocate as the CUDA run does, in the order `run` enters it, and
+        bitsandbytes' emulated kernels (None unless the weights are quantized: their GEMM paths go to
+        the report). Only builds them: each is imported here, before the fake mode and the tracker run."""
+        s = self.setup
+        cc = self.compute_capability
+        contexts: list[contextlib.AbstractContextManager] = []
+        if self.flex_log is not None:  # flex attention's compiled kernels emulated
+            from memfit.sim.kernels.flex_attn import flex_patches
+
+            contexts.append(flex_patches(self.flex_log))
+        if s.float8_recipe is not None:  # torchao Float8: Float8Linear asks for CUDA's autocast state
+            from memfit.models.float8 import cuda_autocast_queries
+
+            contexts.append(cuda_autocast_queries())
+        if s.use_liger_kernel:  # Trainer's apply_liger_kernel, Triton emulated
+            from memfit.sim.kernels.liger import liger_emulation
+            from memfit.sim.kernels.sdpa_choice import _NUM_SMS
+
+            contexts.append(liger_emulation([m for m in (self.model, self.cut) if m is not None],
+                                            trl_steps.liger_config(s), num_sms=_NUM_SMS.get(cc, 108),
+                                            compute_capability=cc, log=self.liger_log))
+        if self.fake:
+            contexts.append(adapter.new_fake_mode())
+        contexts.append(self.tracker)
+        contexts.append(cuda_patches(compute_capability=cc, sdpa_log=self.sdpa_backends, flash_log=self.flash_log))
+        if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
+            from memfit.sim.offload import host_offload_patch  # checkpointed inputs kept in host memory
+
+            contexts.append(host_offload_patch(self.tracker))
+        contexts.append(cuda_autocast_policy(self.low))
+        if s.peft_config or s.use_dora:  # peft methods: host-side values peft reads (models._peft_adapter)
+            from memfit.models._peft_adapter import run_patches
+
+            contexts.append(run_patches(quantized=self.quant is not None))
+        contexts.append(trl_steps.kernels(s))  # TRL: its Triton kernels' CPU fallbacks stood in for
+        kernels = None
+        if self.quant is not None:  # bitsandbytes' CUDA kernels, above the tracker
+            from memfit.sim.kernels.bnb import BnbCudaKernels, bnb_cuda_patches
+
+            kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low, compute_capability=cc,
+                                     sm_count=self.gpu.sm_count if self.gpu is not None else None)
+            contexts += [quiet_bnb_logs(), bnb_cuda_patches(), kernels]
+        return contexts, kernels
+
     def run(self, *, optimizer_steps: int = 2, train: bool = True, optimizer_only: bool = False) -> Simulation:
         s = self.setup
-        # Import what runs inside the modes now: a first import under the tracker would record
+        # Import what runs inside the CUDA emulation now: a first import under the tracker would record
         # module-level constants as allocations (peft's LoHa `torch.tensor(...)` class attributes,
         # imported by transformers.Trainer) and, on a fake run, leave them FakeTensors for good.
         import accelerate.utils  # noqa: F401  (convert_to_fp32 in _forward)
         from memfit.sim.optimizers import import_for
 
-        import_for(s.optim)  # build_optimizer's imports (transformers.Trainer only where it is needed: issue 15)
+        import_for(s.optim)  # build_optimizer's imports (transformers.Trainer only where it is needed)
 
-        mode = adapter.new_fake_mode() if self.fake else contextlib.nullcontext()
-        patches = cuda_patches(compute_capability=s.compute_capability, sdpa_log=self.sdpa_backends,
-                               flash_log=self.flash_log)
-        bnb = contextlib.ExitStack()
-        kernels = None
-        if self.quant is not None:  # bitsandbytes' CUDA kernels, above the tracker (issue 12)
-            from memfit.sim.kernels.bnb import BnbCudaKernels, bnb_cuda_patches
-
-            kernels = BnbCudaKernels(self.tracker, autocast_dtype=self.low, compute_capability=s.compute_capability,
-                                     sm_count=s.gpu_sm_count)
-        if self.flex_log is not None:  # issue 12: flex attention's compiled kernels emulated
-            from memfit.sim.kernels.flex_attn import flex_patches
-
-            bnb.enter_context(flex_patches(self.flex_log))
-        if s.float8_recipe is not None:  # torchao Float8 (issue 12): Float8Linear asks for CUDA's autocast state
-            from memfit.models.float8 import cuda_autocast_queries
-
-            bnb.enter_context(cuda_autocast_queries())
-        offload = contextlib.nullcontext()  # issue 12: checkpoint offload, TRL activation offloading
-        if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
-            from memfit.sim.offload import host_offload_patch
-
-            offload = host_offload_patch(self.tracker)
-        liger = contextlib.nullcontext()
-        if s.use_liger_kernel:  # issue 12: Trainer's apply_liger_kernel, Triton emulated
-            from memfit.sim.kernels.liger import liger_emulation
-            from memfit.sim.kernels.sdpa_choice import _NUM_SMS
-
-            cc = tuple(s.compute_capability)
-            liger = liger_emulation([m for m in (self.model, self.cut) if m is not None], trl_steps.liger_config(s),
-                                    num_sms=_NUM_SMS.get(cc, 108), compute_capability=cc, log=self.liger_log)
-        peft_run = contextlib.nullcontext()
-        if s.peft_config or s.use_dora:  # peft methods (issue 12): host-side values peft reads (models._peft_adapter)
-            from memfit.models._peft_adapter import run_patches
-
-            peft_run = run_patches(quantized=self.quant is not None)
-        with warnings.catch_warnings():
+        contexts, kernels = self._cuda_emulation()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
-            with liger, mode, self.tracker, patches, offload, cuda_autocast_policy(self.low), bnb, peft_run, \
-                    trl_steps.kernels(s):  # TRL (issue 13): its Triton kernels' CPU fallbacks stood in for
-                if kernels is not None:
-                    bnb.enter_context(quiet_bnb_logs())
-                    bnb.enter_context(bnb_cuda_patches())
-                    bnb.enter_context(kernels)
-                self._materialize()
-                trl_steps.materialize_reference(self)  # TRL (issue 13): DPO's reference copy
-                self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
-                if optimizer_only:
-                    for _ in range(optimizer_steps):
-                        self._fake_gradients()
-                        self.optimizer_step()
-                    train = False
-                micro = min(s.gradient_accumulation_steps, 2) if train else 0
-                first = len(self.tracker.events)
-                for _ in range(micro):
-                    self.micro_step(s.gradient_accumulation_steps)
-                last = len(self.tracker.events)
-                if train and optimizer_steps > 0:
+            for context in contexts:
+                stack.enter_context(context)
+            self._materialize()
+            trl_steps.materialize_reference(self)  # TRL: DPO's reference copy
+            self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
+            if optimizer_only:
+                for _ in range(optimizer_steps):
+                    self._fake_gradients()
                     self.optimizer_step()
-                for _ in range(optimizer_steps - 1 if train else 0):
-                    # later optimizer steps repeat the first one's micro-steps exactly (the
-                    # gradients were freed by zero_grad); only the optimizer step differs
-                    # (its state now exists), so it is simulated again
-                    tr = self.tracker
-                    tr.phase = "forward"
-                    self.replay(first, last)
-                    self.optimizer_step()
-                held = self.evaluate() if s.does_eval and not optimizer_only else 0
-                trace = [e for e in self.tracker.trace() if e.category not in ("host", "paged")]
-                paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
+                train = False
+            micro = min(s.gradient_accumulation_steps, 2) if train else 0
+            first = len(self.tracker.events)
+            for _ in range(micro):
+                self.micro_step(s.gradient_accumulation_steps)
+            last = len(self.tracker.events)
+            if train and optimizer_steps > 0:
+                self.optimizer_step()
+            for _ in range(optimizer_steps - 1 if train else 0):
+                # later optimizer steps repeat the first one's micro-steps exactly (the
+                # gradients were freed by zero_grad); only the optimizer step differs
+                # (its state now exists), so it is simulated again
+                self.tracker.phase = "forward"
+                self.replay(first, last)
+                self.optimizer_step()
+            held = self.evaluate() if s.does_eval and not optimizer_only else 0
+            trace = [e for e in self.tracker.trace() if e.category not in ("host", "paged")]
+            paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
         params = {id(p): p for p in self.model.parameters()}
         total = sum(p.numel() for p in params.values())
         if self.quant_summary is not None:  # packed 4-bit weights hold several parameters per element
@@ -661,7 +570,7 @@ class _Runner:
 
 def simulate(
     setup: TrainSetup, *, fake: bool = True, optimizer_steps: int = 2, splice: bool = True, train: bool = True,
-    optimizer_only: bool = False,
+    optimizer_only: bool = False, gpu: GpuSpec | None = None,
 ) -> Simulation:
     """Simulate `setup` and return its allocation trace (see module docstring).
 
@@ -671,12 +580,14 @@ def simulate(
     `splice=True` simulates 5 blocks per repeated stack and writes the trace of all of them
     (memfit.sim.splice); it falls back to the full model when the cut model cannot stand
     for it. `fake=False` runs on real CPU tensors (for exactness tests on small models).
+    `gpu` is the target GPU (memfit.gpus.catalog): its compute capability (kernel choices) and SM
+    count (bitsandbytes' 4-bit GEMM choice); None: the setup's compute capability, no SM count.
     """
     kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
     with isolated_simulation():
-        if splice and not optimizer_only and trl_steps.wants_splice(setup):  # train=False: the evaluation (issue 15)
+        if splice and not optimizer_only and trl_steps.wants_splice(setup):  # train=False: the evaluation
             try:
-                return _Runner(setup, fake=fake, splice=True).run(**kwargs)
+                return _Runner(setup, fake=fake, splice=True, gpu=gpu).run(**kwargs)
             except SpliceRefused:
                 pass
-        return _Runner(setup, fake=fake, splice=False).run(**kwargs)
+        return _Runner(setup, fake=fake, splice=False, gpu=gpu).run(**kwargs)
