@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from memfit.sim.cuda_patches import cuda_patches, cuda_one_hot, patched
+from memfit.sim.cuda_patches import cuda_patches, cuda_one_hot
+from memfit.sim.patching import patched
 
 
 def test_patches_are_undone_on_error():

@@ -16,7 +16,7 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.fitting import _trainer as adapter  # noqa: E402
 from memfit.fitting.checkpoint_files import checkpoint_problems  # noqa: E402
 from memfit.fitting.interrupt import FitInterrupted, stop_on_signals  # noqa: E402
-from memfit.fitting.preflight import check_budget  # noqa: E402
+from memfit.fitting.preflight_check import check_budget  # noqa: E402
 from memfit.testing import counted_bytes  # noqa: E402
 from memfit.units import format_bytes  # noqa: E402
 from helpers import tiny_trainer as _trainer  # noqa: E402

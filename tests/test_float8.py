@@ -19,7 +19,8 @@ pytest.importorskip("torchao")
 
 from memfit.cli import main  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
-from memfit.models.float8 import FLOAT8_RECIPES, convert_float8  # noqa: E402
+from memfit.models.float8 import convert_float8  # noqa: E402
+from memfit.train_setup import FLOAT8_RECIPES  # noqa: E402
 from memfit.sim.engine import simulate  # noqa: E402
 from memfit.train_setup import TrainSetup  # noqa: E402
 

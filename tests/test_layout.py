@@ -1,10 +1,22 @@
-"""The package's shape: every module imports on its own, in a fresh interpreter (no import cycle),
-and no module imports from a layer above its own (issue 11)."""
+"""The package's shape, read from the code's own imports with `ast`.
+
+* Every module imports on its own, in a fresh interpreter.
+* The import graph of memfit's modules has no cycle. The graph holds EVERY import of a memfit module: at module
+  level, under `if TYPE_CHECKING:`, and inside functions and methods (a lazy import defers the cost of loading a
+  module; it does not remove the dependency). Relative imports are resolved, and `from package import name`
+  is an import of the submodule `package.name` where one exists. The one way out is `CYCLE_EXEMPT`: a lazy edge
+  named there, with its reason, is left out of the cycle check (the layer check still reads it).
+* No module imports from a layer above its own (`LAYERS`, bottom-up).
+* No package's `__init__.py` exports a name that one of its submodules also has (importing the submodule would
+  rebind the package attribute to the module).
+* The README's "## Layout" section names every package.
+"""
 
 from __future__ import annotations
 
 import ast
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +26,7 @@ import pytest
 import memfit
 
 SRC = Path(memfit.__file__).parent
+README = SRC.parents[1] / "README.md"
 
 
 def _modules() -> list[str]:
@@ -24,6 +37,15 @@ def _modules() -> list[str]:
 
 
 MODULES = _modules()
+
+
+def _path(mod: str) -> Path:
+    path = SRC.joinpath(*mod.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _is_package(mod: str) -> bool:
+    return _path(mod).name == "__init__.py"
 
 
 def test_every_module_is_listed():
@@ -56,47 +78,215 @@ def test_each_module_imports_on_its_own(order):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-# Layers, bottom-up: a module may import from its own layer or any layer below it.
-LAYERS = [
-    {"errors", "units", "trace", "oom_text", "files", "collector"},  # collector: issue 15 speed
-    {"train_setup", "models", "gpus", "allocator", "peaks", "cache"},  # TrainSetup asks models for the default task
-    {"sim", "remedies"},  # sim.trl_steps + sim._trl_adapter (TRL, issue 13: the one module on TRL internals)
-    {"estimator", "parallel"},  # parallel: per-rank multi-GPU estimates (issue 14); estimator calls it
-    {"planner"},
-    {"diagnosis"},
-    {"fitting", "testing"},  # fitting.callback (MemfitCallback), fitting.trl_data (issue 13); fitting.engines (issue 14)
-    {"cli", "commands", "__main__", "server"},  # server: `memfit serve` (issue 15); __main__: `python -m memfit`; commands.train_trl: train --trainer (issue 13)
+# -- the import graph ----------------------------------------------------------------------------------------
+def _targets(mod: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The memfit modules that one import statement of `mod` loads (none for an upstream package)."""
+    known = set(MODULES)
+
+    def existing(name: str) -> str:  # `import memfit.a.b` names a module; a dotted tail past it is not one
+        while name not in known and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    if isinstance(node, ast.Import):
+        return [existing(a.name) for a in node.names if a.name.split(".")[0] == "memfit"]
+    if node.level:  # relative: from the package of `mod` (itself, when `mod` is a package), `level - 1` up
+        base = mod.split(".") if _is_package(mod) else mod.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        package = ".".join(base + ([node.module] if node.module else []))
+    else:
+        package = node.module or ""
+    if package.split(".")[0] != "memfit":
+        return []
+    return [f"{package}.{a.name}" if f"{package}.{a.name}" in known else existing(package) for a in node.names]
+
+
+def _edges() -> dict[tuple[str, str], list[tuple[int, bool]]]:
+    """(importer, imported) -> [(line, lazy)] for every import of a memfit module by a memfit module;
+    lazy: the statement is inside a function or method."""
+    out: dict[tuple[str, str], list[tuple[int, bool]]] = {}
+
+    def visit(mod: str, node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target in _targets(mod, child):
+                    if target != mod:
+                        out.setdefault((mod, target), []).append((child.lineno, lazy))
+            visit(mod, child, lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    for mod in MODULES:
+        visit(mod, ast.parse(_path(mod).read_text(encoding="utf-8")), False)
+    return out
+
+
+EDGES = _edges()
+
+#: Lazy imports left out of the cycle check, each with why it may close a circle. Keep it short: a cycle is
+#: broken by a leaf module or by passing a value, not by an entry here.
+CYCLE_EXEMPT: dict[tuple[str, str], str] = {}
+
+
+def _cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """One cycle path [a, b, ..., a] per strongly connected component of more than one module (Tarjan)."""
+    graph: dict[str, list[str]] = {}
+    for a, b in sorted(edges):
+        graph.setdefault(a, []).append(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, []):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    out = []
+    for component in components:  # a shortest way back to the component's first module
+        start = min(component)
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier and start not in [w for v in frontier for w in graph.get(v, [])]:
+            nxt = []
+            for v in frontier:
+                for w in graph.get(v, []):
+                    if w in component and w not in paths:
+                        paths[w] = paths[v] + [w]
+                        nxt.append(w)
+            frontier = nxt
+        last = next(v for v in frontier if start in graph.get(v, []))
+        out.append(paths[last] + [start])
+    return out
+
+
+def _describe(path: list[str]) -> str:
+    steps = []
+    for a, b in zip(path, path[1:]):
+        where = ", ".join(f"{'lazy ' if lazy else ''}line {line}" for line, lazy in sorted(set(EDGES[(a, b)])))
+        steps.append(f"{a} -> {b} ({_path(a).relative_to(SRC.parent)}: {where})")
+    return "\n  ".join(steps)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == [["a", "b", "c", "a"]]
+    assert _cycles({("a", "b"), ("b", "c")}) == []
+
+
+def test_the_graph_reads_every_kind_of_import():
+    lazy = [key for key, sites in EDGES.items() if any(is_lazy for _, is_lazy in sites)]
+    assert len(lazy) > 50, "imports inside functions are part of the graph"
+    tree = ast.parse("from . import tracker\nfrom ..models import build\nfrom memfit.sim import engine, cuda_patches\n")
+    got = [_targets("memfit.sim.engine", node) for node in tree.body]
+    assert got == [["memfit.sim.tracker"], ["memfit.models.build"], ["memfit.sim.engine", "memfit.sim.cuda_patches"]]
+
+
+def test_no_import_cycle():
+    for edge, why in CYCLE_EXEMPT.items():
+        assert edge in EDGES, f"CYCLE_EXEMPT names `{edge[0]} -> {edge[1]}`, which no import makes; remove it"
+        assert all(lazy for _, lazy in EDGES[edge]), f"`{edge[0]} -> {edge[1]}` is imported at module level"
+        assert why, edge
+    cycles = _cycles(set(EDGES) - set(CYCLE_EXEMPT))
+    assert not cycles, "import cycles (importer -> imported):\n  " + "\n\n  ".join(_describe(c) for c in cycles)
+
+
+# -- the layers ----------------------------------------------------------------------------------------------
+#: Bottom-up: a module may import from its own layer or any layer below it. A name is a top-level module or
+#: package of memfit (a package's modules are in its layer); "memfit" is the package's own `__init__.py`.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundation", {"errors", "units", "trace", "files", "collector", "oom_text", "_version"}),
+    ("the run", {"train_setup"}),
+    ("what memfit knows", {"models", "gpus", "allocator"}),
+    ("from a trace and a model", {"peaks", "cache"}),  # cache: keyed by the model's config (models.catalog)
+    ("the simulator", {"sim"}),
+    ("per rank", {"parallel"}),
+    ("remedies", {"remedies"}),
+    ("estimate", {"estimator"}),
+    ("plan", {"planner"}),
+    ("diagnose", {"diagnosis"}),  # diagnose's advice is checked by a plan
+    ("views of the results", {"report"}),  # timeline, html, plot of a MemoryReport / PlanResult / Diagnosis
+    ("an emulated GPU", {"testing"}),  # fitting runs under testing.memory_budget
+    ("fit", {"fitting"}),
+    # process: main (parse, run the verb), run_here, finish_process; server: `memfit serve` (runs a verb in a
+    # child through process.run_here); commands/serve.py starts it
+    ("the command line", {"commands", "process", "server"}),
+    ("the console script", {"cli"}),  # cli.entry: a served child or this process, then the fast exit
+    ("the faces", {"__main__", "memfit"}),  # `python -m memfit`; the public face of `import memfit`
 ]
 
 
 def _layer(mod: str) -> int:
-    top = mod.split(".")[1] if mod.count(".") >= 1 else mod
-    for i, names in enumerate(LAYERS):
+    top = mod.split(".")[1] if "." in mod else mod
+    for i, (_, names) in enumerate(LAYERS):
         if top in names:
             return i
-    raise AssertionError(f"module `{mod}` is in no layer of tests/test_layout.py")
+    raise AssertionError(f"module `{mod}` is in no layer of tests/test_layout.py LAYERS; add it")
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memfit."):
-            out.add(node.module)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("memfit."))
-    return out
+def test_each_module_is_in_exactly_one_layer():
+    names = [n for _, layer in LAYERS for n in layer]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    tops = {m.split(".")[1] if "." in m else m for m in MODULES}
+    assert not set(names) - tops, f"LAYERS names modules that do not exist: {sorted(set(names) - tops)}"
+    for mod in MODULES:
+        _layer(mod)
 
 
-@pytest.mark.parametrize("mod", [m for m in MODULES if m != "memfit"])
-def test_no_import_from_a_higher_layer(mod):
-    path = SRC.joinpath(*mod.split(".")[1:])
-    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-    own = _layer(mod)
-    above = sorted(m for m in _imports(path) if _layer(m) > own)
-    assert not above, f"`{mod}` (layer {own}) imports from higher layers: {above}"
+def test_no_import_from_a_higher_layer():
+    bad = sorted(f"{a} ({LAYERS[_layer(a)][0]}) imports {b} ({LAYERS[_layer(b)][0]}) at "
+                 f"{', '.join(f'{_path(a).relative_to(SRC.parent)}:{line}' for line, _ in sorted(set(sites)))}"
+                 for (a, b), sites in EDGES.items() if _layer(b) > _layer(a))
+    assert not bad, "imports from a higher layer:\n  " + "\n  ".join(bad)
 
 
+# -- packages ------------------------------------------------------------------------------------------------
+def _exports(init: Path) -> list[str]:
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+def test_no_package_exports_the_name_of_its_own_submodule():
+    """`memfit.fitting.preflight` as a function and as a module: `import memfit.fitting.<module>` rebinds the
+    package attribute to the module, and `from memfit.fitting import <name>` then gives either."""
+    bad = []
+    for pkg in (m for m in MODULES if _is_package(m)):
+        subs = {m.rsplit(".", 1)[1] for m in MODULES if m.rsplit(".", 1)[0] == pkg and m != pkg}
+        bad += [f"{pkg}.{name}" for name in _exports(_path(pkg)) if name in subs]
+    assert not bad, f"exported names that are also submodules: {bad}"
+
+
+def test_the_readme_layout_names_every_package():
+    text = README.read_text(encoding="utf-8")
+    match = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    assert match, f"{README.name} has no `## Layout` section"
+    section = match.group(1)
+    packages = sorted(m.split(".", 1)[1] for m in MODULES if _is_package(m) and m.count(".") == 1)
+    missing = [p for p in packages if not re.search(rf"(?<![\w/]){re.escape(p)}/", section)]
+    assert not missing, f"the README's Layout section does not name the packages {missing} (as `name/`)"
+
+
+# -- the public face and the tests ---------------------------------------------------------------------------
 def test_public_face_is_complete_and_lazy():
     code = ("import sys, memfit\n"
             "assert 'torch' not in sys.modules, 'import memfit must not import torch'\n"

@@ -12,6 +12,7 @@ from memfit.cli import main
 from memfit.errors import MemfitError
 from memfit.models.limits import position_limits
 from memfit.models.build import build_meta_model, default_task
+from memfit.models.resolve import resolve
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
 
@@ -31,7 +32,7 @@ def _offline(monkeypatch):
     ("xlnet-large-cased", "seq-cls"),  # XLNetLMHeadModel, but fine-tuned like BERT (and the seed case)
 ])
 def test_default_task_of_bundled_models(model, task):
-    setup = TrainSetup(model=model)
+    setup = resolve(TrainSetup(model=model))
     assert setup.task == task
     assert setup.notes[-1].startswith(f"task `{task}` chosen from ")
 
@@ -57,7 +58,7 @@ def test_a_module_has_its_own_head():
         model = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                            intermediate_size=64, vocab_size=100))
     assert default_task(model)[0] == "mlm"
-    assert TrainSetup(model=model).task == "mlm"
+    assert resolve(TrainSetup(model=model)).task == "mlm"
 
 
 def test_an_explicit_task_is_kept_and_adds_no_note():
@@ -67,7 +68,7 @@ def test_an_explicit_task_is_kept_and_adds_no_note():
 
 def test_the_default_task_note_does_not_touch_the_callers_list():
     notes = ["mine"]
-    setup = TrainSetup(model="gpt2", notes=notes)
+    setup = resolve(TrainSetup(model="gpt2", notes=notes))
     assert notes == ["mine"] and setup.notes[0] == "mine" and len(setup.notes) == 2
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from memfit.models.catalog import bundled_model_ids, load_bundled_config
 from memfit.models.build import build_meta_model, shared_parameter_names
+from memfit.models.resolve import resolve
 from memfit.train_setup import TASKS, TrainSetup
 
 #: `slow`, and skipped unless asked for: the default run (`pytest -q`) selects no marker.
@@ -103,7 +104,7 @@ def _cases():
         moe = any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1
                   for k in ("num_local_experts", "num_experts", "n_routed_experts"))
         narrow = _width(config) < _WIDE and not moe
-        default = TrainSetup(model=hub_id).task
+        default = resolve(TrainSetup(model=hub_id)).task
         # issue 12's configs (configs/SOURCES.md): their default task only; one real block of a 70B or of 32 experts
         # is about a billion parameters, and the other heads are the same code as their families' older models
         for task in [default] if hub_id in _ISSUE_12 else TASKS:

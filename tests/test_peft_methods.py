@@ -21,6 +21,7 @@ from memfit.models import peft_methods
 from memfit.peaks import peaks
 from memfit.sim import engine
 from memfit.sim.engine import simulate
+from memfit.models.resolve import resolve
 from memfit.train_setup import TrainSetup
 
 T = ["q_proj", "v_proj"]
@@ -78,8 +79,8 @@ def _config(layers: int = 2) -> LlamaConfig:
 
 
 def _setup(kind: str, kw: dict, layers: int = 2) -> TrainSetup:
-    return TrainSetup(model=_config(layers), task="causal-lm", per_device_train_batch_size=2, max_length=16,
-                      optim="adamw_torch", peft_config={"peft_type": kind, **kw})
+    return resolve(TrainSetup(model=_config(layers), task="causal-lm", per_device_train_batch_size=2, max_length=16,
+                              optim="adamw_torch", peft_config={"peft_type": kind, **kw}))
 
 
 def _peft_trainable(kind: str, kw: dict) -> int:
@@ -175,7 +176,7 @@ def test_adalora_is_not_spliced():
 # -- inputs -----------------------------------------------------------------------------------------------------
 def _bad(match: str, **kw):
     with pytest.raises(MemfitError, match=match) as info:
-        TrainSetup(model=_config(), task="causal-lm", **kw)
+        resolve(TrainSetup(model=_config(), task="causal-lm", **kw))
     assert "\n" not in str(info.value)
 
 
@@ -195,11 +196,11 @@ def test_bad_peft_configs_are_one_line_errors():
 def test_peft_config_objects_and_json_are_read():
     from peft import IA3Config
 
-    obj = TrainSetup(model=_config(), task="causal-lm", peft_config=IA3Config(target_modules=["k_proj"],
-                                                                            feedforward_modules=[]))
+    obj = resolve(TrainSetup(model=_config(), task="causal-lm", peft_config=IA3Config(target_modules=["k_proj"],
+                                                                                    feedforward_modules=[])))
     assert obj.peft_config["peft_type"] == "IA3" and obj.peft_config["target_modules"] == ["k_proj"]
     json.dumps(obj.peft_config)  # cacheable
-    text = TrainSetup(model=_config(), task="causal-lm", peft_config='{"peft_type": "ia3"}')
+    text = resolve(TrainSetup(model=_config(), task="causal-lm", peft_config='{"peft_type": "ia3"}'))
     assert text.peft_config["peft_type"] == "ia3"
     assert peft_methods.setup_config(text).task_type == "CAUSAL_LM"  # memfit's task, as for LoRA
 
@@ -249,7 +250,7 @@ def test_preflight_reads_a_peft_models_method(tmp_path):
     from peft import IA3Config, get_peft_model
     from transformers import Trainer, TrainingArguments
 
-    from memfit.fitting.preflight import setup_from_trainer
+    from memfit.fitting.preflight_check import setup_from_trainer
 
     torch.manual_seed(0)
     model = get_peft_model(LlamaForCausalLM(_config()), IA3Config(task_type="CAUSAL_LM", **CONFIGS["IA3"]))

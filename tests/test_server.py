@@ -179,7 +179,7 @@ def test_a_served_child_runs_its_own_exit_handlers_not_the_servers(tmp_path):
     import atexit
     import socket as socketlib
 
-    from memfit import cli, server
+    from memfit import process, server
 
     ours, theirs = socketlib.socketpair()
     pid = os.fork()
@@ -192,7 +192,7 @@ def test_a_served_child_runs_its_own_exit_handlers_not_the_servers(tmp_path):
                 atexit.register(lambda: (tmp_path / "request-handler-ran").write_text("x"))
                 return 0
 
-            cli.run_here = request
+            process.run_here = request
             null = [os.open(os.devnull, os.O_RDWR) for _ in range(3)]
             server._run_child(theirs, null, {"argv": ["estimate"], "cwd": str(tmp_path), "env": dict(os.environ)},
                               {"ADDED_BY_IMPORT": "1"})

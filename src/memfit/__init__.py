@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from memfit._version import __version__
+
 if TYPE_CHECKING:
     from memfit.diagnosis.verb import Diagnosis, diagnose
     from memfit.errors import MemfitError
     from memfit.estimator import MemoryReport, estimate
-    from memfit.fitting.preflight import PreflightReport, preflight
+    from memfit.fitting.preflight_check import PreflightReport, preflight
     from memfit.fitting.callback import MemfitCallback
     from memfit.fitting.run import FitReport, fit
     from memfit.planner.search import PlanResult, plan
@@ -34,7 +36,6 @@ __all__ = [
     "MemoryReport", "PlanResult", "Diagnosis", "PreflightReport", "FitReport", "MemfitError",
     "MemfitCallback",  # TRL (issue 13)
 ]
-__version__ = "0.1.0"
 
 _LAZY = {
     "TrainSetup": "memfit.train_setup",
@@ -46,8 +47,8 @@ _LAZY = {
     "plan": "memfit.planner.search",
     "FitReport": "memfit.fitting.run",
     "fit": "memfit.fitting.run",
-    "PreflightReport": "memfit.fitting.preflight",
-    "preflight": "memfit.fitting.preflight",
+    "PreflightReport": "memfit.fitting.preflight_check",
+    "preflight": "memfit.fitting.preflight_check",
     "MemfitError": "memfit.errors",
     "MemfitCallback": "memfit.fitting.callback",
 }

@@ -79,9 +79,9 @@ def source_hash() -> str:
 def _versions() -> dict[str, str | None]:
     from importlib import metadata
 
-    import memfit
+    from memfit._version import __version__
 
-    out: dict[str, str | None] = {"memfit": memfit.__version__}
+    out: dict[str, str | None] = {"memfit": __version__}
     for name in _PACKAGES:
         try:
             out[name] = metadata.version(name)

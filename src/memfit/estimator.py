@@ -29,6 +29,7 @@ from memfit.errors import MemfitError
 from memfit.gpus.catalog import GpuSpec, as_gpu_spec
 from memfit.gpus.outside_pytorch import cublas_workspace_bytes
 from memfit.gpus.outside_pytorch import non_pytorch_bytes as _non_pytorch_table
+from memfit.models.resolve import resolve
 from memfit.peaks import BREAKDOWN_KEYS, peaks
 from memfit.allocator.bounded import RESOLUTION_BYTES, SteadyState, bounded_reserved
 from memfit.trace import REPORT_PHASES, TraceEvent
@@ -301,6 +302,7 @@ def estimate(
             setup = TrainSetup.from_kwargs(base.pop("model"), training_args=fields, **base)
         else:
             setup = setup.replace(**fields)
+    setup = resolve(setup)  # the task from the model, the peft_config read by peft
     spec = as_gpu_spec(gpu)
     if capacity_bytes is not None:
         if spec is None:

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from memfit import process
 from memfit.errors import MemfitError
 
 __all__ = ["serve", "run_served", "stop", "socket_path", "socket_dir", "DEFAULT_IDLE_S"]
@@ -186,15 +187,16 @@ def stop() -> bool:
 
 # -- the server ---------------------------------------------------------------------------------------------
 def _preload() -> None:
-    """Import what the compute verbs import (memfit.cli builds every verb's parser; the estimator, the engine
-    and the planner import torch and transformers' model utilities)."""
-    import memfit.cli  # noqa: F401
+    """Import what the compute verbs import (memfit.process builds every verb's parser; the estimator, the engine
+    and the planner import torch and transformers' model utilities), their import-time log lines quieted as
+    memfit.process.run_here quiets them."""
+    process.quiet_import_noise()
     import memfit.estimator  # noqa: F401
     import memfit.planner.search  # noqa: F401
     import memfit.sim.engine  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
-    memfit.cli.build_parser()
+    process.build_parser()
     if os.environ.get("MEMFIT_SERVE_WARMUP", "1") != "0":
         from memfit.commands.estimate import SEED_CASE
         from memfit.estimator import estimate
@@ -379,9 +381,7 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict,
         sys.argv = ["memfit", *argv]
         conn.settimeout(None)
         conn.sendall(_message(b"P", os.getpid()))
-        from memfit import cli
-
-        code = cli.run_here(argv)
+        code = process.run_here(argv)
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:  # noqa: BLE001 - what a fresh process would print: the traceback, exit 1
@@ -390,9 +390,7 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict,
         traceback.print_exc()
         code = 1
     finally:
-        from memfit.cli import finish_process
-
-        finish_process()  # this request's exit handlers (the server's were cleared), then the output flushed
+        process.finish_process()  # this request's exit handlers (the server's were cleared), then the output flushed
         try:
             conn.sendall(_message(b"C", code))
         except OSError:

@@ -217,6 +217,10 @@ _ARG_TO_FIELD = {
     "liger_kernel_config": "liger_kernel_config",
 }
 
+# -- torchao Float8 training (issue 12) --
+#: torchao 0.18 float8/config.py `Float8LinearRecipeName` values (tests/test_float8.py checks them against it).
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
 # -- attention, Liger kernels, activation memory (issue 12) ------------------------------------
 #: `attn_implementation` values memfit simulates (memfit.sim.kernels.flash_attn emulates the flash kernels).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -429,18 +433,9 @@ class TrainSetup:
         _check_peft(self)  # peft methods (issue 12)
         _check_quantization(self)
         _check_trl(self)  # TRL (issue 13)
-        if self.float8_recipe is not None:  # torchao Float8 training (issue 12)
-            from memfit.models.float8 import check_float8
-
-            check_float8(self.float8_recipe, precision=self.precision,
-                         quantized=self.load_in_4bit or self.load_in_8bit,
-                         peft=self.lora_r is not None or bool(self.peft_config))
-        if self.task is None:  # last: it reads the model's config (a clear MemfitError when there is none)
-            from memfit.models.build import default_task  # memfit.models imports this module
-
-            self.task, why = default_task(self.model)
-            self.notes = [*self.notes, why]
-        if self.trainer != "trainer" and self.task != "causal-lm":  # TRL (issue 13)
+        _check_float8(self)  # torchao Float8 training (issue 12)
+        # task None: memfit.models.resolve fills it from the model, then checks the setup again
+        if self.task is not None and self.trainer != "trainer" and self.task != "causal-lm":  # TRL (issue 13)
             raise MemfitError(f"trainer `{self.trainer}` trains a causal language model, but the task is "
                               f"`{self.task}`; use `task='causal-lm'` (a *ForCausalLM model)")
 
@@ -735,17 +730,31 @@ def _check_quantization(setup: "TrainSetup") -> None:
                           "(`--lora-r 16`)")
 
 
+def _check_float8(setup: "TrainSetup") -> None:
+    """torchao Float8 training (memfit.models.float8): a one-line MemfitError when `float8_recipe` cannot run
+    with this setup: float8 runs under bf16 autocast, and memfit models it without quantized weights or adapters."""
+    recipe = setup.float8_recipe
+    if recipe is None:
+        return
+    if not isinstance(recipe, str) or recipe not in FLOAT8_RECIPES:
+        raise MemfitError(f"float8 recipe `{recipe}` is not one of {', '.join(FLOAT8_RECIPES)} "
+                          "(torchao Float8LinearRecipeName); use e.g. `--float8 tensorwise`")
+    if setup.precision != "bf16":
+        raise MemfitError(f"float8 training runs under bf16 autocast (accelerate mixed_precision=\"fp8\"), but "
+                          f"precision is `{setup.precision}`; use `--precision bf16`")
+    if setup.load_in_4bit or setup.load_in_8bit or setup.lora_r is not None or setup.peft_config:
+        what = "bitsandbytes-quantized weights" if setup.load_in_4bit or setup.load_in_8bit else "LoRA / peft adapters"
+        raise MemfitError(f"float8 training with {what} is not modelled (accelerate would convert the adapter's "
+                          f"linears too); drop `--float8 {recipe}` or the {what}")
+
+
 def _check_peft(setup: "TrainSetup") -> None:
-    """peft methods (issue 12): `peft_config` read and checked by peft (memfit.models.peft_methods), `use_dora`."""
+    """peft methods (issue 12): LoRA given once, `use_dora` only with LoRA. peft reads and checks `peft_config`
+    itself in memfit.models.resolve (memfit.models.peft_methods)."""
     if setup.peft_config is not None:
         if setup.lora_r is not None:
             raise MemfitError("both `lora_r` and `peft_config` are set; give LoRA by its fields (`lora_r`, "
                               "`use_dora`, ...) or by `peft_config` with `\"peft_type\": \"LORA\"`, not both")
-        from memfit.models.peft_methods import normalize_peft_config
-
-        setup.peft_config, notes = normalize_peft_config(setup.peft_config)
-        if notes:
-            setup.notes = [*setup.notes, *notes]
     if setup.use_dora and setup.lora_r is None:
         raise MemfitError("`use_dora` is a LoRA setting but no LoRA rank is set; add `lora_r` (`--lora-r 16 --use-dora`)")
 

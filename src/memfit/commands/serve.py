@@ -59,9 +59,6 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"memfit serve: no server runs for this environment ({server.socket_path()})", file=sys.stderr)
         return 1
     idle_s = _idle_seconds(args.idle_minutes)
-    from memfit.cli import quiet_import_noise
-
-    quiet_import_noise()  # the server imports what the compute verbs import (memfit.cli.run_here does the same)
 
     def ready(path) -> None:
         print(f"memfit serve: ready at {path}; estimate, plan, diagnose and replay in this environment start "

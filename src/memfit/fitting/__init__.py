@@ -1,5 +1,5 @@
-"""`memfit.fit` / `memfit.preflight`: wrap a real Trainer run. run (the orchestrator), preflight,
-recovery (OOM in a micro-step or evaluation), optimizer_step, saving, resume (with checkpoint_files:
+"""`memfit.fit` / `memfit.preflight`: wrap a real Trainer run. run (the orchestrator), preflight_check
+(preflight), recovery (OOM in a micro-step or evaluation), optimizer_step, saving, resume (with checkpoint_files:
 is a checkpoint intact), interrupt (SIGINT / SIGTERM), distributed, and _trainer (every Trainer /
 accelerate internal memfit touches)."""
 
@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from memfit.fitting.run import fit, FitReport, apply_plan
-    from memfit.fitting.preflight import preflight, PreflightReport, PreflightFlag
+    from memfit.fitting.preflight_check import preflight, PreflightReport, PreflightFlag
     from memfit.fitting.recovery import is_oom_error
     from memfit.fitting.interrupt import FitInterrupted
 
 __all__ = ["fit", "FitReport", "apply_plan", "preflight", "PreflightReport", "PreflightFlag", "is_oom_error",
            "FitInterrupted"]
 
-_LAZY = {"fit": "run", "FitReport": "run", "apply_plan": "run", "preflight": "preflight", "PreflightReport": "preflight", "PreflightFlag": "preflight", "is_oom_error": "recovery",
+_LAZY = {"fit": "run", "FitReport": "run", "apply_plan": "run", "preflight": "preflight_check",
+         "PreflightReport": "preflight_check", "PreflightFlag": "preflight_check", "is_oom_error": "recovery",
          "FitInterrupted": "interrupt"}
 
 

@@ -4,7 +4,7 @@
     trainer = SFTTrainer(..., callbacks=[MemfitCallback(gpu="auto")])   # any Trainer or TRL trainer
     trainer.train()
 
-At `on_train_begin` it runs memfit's preflight (memfit.fitting.preflight) on the trainer's model,
+At `on_train_begin` it runs memfit's preflight (memfit.fitting.preflight_check) on the trainer's model,
 arguments, training dataset and collator, and warns (`on_oom="warn"`) or raises a MemfitError
 (`on_oom="stop"`) when the run is predicted not to fit. During training it records the measured peak
 of each phase (micro-steps up to `on_pre_optimizer_step`, the optimizer step up to
@@ -120,7 +120,7 @@ class MemfitCallback(TrainerCallback):
     # -- events --------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, processing_class=None, train_dataloader=None,
                        eval_dataloader=None, **kwargs):
-        from memfit.fitting.preflight import preflight
+        from memfit.fitting.preflight_check import preflight
 
         view = _TrainerView(args, model, processing_class, train_dataloader, eval_dataloader)
         budget = self.budget_bytes

@@ -4,7 +4,7 @@
     report = memfit.fit(trainer, gpu="auto")
     print(report.steps_completed, report.oom_recoveries)
 
-1. `preflight` (memfit.fitting.preflight): the setup of the trainer, the estimate, the traps.
+1. `preflight` (memfit.fitting.preflight_check): the setup of the trainer, the estimate, the traps.
 2. When a GPU (or an emulated budget) is known and the setup does not fit, memfit's plan
    (memfit.planner.search) is applied to `trainer.args` before training: micro-batch / accumulation,
    fp16/bf16 (CUDA only), optimizer, eval batch size / eval_accumulation_steps, gradient
@@ -54,7 +54,7 @@ from typing import Any, Callable, NamedTuple
 from memfit.errors import MemfitError
 from memfit.files import write_json_atomic
 from memfit.trace import FINAL_EVAL, OPTIMIZER, RUN_PHASES, TRAINING
-from memfit.fitting.preflight import (PreflightFlag, PreflightReport, check_budget, check_budget_covers_model,
+from memfit.fitting.preflight_check import (PreflightFlag, PreflightReport, check_budget, check_budget_covers_model,
                                      check_trainer, preflight)
 from memfit.gpus.catalog import as_gpu_spec
 from memfit.fitting.recovery import OOM_FRAGMENTS, ChunkedTrainingStep, Meter, Recovery, guard_evaluation, is_oom_error
@@ -652,6 +652,6 @@ def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimi
 def _spec_for(gpu: Any, budget_bytes: int | None):
     if gpu is not None:
         return as_gpu_spec(gpu)
-    from memfit.fitting.preflight import budget_spec
+    from memfit.fitting.preflight_check import budget_spec
 
     return budget_spec(budget_bytes)

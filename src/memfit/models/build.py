@@ -357,18 +357,19 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
     import copy
 
     config = copy.deepcopy(spec.config)  # the head settings below must not reach a caller's (or a live model's) config
-    if setup.task in ("seq-cls", "token-cls"):
+    task = setup.task or _task_of_config(spec.config)[0]  # a setup memfit.models.resolve has not seen: the default
+    if task in ("seq-cls", "token-cls"):
         config.num_labels = setup.num_labels
-        if setup.task == "seq-cls" and setup.num_labels > 1 and getattr(config, "problem_type", None) is None:
+        if task == "seq-cls" and setup.num_labels > 1 and getattr(config, "problem_type", None) is None:
             # what most heads set on their first forward with integer labels; DeBERTa-v2 otherwise
             # takes a `labels.nonzero()` path whose output size depends on the data
             config.problem_type = "single_label_classification"
     if setup.attn_implementation is not None:
         config._attn_implementation = setup.attn_implementation
-    if getattr(config, "pad_token_id", None) is None and setup.task == "seq-cls":
+    if getattr(config, "pad_token_id", None) is None and task == "seq-cls":
         # Trainer users must set it for batch > 1 (GPT-2/Llama seq-cls); it does not change memory.
         config.pad_token_id = 0
-    auto = getattr(transformers, TASKS[setup.task])
+    auto = getattr(transformers, TASKS[task])
     dtype = _WEIGHT_DTYPES.get(setup.weights_dtype)
     if setup.weights_dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
@@ -379,7 +380,7 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
             model = auto.from_config(config, dtype=dtype)
     except ValueError as err:
         raise MemfitError(
-            f"`{spec.name}` ({config.model_type}) has no `{setup.task}` head in transformers "
+            f"`{spec.name}` ({config.model_type}) has no `{task}` head in transformers "
             f"{transformers.__version__}: {str(err).splitlines()[0][:160]}. Choose another --task"
         ) from err
     if any(not p.is_meta for p in model.parameters()):

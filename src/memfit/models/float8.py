@@ -31,39 +31,14 @@ from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
 
-if TYPE_CHECKING:  # torch is imported where it is used: TrainSetup's validation imports this module
+if TYPE_CHECKING:  # torch is imported where it is used
     import torch.nn as nn
 
-#: torchao 0.18 float8/config.py `Float8LinearRecipeName` values (tests/test_float8.py checks them against it).
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 #: float8 GEMMs (`torch._scaled_mm`) need compute capability 8.9 or newer: torch aten/src/ATen/native/cuda/Blas.cpp
 #: `_scaled_mm_allowed_device` (major >= 9, or 8.9), and the rowwise kernels exist for sm89, sm9x and sm10x
 #: (aten/src/ATen/native/cuda/RowwiseScaledMM.cu `f8f8bf16_rowwise`). L4 / RTX 4090 / L40S are 8.9, H100 9.0,
 #: B200 10.0.
 MIN_COMPUTE_CAPABILITY = (8, 9)
-
-
-def check_float8(recipe: object, *, precision: str, quantized: bool, peft: bool) -> None:
-    """A one-line MemfitError when `recipe` cannot run with this setup (TrainSetup's validation).
-
-    Args:
-        recipe: the `float8_recipe` value (None: off).
-        precision: the setup's mixed precision; float8 runs under bf16 autocast.
-        quantized: whether the base weights are bitsandbytes-quantized.
-        peft: whether LoRA or another peft method is on.
-    """
-    if recipe is None:
-        return
-    if not isinstance(recipe, str) or recipe not in FLOAT8_RECIPES:
-        raise MemfitError(f"float8 recipe `{recipe}` is not one of {', '.join(FLOAT8_RECIPES)} "
-                          "(torchao Float8LinearRecipeName); use e.g. `--float8 tensorwise`")
-    if precision != "bf16":
-        raise MemfitError(f"float8 training runs under bf16 autocast (accelerate mixed_precision=\"fp8\"), but "
-                          f"precision is `{precision}`; use `--precision bf16`")
-    if quantized or peft:
-        what = "bitsandbytes-quantized weights" if quantized else "LoRA / peft adapters"
-        raise MemfitError(f"float8 training with {what} is not modelled (accelerate would convert the adapter's "
-                          f"linears too); drop `--float8 {recipe}` or the {what}")
 
 
 def check_float8_gpu(compute_capability: tuple[int, int]) -> None:

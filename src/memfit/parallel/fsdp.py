@@ -49,6 +49,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.models.blocks import repeated_layer_lists
+from memfit.models.resolve import resolve
 from memfit.parallel import _dist_adapter as dadapter
 from memfit.parallel.setup import ParallelSetup
 from memfit.sim.engine import Simulation, _Runner
@@ -219,6 +220,7 @@ def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps
         # cannot do, and memfit's fake run has one device: not emulated
         raise MemfitError("FSDP1 with CPU offload (`fsdp_offload_params` / `offload`) is not modelled by memfit; "
                           "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy is")
+    setup = resolve(setup)
     replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
     with isolated_simulation(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
         runner = _FsdpRunner(setup, parallel, mesh, gpu)

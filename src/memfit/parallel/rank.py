@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from memfit.models.resolve import resolve
 from memfit.parallel.nccl import hybrid_group_nccl_bytes, nccl_buffer_bytes
 from memfit.parallel.setup import ParallelSetup
 from memfit.parallel.zero import ParamInventory, ZeroBuffer, deepspeed_model_states_bytes, zero_buffers
@@ -237,6 +238,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
     GPU's GpuSpec, as memfit.sim.engine.simulate takes it."""
     from memfit.sim.engine import simulate
 
+    setup = resolve(setup)
     nccl = nccl_buffer_bytes(parallel.world_size, parallel.nodes)
     hybrid = parallel.strategy == "fsdp" and parallel.hybrid_shard
     if hybrid:  # issue 14 strategies: the shard and replicate groups' communicators

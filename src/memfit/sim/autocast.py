@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from memfit.sim import _torch_adapter as adapter
-from memfit.sim.cuda_patches import patched
+from memfit.sim.patching import patched
 
 __all__ = ["LOWER_PRECISION_OPS", "FP32_OPS", "FP32_SET_OPT_DTYPE_OPS", "PROMOTE_OPS", "cuda_autocast", "cuda_autocast_policy"]
 

@@ -3,8 +3,8 @@
 A simulation runs the real model code on fake CPU tensors; where a CUDA run would take
 another code path, the Python-level function is replaced for the duration of the run
 (models look these functions up at call time, which also covers recomputation inside the
-backward under gradient checkpointing). Each patch is a context manager built on `patched`,
-so no replacement outlives the simulation, even when it raises:
+backward under gradient checkpointing). Each patch is a context manager built on
+memfit.sim.patching.patched, so no replacement outlives the simulation, even when it raises:
 
 * `cuda_one_hot`: `F.one_hot` as aten runs it on a CUDA tensor.
 * `cuda_sdpa`: `F.scaled_dot_product_attention` routed to the CUDA backend emulation
@@ -21,24 +21,17 @@ time in one process (threads); the engine runs one at a time.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["patched", "cuda_one_hot", "cuda_sdpa", "cuda_patches"]
+from memfit.sim import moe  # MoE topic (issue 12): the experts' grouped GEMM
+from memfit.sim.kernels import flash_attn
+from memfit.sim.patching import patched
 
-
-@contextlib.contextmanager
-def patched(owner: Any, name: str, replacement: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """Set `owner.name = replacement` for the enclosed code; yields the original."""
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield original
-    finally:
-        setattr(owner, name, original)
+__all__ = ["cuda_one_hot", "cuda_sdpa", "cuda_patches"]
 
 
 def cuda_one_hot() -> contextlib.AbstractContextManager[Any]:
@@ -113,10 +106,7 @@ def cuda_patches(*, compute_capability: tuple[int, int], sdpa_log: list[str],
         sdpa_log: receives the SDPA backend of every SDPA call.
         flash_log: receives the flash kernel of every flash-attention call (None: flash not patched).
     """
-    from memfit.sim.kernels.flash_attn import flash_patches
-    from memfit.sim.moe import cuda_grouped_mm  # MoE topic (issue 12): the experts' grouped GEMM
-
-    flash = (flash_patches(compute_capability=compute_capability, log=flash_log) if flash_log is not None
-             else contextlib.nullcontext())
-    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log), cuda_one_hot(), cuda_grouped_mm(), flash:
+    flash = (flash_attn.flash_patches(compute_capability=compute_capability, log=flash_log)
+             if flash_log is not None else contextlib.nullcontext())
+    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log), cuda_one_hot(), moe.cuda_grouped_mm(), flash:
         yield

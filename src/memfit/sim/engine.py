@@ -34,6 +34,7 @@ from torch import nn
 
 from memfit.sim.quiet import isolated_simulation
 from memfit.models.build import ModelSpec, to_empty_tied
+from memfit.models.resolve import resolve
 from memfit.models.quantization import capture, parameter_count, quant_state_tensors, quiet_bnb_logs, restore
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.autocast import cuda_autocast, cuda_autocast_policy
@@ -583,6 +584,7 @@ def simulate(
     `gpu` is the target GPU (memfit.gpus.catalog): its compute capability (kernel choices) and SM
     count (bitsandbytes' 4-bit GEMM choice); None: the setup's compute capability, no SM count.
     """
+    setup = resolve(setup)
     kwargs = dict(optimizer_steps=optimizer_steps, train=train, optimizer_only=optimizer_only)
     with isolated_simulation():
         if splice and not optimizer_only and trl_steps.wants_splice(setup):  # train=False: the evaluation

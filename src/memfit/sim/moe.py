@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.sim.cuda_patches import patched
+from memfit.sim.patching import patched
 
 __all__ = ["RoutingFigures", "routing_figures", "routing_note", "mxfp4_note", "cuda_grouped_mm", "check_experts_implementation"]
 

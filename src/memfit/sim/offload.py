@@ -80,7 +80,7 @@ def host_offload_patch(tracker: Any) -> Iterator[None]:
     """transformers' `save_on_cpu` (checkpointing with `offload=True`) routed to `host_saved_tensors`."""
     import transformers.modeling_utils as mu
 
-    from memfit.sim.cuda_patches import patched
+    from memfit.sim.patching import patched
 
     def save_on_cpu(pin_memory: bool = False, device_type: str = "cuda"):
         return host_saved_tensors(tracker)

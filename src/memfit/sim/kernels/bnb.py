@@ -239,7 +239,7 @@ def bnb_cuda_patches() -> Iterator[None]:
     """`bnb.matmul` -> its CUDA path for the simulation (undone on exit)."""
     import bitsandbytes as bnb
 
-    from memfit.sim.cuda_patches import patched
+    from memfit.sim.patching import patched
 
     with patched(bnb, "matmul", cuda_int8_matmul):
         yield

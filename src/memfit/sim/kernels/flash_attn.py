@@ -54,6 +54,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.sim.kernels.sdpa_choice import _NUM_SMS, _ceil_div, _round_up
+from memfit.sim.patching import patched
 from memfit.train_setup import ATTN_IMPLEMENTATIONS, HUB_FLASH_KERNELS
 
 __all__ = ["FLASH_IMPLEMENTATIONS", "HUB_FLASH_KERNELS", "ATTN_IMPLEMENTATIONS", "FlashRule", "flash_rule",
@@ -354,8 +355,6 @@ def flash_patches(*, compute_capability: tuple[int, int], log: list[str] | None 
     """
     from transformers import masking_utils
     from transformers import modeling_flash_attention_utils as mfau
-
-    from memfit.sim.cuda_patches import patched
 
     cc = (int(compute_capability[0]), int(compute_capability[1]))
     kernels = {2: _make_kernels(2, cc), 3: _make_kernels(3, cc)}

@@ -146,7 +146,7 @@ def flex_patches(log: list[str] | None = None) -> Iterator[None]:
     import transformers.integrations.flex_attention as hf_flex
     import transformers.masking_utils as mu
 
-    from memfit.sim.cuda_patches import patched
+    from memfit.sim.patching import patched
 
     def kernel(*args: Any, **kwargs: Any):
         if log is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.gpus.catalog import as_gpu_spec
+from memfit.models.resolve import resolve
 from memfit.train_setup import TrainSetup
 from memfit.units import parse_size
 
@@ -148,7 +149,7 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
     setup = TrainSetup.from_training_args(trainer.args, model=config, **fields)
     if setup.eval_strategy == "no" and eval_ds is not None and getattr(trainer.args, "do_eval", False):
         setup = setup.replace(eval_strategy="epoch")
-    return setup, lengths
+    return resolve(setup), lengths
 
 
 def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None) -> list[int] | None:
