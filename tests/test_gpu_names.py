@@ -21,6 +21,10 @@ NEW_ENTRIES = [
     ("RTX-4080", "15.99 GiB", (8, 9)), ("RTX-5090", "31.36 GiB", (12, 0)), ("H100-PCIe", "79.11 GiB", (9, 0)),
     ("H100-NVL", "93.00 GiB", (9, 0)), ("H20", "95.00 GiB", (9, 0)), ("B200", "178.35 GiB", (10, 0)),
     ("MI250", "63.98 GiB", (9, 0)), ("MI250X", "63.98 GiB", (9, 0)), ("MI300X", "191.98 GiB", (9, 4)),
+    ("A40", "44.43 GiB", (8, 6)), ("A800-80GB", "79.14 GiB", (8, 0)), ("H800", "79.11 GiB", (9, 0)),
+    ("GH200", "94.88 GiB", (9, 0)), ("GB200", "184.30 GiB", (10, 0)), ("L20", "44.42 GiB", (8, 9)),
+    ("RTX-PRO-6000", "94.97 GiB", (12, 0)), ("RTX-4060Ti-8GB", "7.80 GiB", (8, 9)),
+    ("RTX-4060Ti-16GB", "15.70 GiB", (8, 9)), ("RTX-4070", "11.76 GiB", (8, 9)),
 ]
 
 
@@ -79,6 +83,12 @@ def test_nvidia_smi_names_resolve_case_insensitively(printed, name):
     ("4080", "RTX-4080"), ("rtx_5090", "RTX-5090"), ("h100 pcie", "H100-PCIe"), ("h100-sxm", "H100-80GB"),
     ("h100 nvl", "H100-NVL"), ("mi300x", "MI300X"), ("MI250X", "MI250X"), ("4090", "RTX-4090"),
     ("tesla-t4", "T4"), ("a100-40g", "A100-40GB"), ("h200-141gb", "H200"),
+    ("NVIDIA A40", "A40"), ("NVIDIA A800-SXM4-80GB", "A800-80GB"), ("NVIDIA A800 80GB PCIe", "A800-80GB"),
+    ("NVIDIA H800", "H800"), ("NVIDIA GH200 480GB", "GH200"), ("NVIDIA GB200", "GB200"), ("NVIDIA L20", "L20"),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "RTX-PRO-6000"),
+    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "RTX-PRO-6000"), ("rtx pro 6000", "RTX-PRO-6000"),
+    ("rtx 4060 ti 16gb", "RTX-4060Ti-16GB"), ("4060ti-8gb", "RTX-4060Ti-8GB"),
+    ("NVIDIA GeForce RTX 4070", "RTX-4070"), ("4070", "RTX-4070"),
 ])
 def test_short_names_users_type(typed, name):
     assert resolve_gpu(typed).name == name
@@ -110,8 +120,18 @@ def test_ambiguous_names_ask_with_the_choices(text, choices):
 
 
 def test_rtx_6000_names_the_cards_outside_the_catalog():
-    with pytest.raises(MemfitError, match="ambiguous: RTX-6000-Ada.*Quadro RTX 6000.*24GiB"):
+    with pytest.raises(MemfitError, match="ambiguous: RTX-6000-Ada.*RTX-PRO-6000.*Quadro RTX 6000.*24GiB"):
         resolve_gpu("rtx 6000")
+
+
+def test_4060_ti_and_a800_ask_for_the_memory():
+    with pytest.raises(MemfitError, match="ambiguous: RTX-4060Ti-8GB.*RTX-4060Ti-16GB"):
+        resolve_gpu("NVIDIA GeForce RTX 4060 Ti")
+    with pytest.raises(MemfitError, match="ambiguous: A800-80GB.*40GB PCIe"):
+        resolve_gpu("a800")
+    # detection settles the 4060 Ti by the device's own memory
+    assert spec_from_device("NVIDIA GeForce RTX 4060 Ti", CATALOG["rtx-4060ti-16gb"].total_bytes, (8, 9), 34).name \
+        == "RTX-4060Ti-16GB"
 
 
 @pytest.mark.parametrize("text,guess", [
@@ -146,8 +166,10 @@ def test_variants_with_other_memory_are_not_silently_mapped():
                  "Quadro RTX 6000", ""):
         with pytest.raises(MemfitError):
             resolve_gpu(text)
-    with pytest.raises(MemfitError, match="closest: .*RTX-4080"):
-        resolve_gpu("rtx 4070")
+    with pytest.raises(MemfitError, match="closest: .*RTX-4070"):
+        resolve_gpu("rtx 4070 ti")
+    with pytest.raises(MemfitError, match="not in the catalog"):  # 300 W, lower clocks: not the 600 W card
+        resolve_gpu("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition")
 
 
 # --- detection (`auto`) uses the same table; the device's own figures win ---

@@ -81,3 +81,29 @@ def test_api_gpu_and_setup_arguments_are_clear_errors():
         estimate(3)
     with pytest.raises(MemfitError, match="is not a TrainSetup"):
         plan(3, gpu="T4")
+
+
+# --- the multi-GPU flags: --gpus resolves names as --gpu does; --world-size must be positive ---
+
+def test_gpus_takes_the_names_gpu_takes():
+    from memfit.parallel.setup import parse_gpus
+
+    assert parse_gpus("8xNVIDIA H100 80GB HBM3") == (8, "NVIDIA H100 80GB HBM3")
+    count, name = parse_gpus("4 x rtx pro 6000")
+    assert count == 4 and resolve_gpu(name).name == "RTX-PRO-6000"
+    assert resolve_gpu(parse_gpus("8xNVIDIA H100 80GB HBM3")[1]).name == "H100-80GB"
+    for bad in ("0xA100-80GB", "A100-80GB", "8x "):
+        with pytest.raises(MemfitError, match="COUNTxGPU"):
+            parse_gpus(bad)
+
+
+def test_world_size_zero_is_a_one_line_error():
+    import argparse
+
+    from memfit.commands._args import parallel_from_args
+
+    args = argparse.Namespace(world_size=0, gpus=None, accelerate_config=None, strategy=None, deepspeed=None,
+                              fsdp=None, fsdp_config=None, nodes=None)
+    with pytest.raises(MemfitError, match="--world-size `0` must be at least 1") as err:
+        parallel_from_args(args, None)
+    assert "\n" not in str(err.value)

@@ -220,3 +220,71 @@ def test_bare_names_are_unambiguous():
     assert len(bare) == len(set(bare))
     for h in IDS:
         assert find_bundled(h.rsplit("/", 1)[-1]) == h
+
+
+# --- instruct / base twins people fine-tune: each resolves offline to a config of its own architecture ---
+
+#: hub id -> (the bundled id it loads, the published parameter count it must build to)
+TWINS = {
+    "google/gemma-3-4b-it": ("google/gemma-3-4b-pt", None),  # text config of the multimodal checkpoint
+    "meta-llama/Llama-3.3-70B-Instruct": ("meta-llama/Llama-3.1-70B", 70_600_000_000),
+    "mistralai/Mistral-Nemo-Instruct-2407": ("mistralai/Mistral-Nemo-Instruct-2407", 12_200_000_000),
+    "mistralai/Mixtral-8x7B-v0.1": ("mistralai/Mixtral-8x7B-Instruct-v0.1", 46_700_000_000),
+    "Qwen/Qwen2.5-7B-Instruct": ("Qwen/Qwen2.5-7B-Instruct", 7_610_000_000),
+}
+
+
+@pytest.mark.parametrize("hub_id", sorted(TWINS))
+def test_fine_tuned_twins_resolve_offline_with_their_parameter_count(hub_id, monkeypatch):
+    from memfit.models.build import build_meta_model
+    from memfit.train_setup import TrainSetup
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target, published = TWINS[hub_id]
+    assert find_bundled(hub_id) == target
+    info = bundled_info(hub_id)
+    if published is None:  # Gemma 3 4B: the text model only; the record says so and what it leaves out
+        assert "text config" in info["note"] and info["params_excluded"]["count"] > 0
+        published = info["params"] - info["params_excluded"]["count"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_meta_model(TrainSetup(model=hub_id, task="causal-lm", max_length=16))
+    assert abs(_count_params(model) - published) / published <= max(info.get("params_rel_tol", 0.01), 0.012)
+
+
+def test_instruct_twins_that_differ_in_a_field_memfit_reads_are_files_not_aliases():
+    for hub_id, base in (("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B"),
+                         ("mistralai/Mistral-Nemo-Instruct-2407", "mistralai/Mistral-Nemo-Base-2407")):
+        from memfit.models.catalog import ALIASES
+
+        assert hub_id in bundled_model_ids() and hub_id not in ALIASES
+        assert _raw(hub_id)["max_position_embeddings"] != _raw(base)["max_position_embeddings"]
+        same = {k: v for k, v in _raw(hub_id).items() if k not in ("max_position_embeddings", "eos_token_id",
+                                                                    "sliding_window", "_memfit")}
+        assert same == {k: _raw(base)[k] for k in same}, hub_id  # the same architecture otherwise
+
+
+def test_not_bundled_offline_names_the_same_family_first(monkeypatch):
+    from memfit.errors import MemfitError
+    from memfit.models import build
+    from memfit.models.catalog import similar_bundled
+
+    assert similar_bundled("Qwen/Qwen2.5-7B-Chat") == ["Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct"]
+    assert "meta-llama/Llama-3.1-8B-Instruct" in similar_bundled("meta-llama/Llama-3.1-8B-Chat")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MemfitError) as err:
+        build.resolve_config("mistralai/Mistral-Nemo-Chat-2407")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "closest to `mistralai/Mistral-Nemo-Chat-2407`: mistralai/Mistral-Nemo-Base-2407, " \
+           "mistralai/Mistral-Nemo-Instruct-2407;" in message
+
+
+def test_list_models_shows_the_aliases(capsys):
+    from memfit.cli import main
+
+    assert main(["estimate", "--list-models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "Qwen/Qwen2.5-7B-Instruct" in lines
+    assert "mistralai/Mixtral-8x7B-v0.1 (same architecture as mistralai/Mixtral-8x7B-Instruct-v0.1)" in lines
+    assert "google/gemma-3-4b-it (same architecture as google/gemma-3-4b-pt)" in lines

@@ -262,3 +262,33 @@ def test_efficient_forward_allocations_and_mask_padding():
         names = [(shape, dtype) for _, shape, dtype, _ in rec.order]
         assert ((B, H, L), torch.float32) in names  # delta
         assert any(dt == torch.uint8 for _, dt in names)  # workspace (fp32 grad accumulators)
+
+
+# --- the SM count comes from the GPU catalog (memfit.gpus.catalog), one fallback where it is unknown ---
+
+def test_num_sms_reads_the_catalog_and_falls_back_to_one_constant():
+    from memfit.gpus.catalog import CATALOG, FALLBACK_SM_COUNT, resolve_gpu
+    from memfit.sim.kernels.sdpa_choice import num_sms
+
+    assert num_sms(CATALOG["l4"]) == 58 and num_sms(CATALOG["rtx-4090"]) == 128  # both sm89
+    assert num_sms(CATALOG["h100-pcie"]) == 114 and num_sms(CATALOG["h100-80gb"]) == 132  # both sm90
+    assert num_sms(70) == 70
+    assert num_sms(None) == num_sms(resolve_gpu("24GiB")) == FALLBACK_SM_COUNT == 108  # a size: SMs unknown
+
+
+def test_the_gpus_sm_count_drives_the_flash_split_kv_choice(monkeypatch):
+    """FA2's set_params_splitkv: num_splits_heuristic(..., multiProcessorCount * 2, ...); a short query
+    (B*H*m_blocks = 8) splits over an L4's 58 SMs differently than over an H100's 132."""
+    import memfit.sim.kernels.sdpa as sdpa
+
+    seen = []
+    real = sdpa._num_splits_heuristic
+    monkeypatch.setattr(sdpa, "_num_splits_heuristic", lambda a, sms, n, m: seen.append(sms) or real(a, sms, n, m))
+    q = torch.zeros(1, 8, 16, 64, dtype=torch.float16)
+    k = torch.zeros(1, 8, 4096, 64, dtype=torch.float16)
+    with FakeTensorMode():
+        fq, fk = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k))
+        for sm_count in (58, 132, None):
+            emulated_sdpa(fq, fk, fk, compute_capability=(8, 9), sm_count=sm_count)
+    assert seen == [116, 264, 216]
+    assert real(8, 116, 16, 128) != real(8, 264, 16, 128)

@@ -47,7 +47,8 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.units import GiB, MiB, format_bytes, format_size_torch, parse_size
 
-__all__ = ["GpuSpec", "CATALOG", "resolve_gpu", "as_gpu_spec", "catalog_names", "spec_from_device"]
+__all__ = ["GpuSpec", "CATALOG", "resolve_gpu", "as_gpu_spec", "catalog_names", "spec_from_device",
+           "FALLBACK_SM_COUNT"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ def _gib(printed: float) -> int:
     """Bytes for a `format_size` figure such as 14.75 (GiB), aligned to 1 MiB."""
     return round(printed * GiB / MiB) * MiB
 
+
+#: SMs assumed wherever the GPU is unknown (a size such as `24GiB`, a generic detected device, a setup
+#: with a compute capability but no GPU): the A100's 108 ("NVIDIA A100 Tensor Core GPU Architecture"
+#: whitepaper: 108 of the GA100's 128 SMs enabled), the GPU whose rates `_generic` assumes too.
+FALLBACK_SM_COUNT = 108
 
 _ROCM_NOTE = ("ROCm: torch reports the gfx arch as compute capability; memfit's SDPA/kernel rules are "
               "CUDA's and only approximate on AMD GPUs")
@@ -182,6 +188,62 @@ _SPECS = (
     GpuSpec("RTX-5090", _gib(31.36), (12, 0), 104.8, 104.8, 209.5, 209.5, 1792.0,
             "31.36 GiB total capacity: TrajectoryCrafter/TrajectoryCrafter#20; 31.37 GiB: Wan-Video/Wan2.1#465",
             sm_count=170),
+    # "NVIDIA A40" datasheet: 37.4 FP32, 74.8 TF32 (149.6*), 149.7 FP16/BF16 (299.4*), 48 GB GDDR6 with ECC,
+    # 696 GB/s; GA102 with 10752 CUDA cores = 84 SMs
+    GpuSpec("A40", _gib(44.43), (8, 6), 37.4, 74.8, 149.7, 149.7, 696.0,
+            "44.43 GiB: unverified (the A40 runs with ECC on: 46068 MiB in nvidia-smi, as the ECC-on RTX 6000 "
+            "Ada that prints 44.43 GiB in DINGYANB/MTVCrafter#21)",
+            ("with ECC off the card reports about 3 GiB more; pass the size if so",), sm_count=84),
+    # "NVIDIA A800 Tensor Core GPU" datasheet (80GB SXM): the A100's rates (19.5 FP32, 156 TF32, 312 FP16/BF16),
+    # 80 GB HBM2e at 2039 GB/s; NVLink cut to 400 GB/s (China export part)
+    GpuSpec("A800-80GB", _gib(79.14), (8, 0), 19.5, 156.0, 312.0, 312.0, 2039.0,
+            "79.14 GiB: unverified (the same 80 GB HBM2e as the A100-80GB, lianqi1008/Control-GIC#6)",
+            ("NVLink 400 GB/s (the A100's is 600 GB/s)",), sm_count=108),
+    # "NVIDIA H800 Tensor Core GPU" datasheet (SXM): the H100 SXM's 67 FP32, 989* TF32, 1979* FP16/BF16 (*sparse:
+    # dense is half), 80 GB HBM3 at 3.35 TB/s; FP64 and NVLink (400 GB/s) cut (China export part); 132 SMs
+    GpuSpec("H800", _gib(79.11), (9, 0), 67.0, 494.5, 989.5, 989.5, 3350.0,
+            "79.11 GiB: unverified (nvidia-smi 81559 MiB, as the H100 SXM that prints 79.11 GiB in "
+            "vllm-project/vllm#27508)", ("H800 SXM (nvidia-smi `NVIDIA H800`); NVLink 400 GB/s",), sm_count=132),
+    # "NVIDIA GH200 Grace Hopper Superchip" datasheet: H100 GPU (132 SMs) at 67 FP32, 494 TF32, 990 FP16/BF16,
+    # 96 GB HBM3 at 4 TB/s (a 144 GB HBM3e, 4.9 TB/s version exists)
+    GpuSpec("GH200", _gib(94.88), (9, 0), 67.0, 494.5, 989.5, 989.5, 4000.0,
+            "94.88 GiB total capacity: Lightning-AI/litgpt#1892 (nvidia-smi 97871 MiB)",
+            ("the 96 GB HBM3 GH200 (nvidia-smi `NVIDIA GH200 480GB`); the Grace CPU's LPDDR5X is not GPU memory "
+             "to PyTorch's allocator; for the 144 GB HBM3e version pass its size",), sm_count=132),
+    # "NVIDIA GB200 NVL72" spec table / 72 GPUs: 5760 / 72 = 80 FP32, 180 PF* TF32 -> 1250 dense, 360 PF* FP16/BF16
+    # -> 2500 dense, 13.4 TB HBM3e -> 186 GB per GPU at 8 TB/s; compute capability 10.0 (sgl-project/sglang#11208)
+    GpuSpec("GB200", _gib(184.30), (10, 0), 80.0, 1250.0, 2500.0, 2500.0, 8000.0,
+            "184.30 GiB: unverified (the B200's 180 GB prints as 178.35 GiB; scaled to the GB200's 186 GB)",
+            ("one Blackwell GPU of a GB200 superchip (nvidia-smi `NVIDIA GB200`); SM count assumed the B200's 148",),
+            sm_count=148),
+    # L20 (Ada AD102, China export part): no public NVIDIA datasheet; product brief figures as reported: 59.8 FP32,
+    # 59.8 TF32 (119.5*), 119.5 FP16/BF16 (239*), 48 GB GDDR6 with ECC at 864 GB/s, 92 SMs
+    GpuSpec("L20", _gib(44.42), (8, 9), 59.8, 59.8, 119.5, 119.5, 864.0,
+            "44.42 GiB: unverified (the same 48 GB GDDR6 with ECC as the L40S, stepfun-ai/Step-Video-T2V#8)",
+            ("rates from NVIDIA's L20 product brief as reported; no public datasheet",), sm_count=92),
+    # "NVIDIA RTX PRO 6000 Blackwell" datasheet / RTX Blackwell whitepaper (Workstation Edition): GB202 with 188 SMs,
+    # 125 FP32, 4000 AI TOPS (FP4, sparse) -> FP16/BF16 dense with FP32 accumulate 500, TF32 250; 96 GB GDDR7
+    # (ECC) at 1792 GB/s; compute capability 12.0. The RTX Blackwell whitepaper's table of 188 SMs is quoted in
+    # NVIDIA/cudnn-frontend#1164.
+    GpuSpec("RTX-PRO-6000", _gib(94.97), (12, 0), 125.0, 250.0, 500.0, 500.0, 1792.0,
+            "94.97 GiB: CUDA's total of the 97887 MiB card in antirez/ds4#431 (Linux); WSL2 prints 95.59 GiB "
+            "(pytorch/pytorch#182286)",
+            ("RTX PRO 6000 Blackwell Workstation / Server Edition (the 300 W Max-Q edition runs lower clocks)",),
+            sm_count=188),
+    # RTX 4060 Ti (AD106) spec page: 4352 cores (34 SMs) at 2.535 GHz -> 22.1 FP32; 18 Gbps x 128-bit = 288 GB/s.
+    # Tensor rates derived per Ada GeForce SM (Ada whitepaper: the RTX 4090's 165.2 FP16 w/ FP32 acc =
+    # 128 SMs x 2.52 GHz x 512 FLOP/clk): 34 x 2.535 GHz x 512 = 44.1, TF32 half of that.
+    GpuSpec("RTX-4060Ti-8GB", _gib(7.80), (8, 9), 22.1, 22.1, 44.1, 44.1, 288.0,
+            "7.80 GiB: unverified (an 8192 MiB card prints 7.80 GiB on Linux: CompVis/stable-diffusion#485, "
+            "Quadro RTX 4000); Windows prints 8.00 GiB", sm_count=34),
+    GpuSpec("RTX-4060Ti-16GB", _gib(15.70), (8, 9), 22.1, 22.1, 44.1, 44.1, 288.0,
+            "15.70 GiB: unverified (Linux figure of a 16 GB GeForce card, as for the RTX-4080); Windows prints "
+            "16.00 GiB", sm_count=34),
+    # RTX 4070 (AD104) spec page: 5888 cores (46 SMs) at 2.475 GHz -> 29.1 FP32; 21 Gbps x 192-bit = 504 GB/s;
+    # tensor rates derived as for the RTX 4060 Ti (46 x 2.475 GHz x 512 = 58.3 FP16 w/ FP32 acc)
+    GpuSpec("RTX-4070", _gib(11.76), (8, 9), 29.1, 29.1, 58.3, 58.3, 504.0,
+            "11.76 GiB: unverified (assumed equal to the 12 GB RTX 3060's 11.76 GiB, TencentARC/PhotoMaker#47)",
+            sm_count=46),
     # "AMD Instinct MI250X" datasheet (per OAM, two GCDs): 47.9 FP32 vector, 95.7 FP32 matrix, 383 FP16/BF16,
     # 3.2768 TB/s. Per GCD (what PyTorch sees): half. fp32 = the matrix rate (rocBLAS fp32 GEMMs use MFMA);
     # CDNA2 has no TF32. gfx90a -> (9, 0) (hipDeviceProp_t major/minor).
@@ -207,8 +269,10 @@ CATALOG: dict[str, GpuSpec] = {g.name.lower(): g for g in _SPECS}
 #: and what torch.cuda.get_device_name() / nvidia-smi print (e.g. `Tesla V100-SXM2-16GB`,
 #: `NVIDIA A100-SXM4-80GB`, `NVIDIA A100 80GB PCIe`, `NVIDIA H100 80GB HBM3`, `NVIDIA H100 PCIe`,
 #: `NVIDIA H100 NVL`, `NVIDIA RTX 6000 Ada Generation`, `AMD Instinct MI250X/MI250`,
-#: `AMD Instinct MI300X`). Variants with other memory or clocks (RTX 3060 Ti, 4080 SUPER, 4090 D,
-#: V100S, P100 12GB) deliberately do not match.
+#: `AMD Instinct MI300X`, `NVIDIA A800-SXM4-80GB`, `NVIDIA H800`, `NVIDIA GH200 480GB`, `NVIDIA GB200`,
+#: `NVIDIA RTX PRO 6000 Blackwell Workstation Edition`, `NVIDIA GeForce RTX 4060 Ti`). Variants with other
+#: memory or clocks (RTX 3060 Ti, 4070 Ti, 4080 SUPER, 4090 D, V100S, P100 12GB, H800 PCIe, RTX PRO 6000
+#: Max-Q) deliberately do not match.
 _NAME_TABLE: tuple[tuple[str, str | tuple[str, ...]], ...] = (
     (r"v100", ("V100-16GB", "V100-32GB")),
     (r"v100(sxm[23]|pcie|fhhl|dgxs)?16gb?", "V100-16GB"),
@@ -235,13 +299,25 @@ _NAME_TABLE: tuple[tuple[str, str | tuple[str, ...]], ...] = (
     (r"l40s", "L40S"),
     (r"(rtx)?a6000", "RTX-A6000"),
     (r"(rtx)?6000ada(generation)?", "RTX-6000-Ada"),
-    (r"rtx6000", ("RTX-6000-Ada",)),  # also the Turing Quadro RTX 6000 (24 GB) and RTX PRO 6000 (96 GB)
+    (r"rtx6000", ("RTX-6000-Ada", "RTX-PRO-6000")),  # also the Turing Quadro RTX 6000 (24 GB)
+    (r"(rtx)?pro6000(blackwell)?(workstation|server)?(edition)?(96gb?)?", "RTX-PRO-6000"),
     (r"(rtx)?3060(12gb?)?", "RTX-3060"),
     (r"(rtx)?3080", ("RTX-3080-10GB", "RTX-3080-12GB")),
     (r"(rtx)?308010gb?", "RTX-3080-10GB"),
     (r"(rtx)?308012gb?", "RTX-3080-12GB"),
     (r"(rtx)?4080(16gb?)?", "RTX-4080"),
     (r"(rtx)?5090(32gb?)?", "RTX-5090"),
+    (r"a40(48gb?)?", "A40"),
+    (r"a800", ("A800-80GB",)),  # also the A800 40GB PCIe
+    (r"a800(sxm4?|pcie)?80gb?(pcie|sxm4?)?", "A800-80GB"),
+    (r"h800(sxm5?)?(80gb?)?(hbm3)?", "H800"),
+    (r"gh200(480gb?)?(96gb?)?(hbm3)?", "GH200"),
+    (r"gb200(186gb?)?", "GB200"),
+    (r"l20(48gb?)?", "L20"),
+    (r"(rtx)?4060ti", ("RTX-4060Ti-8GB", "RTX-4060Ti-16GB")),
+    (r"(rtx)?4060ti8gb?", "RTX-4060Ti-8GB"),
+    (r"(rtx)?4060ti16gb?", "RTX-4060Ti-16GB"),
+    (r"(rtx)?4070(12gb?)?", "RTX-4070"),
     (r"mi250x", "MI250X"),
     (r"mi250", "MI250"),
     (r"mi250xmi250", ("MI250X", "MI250")),  # ROCm names both boards `AMD Instinct MI250X/MI250`
@@ -253,8 +329,9 @@ _CHOICE_LABELS = {"H100-80GB": "SXM"}
 
 #: Extra words for an ambiguous name whose other meanings are not in the catalog.
 _AMBIGUOUS_HINTS = {
-    ("RTX-6000-Ada",): "the Turing Quadro RTX 6000 (24 GB) and the RTX PRO 6000 Blackwell (96 GB) are not in "
-                       "the catalog: for them pass a size such as `24GiB`",
+    ("RTX-6000-Ada", "RTX-PRO-6000"): "pass one of them; the Turing Quadro RTX 6000 (24 GB) is not in the catalog: "
+                                      "for it pass a size such as `24GiB`",
+    ("A800-80GB",): "the A800 40GB PCIe is not in the catalog: for it pass a size such as `39.50GiB`",
 }
 
 # Vendor and product-line words that nvidia-smi / torch print but users leave out ("Quadro" is kept:
@@ -287,7 +364,7 @@ def _lookup(text: str) -> str | tuple[str, ...] | None:
 def _kind_outside_catalog(text: str) -> str | None:
     """`laptop` or `MIG slice` for device names the catalog deliberately does not hold."""
     low = text.lower()
-    if re.search(r"\b(laptop|mobile|max-q)\b", low):
+    if re.search(r"\b(laptop|mobile)\b", low) or (re.search(r"\bmax-q\b", low) and "workstation" not in low):
         return "laptop GPU"
     if re.search(r"\bmig\b", low):
         return "MIG slice"

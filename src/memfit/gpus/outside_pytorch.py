@@ -40,7 +40,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from memfit.gpus.catalog import GpuSpec
+from memfit.gpus.catalog import FALLBACK_SM_COUNT, GpuSpec
 from memfit.units import KiB, MiB
 
 __all__ = ["NonPytorchEstimate", "non_pytorch_bytes", "measure_non_pytorch_bytes", "cublas_workspace_bytes",
@@ -55,7 +55,6 @@ _STACK_PER_THREAD_BYTES = 1 * KiB  # cudaLimitStackSize default
 #: Specifications per Compute Capability"); 2048 for the others (6.x, 7.0, 8.0, 9.0, 10.0) and for
 #: AMD CDNA compute units (32 waves of 64, an assumption: ROCm's context is not modelled from source).
 _THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 0): 1536}
-_DEFAULT_SM_COUNT = 108  # A100, for a generic GPU whose SM count is unknown
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ def non_pytorch_bytes(gpu: GpuSpec, *, lazy_loading: bool | None = None) -> NonP
     """Estimate the CUDA context and library memory of one training process on `gpu`."""
     if lazy_loading is None:
         lazy_loading = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER"
-    sms = gpu.sm_count or _DEFAULT_SM_COUNT
+    sms = gpu.sm_count or FALLBACK_SM_COUNT
     threads = _THREADS_PER_SM.get(gpu.compute_capability, 2048)
     stack = sms * threads * _STACK_PER_THREAD_BYTES
     kernels = _LAZY_KERNELS_BYTES if lazy_loading else _EAGER_KERNELS_BYTES
@@ -108,7 +107,7 @@ def non_pytorch_bytes(gpu: GpuSpec, *, lazy_loading: bool | None = None) -> NonP
         "estimate +-150 MiB; measure with memfit.gpus.outside_pytorch.measure_non_pytorch_bytes() on the GPU",
     ]
     if not gpu.sm_count:
-        notes.append(f"SM count of `{gpu.name}` unknown; assumed {_DEFAULT_SM_COUNT} (A100)")
+        notes.append(f"SM count of `{gpu.name}` unknown; assumed {FALLBACK_SM_COUNT} (A100)")
     if gpu.vendor == "amd":
         notes.append("ROCm: the HIP context is estimated with CUDA's figures (not measured on AMD GPUs)")
     return NonPytorchEstimate(sum(breakdown.values()), breakdown, tuple(notes))

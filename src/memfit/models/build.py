@@ -78,7 +78,12 @@ def resolve_config(model: Any) -> ModelSpec:
             # for ~20 s before giving up (HF_HUB_ETAG_TIMEOUT, its backoff)
             return ModelSpec(name, AutoConfig.from_pretrained(name, local_files_only=offline), "hub")
     except Exception as err:  # offline, unknown id, gated repo, unknown model_type ...
+        from memfit.models.catalog import similar_bundled
+
+        similar = similar_bundled(name) if known else []
         shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+        if similar:  # a name of the same family (an -Instruct twin) or close to it: the likely same architecture
+            shown = f"closest to `{name}`: {', '.join(similar)}; all: " + shown
         why = "no connection to the Hugging Face hub and not in its local cache" if offline else type(err).__name__
         raise MemfitError(
             f"model `{name}` is not bundled and its config could not be fetched ({why}). "

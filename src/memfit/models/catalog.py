@@ -24,7 +24,9 @@ Names are matched case-insensitively and may be given as the canonical hub id
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "bundled_model_ids",
+    "bundled_aliases",
+    "similar_bundled",
     "find_bundled",
     "load_bundled_config",
     "bundled_info",
@@ -71,7 +75,12 @@ ALIASES: dict[str, str] = {
     "HuggingFaceTB/SmolLM2-360M-Instruct": "HuggingFaceTB/SmolLM2-360M",
     "HuggingFaceTB/SmolLM2-1.7B": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
     "Qwen/Qwen2.5-Coder-7B": "Qwen/Qwen2.5-Coder-7B-Instruct",
+    # Mixtral 8x7B base: the Instruct config's fields (MixtralForCausalLM, 32 x 4096, 8 experts top-2, vocab 32000,
+    # max_position_embeddings 32768, rope_theta 1e6), as public code quotes the base hub config.json
+    "mistralai/Mixtral-8x7B-v0.1": "mistralai/Mixtral-8x7B-Instruct-v0.1",
 }
+# Not aliases: Qwen2.5-7B-Instruct (max_position_embeddings 32768, the base 131072) and Mistral-Nemo-Instruct-2407
+# (1024000, the base 128000) differ from their base in a field memfit reads (the max-length check): both are files.
 
 
 @lru_cache(maxsize=None)
@@ -115,6 +124,41 @@ def _alias_index() -> dict[str, str]:
 def bundled_model_ids() -> list[str]:
     """Return the canonical hub ids of all bundled configs, sorted."""
     return sorted(_read_all(), key=str.lower)
+
+
+def bundled_aliases() -> dict[str, str]:
+    """The :data:`ALIASES` that resolve (alias -> the bundled hub id it loads), sorted by alias."""
+    ids = _read_all()
+    return {a: t for a, t in sorted(ALIASES.items(), key=lambda kv: kv[0].lower()) if t in ids}
+
+
+_VARIANT_WORDS = re.compile(r"-(instruct|it|chat|base|pt|hf|v\d+(\.\d+)*|\d{4})(?=-|$)")
+
+
+def _family(hub_id: str) -> str:
+    """`mistralai/Mistral-Nemo-Instruct-2407` -> `mistral-nemo`: the bare name without variant words."""
+    bare = hub_id.strip().strip("/").lower().rsplit("/", 1)[-1]
+    previous = None
+    while previous != bare:
+        previous, bare = bare, _VARIANT_WORDS.sub("", bare)
+    return bare
+
+
+def similar_bundled(name: str, n: int = 4) -> list[str]:
+    """Bundled ids (and aliases) most likely to share `name`'s architecture, for an id that is not bundled.
+
+    First the ids of the same family and size (the name without `-Instruct`, `-it`, `-Base`, `-v0.1`,
+    a 4-digit date: the twins of one architecture); else the closest names (difflib). Offline this is a
+    guess from the name, not a check of the architecture.
+    """
+    names = bundled_model_ids() + list(bundled_aliases())
+    family = _family(name)
+    same = [i for i in names if _family(i) == family]
+    if same:
+        return same[:n]
+    by_bare = {i.lower().rsplit("/", 1)[-1]: i for i in names}
+    close = difflib.get_close_matches(name.strip().lower().rsplit("/", 1)[-1], list(by_bare), n=n, cutoff=0.6)
+    return [by_bare[c] for c in close]
 
 
 def find_bundled(name: str) -> str | None:

@@ -211,11 +211,12 @@ class ParallelSetup:
         return out
 
 
-_GPUS = re.compile(r"^\s*(\d+)\s*[x×*]\s*(\S+)\s*$", re.IGNORECASE)
+# the GPU part may hold spaces (`8xNVIDIA H100 80GB HBM3`): resolve_gpu reads it as it reads --gpu
+_GPUS = re.compile(r"^\s*(\d+)\s*[x×*]\s*(\S.*?)\s*$", re.IGNORECASE)
 
 
 def parse_gpus(text: str) -> tuple[int, str]:
-    """`8xA100-80GB` -> (8, "A100-80GB")."""
+    """`8xA100-80GB` -> (8, "A100-80GB"); the GPU is any name or size `--gpu` takes."""
     m = _GPUS.match(str(text))
     if not m or int(m.group(1)) < 1:
         raise MemfitError(f"--gpus `{text}` is not COUNTxGPU; write e.g. `8xA100-80GB`")

@@ -55,7 +55,8 @@ def cuda_one_hot() -> contextlib.AbstractContextManager[Any]:
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def cuda_sdpa(*, compute_capability: tuple[int, int], log: list[str]) -> contextlib.AbstractContextManager[Any]:
+def cuda_sdpa(*, compute_capability: tuple[int, int], log: list[str],
+              sm_count: int | None = None) -> contextlib.AbstractContextManager[Any]:
     """Route `F.scaled_dot_product_attention` to the CUDA backend emulation.
 
     CUDA autocast puts `scaled_dot_product_attention` on its lower-precision list
@@ -66,6 +67,7 @@ def cuda_sdpa(*, compute_capability: tuple[int, int], log: list[str]) -> context
     Args:
         compute_capability: the emulated GPU's (major, minor); it decides the backends.
         log: receives the name of the backend of every call.
+        sm_count: the GPU's SMs (flash's split-KV heuristic); None: the fallback count.
     """
     from memfit.sim.kernels.sdpa import choose_backend, emulated_sdpa
 
@@ -91,22 +93,24 @@ def cuda_sdpa(*, compute_capability: tuple[int, int], log: list[str]) -> context
                 compute_capability=cc,
             )
             log.append(choice.backend)
-            return emulated_sdpa(**call, compute_capability=cc)
+            return emulated_sdpa(**call, compute_capability=cc, sm_count=sm_count)
 
     return patched(F, "scaled_dot_product_attention", sdpa)
 
 
 @contextlib.contextmanager
 def cuda_patches(*, compute_capability: tuple[int, int], sdpa_log: list[str],
-                 flash_log: list[str] | None = None) -> Iterator[None]:
+                 flash_log: list[str] | None = None, sm_count: int | None = None) -> Iterator[None]:
     """All the function-level patches of a simulation run, entered together.
 
     Args:
         compute_capability: the emulated GPU's (major, minor).
         sdpa_log: receives the SDPA backend of every SDPA call.
         flash_log: receives the flash kernel of every flash-attention call (None: flash not patched).
+        sm_count: the GPU's SMs (GpuSpec.sm_count; None: unknown, memfit.gpus.catalog.FALLBACK_SM_COUNT).
     """
-    flash = (flash_attn.flash_patches(compute_capability=compute_capability, log=flash_log)
+    flash = (flash_attn.flash_patches(compute_capability=compute_capability, log=flash_log, sm_count=sm_count)
              if flash_log is not None else contextlib.nullcontext())
-    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log), cuda_one_hot(), moe.cuda_grouped_mm(), flash:
+    with cuda_sdpa(compute_capability=compute_capability, log=sdpa_log, sm_count=sm_count), cuda_one_hot(), \
+            moe.cuda_grouped_mm(), flash:
         yield

@@ -466,15 +466,16 @@ class _Runner:
             contexts.append(cuda_autocast_queries())
         if s.use_liger_kernel:  # Trainer's apply_liger_kernel, Triton emulated
             from memfit.sim.kernels.liger import liger_emulation
-            from memfit.sim.kernels.sdpa_choice import _NUM_SMS
+            from memfit.sim.kernels.sdpa_choice import num_sms
 
             contexts.append(liger_emulation([m for m in (self.model, self.cut) if m is not None],
-                                            trl_steps.liger_config(s), num_sms=_NUM_SMS.get(cc, 108),
+                                            trl_steps.liger_config(s), num_sms=num_sms(self.gpu),
                                             compute_capability=cc, log=self.liger_log))
         if self.fake:
             contexts.append(adapter.new_fake_mode())
         contexts.append(self.tracker)
-        contexts.append(cuda_patches(compute_capability=cc, sdpa_log=self.sdpa_backends, flash_log=self.flash_log))
+        contexts.append(cuda_patches(compute_capability=cc, sdpa_log=self.sdpa_backends, flash_log=self.flash_log,
+                                     sm_count=getattr(self.gpu, "sm_count", None)))
         if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
             from memfit.sim.offload import host_offload_patch  # checkpointed inputs kept in host memory
 

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError
-from memfit.sim.kernels.sdpa_choice import _NUM_SMS, _ceil_div, _round_up
+from memfit.sim.kernels.sdpa_choice import _ceil_div, _round_up, num_sms
 from memfit.sim.patching import patched
 from memfit.train_setup import ATTN_IMPLEMENTATIONS, HUB_FLASH_KERNELS
 
@@ -277,8 +277,8 @@ def _pad8(t: torch.Tensor) -> torch.Tensor:
     return t if d % 8 == 0 else torch.nn.functional.pad(t, [0, 8 - d % 8])
 
 
-def _make_kernels(version: int, cc: tuple[int, int]):
-    num_sms = _NUM_SMS.get(cc, 108)
+def _make_kernels(version: int, cc: tuple[int, int], sm_count: int | None = None):
+    sms = num_sms(sm_count)
 
     def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, softcap):
         _check_call(version, q, cc)
@@ -286,7 +286,7 @@ def _make_kernels(version: int, cc: tuple[int, int]):
         if version == 2:
             q, k, v = _pad8(q), _pad8(k), _pad8(v)
         out = _Flash.apply(q, k, v, cu_q, cu_k, max_q, max_k, float(dropout_p), bool(causal), float(softcap or 0.0),
-                           version, num_sms)
+                           version, sms)
         return out[..., :og] if out.size(-1) != og else out
 
     if version == 2:
@@ -346,18 +346,20 @@ def _padding_free_error() -> MemfitError:
 
 
 @contextlib.contextmanager
-def flash_patches(*, compute_capability: tuple[int, int], log: list[str] | None = None) -> Iterator[None]:
+def flash_patches(*, compute_capability: tuple[int, int], log: list[str] | None = None,
+                  sm_count: int | None = None) -> Iterator[None]:
     """Give transformers' flash path the emulated kernels (and fake-safe unpadding) for the enclosed code.
 
     Args:
         compute_capability: the emulated GPU's (major, minor); decides whether the kernels may run.
         log: receives `flash_attention_2` / `flash_attention_3` (varlen calls: `...:varlen`) per call.
+        sm_count: the GPU's SMs (FA2's split-KV heuristic); None: `FALLBACK_SM_COUNT` (sdpa_choice.num_sms).
     """
     from transformers import masking_utils
     from transformers import modeling_flash_attention_utils as mfau
 
     cc = (int(compute_capability[0]), int(compute_capability[1]))
-    kernels = {2: _make_kernels(2, cc), 3: _make_kernels(3, cc)}
+    kernels = {2: _make_kernels(2, cc, sm_count), 3: _make_kernels(3, cc, sm_count)}
     calls = log if log is not None else []
 
     loaded: dict[str, Any] = {}  # lazy_import_flash_attention caches what it loaded; so does this

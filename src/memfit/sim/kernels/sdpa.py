@@ -41,8 +41,8 @@ Known limitations
   assumed not to fit on sm86/sm87/sm89/sm120/sm121, 99 KiB parts).  The backward
   ``num_splits_key`` follows the code read (``ceil_div(num_keys, kBlockSizeJ)`` when the
   caller passes no value, which SDPA does not).  Older/newer torch may differ.
-* Flash split-KV (``set_params_splitkv``) depends on the SM count; a table of common GPUs
-  is used (``_NUM_SMS``), defaulting to 108.
+* Flash split-KV (``set_params_splitkv``) depends on the SM count: the GPU's (``sm_count``, from the
+  catalog's GpuSpec), else ``FALLBACK_SM_COUNT`` (memfit.gpus.catalog; ``num_sms``).
 * Deterministic mode (``torch.use_deterministic_algorithms``) is not modelled (flash's
   ``dq_accum`` would become ``(nsplits, ...)`` zeros; cuDNN would be rejected).
 * Philox seed/offset tensors are CPU tensors on CUDA (not GPU memory); here they are
@@ -62,7 +62,7 @@ import math
 import torch
 
 from memfit.sim.kernels.sdpa_choice import (  # noqa: F401  (re-exported)
-    _HALF, _NUM_SMS, ASSUMED_CUDNN_VERSION, SdpaChoice, _ceil_div, _round_up, choose_backend,
+    _HALF, ASSUMED_CUDNN_VERSION, SdpaChoice, _ceil_div, _round_up, choose_backend, num_sms,
 )
 
 __all__ = ["SdpaChoice", "choose_backend", "emulated_sdpa", "ASSUMED_CUDNN_VERSION"]
@@ -403,6 +403,7 @@ def emulated_sdpa(
     enable_gqa: bool = False,
     *,
     compute_capability: tuple[int, int] = (8, 0),
+    sm_count: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` that allocates what CUDA would."""
     cc = (int(compute_capability[0]), int(compute_capability[1]))
@@ -433,7 +434,7 @@ def emulated_sdpa(
         q, k, v = (_pad_last_dim(t, 8) for t in (query, key, value))
         # softmax scale computed from the original head dim (sdp::calculate_scale(query_, scale))
         sm_scale = scale if scale is not None else 1.0 / math.sqrt(og)
-        out = _FlashAttention.apply(q, k, v, float(dropout_p), bool(is_causal), sm_scale, _NUM_SMS.get(cc, 108))
+        out = _FlashAttention.apply(q, k, v, float(dropout_p), bool(is_causal), sm_scale, num_sms(sm_count))
         if out.size(-1) != og:  # post_process_flash_output
             out = out[..., :og]
         return out

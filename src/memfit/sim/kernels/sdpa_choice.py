@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 
-__all__ = ["SdpaChoice", "choose_backend", "ASSUMED_CUDNN_VERSION", "Backend"]
+from memfit.gpus.catalog import FALLBACK_SM_COUNT
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memfit.gpus.catalog import GpuSpec
+
+__all__ = ["SdpaChoice", "choose_backend", "num_sms", "ASSUMED_CUDNN_VERSION", "Backend"]
 
 Backend = Literal["flash", "efficient", "math", "cudnn"]
 
@@ -22,8 +27,20 @@ Backend = Literal["flash", "efficient", "math", "cudnn"]
 #: Only its comparisons against the thresholds in sdp_utils.cpp matter.
 ASSUMED_CUDNN_VERSION = 91900
 
-# multiProcessorCount of common parts, for flash's split-KV heuristic.
-_NUM_SMS = {(7, 0): 80, (7, 5): 40, (8, 0): 108, (8, 6): 84, (8, 9): 128, (9, 0): 132, (10, 0): 148, (12, 0): 170}
+
+def num_sms(gpu: "GpuSpec | int | None") -> int:
+    """The `multiProcessorCount` the emulated kernels size their work by: the GpuSpec's `sm_count`
+    (or the count given); `FALLBACK_SM_COUNT` (the A100's 108) where the GPU or its count is unknown.
+
+    Flash-attention's forward picks its split-KV count, and so the fp32 split accumulators it
+    allocates, from it (flash-attention csrc/flash_attn/flash_api.cpp `set_params_splitkv`:
+    `num_splits_heuristic(batch * heads * m_blocks, dprops->multiProcessorCount * 2, n_blocks, 128)`,
+    vendored by PyTorch as aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp);
+    Liger's RMSNorm backward allocates one fp32 row per SM.
+    """
+    count = gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else getattr(gpu, "sm_count", None)
+    return int(count) if count else FALLBACK_SM_COUNT
+
 
 _HALF = (torch.float16, torch.bfloat16)
 
