@@ -184,12 +184,31 @@ def _cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
     return out
 
 
-def _describe(path: list[str]) -> str:
+def _describe(path: list[str], edges: set[tuple[str, str]]) -> str:
+    """The cycle `path`, then every other import that ties its strongly connected component."""
+    members = _component(path[0], edges)
     steps = []
     for a, b in zip(path, path[1:]):
         where = ", ".join(f"{'lazy ' if lazy else ''}line {line}" for line, lazy in sorted(set(EDGES[(a, b)])))
         steps.append(f"{a} -> {b} ({_path(a).relative_to(SRC.parent)}: {where})")
-    return "\n  ".join(steps)
+    on_path = set(zip(path, path[1:]))
+    more = sorted(f"{a} -> {b}" for a, b in edges if a in members and b in members and (a, b) not in on_path)
+    return "\n  ".join(steps + ([f"also tied by: {', '.join(more)}"] if more else []))
+
+
+def _component(start: str, edges: set[tuple[str, str]]) -> set[str]:
+    """The modules that reach `start` and that `start` reaches."""
+    def reach(forward: bool) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            v = todo.pop()
+            for a, b in edges:
+                w = b if forward and a == v else a if not forward and b == v else None
+                if w is not None and w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+    return reach(True) & reach(False)
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -210,8 +229,9 @@ def test_no_import_cycle():
         assert edge in EDGES, f"LAZY_EXEMPT names `{edge[0]} -> {edge[1]}`, which no import makes; remove it"
         assert all(lazy for _, lazy in EDGES[edge]), f"`{edge[0]} -> {edge[1]}` is imported at module level"
         assert why, edge
-    cycles = _cycles(set(EDGES) - set(LAZY_EXEMPT))
-    assert not cycles, "import cycles (importer -> imported):\n  " + "\n\n  ".join(_describe(c) for c in cycles)
+    edges = set(EDGES) - set(LAZY_EXEMPT)
+    cycles = _cycles(edges)
+    assert not cycles, "import cycles (importer -> imported):\n  " + "\n\n  ".join(_describe(c, edges) for c in cycles)
 
 
 # -- the layers ----------------------------------------------------------------------------------------------
