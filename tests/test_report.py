@@ -250,3 +250,15 @@ def test_a_directory_is_not_a_view_path(report, tmp_path):
         report.to_html(tmp_path / "d.html")
     with pytest.raises(MemfitError, match=r"--plot writes \.png or \.svg"):
         report.plot(tmp_path / "x.jpg")
+
+
+def test_a_multi_gpu_report_is_drawn_for_rank_0(tiny_bert_dir, tmp_path):
+    from memfit.parallel import ParallelSetup
+
+    r = estimate(TrainSetup(model=tiny_bert_dir, max_length=16), gpu="T4", parallel=ParallelSetup(world_size=2,
+                                                                                                   strategy="ddp"))
+    tl = report_timeline(r)
+    assert max(s.allocated_bytes for s in tl.samples) == r.peak_allocated_bytes
+    text = open(r.to_html(tmp_path / "ddp.html"), encoding="utf-8").read()
+    _, data = _check_page(text, r)
+    assert (data["rank"], data["world_size"]) == (0, 2) and "Rank 0 of 2" in text

@@ -20,7 +20,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from memfit.report._chart import CHART_JS
-from memfit.report.style import PHASE_COLORS, category_color, category_label, phase_label
+from memfit.report.style import PHASE_COLORS, category_color, category_label
 from memfit.report.timeline import Timeline
 from memfit.units import format_bytes
 
@@ -75,7 +75,8 @@ def _json_script(data: Any) -> str:
 def _lines(report: "MemoryReport") -> list[dict[str, Any]]:
     out = []
     if report.gpu is not None:
-        out.append({"id": "gpu-total", "label": f"GPU memory ({report.gpu['name']})", "bytes": report.gpu["total_bytes"]})
+        out.append({"id": "gpu-total", "label": f"GPU memory ({report.gpu['name']})",
+                    "bytes": report.gpu["total_bytes"]})
         if report.capacity_bytes is not None:
             out.append({"id": "pytorch-capacity", "label": "what PyTorch can use", "bytes": report.capacity_bytes})
     if report.required_bytes is not None:
