@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.errors import MemfitError
-from memfit.report.timeline import DEFAULT_MAX_SAMPLES, DEFAULT_TOP_N, Timeline, timeline
+from memfit.report.timeline import Timeline, report_timeline
 
 if TYPE_CHECKING:
     from memfit.estimator import MemoryReport
@@ -25,23 +25,6 @@ __all__ = ["report_timeline", "timeline_frame", "check_view_paths", "write_views
 
 HTML_SUFFIXES = (".html", ".htm")
 PLOT_SUFFIXES = (".png", ".svg")
-
-
-def report_timeline(report: "MemoryReport", *, max_samples: int | None = None, top_n: int = DEFAULT_TOP_N
-                    ) -> Timeline:
-    """The timeline of `report`: its trace replayed as the estimate replayed it (at `capacity_bytes`, or
-    without a GPU at `required_bytes`)."""
-    if not report.trace:
-        raise MemfitError(f"the report of `{report.model}` has no trace (read from memfit's cache): estimate with "
-                          "cache=False (memfit estimate --no-cache) to draw its timeline")
-    conf = report.replay_conf
-    if conf is None:
-        from memfit.allocator.conf import parse_alloc_conf
-
-        conf = parse_alloc_conf(report.alloc_conf)
-    capacity = report.capacity_bytes if report.capacity_bytes is not None else report.required_bytes
-    return timeline(report.trace, conf=conf, capacity_bytes=capacity,
-                    max_samples=max_samples or DEFAULT_MAX_SAMPLES, top_n=top_n)
 
 
 def timeline_frame(tl: Timeline) -> Any:

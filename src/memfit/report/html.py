@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.report._chart import CHART_JS
 from memfit.report.style import PHASE_COLORS, category_color, category_label
-from memfit.report.timeline import Timeline
+from memfit.report.timeline import Timeline, report_timeline
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -305,8 +305,6 @@ def notebook_html(report: "MemoryReport") -> str:
                 f"{_oom(report, None)}{_breakdown(report, None)}{_phases(report)}{_device(report)}"
                 f"{_notes(report, None)}<p><i>no trace (read from memfit's cache): estimate with cache=False to see "
                 "the timeline</i></p></div>")
-    from memfit.report import report_timeline
-
     page = render_html(report, report_timeline(report))
     return (f'<iframe srcdoc="{_e(page)}" style="width:100%;height:1100px;border:1px solid #ddd" '
             'sandbox="allow-scripts"></iframe>')

@@ -23,14 +23,19 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from memfit.allocator.caching import AllocatorModel, Block, Driver
-from memfit.allocator.conf import AllocConf
+from memfit.allocator.conf import AllocConf, parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.peaks import _FOLD, BREAKDOWN_KEYS, rounded
 from memfit.trace import TraceEvent
 
-__all__ = ["LiveTensor", "Sample", "PhaseSpan", "Timeline", "timeline", "DEFAULT_MAX_SAMPLES", "DEFAULT_TOP_N"]
+if TYPE_CHECKING:
+    from memfit.estimator import MemoryReport
+
+__all__ = ["LiveTensor", "Sample", "PhaseSpan", "Timeline", "timeline", "report_timeline", "DEFAULT_MAX_SAMPLES",
+           "DEFAULT_TOP_N"]
 
 #: Samples kept at most (a few thousand: the HTML view stays well under a few MB).
 DEFAULT_MAX_SAMPLES = 3000
@@ -258,3 +263,18 @@ def timeline(
         next_point = next(want, None)
     return Timeline(samples, spans, categories, n, peak_index,
                     allocated[peak_index], reserved[peak_reserved_index], capacity_bytes, oom_index)
+
+
+def report_timeline(report: "MemoryReport", *, max_samples: int | None = None, top_n: int = DEFAULT_TOP_N
+                    ) -> Timeline:
+    """The timeline of `report`: its trace replayed as the estimate replayed it (at `capacity_bytes`, or
+    without a GPU at `required_bytes`)."""
+    if not report.trace:
+        raise MemfitError(f"the report of `{report.model}` has no trace (read from memfit's cache): estimate with "
+                          "cache=False (memfit estimate --no-cache) to draw its timeline")
+    conf = report.replay_conf
+    if conf is None:  # a report built by hand: the settings its text names
+        conf = parse_alloc_conf(report.alloc_conf)
+    capacity = report.capacity_bytes if report.capacity_bytes is not None else report.required_bytes
+    return timeline(report.trace, conf=conf, capacity_bytes=capacity,
+                    max_samples=max_samples or DEFAULT_MAX_SAMPLES, top_n=top_n)
