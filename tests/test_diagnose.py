@@ -105,6 +105,54 @@ def test_phase_from_traceback(frames, phase):
     assert diagnose(tb(*frames)).phase == phase
 
 
+def test_every_diagnosed_phase_has_a_label_and_advice():
+    from memfit.diagnosis.advice import PHASE_ADVICE
+    from memfit.trace import DIAGNOSED_PHASES
+
+    assert set(PHASE_ADVICE) == set(DIAGNOSED_PHASES)
+    for phase in DIAGNOSED_PHASES:
+        assert f"phase.{phase}" in MESSAGES and all(f"advice.{a}" in MESSAGES for a in PHASE_ADVICE[phase])
+
+
+def test_fit_reads_a_live_exception_with_the_same_frame_table():
+    from memfit.diagnosis.phase import phase_of_exception
+    from memfit.fitting.run import failure_record
+    from memfit.trace import FINAL_EVAL, RESUME, SAVE, TRAINING, UNKNOWN
+
+    def load_state_dict(state):
+        raise RuntimeError("size mismatch")
+
+    def _load_from_checkpoint(path):  # the name of transformers' Trainer method that loads a checkpoint at resume
+        load_state_dict({})
+
+    def _save_checkpoint():
+        raise OSError("disk full")
+
+    def raised(f, *args):
+        try:
+            f(*args)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    resume = raised(_load_from_checkpoint, "checkpoint-3")
+    assert phase_of_exception(resume) == RESUME == detect_phase(tb(*TRAIN, ("x.py", "_load_from_checkpoint", "")))[0]
+    assert failure_record(resume, phase=TRAINING, step=3, checkpoints=[])["phase"] == RESUME
+    assert failure_record(raised(_save_checkpoint), phase=TRAINING, step=1, checkpoints=[])["phase"] == SAVE
+    assert failure_record(raised(_save_checkpoint), phase=FINAL_EVAL, step=1, checkpoints=[])["phase"] == FINAL_EVAL
+    plain = raised(lambda: 1 / 0)
+    assert phase_of_exception(plain) == UNKNOWN
+    assert failure_record(plain, phase=TRAINING, step=0, checkpoints=["c"])["phase"] == TRAINING
+
+
+def test_the_phase_module_imports_nothing_from_fitting():
+    import subprocess
+    import sys
+
+    code = ("import sys, memfit.diagnosis.phase; "
+            "bad = [m for m in sys.modules if m.startswith('memfit.fitting') or m == 'torch']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_evaluation_log_file_phase_and_advice():
     d = diagnose((DATA / "trainer_eval.log").read_text(encoding="utf-8"))
     assert d.phase == "eval" and "prediction_step" in d.phase_frame

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import BertConfig, XLNetConfig
 
+from memfit.errors import MemfitError
 from memfit.remedies import OPT_IN, REGISTRY
 from memfit.peaks import peaks
 from memfit.sim.engine import simulate
@@ -134,6 +135,50 @@ def test_diagnose_advice_ids_of_remedies_exist_and_are_owned_once():
             assert a not in owners, (a, owners.get(a), r.name)
             owners[a] = r.name
             assert any(k == f"advice.{a}" or k.startswith(f"advice.{a}.") for k in MESSAGES), a
+
+
+def test_a_remedy_has_one_id_its_module_the_registry_allow_and_advice_share():
+    import importlib
+
+    from memfit.remedies import ALIASES, remedy_for_advice
+
+    for name, r in REGISTRY.items():
+        assert r.name == name and importlib.import_module(f"memfit.remedies.{name}").REMEDY is r
+        assert all(a == name or a.startswith(f"{name}.") for a in r.advice), (name, r.advice)
+        assert all(remedy_for_advice(a) is r for a in r.advice)
+    assert OPT_IN == tuple(name for name, r in REGISTRY.items() if r.opt_in)  # the `--allow` names are the ids
+    assert set(ALIASES.values()) <= set(REGISTRY) and not set(ALIASES) & set(REGISTRY)
+
+
+def test_an_earlier_remedy_name_is_accepted_with_a_warning():
+    from memfit.planner.search import _check_options
+    from memfit.remedies import remedy_id
+
+    with pytest.warns(FutureWarning, match="`sequence_length` is called `truncation`"):
+        assert remedy_id("sequence_length") == "truncation"
+    with pytest.warns(FutureWarning):
+        assert _check_options(margin=0.05, allow=("sequence_length",), exclude=()) == ("truncation",)
+    assert remedy_id("lora") == "lora"
+    with pytest.raises(MemfitError, match="cannot allow `shorter`"):
+        _check_options(margin=0.05, allow=("shorter",), exclude=())
+
+
+@pytest.mark.parametrize("current, paged, bnb, expected", [
+    ("adamw_torch", True, True, ("adamw_bnb_8bit", "adafactor", "paged_adamw_8bit", "paged_adamw_32bit")),
+    ("adamw_torch", False, True, ("adamw_bnb_8bit", "adafactor")),  # the multi-GPU search: no managed memory
+    ("adamw_torch", False, False, ("adafactor",)),  # fit without bitsandbytes or off CUDA
+    ("adamw_bnb_8bit", True, True, ("paged_adamw_8bit",)),  # 8-bit already: only the paging is new
+    ("adamw_bnb_8bit", False, True, ()),
+    ("paged_adamw_32bit", True, True, ("adamw_bnb_8bit", "adafactor", "paged_adamw_8bit")),
+    ("adafactor", True, True, ()), ("sgd", True, True, ()), ("lion_8bit", False, True, ()),
+])
+def test_one_answer_to_which_smaller_optimizer(current, paged, bnb, expected):
+    from memfit.remedies.optimizer import smaller_optimizers
+
+    assert smaller_optimizers(current, paged=paged, bitsandbytes=bnb) == expected
+    if paged and bnb:  # the remedy's variants are that answer
+        setup = TrainSetup(model=BERT, optim=current)
+        assert [v["optim"] for v in REGISTRY["optimizer"].variants(setup, None)] == list(expected)
 
 
 def test_apply_plan_goes_through_the_remedies(tmp_path):

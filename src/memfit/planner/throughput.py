@@ -26,7 +26,7 @@ Step time = micro-steps x (compute time of a micro-batch) + optimizer pass.
   (AdamW fp32: param, grad, two states read + param, two states written = 28 B; 8-bit
   AdamW: 4+4+2 read, 4+2 written = 16 B; Adafactor: ~16 B; SGD without momentum: 12 B)
   divided by the memory bandwidth, once per optimizer step.
-* Quantized base weights (bitsandbytes 4/8-bit, memfit.remedies.quantization): every quantized
+* Quantized base weights (bitsandbytes 4/8-bit, memfit.remedies.qlora): every quantized
   matmul dequantizes its weight before the GEMM (bitsandbytes `MatMul4Bit`: `dequantize_4bit` in the
   forward and again in the backward for the input gradient; memfit.sim.kernels.bnb), a memory-bound
   pass reading the packed weight (bits/8 bytes per parameter) and writing it in 16 bits (2 bytes):
