@@ -217,10 +217,6 @@ _ARG_TO_FIELD = {
     "liger_kernel_config": "liger_kernel_config",
 }
 
-# -- torchao Float8 training (issue 12) --
-#: torchao 0.18 float8/config.py `Float8LinearRecipeName` values (tests/test_float8.py checks them against it).
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
 # -- attention, Liger kernels, activation memory (issue 12) ------------------------------------
 #: `attn_implementation` values memfit simulates (memfit.sim.kernels.flash_attn emulates the flash kernels).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -240,6 +236,10 @@ CHECKPOINT_KWARGS = ("use_reentrant", "offload", "every_n_layers")
 #: liger_kernel_config keys `_apply_liger_kernel_to_instance` passes to `apply_liger_kernel_to_<model>`.
 LIGER_CONFIG_KEYS = ("rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "rms_norm",
                      "layer_norm")
+
+# -- torchao Float8 training (issue 12) --
+#: torchao 0.18 float8/config.py `Float8LinearRecipeName` values (tests/test_float8.py checks them against it).
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 # -- quantization (issue 12) --
 #: `bnb_4bit_quant_type` values (transformers 5.24 `BitsAndBytesConfig`: nf4 or fp4).

@@ -44,6 +44,11 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
     p.add_argument("--snapshot", default=None, metavar="FILE.pickle",
                    help="also write the simulated run as a torch.cuda.memory snapshot (open it at pytorch.org/memory_viz)")
+    p.add_argument("--html", default=None, metavar="FILE.html",
+                   help="also write the memory timeline, the breakdown at the peak and what nvidia-smi shows as one "
+                        "self-contained HTML file (works offline)")
+    p.add_argument("--plot", default=None, metavar="FILE.png|FILE.svg",
+                   help="also write the memory timeline as a static picture (matplotlib: the `viz` extra)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 (with one line on stderr) when the run does not fit --gpu, for scripts and CI")
     p.add_argument("--no-cache", action="store_true",
@@ -144,6 +149,11 @@ def estimate_command(args: argparse.Namespace) -> int:
         from memfit.allocator.export import check_snapshot_path
 
         check_snapshot_path(args.snapshot)  # fail before the simulation, not after it
+    views = args.html is not None or args.plot is not None
+    if views:
+        from memfit.report import check_view_paths
+
+        check_view_paths(html_path=args.html, plot_path=args.plot)  # fail before the simulation, not after it
     setup, gpu, is_seed = build_setup(args)
     if args.check and gpu is None:
         raise MemfitError("`--check` needs a GPU to check against: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
@@ -160,13 +170,18 @@ def estimate_command(args: argparse.Namespace) -> int:
             raise MemfitError(f"--gpu `{args.gpu}` and --gpus `{args.gpus}` name different GPUs; give one")
         gpu = gpus_name
     report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf, parallel=parallel,
-                      cache=not args.no_cache and args.snapshot is None)  # a snapshot needs the trace
+                      cache=not args.no_cache and args.snapshot is None and not views)  # these need the trace
     if args.snapshot is not None:
         from memfit.allocator.export import write_run_snapshot
 
         write_run_snapshot(report.trace, args.snapshot, alloc_conf=args.alloc_conf)
         print(f"memfit estimate: snapshot of the simulated run written to {args.snapshot} "
               "(open it at https://pytorch.org/memory_viz)", file=sys.stderr)
+    if views:
+        from memfit.report import write_views
+
+        for path in write_views(report, html_path=args.html, plot_path=args.plot):
+            print(f"memfit estimate: {path} written", file=sys.stderr)
     if args.json:
         json.dump(report.to_json(), sys.stdout, indent=2)
         print()
