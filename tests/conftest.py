@@ -1,6 +1,13 @@
-"""Shared test helpers."""
+"""Shared test fixtures, for every folder under tests/."""
 
 import os
+import sys
+from pathlib import Path
+
+# The test files live in one folder per package or topic (tests/<topic>/test_*.py) and import the shared
+# module tests/helpers.py as `helpers`: tests/ itself is on sys.path, whichever folder a test is in.
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
 from hypothesis import settings

@@ -1,11 +1,14 @@
 """Helpers shared by several test files (a module, so that no test file imports another).
 
 Tiny real models and Trainers for memfit.fit, a CUDA-format OOM error, and the small configs of
-the exactness and splice tests. The spawned DDP ranks of tests/test_fit_distributed.py import
-this module too (tests/ is on their sys.path).
+the exactness and splice tests, and the folders tests read (DATA_DIR, SRC_DIR, REPO_ROOT). The spawned
+DDP ranks of tests/fitting/test_fit_distributed.py import this module too (tests/ is on their sys.path).
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -14,6 +17,12 @@ from transformers import (
 )
 
 from memfit.oom_text import format_oom_message
+
+#: tests/ (this file's folder), its data files (tests/data), the repository and its src/.
+TESTS_DIR = Path(__file__).resolve().parent
+DATA_DIR = TESTS_DIR / "data"
+REPO_ROOT = TESTS_DIR.parent
+SRC_DIR = REPO_ROOT / "src"
 
 CFG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2, max_position_embeddings=64)
@@ -157,7 +166,7 @@ import contextlib as _contextlib
 @_contextlib.contextmanager
 def like_fake():
     """Make transformers' masking_utils treat real tensors as it treats FakeTensors (`is_tracing` true), so a
-    real CPU simulation takes the branch a fake one takes (tests/test_exactness.py explains why)."""
+    real CPU simulation takes the branch a fake one takes (tests/sim/test_exactness.py explains why)."""
     from transformers import masking_utils
 
     plain = masking_utils.is_tracing
@@ -170,7 +179,7 @@ def like_fake():
 
 def trace_key(trace):
     """(action, size, category, phase) per event, and for a free the position of its alloc: what two traces
-    must share event for event to be the same run (tests/test_exactness.py and its siblings)."""
+    must share event for event to be the same run (tests/sim/test_exactness.py and its siblings)."""
     pos, out = {}, []
     for i, ev in enumerate(trace):
         if ev.action == "alloc":
@@ -179,6 +188,11 @@ def trace_key(trace):
         else:
             out.append((ev.action, ev.size_bytes, ev.category, ev.phase, pos.get(ev.id)))
     return out
+
+
+def trace_digest(trace) -> str:
+    """A hash of the whole trace (every field of every event): two runs with the same digest wrote the same trace."""
+    return hashlib.sha256(repr(trace).encode()).hexdigest()
 
 
 def trace_peak_bytes(trace) -> int:

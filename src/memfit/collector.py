@@ -13,7 +13,7 @@ BERT one took 9.85 s with the collector and 5.71 s with it off, with identical r
 
 Pausing it changes no result: a simulated storage is freed when its last reference goes
 (reference counting, the `weakref.finalize` of memfit.sim.tracker), never by the cyclic
-collector; `tests/test_speed.py` checks that no tracked storage is left to it, by collecting
+collector; `tests/cli/test_collector.py` checks that no tracked storage is left to it, by collecting
 after a simulation run with the collector paused and finding no further free. Garbage in
 reference cycles made meanwhile is collected once the collector is back on.
 """

@@ -7,7 +7,7 @@ compute verbs use, then waits on a Unix socket. Each request is run by a child f
 state, so requests never see each other's state; the child gets the client's argv, working directory,
 environment and its stdin/stdout/stderr file descriptors (SCM_RIGHTS), so output, terminal width and
 colours are the client's own, and sends back only the exit code. The result cannot depend on the server:
-what a command computes is what the same command computes in a fresh process (tests/test_server.py).
+what a command computes is what the same command computes in a fresh process (tests/cli/test_server.py).
 
 Which server a client may use: one started from the same memfit source (memfit.cache.source_hash), package
 versions, Python, user and the environment variables that libraries read at import time (`_KEY_ENV`): a
@@ -274,7 +274,7 @@ def serve(*, idle_s: float = DEFAULT_IDLE_S, ready=None) -> int:
                         os.close(fd)
                     continue
                 pid = os.fork()
-                if pid == 0:  # pragma: no cover - the child ends in os._exit; tests/test_server.py runs it
+                if pid == 0:  # pragma: no cover - the child ends in os._exit; tests/cli/test_server.py runs it
                     listener.close()
                     _run_child(conn, fds, request, imported_env)
                 for fd in fds:

@@ -52,7 +52,7 @@ OPTIMIZERS = (
 )
 
 #: The fields of `transformers.TrainingArguments` in transformers 5.24 (`dataclasses.fields(TrainingArguments)`;
-#: tests/test_args.py checks this list against the installed transformers). Kept as text so that reading an
+#: tests/cli/test_api_cli.py checks this list against the installed transformers). Kept as text so that reading an
 #: arguments file does not import transformers (about 2 s).
 TRAINING_ARGS_NAMES = frozenset("""
 accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_beta1 adam_beta2 adam_epsilon
@@ -103,7 +103,7 @@ TRAINERS = ("trainer", "sft", "dpo")
 #: runs them (memfit.commands.train_trl), and their configs' names are TRL_CONFIG_NAMES.
 TRL_TRAINERS = ("sft", "dpo")
 #: SFTConfig / DPOConfig fields (TRL 1.16) that TrainingArguments does not have (`dataclasses.fields(SFTConfig)`
-#: minus TRAINING_ARGS_NAMES; tests/test_trl.py checks these lists against the installed TRL). Kept as text so
+#: minus TRAINING_ARGS_NAMES; tests/sim/test_trl.py checks these lists against the installed TRL). Kept as text so
 #: that reading an arguments file does not import TRL. Read when `trainer` is `sft` / `dpo`, rejected otherwise.
 TRL_CONFIG_NAMES = {
     "sft": frozenset("""
@@ -238,7 +238,7 @@ LIGER_CONFIG_KEYS = ("rope", "swiglu", "geglu", "cross_entropy", "fused_linear_c
                      "layer_norm")
 
 # -- torchao Float8 training (issue 12) --
-#: torchao 0.18 float8/config.py `Float8LinearRecipeName` values (tests/test_float8.py checks them against it).
+#: torchao 0.18 float8/config.py `Float8LinearRecipeName` values (tests/models/test_float8.py checks them against it).
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 # -- quantization (issue 12) --

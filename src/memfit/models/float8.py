@@ -19,7 +19,7 @@ kernel). What autograd keeps for backward is torchao 0.18 float8/float8_linear.p
 (bf16 under autocast) and a view of the float32 master weight, in all three recipes; the backward casts again.
 So Float8 does not shrink the saved linear inputs; against bf16 autocast it saves the bf16 weight copy that
 autocast makes for each plain `F.linear` (and that autograd keeps for backward), and adds transient float8
-copies. The CPU build of `torch._scaled_mm` runs too, so tests/test_float8.py compares the fake trace with a real
+copies. The CPU build of `torch._scaled_mm` runs too, so tests/models/test_float8.py compares the fake trace with a real
 CPU run event for event.
 """
 

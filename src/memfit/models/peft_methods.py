@@ -10,7 +10,7 @@ fake tensors, like the base model's.
 
 Methods whose forward reads tensor values (a data-dependent shape or a Python branch on a value) cannot run under
 fake tensors; `FAKE_UNSUPPORTED` names them with the reason and `apply_peft` refuses them with one line. They were
-found by running every peft type on a tiny Llama under fake tensors (tests/test_peft_methods.py checks the list).
+found by running every peft type on a tiny Llama under fake tensors (tests/models/test_peft_methods.py checks the list).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from memfit.errors import MemfitError
 from memfit.train_setup import suggest_name
 
 #: peft types whose training step cannot run under fake tensors, and why (peft 0.21.2 sources, each checked by
-#: tests/test_peft_methods.py::test_unsupported_methods_fail_under_fake_tensors).
+#: tests/models/test_peft_methods.py::test_unsupported_methods_fail_under_fake_tensors).
 FAKE_UNSUPPORTED: dict[str, str] = {
     "ADAMSS": "its adapters are initialized from an SVD of the base weights, which needs their values "
               "(tuners/adamss/layer.py `update_layer` -> utils.py `clustering_Z`: `VT.detach().cpu().numpy()`)",
@@ -190,9 +190,9 @@ def build_config(data: dict[str, Any], *, source: str = "the arguments", task: s
         raise MemfitError(f"peft rejects `peft_config` ({key}) in {source}: {first[:300]}") from err
 
 
-#: peft types whose spliced simulation (memfit.sim.splice: 5 blocks simulated, the rest repeated) equals the full
-#: one, checked on an 8-layer Llama (tests/test_peft_methods.py). Not in it, for a reason: ADALORA (its forward adds an
-#: orthogonality loss over the adapters of every block at once), TINYLORA (its weight tying shares one vector across
+#: peft types whose spliced simulation (memfit.sim.splice: 5 blocks simulated, the rest repeated) equals the full one,
+#: checked on an 8-layer Llama (tests/models/test_peft_methods.py). Not in it, for a reason: ADALORA (its forward adds
+#: an orthogonality loss over the adapters of every block at once), TINYLORA (its weight tying shares one vector across
 #: blocks), ADAPTION_PROMPT (its prompts sit in the top blocks, which the cut removes), SHADOW (its carrier modules
 #: cannot be deep-copied for the cut). Others are simulated in full.
 SPLICE_OK = frozenset({

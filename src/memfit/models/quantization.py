@@ -12,7 +12,7 @@ What a real load does, and what memfit runs of it:
   `Bnb8bitQuantize` -> `Int8Params._quantize` -> `int8_vectorwise_quant`). memfit runs bitsandbytes' own
   Python code on meta tensors (its ops have `register_fake` shapes), so the packed weight, absmax, the
   nested state (double quant) and the code tables have the shapes and dtypes bitsandbytes gives them.
-  `quantized_storage` gives the same bytes as a formula; tests/test_quantization.py checks both against a
+  `quantized_storage` gives the same bytes as a formula; tests/models/test_quantization.py checks both against a
   real CPU quantization.
 * `peft.prepare_model_for_kbit_training` (peft/utils/other.py) is run for real on the meta model
   (`kbit_prep`; TRL 1.16's SFTTrainer does not call it, see TrainSetup.kbit_prep): it freezes everything and casts

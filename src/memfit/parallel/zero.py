@@ -51,8 +51,8 @@ Stage 3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py `Ini
   least one parameter (up to `stage3_prefetch_bucket_size` elements) at every module fetch, parameterless modules
   included, so it runs ahead until `__n_available_params` reaches `stage3_max_live_parameters`, which gates the
   prefetch only. Kept: b * min(P, max(distance / 2 + largest module + bucket, max live)) (max live only with a
-  prefetch bucket); measured in real runs (tests/test_parallel_deepspeed.py: peaks unmoved by distance 0 or 40000,
-  or max live 30000 alone);
+  prefetch bucket); measured in real runs (tests/parallel/test_parallel_deepspeed.py: peaks unmoved by distance 0
+  or 40000, or max live 30000 alone);
 * the ipg bucket: `reduce_bucket_size` elements of b, made at construction (`bucket.buffer = torch.empty(
   self.reduce_bucket_size, ...)` when `contiguous_gradients`);
 * `grad_partitions_flat_buffer`: T/N elements of the accumulation dtype (b), on `self.device` (the host
@@ -199,7 +199,7 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int,
     #   not-yet-gathered parameters (at least one parameter) is gathered, so it gathers faster than the modules
     #   use, and `__params_to_release` keeps each parameter whose later use it has passed
     #   (`__most_recent_step_id_param_fetched_for[param] > step_id`). With prefetching on, the gathered set grows to
-    #   max_live_parameters (measured in real 2-process runs: tests/test_parallel_deepspeed.py).
+    #   max_live_parameters (measured in real 2-process runs: tests/parallel/test_parallel_deepspeed.py).
     kept = z.max_reuse_distance // 2 + inv.largest_layer_params + z.prefetch_bucket_size
     ahead = z.max_live_parameters if z.prefetch_bucket_size > 0 else 0
     later = min(max(first, kept, ahead), gathered)

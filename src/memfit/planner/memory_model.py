@@ -167,7 +167,8 @@ class Simulations:
         there: both simulate two micro-steps, each dividing the loss by it, memfit.sim.engine `run` and
         `micro_step`) and evaluation (which runs after the optimizer steps). Its events are then those of the
         baseline before the first optimizer-step event, less the cuBLAS workspaces `estimate` adds
-        (memfit.estimator `_with_workspaces`). None otherwise. tests/test_speed.py compares it with the simulation."""
+        (memfit.estimator `_with_workspaces`). None otherwise. tests/planner/test_planner_reuse.py compares it with the
+        simulation."""
         if self.baseline is None:
             return None
         base, report = self.baseline

@@ -61,7 +61,7 @@ class StepTimer:
         states (B x S x d); `torch.utils.checkpoint` saves only those (`_NoopSaveInputs`), which `save_on_cpu`
         offloads. `every_n_layers` checkpoints the layers with `index % n == 0` (`_set_gradient_checkpointing`).
         The hidden states have the weights' dtype, float32 after `prepare_model_for_kbit_training` (it casts the
-        embeddings). tests/test_remedies_llm.py checks this against the simulated host copies."""
+        embeddings). tests/remedies/test_remedies_llm.py checks this against the simulated host copies."""
         kw = s.gradient_checkpointing_kwargs or {}
         if not (s.gradient_checkpointing and kw.get("offload")):
             return 0

@@ -6,7 +6,7 @@ runs, memfit replaces every AutocastCPU kernel by one that applies the CUDA poli
 
 Op lists: `AT_FORALL_LOWER_PRECISION_FP`, `AT_FORALL_FP32`, `AT_FORALL_FP32_SET_OPT_DTYPE`
 and `AT_FORALL_PROMOTE` in aten/src/ATen/autocast_mode.h (torch 2.13; the installed
-header is compared with these lists in tests/test_autocast.py). Cast rules and the weight
+header is compared with these lists in tests/sim/test_autocast.py). Cast rules and the weight
 cache: `cached_cast`, `is_eligible`, `set_opt_dtype` and `WrapFunction_` in
 aten/src/ATen/autocast_mode.{h,cpp}.
 """

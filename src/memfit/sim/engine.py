@@ -92,7 +92,7 @@ def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) ->
         # A padded batch: the last example is one token shorter than the longest. transformers
         # skips the attention mask when it is all ones (masking_utils `_ignore_causal_mask_sdpa`,
         # `_ignore_bidirectional_mask_sdpa`), but cannot read a FakeTensor and then always builds
-        # it; with one pad token a real run takes the same branch (tests/test_exactness.py).
+        # it; with one pad token a real run takes the same branch (tests/sim/test_exactness.py).
         # In place on a view: no allocation.
         out["attention_mask"][-1, -1:].zero_()
     model_type = getattr(config, "model_type", "")
@@ -387,7 +387,7 @@ class _Runner:
         s = self.setup
         tr.phase = "eval"
         # the evaluation forward is spliced as the training one is: the cut model runs and
-        # memfit.sim.splice writes the full model's events (tests/test_splice.py checks equal figures)
+        # memfit.sim.splice writes the full model's events (tests/sim/test_splice.py checks equal figures)
         self.eval_model.eval()
         first_event = len(tr.events)
         if self.cut is not None:

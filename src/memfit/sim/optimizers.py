@@ -17,7 +17,7 @@ Importing `transformers.Trainer` (or `TrainingArguments`, whose module imports p
 bitsandbytes, which builds `torch.compile` kernels) takes about as long as the whole simulated
 step; for the optimizers whose class and kwargs are plain constants (`TORCH_ADAMW`) memfit builds
 them without that import, from the same transformers code paths (`trainer_pt_utils.get_parameter_names`
-with the Trainer's patterns); `tests/test_speed.py` checks they equal what the Trainer builds.
+with the Trainer's patterns); `tests/sim/test_sim_optimizers.py` checks they equal what the Trainer builds.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)"
 #: defaults but optim and weight_decay): trainer_optimizer.py `_get_adamw_torch` -> torch.optim.AdamW with
 #: `{"lr": learning_rate, "betas": (adam_beta1, adam_beta2), "eps": adam_epsilon}`, plus `fused=True` for
 #: ADAMW_TORCH_FUSED; the defaults learning_rate=5e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8
-#: (training_args.py `TrainingArguments`). Checked against the Trainer in tests/test_speed.py.
+#: (training_args.py `TrainingArguments`). Checked against the Trainer in tests/sim/test_sim_optimizers.py.
 TORCH_ADAMW = {
     "adamw_torch": {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8},
     "adamw_torch_fused": {"lr": 5e-5, "betas": (0.9, 0.999), "eps": 1e-8, "fused": True},

@@ -15,7 +15,7 @@ identical events, so the k-th allocation of block 1 (or 3) stands for the k-th o
 generic copy. A free issued outside the blocks of something every copy allocated frees
 all copies.
 
-The result is checked against the full simulation in tests/test_splice.py. The splice is
+The result is checked against the full simulation in tests/sim/test_splice.py. The splice is
 refused (and the full model simulated) when the two middle blocks of the cut model do not
 produce identical events, when a block's events are not contiguous, or when the stack is
 too short to gain anything.

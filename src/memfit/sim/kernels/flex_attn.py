@@ -17,7 +17,7 @@ and `create_block_mask` are replaced (`flex_patches`). Sources read (installed t
   grad_logsumexp, ..., block_mask, ...)` (`FlexAttentionAutogradOp.backward`) reads q, k, v, out, logsumexp and
   the block mask's tensors, not `max_scores`; under torch.compile AOTAutograd's partitioner saves what the
   backward graph reads, so `max_scores` is a forward temporary (the eager autograd function, which cannot run
-  backward on the CPU, saves it too: tests/test_flex_attn.py pins both rules to the installed source).
+  backward on the CPU, saves it too: tests/sim/test_flex_attn.py pins both rules to the installed source).
 * Backward, the lowering `flex_attention_backward`: `delta = sum(out * grad_out, -1)` realised in float32
   (B, Hq, Sq) (the product is fused into the reduction), `grad_query` like the query, `broadcasted_grad_key` /
   `broadcasted_grad_value` of shape (Bq, Hkv, Skv, D) like the key / value (GQA is resolved inside the kernel:

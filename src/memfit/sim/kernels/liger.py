@@ -32,7 +32,7 @@ into every later simulation in the process).
 
 The FLCE chunking rule (`fused_linear_cross_entropy_forward`): `inc_factor = cdiv(V, chunk_mem_const * H)`,
 `chunk_size = min(next_power_of_2(cdiv(BT, inc_factor)), BT)` with `_CHUNK_MEM_CONST = 1`
-(`flce_chunk_size`; tests/test_liger.py reads the installed source so a change fails loudly).
+(`flce_chunk_size`; tests/sim/test_liger.py reads the installed source so a change fails loudly).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def liger_supported_model_types() -> list[str]:
     Read from the dict literal in the installed `liger_kernel/transformers/monkey_patch.py` without importing it:
     the import (liger_kernel.transformers imports peft, bitsandbytes and Triton) took 0.8 s of a 10 s seed `plan`,
     whose liger check only asks whether `xlnet` is a key (issue 15). Imported when liger is loaded already or the
-    literal is not found as expected (tests/test_liger.py checks the two agree).
+    literal is not found as expected (tests/sim/test_liger.py checks the two agree).
     """
     loaded = sys.modules.get("liger_kernel.transformers.monkey_patch")
     names = None if loaded is not None else _model_types_from_source()

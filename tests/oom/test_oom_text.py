@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import DATA_DIR
 from memfit.oom_text import (
     BACKENDS,
     FORMATS,
@@ -22,7 +22,7 @@ from memfit.oom_text import (
 )
 from memfit.units import GiB, KiB, MiB, parse_size
 
-DATA = Path(__file__).parent / "data" / "oom"
+DATA = DATA_DIR / "oom"
 CORPUS = json.loads((DATA / "corpus.json").read_text(encoding="utf-8"))
 
 

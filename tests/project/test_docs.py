@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT as ROOT
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MKDOCS = ROOT / "mkdocs.yml"

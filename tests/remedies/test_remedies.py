@@ -184,7 +184,7 @@ def test_one_answer_to_which_smaller_optimizer(current, paged, bnb, expected):
 def test_apply_plan_goes_through_the_remedies(tmp_path):
     import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # tests/: helpers
     from helpers import tiny_trainer
 
     from memfit.fitting.run import apply_plan

@@ -5,10 +5,10 @@ import gzip
 import json
 import os
 import pickle
-from pathlib import Path
 
 import pytest
 
+from helpers import DATA_DIR
 from memfit.allocator import caching as allocator
 from memfit.allocator.conf import AllocConf
 from memfit.allocator.snapshot import load_snapshot, loads_snapshot, replay_snapshot, start_state
@@ -16,7 +16,7 @@ from memfit.cli import main
 from memfit.errors import MemfitError
 from memfit.units import MiB
 
-DATA = Path(__file__).parent / "data" / "snapshots"
+DATA = DATA_DIR / "snapshots"
 FILES = sorted(DATA.glob("*.json.gz"))
 
 

@@ -16,7 +16,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.fitting import engines
 
-HERE = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where helpers is
 
 
 def _free_port() -> int:
@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 def _spawn(target, args, timeout=150):
     """Run `target(rank, *args)` on 2 spawned processes; fail (not hang) when a rank is still waiting."""
-    sys.path.insert(0, HERE)  # the ranks import helpers
+    sys.path.insert(0, TESTS)  # the ranks import helpers
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=target, args=(r, *args)) for r in range(2)]
     for p in procs:
@@ -43,7 +43,7 @@ def _spawn(target, args, timeout=150):
 
 
 def _leave_together():
-    # as tests/test_parallel_deepspeed.py: leave together and skip the interpreter's teardown (a rank that exits
+    # as tests/parallel/test_parallel_deepspeed.py: leave together and skip the interpreter's teardown (a rank that exits
     # while its peer still talks to it, or C++ threads destroyed at exit, abort the process with SIGABRT)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -54,9 +54,10 @@ def test_the_plan_is_the_same_serial_and_in_workers(bert4):
     import json
     import os
     import subprocess
-    from pathlib import Path
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    from helpers import SRC_DIR
+
+    src = str(SRC_DIR)
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MEMFIT_WORKERS", None)
     r = subprocess.run([sys.executable, "-c", _COMPARE, str(bert4)], capture_output=True, text=True, timeout=900,

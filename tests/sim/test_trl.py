@@ -101,7 +101,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def _warm():
-    # first-run effects (lazily created module constants), as in tests/test_exactness.py
+    # first-run effects (lazily created module constants), as in tests/sim/test_exactness.py
     with like_fake():
         for kw in (CASES[0], CASES[4]):
             simulate(_setup(**kw), fake=False, splice=False)

@@ -291,7 +291,7 @@ def test_estimate_json_has_the_quantization_object(tmp_path, capsys):
 ], ids=["4bit-dq-eval", "8bit-paged"])
 def test_spliced_quantized_trace_equals_full_trace(kw):
     """The cut model (a deepcopy of meta Params4bit, memfit.models.quantization.meta_safe_deepcopy) stands for the
-    full quantized model event for event, as tests/test_splice.py checks for unquantized ones."""
+    full quantized model event for event, as tests/sim/test_splice.py checks for unquantized ones."""
     from memfit.peaks import peaks
     from memfit.sim import engine
 

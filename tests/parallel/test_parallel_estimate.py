@@ -81,12 +81,10 @@ def test_peft_t0_3b_zero3_offload_record():
     9404 MiB (-1.3%; the log's lengths are dynamic, DeepSpeed then was 0.8). It was 7819 MiB (-16.9%) while memfit
     capped the gathered parameters of a complete trace at the reuse distance's half (5e8 elements); DeepSpeed's
     prefetcher keeps gathering ahead up to stage3_max_live_parameters (1e9: 3815 MiB in fp32; memfit.parallel.zero,
-    proved in tests/test_parallel_deepspeed.py)."""
-    from pathlib import Path
-
+    proved in tests/parallel/test_parallel_deepspeed.py)."""
+    from helpers import DATA_DIR as data
     from memfit.parallel import zero_settings_from_deepspeed
 
-    data = Path(__file__).parent / "data"
     record = json.loads((data / "published" / "peft_t0_3b_zero3_offload.json").read_text())
     z, _ = zero_settings_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                                "offload_param": {"device": "cpu"}}}, hidden_size=2048)

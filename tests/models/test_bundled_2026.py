@@ -1,6 +1,6 @@
 """The configs bundled for issue 12 (the models people fine-tune now): sources, aliases, Gemma 3's vision tower.
 
-The published parameter count of every bundled config is checked in tests/test_model_catalog.py
+The published parameter count of every bundled config is checked in tests/models/test_model_catalog.py
 (`test_param_count_matches_published`, within each record's `params_rel_tol`); this module checks what is
 particular to the new ones.
 """

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import DATA_DIR
 from memfit.cli import main
 from memfit.diagnosis import detect_phase, diagnose
 from memfit.diagnosis.causes import (
@@ -32,7 +33,7 @@ from memfit.diagnosis.strings import LANGS, MESSAGES
 from memfit.oom_text import OOM_FRAGMENTS, find_ooms, format_oom_message, is_oom_text, parse_oom
 from memfit.units import GiB, MiB, parse_size
 
-DATA = Path(__file__).parent / "data" / "oom"
+DATA = DATA_DIR / "oom"
 CORPUS = json.loads((DATA / "corpus.json").read_text(encoding="utf-8"))
 BY_ID = {c["id"]: c for c in CORPUS}
 

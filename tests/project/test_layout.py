@@ -10,6 +10,8 @@
 * No package's `__init__.py` exports a name that one of its submodules also has (importing the submodule would
   rebind the package attribute to the module).
 * The README's "## Layout" section names every package.
+* The tests mirror the package: each test file lives in tests/<folder>/, a folder named for a package of memfit or
+  for one of the topics of `TEST_TOPICS`; bench/ holds only the test of bench/published.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import memfit
+from helpers import REPO_ROOT, TESTS_DIR
 
 SRC = Path(memfit.__file__).parent
 README = SRC.parents[1] / "README.md"
@@ -264,7 +267,7 @@ def _layer(mod: str) -> int:
     for i, (_, names) in enumerate(LAYERS):
         if top in names:
             return i
-    raise AssertionError(f"module `{mod}` is in no layer of tests/test_layout.py LAYERS; add it")
+    raise AssertionError(f"module `{mod}` is in no layer of tests/project/test_layout.py LAYERS; add it")
 
 
 def test_each_module_is_in_exactly_one_layer():
@@ -325,12 +328,56 @@ def test_public_face_is_complete_and_lazy():
 
 def test_no_test_file_imports_another():
     """Shared test code lives in tests/helpers.py and tests/conftest.py, never in a test_*.py."""
-    tests = Path(__file__).parent
     bad = []
-    for path in sorted(tests.glob("test_*.py")):
+    for path in _test_files():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
                      [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             bad += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert not bad, bad
+
+
+#: Folders of tests/ that are not named for a package of memfit: what their tests cover.
+TEST_TOPICS = {
+    "cache": "memfit.cache: estimates and plans read back from disk",
+    "cli": "the command line as a whole: cli.py, process.py (and the paused collector), server.py, files.py",
+    "estimator": "memfit.estimate's report (estimator.py, peaks.py)",
+    "oom": "OOM messages: oom_text.py and the CPU OOM of testing.py",
+    "train_setup": "train_setup.py: TrainSetup and its readers",
+    "project": "the repository as a whole: this layout, the README and docs/",
+}
+#: The one test file outside tests/: bench/published.py's test lives with the script it loads.
+BENCH_TESTS = ["test_published.py"]
+
+
+def _test_files() -> list[Path]:
+    return sorted(TESTS_DIR.rglob("test_*.py")) + [REPO_ROOT / "bench" / name for name in BENCH_TESTS]
+
+
+def test_test_files_live_in_a_folder_per_package_or_topic():
+    packages = {m.split(".")[1] for m in MODULES if _is_package(m) and m.count(".") == 1}
+    assert not packages & set(TEST_TOPICS), "a topic folder is named like a package"
+    bad = []
+    for path in sorted(TESTS_DIR.rglob("test_*.py")):
+        parts = path.relative_to(TESTS_DIR).parts
+        if len(parts) != 2:
+            bad.append(f"{path.relative_to(REPO_ROOT)}: not in a folder of tests/ (tests/<package or topic>/)")
+        elif parts[0] not in packages | set(TEST_TOPICS):
+            bad.append(f"{path.relative_to(REPO_ROOT)}: `{parts[0]}` is neither a package of memfit "
+                       f"{sorted(packages)} nor a topic of TEST_TOPICS (tests/project/test_layout.py)")
+    assert not bad, "\n".join(bad)
+    bench = sorted(p.name for p in (REPO_ROOT / "bench").rglob("*.py") if p.name.startswith("test_")
+                   or p.name.endswith("_test.py"))
+    assert bench == BENCH_TESTS, f"bench/ holds test files {bench}; tests of memfit go in tests/<package or topic>/"
+
+
+def test_test_file_names_are_unique_and_folders_hold_no_init():
+    """pytest imports each test file by its basename (rootdir, prepend mode, no __init__.py): two files of one
+    name in two folders would collide."""
+    seen: dict[str, list[str]] = {}
+    for path in _test_files():
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO_ROOT)))
+    assert not [v for v in seen.values() if len(v) > 1], [v for v in seen.values() if len(v) > 1]
+    inits = sorted(str(p.relative_to(REPO_ROOT)) for p in TESTS_DIR.rglob("__init__.py"))
+    assert not inits, f"test folders are not packages: {inits}"

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 from transformers import TrainerCallback  # noqa: E402
 
+from helpers import SRC_DIR  # noqa: E402
 import memfit.commands._train_common as train_common  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.commands.train import bundled_model_dir  # noqa: E402
@@ -239,7 +240,7 @@ def test_a_real_sigterm_from_outside(tmp_path, tiny, data):
     out = tmp_path / "out"
     args = _json(tmp_path, "a.json", {"max_steps": 100000, "save_strategy": "steps", "save_steps": 1,
                                       "save_total_limit": None})
-    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")}
+    env = {**os.environ, "PYTHONPATH": str(SRC_DIR)}
     proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "train", str(tiny), "--data", str(data), "--args",
                              args, "--output-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env, text=True)

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SRC_DIR
 from memfit.errors import MemfitError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfit serve: Linux sockets and fork")
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(SRC_DIR)
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 OOM = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 15.77 GiB of which 4.12 MiB "
        "is free. Of the allocated memory 14.94 GiB is allocated by PyTorch, and 312.10 MiB is reserved by PyTorch but "

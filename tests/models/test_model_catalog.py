@@ -126,7 +126,7 @@ def test_param_count_matches_published(hub_id):
     if raw["model_type"] != "xlnet" or task is not None:  # transformers alone puts XLNet's FloatTensor weights on CPU
         assert all(p.device.type == "meta" for p in model.parameters())
     # issue 12: a published count that includes parts memfit does not bundle (Gemma 3's vision tower, rebuilt
-    # and checked in tests/test_bundled_2026.py) records them as `params_excluded`
+    # and checked in tests/models/test_bundled_2026.py) records them as `params_excluded`
     n = _count_params(model) + info.get("params_excluded", {}).get("count", 0)
     tol = info.get("params_rel_tol", 0.01)
     rel = abs(n - info["params"]) / info["params"]
@@ -143,7 +143,7 @@ def test_param_count_matches_published(hub_id):
     ("facebook/bart-base", 139_420_416),  # shared encoder/decoder/LM-head embedding
 ])
 def test_memfit_counts_of_tied_and_untied_heads(hub_id, count):
-    """Exact counts of memfit's build: the real CPU builds of tests/test_models_params.py (full size for
+    """Exact counts of memfit's build: the real CPU builds of tests/models/test_models_params.py (full size for
     gpt2, t5-small, bart-base, Qwen2.5-0.5B, Llama-3.2-1B; one block for the rest) give the same."""
     from memfit.models.build import build_meta_model
     from memfit.train_setup import TrainSetup

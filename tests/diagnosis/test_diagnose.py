@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import DATA_DIR
 from memfit.cli import main
 from memfit.diagnosis import detect_phase, diagnose
 from memfit.errors import MemfitError
 from memfit.diagnosis.strings import LANGS, MESSAGES
 from memfit.units import GiB, MiB
 
-DATA = Path(__file__).parent / "data" / "oom"
+DATA = DATA_DIR / "oom"
 CORPUS = {c["id"]: c["text"] for c in json.loads((DATA / "corpus.json").read_text(encoding="utf-8"))}
 SEED = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB (GPU 0; 15.78 GiB total capacity; "
         "14.31 GiB already allocated; 2.75 MiB free; 14.78 GiB reserved in total by PyTorch) If reserved memory is "

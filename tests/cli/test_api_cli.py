@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 
+from helpers import SRC_DIR
 from memfit.cli import main
 from memfit.errors import MemfitError
 from memfit.estimator import estimate
@@ -278,13 +279,13 @@ def test_estimate_with_lora_and_checkpointing_prints_no_upstream_warning_or_log(
 
 def test_python_dash_m_memfit_is_the_memfit_command():
     r = subprocess.run([sys.executable, "-m", "memfit", "--version"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+                       env={**os.environ, "PYTHONPATH": str(SRC_DIR)})
     assert r.returncode == 0 and r.stdout.startswith("memfit "), r.stdout + r.stderr
 
 
 def _memfit_process(*args: str, cache_dir: Path) -> subprocess.CompletedProcess:
     """`python -m memfit ...` as the console script runs it (memfit.cli.entry), output piped as in a script."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+    env = {**os.environ, "PYTHONPATH": str(SRC_DIR),
            "MEMFIT_CACHE_DIR": str(cache_dir), "COLUMNS": "100"}
     return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, timeout=300,
                           env=env)

@@ -186,7 +186,7 @@ def test_padding_free_batch_runs_transformers_varlen_path():
 
 
 def test_flex_attention_is_simulated():
-    """flex_attention is no longer refused: its compiled kernels are emulated (tests/test_flex_attn.py)."""
+    """flex_attention is no longer refused: its compiled kernels are emulated (tests/sim/test_flex_attn.py)."""
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100)
     setup = TrainSetup(model=cfg, task="causal-lm", per_device_train_batch_size=1, max_length=64, precision="bf16",

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import DATA_DIR
 from memfit.cli import main
 from memfit.diagnosis import CAUSE_KINDS, detect_phase, diagnose
 from memfit.diagnosis.operations import (OPERATION_ADVICE, OPERATIONS, detect_operation,
@@ -18,7 +19,7 @@ from memfit.diagnosis.operations import (OPERATION_ADVICE, OPERATIONS, detect_op
 from memfit.diagnosis.strings import MESSAGES
 from memfit.units import GiB, MiB
 
-DATA = Path(__file__).parent / "data" / "oom"
+DATA = DATA_DIR / "oom"
 STACK = json.loads((DATA / "llm_stack.json").read_text(encoding="utf-8"))["entries"]
 BY_ID = {e["id"]: e for e in STACK}
 WITH_MESSAGE = [e["id"] for e in STACK if e["has_message"]]

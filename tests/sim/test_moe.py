@@ -1,6 +1,6 @@
 """Mixture-of-experts models in the simulation (memfit.sim.moe, issue 12 item 5).
 
-The central check is the simulator's usual one (tests/test_exactness.py): the same training step on
+The central check is the simulator's usual one (tests/sim/test_exactness.py): the same training step on
 real zero-filled CPU tensors and on FakeTensors gives the same allocation trace, event for event. The
 real runs are made with two fixed routings, set on the experts' `top_k_index` in place (no allocation):
 every token to the same top-k experts (the worst case) and a round robin that gives every expert

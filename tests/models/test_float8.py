@@ -2,7 +2,7 @@
 on the meta model, simulated from torchao's own code.
 
 torch's CPU build runs `torch._scaled_mm`, so the float8 step runs on real CPU tensors too: the fake trace must
-equal the real one event for event (as tests/test_exactness.py checks for the other setups). What torchao saves for
+equal the real one event for event (as tests/sim/test_exactness.py checks for the other setups). What torchao saves for
 backward is read from its installed source, so an upgrade that changes it fails here.
 """
 

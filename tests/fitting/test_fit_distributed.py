@@ -127,7 +127,8 @@ def _ddp_run(mode, port, d):
 
     import torch
 
-    sys.path.insert(0, os.path.dirname(__file__))  # the spawned ranks import helpers (spawn copies sys.path)
+    # the spawned ranks import helpers from tests/ (spawn copies sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     d = str(d)
     os.makedirs(d, exist_ok=False)
     ctx = multiprocessing.get_context("spawn")
