@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TrainSetup", "estimate", "plan", "diagnose", "preflight", "fit",
     "MemoryReport", "PlanResult", "Diagnosis", "PreflightReport", "FitReport", "MemfitError",
-    "MemfitCallback",  # TRL (issue 13)
+    "MemfitCallback",  # TRL
 ]
 
 _LAZY = {

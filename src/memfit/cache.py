@@ -46,7 +46,7 @@ _SUBDIR = "estimate-v1"
 PLAN_SCHEMA = "memfit.cache.plan/1"
 _PLAN_SUBDIR = "plan-v1"
 #: Packages whose code runs in the simulation: their versions are part of every key.
-#: bitsandbytes: quantized layers (issue 12); trl: its trainers' steps (sim/trl_steps.py); liger-kernel: Liger's
+#: bitsandbytes: quantized layers; trl: its trainers' steps (sim/trl_steps.py); liger-kernel: Liger's
 #: patched modules (sim/kernels/liger.py); deepspeed: its config defaults and estimators (parallel/); torchao:
 #: Float8Linear (models/float8.py).
 _PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "liger-kernel", "deepspeed",

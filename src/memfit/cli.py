@@ -21,7 +21,7 @@ def entry() -> None:
     and the process ends without tearing the interpreter down: a simulation leaves millions of small objects
     (fake tensors, traces), and collecting and freeing them at exit cost 0.9 s of a 4.9 s `memfit estimate` (and
     re-enabling the collector after the verb another 0.3 s: one full collection), measured on the 2-core
-    machine (bench/README.md, issue 15). What an exit must still do is done first: output flushed, atexit
+    machine (bench/README.md). What an exit must still do is done first: output flushed, atexit
     handlers run (logging, multiprocessing, tempfile); with a non-daemon thread still running the normal exit
     is taken, as it would join it. `train` exits normally: its run owns files and processes. Where a
     `memfit serve` of this environment runs, a compute verb runs in a child of it (memfit.server).

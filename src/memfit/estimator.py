@@ -123,7 +123,7 @@ class MemoryReport:
     steady_state: SteadyState | None = None
     """Reserved memory over many optimizer steps (memfit.allocator.bounded.steady_state), replayed with
     `capacity_bytes` (without a GPU: `required_bytes`); None without two optimizer steps."""
-    # -- attention and Liger kernels (issue 12) --
+    # -- attention and Liger kernels --
     attn_implementation: str | None = None
     """The attention implementation the simulated model ran (config._attn_implementation)."""
     emulated_kernels: list[str] = field(default_factory=list)
@@ -131,7 +131,7 @@ class MemoryReport:
     reserved_at_peak_allocated_bytes: int = 0
     """Reserved memory at the moment of the allocated peak (the moment `breakdown` describes), from the
     same replay; minus `peak_allocated_bytes` it is what the cache held free for reuse at that moment."""
-    # -- quantization (issue 12) --
+    # -- quantization --
     quantization: dict[str, Any] | None = None
     """Quantized base weights (bitsandbytes): method, bits, quantized params and bytes, what stays in higher
     precision, the dequantization temporaries live at the peak; None when the weights are not quantized."""
@@ -139,7 +139,7 @@ class MemoryReport:
     """Optimizer state of a paged bitsandbytes optimizer in CUDA managed memory (cudaMallocManaged): outside
     PyTorch's allocator, so in no allocated/reserved figure; on the GPU while there is room, paged out to host
     memory by the driver when there is not."""
-    # -- multi-GPU (issue 14): rank 0 of a ParallelSetup; None on one GPU --
+    # -- multi-GPU: rank 0 of a ParallelSetup; None on one GPU --
     parallel: dict[str, Any] | None = None
     """Strategy, world size, nodes, the rank's buffers, host memory for offload (per rank and per node),
     NCCL bytes outside PyTorch and what nvidia-smi shows per GPU (memfit.parallel)."""
@@ -321,7 +321,7 @@ def estimate(
     else:
         conf = alloc_conf
     key = None
-    if parallel is not None:  # multi-GPU (issue 14): not in the cache's key, so not cached
+    if parallel is not None:  # multi-GPU: not in the cache's key, so not cached
         cache = False
     if cache and not (isinstance(gpu, str) and gpu.strip().lower() == "auto"):
         from memfit import cache as _cache
@@ -342,7 +342,7 @@ def estimate(
     from memfit.sim.engine import simulate
 
     rank = None
-    if parallel is not None:  # multi-GPU (issue 14): rank 0's trace from memfit.parallel
+    if parallel is not None:  # multi-GPU: rank 0's trace from memfit.parallel
         from memfit.parallel.rank import simulate_rank
 
         rank = simulate_rank(setup, parallel, gpu=spec)
@@ -472,7 +472,7 @@ def _quantization_report(summary: dict[str, Any] | None, trace: list[TraceEvent]
 
 
 def _parallel_json(parallel, rank, device_used_bytes: int) -> dict[str, Any]:
-    """The multi-GPU part of the report (issue 14)."""
+    """The multi-GPU part of the report."""
     if rank.ranks:  # ZeRO-2: the ranks' gradient partitions differ (memfit.parallel.rank._per_rank_zero2)
         worst = max(rank.ranks, key=lambda d: d["peak_allocated_bytes"])
         differ = (f"yes: ZeRO-2's gradient partition buffer holds the whole parameters each rank's partition cuts; "
@@ -489,7 +489,7 @@ def _parallel_json(parallel, rank, device_used_bytes: int) -> dict[str, Any]:
         "nvidia_smi_per_gpu_bytes": device_used_bytes, "buffers": rank.buffers,
         "deepspeed_model_states": rank.deepspeed_model_states, "ranks_differ": differ, "ranks": rank.ranks,
     }
-    if parallel.strategy == "fsdp":  # issue 14 strategies: per node vs per rank under hybrid sharding
+    if parallel.strategy == "fsdp":  # per node vs per rank under hybrid sharding
         out["shard_group_size"] = parallel.shard_size
         out["replicas"] = parallel.world_size // parallel.shard_size
     return out

@@ -1,7 +1,7 @@
 """`memfit serve`: a warm process that every `estimate`, `plan`, `diagnose` and `replay` of this environment forks.
 
 A cold `memfit estimate` spends most of its time importing torch, transformers and the model's code
-(2.9 s of 4.0 s for the seed case on the 2-core machine, bench/README.md, issue 15), and a first simulation
+(2.9 s of 4.0 s for the seed case on the 2-core machine, bench/README.md), and a first simulation
 in a process pays once for the kernels' first dispatch. `serve()` pays both once: it imports what the
 compute verbs use, then waits on a Unix socket. Each request is run by a child forked from that pristine
 state, so requests never see each other's state; the child gets the client's argv, working directory,

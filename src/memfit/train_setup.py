@@ -47,7 +47,7 @@ EVAL_STRATEGIES = ("no", "steps", "epoch")
 OPTIMIZERS = (
     "adamw_torch", "adamw_torch_fused",
     "adafactor", "sgd", "adamw_bnb_8bit", "adamw_8bit", "adagrad", "rmsprop",
-    # bitsandbytes paged / Lion optimizers (issue 12; memfit.sim.optimizers.BNB_OPTIMIZERS)
+    # bitsandbytes paged / Lion optimizers (memfit.sim.optimizers.BNB_OPTIMIZERS)
     "paged_adamw_32bit", "paged_adamw_8bit", "lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit",
 )
 
@@ -96,7 +96,7 @@ LEGACY_ARG_NAMES = {
 _NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "auto_find_batch_size",
                       "torch_empty_cache_steps")
 
-# -- TRL (issue 13) ---------------------------------------------------------------------------------------
+# -- TRL ---------------------------------------------------------------------------------------
 #: `trainer` values: transformers' Trainer, TRL's SFTTrainer, TRL's DPOTrainer.
 TRAINERS = ("trainer", "sft", "dpo")
 #: The TRL trainers of TRAINERS: their steps are simulated by memfit.sim.trl_steps, `memfit train --trainer`
@@ -119,7 +119,7 @@ router_aux_loss_coef sync_ref_model truncation_mode trust_remote_code use_weight
 """.split()),
 }
 #: TRL settings that change GPU memory but that memfit does not simulate: a note when set.
-_TRL_NOT_MODELLED = ("sync_ref_model", "pad_to_multiple_of")  # activation_offloading: a TrainSetup field (issue 12)
+_TRL_NOT_MODELLED = ("sync_ref_model", "pad_to_multiple_of")  # activation_offloading: a TrainSetup field
 #: TRL config names removed before TRL 1.16 -> why they are ignored (read with a note, not a TypeError).
 _TRL_REMOVED = {
     "max_prompt_length": "DPOConfig 1.x has no prompt limit: DataCollatorForPreference truncates prompt + completion "
@@ -174,7 +174,7 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
     for key, value in data.items():
         if not isinstance(key, str):
             raise MemfitError(f"setting name `{key!r}` in {source} is not a string")
-        if trl_names and key in _TRL_REMOVED:  # TRL (issue 13)
+        if trl_names and key in _TRL_REMOVED:  # TRL
             notes.append(f"`{key}` in {source} is not a TRL 1.16 setting ({_TRL_REMOVED[key]}); ignored")
             continue
         if key in LEGACY_ARG_NAMES:
@@ -189,7 +189,7 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
             key = new
         elif key not in valid:
             trl = [t for t, names in TRL_CONFIG_NAMES.items() if key in names]
-            if trl:  # TRL (issue 13): an SFTConfig / DPOConfig name without the trainer that reads it
+            if trl:  # TRL: an SFTConfig / DPOConfig name without the trainer that reads it
                 raise MemfitError(f"`{key}` in {source} is a TRL {trl[0].upper()}Config setting; say which trainer "
                                   f"runs it: `trainer={trl[0]!r}` (`--trainer {trl[0]}`)")
             raise MemfitError(f"unknown setting `{key}` in {source}{suggest_name(key, valid)}; it is neither a "
@@ -209,7 +209,7 @@ _ARG_TO_FIELD = {
     "eval_accumulation_steps": "eval_accumulation_steps",
     "eval_strategy": "eval_strategy",
     "prediction_loss_only": "prediction_loss_only",
-    # attention / Liger / activation memory (issue 12): transformers 5.24 names, the deprecated aliases too
+    # attention / Liger / activation memory: transformers 5.24 names, the deprecated aliases too
     "activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
     "gradient_checkpointing_kwargs": "gradient_checkpointing_kwargs",
@@ -217,7 +217,7 @@ _ARG_TO_FIELD = {
     "liger_kernel_config": "liger_kernel_config",
 }
 
-# -- attention, Liger kernels, activation memory (issue 12) ------------------------------------
+# -- attention, Liger kernels, activation memory ------------------------------------
 #: `attn_implementation` values memfit simulates (memfit.sim.kernels.flash_attn emulates the flash kernels).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 #: Hub kernels (`kernels` package) that are flash-attn builds -> the implementation whose allocations they have
@@ -237,11 +237,11 @@ CHECKPOINT_KWARGS = ("use_reentrant", "offload", "every_n_layers")
 LIGER_CONFIG_KEYS = ("rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "rms_norm",
                      "layer_norm")
 
-# -- torchao Float8 training (issue 12) --
+# -- torchao Float8 training --
 #: torchao 0.18 float8/config.py `Float8LinearRecipeName` values (tests/models/test_float8.py checks them against it).
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
-# -- quantization (issue 12) --
+# -- quantization --
 #: `bnb_4bit_quant_type` values (transformers 5.24 `BitsAndBytesConfig`: nf4 or fp4).
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 #: The `bnb_4bit_quant_storage` names BitsAndBytesConfig accepts (transformers 5.24 `BitsAndBytesConfig.__init__`).
@@ -307,7 +307,7 @@ class TrainSetup:
     """Dropout on the input of each LoRA adapter (peft `LoraConfig.lora_dropout`); 0: none."""
     lora_target_modules: list[str] | None = None
     """Module names LoRA wraps; None lets peft pick its default for the architecture."""
-    # -- peft methods beyond LoRA (issue 12; memfit.models.peft_methods) --
+    # -- peft methods beyond LoRA (memfit.models.peft_methods) --
     use_dora: bool = False
     """LoRA with DoRA (peft `LoraConfig(use_dora=True)`: a magnitude vector per wrapped layer, the weight norm)."""
     peft_config: dict | None = None
@@ -319,7 +319,7 @@ class TrainSetup:
     """The lowest N blocks of the model's (first) stack of layers get no gradient."""
     offload_optimizer_state: bool = False
     """Optimizer state kept in host memory (DeepSpeed ZeRO-Offload); not on the GPU."""
-    # -- quantization (issue 12): BitsAndBytesConfig's fields and defaults (transformers 5.24
+    # -- quantization: BitsAndBytesConfig's fields and defaults (transformers 5.24
     # utils/quantization_config.py `BitsAndBytesConfig.__init__`), simulated by memfit.models.quantization --
     load_in_4bit: bool = False
     """Base weights in 4 bits (bitsandbytes Linear4bit); needs LoRA on top (QLoRA)."""
@@ -343,7 +343,7 @@ class TrainSetup:
     non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on. TRL 1.16's SFTTrainer does
     not call it (trl/trainer/sft_trainer.py goes straight to `get_peft_model`; only TRL's experimental trainers call
     their own version, trl/experimental/utils.py, which freezes and checkpoints but casts nothing): False for those."""
-    # -- Liger kernels and activation memory (issue 12) --
+    # -- Liger kernels and activation memory --
     use_liger_kernel: bool = False
     """Trainer's `use_liger_kernel`: `liger_kernel.transformers._apply_liger_kernel_to_instance` patches the model
     (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU/GeGLU; the Triton kernels emulated, memfit.sim.kernels.liger)."""
@@ -355,11 +355,11 @@ class TrainSetup:
     activation_offloading: bool = False
     """TRL's `activation_offloading` (trl.models.get_act_offloading_ctx_manager): tensors saved for backward move to
     host memory, except those of the last module and parameters' views."""
-    # -- torchao Float8 training (issue 12): memfit.models.float8 --
+    # -- torchao Float8 training: memfit.models.float8 --
     float8_recipe: str | None = None
     """torchao Float8 training recipe (tensorwise, rowwise, rowwise_with_gw_hp), applied as accelerate's
     `mixed_precision="fp8"` (torchao backend) applies it; needs bf16 and a GPU of compute capability 8.9+."""
-    # -- TRL (issue 13) -------------------------------------------------------------------------
+    # -- TRL -------------------------------------------------------------------------
     trainer: str = field(default="trainer", metadata={"choices": TRAINERS})
     """Which trainer runs the step: `trainer` (transformers.Trainer), `sft` (TRL SFTTrainer) or `dpo` (TRL
     DPOTrainer); TRL's steps are simulated by memfit.sim.trl_steps."""
@@ -423,19 +423,19 @@ class TrainSetup:
                 and self.attn_implementation not in HUB_FLASH_KERNELS:
             raise MemfitError(f"attn_implementation `{self.attn_implementation}` is not modelled; use one of "
                               f"{', '.join(ATTN_IMPLEMENTATIONS)} or a flash-attn hub kernel ({', '.join(HUB_FLASH_KERNELS)})")
-        _check_issue12_fields(self)
+        _check_kwargs_settings(self)
         if self.eval_strategy not in ("no", "steps", "epoch"):
             raise MemfitError(f"eval_strategy `{self.eval_strategy}` must be `no`, `steps` or `epoch`")
         if self.lora_r is not None:
             _positive_int("lora_r", self.lora_r)
         if not isinstance(self.freeze_layers, int) or isinstance(self.freeze_layers, bool) or self.freeze_layers < 0:
             raise MemfitError(f"`freeze_layers` must be 0 or a positive number of blocks; got `{self.freeze_layers!r}`")
-        _check_peft(self)  # peft methods (issue 12)
+        _check_peft(self)  # peft methods
         _check_quantization(self)
-        _check_trl(self)  # TRL (issue 13)
-        _check_float8(self)  # torchao Float8 training (issue 12)
+        _check_trl(self)  # TRL
+        _check_float8(self)  # torchao Float8 training
         # task None: memfit.models.resolve fills it from the model, then checks the setup again
-        if self.task is not None and self.trainer != "trainer" and self.task != "causal-lm":  # TRL (issue 13)
+        if self.task is not None and self.trainer != "trainer" and self.task != "causal-lm":  # TRL
             raise MemfitError(f"trainer `{self.trainer}` trains a causal language model, but the task is "
                               f"`{self.task}`; use `task='causal-lm'` (a *ForCausalLM model)")
 
@@ -448,7 +448,7 @@ class TrainSetup:
         longest = max(self.example_lengths)
         return min(longest, self.max_length) if self.truncation else longest
 
-    # -- TRL (issue 13) ----------------------------------------------------------------------
+    # -- TRL ----------------------------------------------------------------------
     @property
     def is_padding_free(self) -> bool:
         """Whether the micro-batch is flattened to one row: `padding_free`, or packing with a bfd strategy
@@ -503,7 +503,7 @@ class TrainSetup:
         """
         notes: list[str] = list(fields.pop("notes", []))
         setup_names = _setup_field_names()
-        trainer = fields.get("trainer", (training_args or {}).get("trainer"))  # TRL (issue 13)
+        trainer = fields.get("trainer", (training_args or {}).get("trainer"))  # TRL
         trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if isinstance(trainer, str) else frozenset()
         for key in fields:
             if (key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES
@@ -531,7 +531,7 @@ class TrainSetup:
         """Build from a `transformers.TrainingArguments` object, or TRL's `SFTConfig` / `DPOConfig` (read as
         `trainer="sft"` / `"dpo"` with their max_length, packing, padding_free, ... unless `fields` say otherwise)."""
         kwargs = {name: getattr(args, name) for name in list(_ARG_TO_FIELD) + ["fp16", "bf16"] if hasattr(args, name)}
-        trainer = fields.get("trainer") or _TRL_CONFIG_CLASSES.get(type(args).__name__)  # TRL (issue 13)
+        trainer = fields.get("trainer") or _TRL_CONFIG_CLASSES.get(type(args).__name__)  # TRL
         if trainer in ("sft", "dpo"):
             kwargs["trainer"] = trainer
             for name in _TRL_READ[trainer]:
@@ -560,7 +560,7 @@ def read_args_file(path: str | os.PathLike) -> dict[str, Any]:
     return read_json_object(path, "arguments file", "pass a JSON file of TrainingArguments kwargs")
 
 
-#: TRL config class name -> `trainer` (TRL (issue 13)); by name, so that TrainSetup does not import TRL.
+#: TRL config class name -> `trainer` (TRL); by name, so that TrainSetup does not import TRL.
 _TRL_CONFIG_CLASSES = {"SFTConfig": "sft", "DPOConfig": "dpo"}
 #: TRL config fields that are TrainSetup fields (read from an SFTConfig / DPOConfig object).
 _TRL_READ = {
@@ -585,10 +585,10 @@ def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str, tr
                     raise MemfitError("`fp16=True` and `bf16=True` were both given; choose one")
                 merged["precision"] = key
             continue
-        if key == "quantization_config":  # quantization (issue 12): a dict or a BitsAndBytesConfig
+        if key == "quantization_config":  # quantization: a dict or a BitsAndBytesConfig
             merged.update(quantization_fields(value, source=source))
             continue
-        if key in _TRL_NOT_MODELLED and value not in (None, False, "", [], {}, 0):  # TRL (issue 13)
+        if key in _TRL_NOT_MODELLED and value not in (None, False, "", [], {}, 0):  # TRL
             notes.append(f"`{key}` (TRL) is set but not modelled by memfit: the estimate is of a run without it")
             continue
         if key in _NOT_MODELLED_ARGS and value not in (None, False, "", [], {}, 0):
@@ -642,7 +642,7 @@ def _check_types(setup: "TrainSetup") -> None:
 
 
 
-# -- quantization (issue 12) -------------------------------------------------------------------
+# -- quantization -------------------------------------------------------------------
 #: `bnb_4bit_compute_dtype` spellings -> torch dtype name (BitsAndBytesConfig takes a torch dtype or its name).
 _COMPUTE_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
                    "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -749,7 +749,7 @@ def _check_float8(setup: "TrainSetup") -> None:
 
 
 def _check_peft(setup: "TrainSetup") -> None:
-    """peft methods (issue 12): LoRA given once, `use_dora` only with LoRA. peft reads and checks `peft_config`
+    """peft methods: LoRA given once, `use_dora` only with LoRA. peft reads and checks `peft_config`
     itself in memfit.models.resolve (memfit.models.peft_methods)."""
     if setup.peft_config is not None:
         if setup.lora_r is not None:
@@ -759,8 +759,8 @@ def _check_peft(setup: "TrainSetup") -> None:
         raise MemfitError("`use_dora` is a LoRA setting but no LoRA rank is set; add `lora_r` (`--lora-r 16 --use-dora`)")
 
 
-def _check_issue12_fields(setup: "TrainSetup") -> None:
-    """Liger / checkpointing kwargs / offloading (issue 12): a MemfitError for a value memfit cannot read."""
+def _check_kwargs_settings(setup: "TrainSetup") -> None:
+    """Liger / checkpointing kwargs / offloading: a MemfitError for a value memfit cannot read."""
     for name, keys in (("liger_kernel_config", LIGER_CONFIG_KEYS), ("gradient_checkpointing_kwargs", CHECKPOINT_KWARGS)):
         value = getattr(setup, name)
         if value is None:
@@ -789,7 +789,7 @@ def _check_issue12_fields(setup: "TrainSetup") -> None:
 
 
 def _check_trl(setup: "TrainSetup") -> None:
-    """TRL (issue 13): the TRL fields' values, and the combinations TRL 1.16 itself refuses or changes."""
+    """TRL: the TRL fields' values, and the combinations TRL 1.16 itself refuses or changes."""
     if setup.trainer not in TRAINERS:
         raise MemfitError(f"trainer `{setup.trainer}` is not one of {', '.join(TRAINERS)}")
     for name in ("packing", "padding_free", "assistant_only_loss", "precompute_ref_log_probs"):

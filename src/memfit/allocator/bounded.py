@@ -452,7 +452,7 @@ def _capped(trace: Sequence[TraceEvent], conf: AllocConf, capacity_bytes: int, u
     reserved bytes plus the new segment would exceed it, and expandable segments size their address space by it
     (`AllocatorModel.va_bytes`). Without expandable segments, when the uncapped replay never reserved more than
     the capacity, every cudaMalloc of the capped replay succeeds as it did there, so the two run the same
-    sequence of calls and give the same report (tests/allocator/test_reserved.py compares them). Issue 15: one replay of
+    sequence of calls and give the same report (tests/allocator/test_reserved.py compares them). One replay of
     three saved per estimate (0.15 s of a seed-case estimate).
     """
     if not conf.expandable_segments and uncapped.oom is None and uncapped.peak_reserved_bytes <= capacity_bytes:

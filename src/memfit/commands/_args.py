@@ -35,7 +35,7 @@ _TRAIN_SETUP_FIELDS = ("max_length", "num_labels")
 
 def read_args(path: str, trainer: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """Read and name-check an arguments file. Returns (settings, notes). `trainer` `sft` / `dpo`: that TRL
-    config's names are valid too (TRL, issue 13)."""
+    config's names are valid too (TRL)."""
     return normalize_arg_names(read_args_file(path), source=f"`{path}`", trainer=trainer)
 
 
@@ -51,11 +51,11 @@ def train_kwargs_from_file(path: str, setup_names: set[str],
     from memfit.train_setup import TRAINING_ARGS_NAMES, TRL_CONFIG_NAMES
 
     data, notes = read_args(path, trainer)
-    trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if trainer else frozenset()  # TRL (issue 13)
+    trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if trainer else frozenset()  # TRL
     kwargs: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in data.items():
-        if key == "trainer" and trainer is not None:  # TRL (issue 13): the file may say which trainer
+        if key == "trainer" and trainer is not None:  # TRL: the file may say which trainer
             if value != trainer:
                 raise MemfitError(f"`trainer: {value!r}` in `{path}` differs from `--trainer {trainer}`; "
                                   "give one of them")
@@ -66,7 +66,7 @@ def train_kwargs_from_file(path: str, setup_names: set[str],
         elif key == "model":
             raise MemfitError(f"`model` in `{path}`: `memfit train` takes the model as its first argument "
                               "(`memfit train MODEL --data FILE`); remove it from the file")
-        elif key in setup_names or key == "quantization_config":  # quantization (issue 12): estimate/plan only
+        elif key in setup_names or key == "quantization_config":  # quantization: estimate/plan only
             raise MemfitError(f"`{key}` in `{path}` is a memfit estimate setting that `memfit train` does not take; "
                               "remove it from the file")
     for key, forced in FORCED_BY_TRAIN.items():
@@ -86,7 +86,7 @@ def args_source(args: argparse.Namespace) -> str | None:
     return getattr(args, "args_file", None)
 
 
-# -- multi-GPU flags (issue 14): --gpus, --world-size, --nodes, --strategy, --deepspeed, --fsdp, --fsdp-config --
+# -- multi-GPU flags: --gpus, --world-size, --nodes, --strategy, --deepspeed, --fsdp, --fsdp-config --
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     from memfit.commands._setup_flags import add_parallel_flags
 
@@ -96,7 +96,7 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deepspeed", default=None, metavar="DS.json", help="DeepSpeed config (\"auto\" filled as transformers fills it)")
     g.add_argument("--fsdp", default=None, help="TrainingArguments fsdp options, e.g. \"full_shard auto_wrap\"")
     g.add_argument("--fsdp-config", default=None, metavar="FILE", help="TrainingArguments fsdp_config JSON")
-    # accelerate config files (issue 14 strategies): `accelerate config` output, as `accelerate launch` reads it
+    # accelerate config files: `accelerate config` output, as `accelerate launch` reads it
     g.add_argument("--accelerate-config", default=None, metavar="FILE.yaml",
                    help="accelerate config file (distributed_type MULTI_GPU / FSDP / DEEPSPEED, num_processes, ...)")
 
@@ -114,7 +114,7 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         if world is not None and world != count:
             raise MemfitError(f"--gpus `{args.gpus}` and --world-size `{world}` differ; give one of them")
         world = count
-    if getattr(args, "accelerate_config", None):  # issue 14 strategies: read by accelerate_from_args
+    if getattr(args, "accelerate_config", None):  # read by accelerate_from_args
         return None, gpu
     given = [f for f in ("strategy", "deepspeed", "fsdp", "fsdp_config", "nodes") if getattr(args, f, None) is not None]
     if world is None and not given:
@@ -138,10 +138,10 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         if args.strategy not in (None, "fsdp"):
             raise MemfitError(f"--strategy `{args.strategy}` with --fsdp: give --strategy fsdp or leave it out")
         par, _ = parallel_from_fsdp_args(args.fsdp or True, args.fsdp_config, world_size=world, nodes=nodes)
-        par = par.replace(sync_each_batch=sync_each_batch_from_args(args))  # issue 14 FSDP accumulation
+        par = par.replace(sync_each_batch=sync_each_batch_from_args(args))
         if par.param_dtype is None and setup.precision in ("fp16", "bf16"):
             # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:
-            # param_dtype = reduce_dtype = the precision's dtype) unless fsdp_config gives one (issue 14 strategies)
+            # param_dtype = reduce_dtype = the precision's dtype) unless fsdp_config gives one
             par = par.replace(param_dtype=setup.precision, reduce_dtype=setup.precision)
         return par, gpu
     strategy = args.strategy or "ddp"
@@ -153,7 +153,7 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
     return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy), gpu
 
 
-# -- FSDP gradient accumulation (issue 14): `accelerator_config` of the --args file --
+# -- FSDP gradient accumulation: `accelerator_config` of the --args file --
 def sync_each_batch_from_args(args: argparse.Namespace) -> bool:
     """`accelerator_config.gradient_accumulation_kwargs.sync_each_batch` of `--args FILE` (False when unset)."""
     from memfit.parallel.setup import sync_each_batch_from
@@ -162,7 +162,7 @@ def sync_each_batch_from_args(args: argparse.Namespace) -> bool:
     return sync_each_batch_from(read_args_file(path).get("accelerator_config")) if path else False
 
 
-# -- accelerate config files (issue 14 strategies) --
+# -- accelerate config files --
 def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
     """(ParallelSetup or None, the TrainSetup with the file's mixed precision and FSDP activation checkpointing)
     from `--accelerate-config`. The Trainer's own fp16/bf16 win over the file's `mixed_precision`
@@ -205,6 +205,6 @@ def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
                               "refuses the mismatch); give one")
         changes["gradient_accumulation_steps"] = gas
     par = acc.parallel
-    if par is not None and par.strategy == "fsdp":  # issue 14 FSDP accumulation: the file has no key for it
+    if par is not None and par.strategy == "fsdp":  # the file has no key for it
         par = par.replace(sync_each_batch=sync_each_batch_from_args(args))
     return par, (setup.replace(**changes) if changes else setup)

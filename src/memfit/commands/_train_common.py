@@ -65,7 +65,7 @@ def training_kwargs(args: argparse.Namespace, is_default: bool,
     defaults = {"per_device_train_batch_size": 32 if is_default else 8, "num_train_epochs": 2.0 if is_default else 3.0,
                 "learning_rate": 5e-5 if is_default else 2e-5, "eval_strategy": "epoch" if is_default else "no",
                 "save_strategy": "epoch", "seed": 42}
-    if trainer != "trainer":  # TRL (issue 13): SFTConfig's (2e-5) / DPOConfig's (1e-6) own learning rate
+    if trainer != "trainer":  # TRL: SFTConfig's (2e-5) / DPOConfig's (1e-6) own learning rate
         del defaults["learning_rate"]
         _trl_kwargs(args, kwargs, notes, source)
     for dest, name in (("per_device_train_batch_size",) * 2, ("per_device_eval_batch_size",) * 2,
@@ -113,7 +113,7 @@ _FLAG_DEST = {"learning_rate": "learning_rate", "num_train_epochs": "epochs", "s
 
 
 def _trl_kwargs(args: argparse.Namespace, kwargs: dict[str, Any], notes: list[str], source: str | None) -> None:
-    """TRL (issue 13): the SFTConfig / DPOConfig settings of the flags into `kwargs` (the flag wins)."""
+    """TRL: the SFTConfig / DPOConfig settings of the flags into `kwargs` (the flag wins)."""
     from memfit.commands._args import flag_wins
 
     from memfit.commands._setup_flags import setup_fields

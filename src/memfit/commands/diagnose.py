@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from memfit.diagnosis.verb import Diagnosis
 
 # memfit.diagnosis.verb is imported where it runs: the CLI imports every verb's module to build its parser
-# (memfit.cli), and an estimate does not need it (issue 15)
+# (memfit.cli), and an estimate does not need it
 
 __all__ = ["diagnose_command_parser", "diagnose_command"]
 

@@ -38,7 +38,7 @@ def estimate_command_parser(subparsers) -> argparse.ArgumentParser:
                     "1 does not fit (with --check), 2 bad input.",
     )
     add_setup_arguments(p)
-    from memfit.commands._args import add_parallel_arguments  # multi-GPU flags (issue 14)
+    from memfit.commands._args import add_parallel_arguments  # multi-GPU flags
 
     add_parallel_arguments(p)
     p.add_argument("--list-models", action="store_true", help="list the bundled model ids and exit")
@@ -84,7 +84,7 @@ def build_setup(args: argparse.Namespace):
 
     fields = setup_fields(args)
     gpu = getattr(args, "gpu", None)
-    # the task from memfit's cache, so a cached estimate or plan (issue 15) never imports transformers
+    # the task from memfit's cache, so a cached estimate or plan never imports transformers
     use_cache = getattr(getattr(args, "func", None), "__name__", None) in ("estimate_command", "plan_command") \
         and not getattr(args, "no_cache", False)
     if args.args_file:  # memfit.commands._args: the reader of every verb
@@ -158,10 +158,10 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.check and gpu is None:
         raise MemfitError("`--check` needs a GPU to check against: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
                           "or `--gpu auto` on a machine with a GPU")
-    from memfit.commands._args import parallel_from_args  # multi-GPU (issue 14)
+    from memfit.commands._args import parallel_from_args  # multi-GPU
 
     parallel, gpus_name = parallel_from_args(args, setup)
-    if getattr(args, "accelerate_config", None):  # issue 14 strategies: --accelerate-config FILE.yaml
+    if getattr(args, "accelerate_config", None):  # --accelerate-config FILE.yaml
         from memfit.commands._args import accelerate_from_args
 
         parallel, setup = accelerate_from_args(args, setup)
@@ -187,18 +187,18 @@ def estimate_command(args: argparse.Namespace) -> int:
         print()
     else:
         render(report, is_seed=is_seed)
-        if report.parallel is not None:  # multi-GPU (issue 14)
+        if report.parallel is not None:  # multi-GPU
             par = report.parallel
             same = "the others hold the same" if not par.get("ranks") else "ranks that differ below"
             print(f"per rank ({par['strategy']}, {par['world_size']} GPUs on {par['nodes']} node(s); rank 0 shown, "
                   f"{same}): nvidia-smi per GPU {format_bytes(par['nvidia_smi_per_gpu_bytes'])} "
                   f"(NCCL {format_bytes(par['nccl_bytes'])}); host memory for offload "
                   f"{format_bytes(par['host_bytes_per_rank'])} per rank, {format_bytes(par['host_bytes_per_node'])} per node")
-            if par.get("replicas", 1) > 1:  # issue 14 strategies: hybrid sharding
+            if par.get("replicas", 1) > 1:  # hybrid sharding
                 print(f"  hybrid sharding: each node's {par['shard_group_size']} GPUs hold one sharded copy; "
                       f"{par['replicas']} replicas across nodes (what is per rank above: 1/{par['shard_group_size']} "
                       "of the model states)")
-            ranks = par.get("ranks") or []  # issue 14 item 4: ranks that differ (ZeRO-2): rank 0's and the worst
+            ranks = par.get("ranks") or []  # ranks that differ (ZeRO-2): rank 0's and the worst
             shown = ranks[:1] + [max(ranks, key=lambda d: d["peak_allocated_bytes"])] if ranks else []
             for d in ({id(d): d for d in shown}).values():
                 print(f"  rank(s) {', '.join(map(str, d['ranks'][:8]))}{' ...' if len(d['ranks']) > 8 else ''}: "
@@ -253,7 +253,7 @@ def reserved_lines(report) -> list[str]:
 
 
 def quantization_lines(report) -> list[str]:
-    """The quantized weights' part of the breakdown (issue 12): their storage, what stays in higher precision,
+    """The quantized weights' part of the breakdown: their storage, what stays in higher precision,
     the dequantization temporaries, paged optimizer state."""
     q = getattr(report, "quantization", None)
     out = []
@@ -292,7 +292,7 @@ def render(report, *, is_seed: bool = False) -> None:
         f"{s['sequence_length']} tokens | {s['precision']} | {s['optim']}"
         + (f" | checkpointing: {report.checkpointing}" if report.checkpointing else "")
         + (f" | SDPA: {', '.join(report.sdpa_backends)}" if report.sdpa_backends else "")
-        + (f" | emulated: {', '.join(report.emulated_kernels)}" if report.emulated_kernels else "")  # issue 12
+        + (f" | emulated: {', '.join(report.emulated_kernels)}" if report.emulated_kernels else "")
     )
     phases = Table(title="Peak allocated per phase", title_justify="left")
     phases.add_column("phase")

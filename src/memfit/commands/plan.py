@@ -35,9 +35,9 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="exit 1 (with one line on stderr) when the setup as given does not fit, even when a plan "
                         "does; for scripts and CI")
-    p.add_argument("--no-cache", action="store_true",  # issue 15: memfit.cache.plan_key
+    p.add_argument("--no-cache", action="store_true",  # memfit.cache.plan_key
                    help="plan even when memfit's cache ($MEMFIT_CACHE_DIR, else ~/.cache/memfit) holds the result")
-    # -- plan across GPUs (issue 14, item 4) --
+    # -- plan across GPUs --
     from memfit.commands._args import add_parallel_arguments
 
     add_parallel_arguments(p)
@@ -185,7 +185,7 @@ def render(result, *, is_seed: bool = False) -> None:
         c.print(f"[dim]{result.simulations} simulations in {result.elapsed_s:.1f} s[/dim]")
 
 
-# -- plan across GPUs (issue 14, item 4) ----------------------------------------------------------------------
+# -- plan across GPUs ----------------------------------------------------------------------
 
 
 def plan_parallel_command(args: argparse.Namespace) -> int:
@@ -221,7 +221,7 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
     kw = dict(nodes=args.nodes or 1, margin=args.margin, strategies=(args.strategy,) if args.strategy else None,
               interconnect=args.interconnect, network_gbps=args.network_gbps, alloc_conf=args.alloc_conf,
               max_simulations=args.max_simulations or DEFAULT_MAX_SIMULATIONS, script=args.script,
-              allow=tuple(a for a in (args.allow or "").split(",") if a.strip()))  # --allow across GPUs (issue 14)
+              allow=tuple(a for a in (args.allow or "").split(",") if a.strip()))  # --allow across GPUs
     if len(kinds) == 1:
         results, best = [plan_parallel(setup, gpu=kinds[0][1], world_size=kinds[0][0], **kw)], 0
         if results[0].chosen is None:

@@ -104,7 +104,7 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
                    help="resume from CHECKPOINT (default: the last checkpoint-N in --output-dir) with the memory "
                         "settings memfit saved in it")
     p.add_argument("--output-dir", default=None, help="where the model, checkpoints and report go (default memfit-train-out)")
-    # TRL (issue 13): SFTTrainer / DPOTrainer, the flag names of `memfit estimate` / `plan`
+    # TRL: SFTTrainer / DPOTrainer, the flag names of `memfit estimate` / `plan`
     g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer (a causal LM on JSONL data)")
     add_setup_flags(g, TRL_FIELDS, defaults=_TRAIN_DEFAULTS)
     g.add_argument("--dataset-text-field", default=None, help="SFT text column of text data (default text)")
@@ -197,7 +197,7 @@ def train_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
-    trainer = check_trl_flags(args)  # TRL (issue 13): a flag of another trainer is an error
+    trainer = check_trl_flags(args)  # TRL: a flag of another trainer is an error
     if trainer != "trainer":
         return train_trl_command(args, trainer, console)
     inputs = _read_inputs(args)

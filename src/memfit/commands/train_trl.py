@@ -1,4 +1,4 @@
-"""`memfit train --trainer sft|dpo` (issue 13): TRL's real SFTTrainer / DPOTrainer under memfit.fit.
+"""`memfit train --trainer sft|dpo`: TRL's real SFTTrainer / DPOTrainer under memfit.fit.
 
     memfit train ./my-llm --trainer sft --data chat.jsonl --packing --budget 2GiB
     memfit train ./my-llm --trainer sft --data pc.jsonl --completion-only-loss --lora-r 8

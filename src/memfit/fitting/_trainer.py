@@ -42,7 +42,7 @@ import uuid
 from typing import Any, Callable
 
 from memfit.fitting.distributed import is_distributed
-from memfit.models.build import without_hf_deepspeed_config  # re-exported: moved to the model builds (issue 14)
+from memfit.models.build import without_hf_deepspeed_config  # re-exported: moved to the model builds
 
 logger = logging.getLogger("memfit.fit")
 

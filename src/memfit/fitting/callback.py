@@ -1,4 +1,4 @@
-"""`memfit.MemfitCallback`: memfit inside an unchanged `trainer.train()` (issue 13).
+"""`memfit.MemfitCallback`: memfit inside an unchanged `trainer.train()`.
 
     from memfit import MemfitCallback
     trainer = SFTTrainer(..., callbacks=[MemfitCallback(gpu="auto")])   # any Trainer or TRL trainer

@@ -1,4 +1,4 @@
-"""`memfit.fit` under the sharding engines: DeepSpeed ZeRO and FSDP2 (issue 14, item 5).
+"""`memfit.fit` under the sharding engines: DeepSpeed ZeRO and FSDP2.
 
 **Preflight per rank** (`parallel_for_trainer`): a Trainer configured with `deepspeed=` (a ZeRO JSON or
 dict) or `fsdp=` / `fsdp_config=` (FSDP2) is estimated as rank 0 of that run: the ParallelSetup is read
@@ -182,7 +182,7 @@ def parallel_for_trainer(trainer: Any, setup: Any) -> tuple[Any, list[str]]:
                           "the preflight estimates one GPU"]
         world, nodes = _world(args)
         parallel, notes = parallel_from_fsdp_args(True, fsdp_config, world_size=world, nodes=nodes)
-        # issue 14 FSDP accumulation: the Trainer's no_sync unless accelerator_config's sync_each_batch
+        # the Trainer's no_sync unless accelerator_config's sync_each_batch
         parallel = parallel.replace(sync_each_batch=sync_each_batch_from(getattr(args, "accelerator_config", None)))
         notes = notes + [f"preflight per rank: FSDP2 (`fully_shard`, reshard_after_forward="
                          f"{parallel.reshard_after_forward}) over {world} rank(s), from the trainer's `fsdp_config`; "

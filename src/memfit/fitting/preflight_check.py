@@ -48,7 +48,7 @@ class PreflightReport:
     example_count: int | None = None
     longest_example: int | None = None
     free_bytes_now: int | None = None
-    #: the multi-GPU strategy the estimate assumed (issue 14: DeepSpeed ZeRO / FSDP2 from the trainer's args;
+    #: the multi-GPU strategy the estimate assumed (DeepSpeed ZeRO / FSDP2 from the trainer's args;
     #: memfit.fitting.engines.parallel_for_trainer), None for one GPU
     parallel: Any = None
     parallel_notes: list[str] = field(default_factory=list)
@@ -71,7 +71,7 @@ class PreflightReport:
             "example_count": self.example_count, "longest_example": self.longest_example,
             "free_bytes_now": self.free_bytes_now,
             "flags": [dataclasses.asdict(f) for f in self.flags],
-            # issue 14: the strategy assumed; the estimate is rank 0's
+            # the strategy assumed; the estimate is rank 0's
             "parallel": None if self.parallel is None else {
                 "strategy": self.parallel.strategy, "world_size": self.parallel.world_size,
                 "nodes": self.parallel.nodes, "rank": 0, "notes": list(self.parallel_notes)},
@@ -145,7 +145,7 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
         if p is not None:
             fields["weights_dtype"] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
                 p.dtype, "fp32")
-    lengths = _trl_fields(trainer, fields, lengths)  # TRL (issue 13)
+    lengths = _trl_fields(trainer, fields, lengths)  # TRL
     setup = TrainSetup.from_training_args(trainer.args, model=config, **fields)
     if setup.eval_strategy == "no" and eval_ds is not None and getattr(trainer.args, "do_eval", False):
         setup = setup.replace(eval_strategy="epoch")
@@ -153,7 +153,7 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
 
 
 def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None) -> list[int] | None:
-    """TRL (issue 13): the SFTTrainer / DPOTrainer settings and token lengths; updates `fields`, returns the
+    """TRL: the SFTTrainer / DPOTrainer settings and token lengths; updates `fields`, returns the
     lengths preflight reports (packs for a packed SFT dataset, the longer sequence of each pair for DPO).
     A peft model's LoRA settings are read for every trainer (DPO's reference depends on them)."""
     from memfit.sim import _trl_adapter as trl_adapter
@@ -167,9 +167,9 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
             fields["lora_dropout"] = float(cfg.lora_dropout)
             targets = cfg.target_modules
             fields["lora_target_modules"] = sorted(targets) if isinstance(targets, (set, list, tuple)) else None
-            if getattr(cfg, "use_dora", False):  # peft methods (issue 12)
+            if getattr(cfg, "use_dora", False):  # peft methods
                 fields["use_dora"] = True
-        elif getattr(cfg, "peft_type", None) is not None:  # peft methods (issue 12): any other method, as configured
+        elif getattr(cfg, "peft_type", None) is not None:  # peft methods: any other method, as configured
             fields["peft_config"] = cfg.to_dict()
     kind = trl_adapter.trainer_kind(trainer)
     if kind == "sft":
@@ -268,7 +268,7 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     from memfit.fitting._trainer import preserve_accelerator_state, without_hf_deepspeed_config
     from memfit.fitting.engines import parallel_for_trainer
 
-    parallel, parallel_notes = parallel_for_trainer(trainer, setup)  # DeepSpeed / FSDP2: rank 0 (issue 14)
+    parallel, parallel_notes = parallel_for_trainer(trainer, setup)  # DeepSpeed / FSDP2: rank 0
     with preserve_accelerator_state(), without_hf_deepspeed_config():
         report = estimate(setup, gpu=spec, non_pytorch_bytes=non_pytorch_bytes, parallel=parallel)
     flags: list[PreflightFlag] = []

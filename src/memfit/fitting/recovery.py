@@ -12,7 +12,7 @@ gradient it would have seen, no optimizer step is lost, the effective batch size
 data order are unchanged. The loss reported for the earlier micro-steps was already
 counted and is not counted again.
 
-TRL's batches (issue 13): a padding-free row (SFTTrainer with padding_free or bfd packing) is split into
+TRL's batches: a padding-free row (SFTTrainer with padding_free or bfd packing) is split into
 chunks of whole examples, a DPO batch into chunks of preference pairs (chosen and rejected together).
 
 With DDP, the micro-steps run without collectives and memfit averages the gradients after
@@ -138,9 +138,9 @@ def _batch_size(inputs: dict[str, Any]) -> int:
 
 
 def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
-    if _is_padding_free(inputs):  # TRL (issue 13): one flattened row of several examples
+    if _is_padding_free(inputs):  # TRL: one flattened row of several examples
         return _split_padding_free(inputs, c)
-    if "completion_mask" in inputs and "labels" not in inputs:  # TRL (issue 13): a DPO batch, chosen then rejected
+    if "completion_mask" in inputs and "labels" not in inputs:  # TRL: a DPO batch, chosen then rejected
         return _split_pairs(inputs, c)
     n = _batch_size(inputs)
     c = max(1, min(c, n))
@@ -154,7 +154,7 @@ def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
     return parts
 
 
-# -- TRL (issue 13): micro-batches that are not split along their first dimension -------------------------
+# -- TRL: micro-batches that are not split along their first dimension -------------------------
 
 def _splittable(inputs: dict[str, Any]) -> int:
     """The most chunks a micro-batch splits into: examples of a padding-free row, pairs of a DPO batch,

@@ -293,7 +293,7 @@ def _preflight_and_plan(trainer: Any, *, gpu: Any, budget_bytes: int | None, pla
         logger.warning("memfit preflight: %s (fix: %s)", f.text, f.fix)
     if not (plan and pre.fits is False):
         return _Planned(pre, None, memfit_checkpointing)
-    if pre.parallel is not None:  # issue 14: memfit's plan is a one-GPU plan; not applied to a sharded run
+    if pre.parallel is not None:  # memfit's plan is a one-GPU plan; not applied to a sharded run
         log.note(f"the setup is predicted not to fit per rank under {pre.parallel.strategy}; memfit.fit does not "
                  "apply a plan to a DeepSpeed / FSDP2 run (`memfit plan` across GPUs gives one); training with recovery")
         return _Planned(pre, None, memfit_checkpointing)
@@ -336,7 +336,7 @@ def _agreed_plan(trainer: Any, pre: PreflightReport, *, gpu: Any, budget_bytes: 
                            non_pytorch_bytes=0 if budget_bytes is not None and gpu is None else None,
                            # apply_plan applies mixed precision only on CUDA: do not plan on it elsewhere
                            exclude=() if torch.cuda.is_available() else ("mixed_precision",),
-                           workers=1,  # plan speed (issue 15): never fork the training process (memfit.planner.workers)
+                           workers=1,  # plan speed: never fork the training process (memfit.planner.workers)
                            **({} if margin is None else {"margin": margin}))
     from memfit.fitting.distributed import agree
 
@@ -417,7 +417,7 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
     if budget_bytes is not None:
         from memfit.testing import memory_budget
 
-        ref = getattr(trainer, "ref_model", None)  # TRL (issue 13): DPOTrainer's reference copy is on the GPU too
+        ref = getattr(trainer, "ref_model", None)  # TRL: DPOTrainer's reference copy is on the GPU too
         budget = memory_budget(budget_bytes, count=(trainer.model,) + ((ref,) if ref is not None else ()))
     meter = Meter(budget)
     recoveries: list[Recovery] = []
@@ -497,7 +497,7 @@ def _report_failure(exc: BaseException, trainer: Any, guards: _Guards, run: _Run
             write_report(report, run.report_path)
             exc.add_note(f"memfit: the report of this run ({report.status}) is in {run.report_path}")
         exc.memfit_report = report  # type: ignore[attr-defined]  (read by `memfit train`)
-    if getattr(exc, "abort_peers", False):  # issue 14: an OOM between an engine's all-gathers (fitting/engines.py)
+    if getattr(exc, "abort_peers", False):  # an OOM between an engine's all-gathers (fitting/engines.py)
         from memfit.fitting.engines import abort_peers
 
         abort_peers()  # after the report: the peers see an error instead of waiting (gloo), or time out (NCCL)

@@ -1,4 +1,4 @@
-"""Token lengths of a TRL dataset file (issue 13): what SFTTrainer / DPOTrainer (TRL 1.16) would tokenize.
+"""Token lengths of a TRL dataset file: what SFTTrainer / DPOTrainer (TRL 1.16) would tokenize.
 
     from memfit.fitting.trl_data import dataset_lengths
     data = dataset_lengths("chat.jsonl", tokenizer, trainer="sft")

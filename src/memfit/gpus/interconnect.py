@@ -1,5 +1,5 @@
 """How fast GPUs talk to each other and to the host: the links the multi-GPU planner's communication model uses
-(memfit.planner.comm; issue 14, item 4).
+(memfit.planner.comm).
 
 All figures are GB/s (10**9 bytes/s) in one direction per GPU, the unit NCCL's tests report ("The
 measurement is of a unidirectional bandwidth", NVIDIA/nccl-tests doc/PERFORMANCE.md). Datasheets quote

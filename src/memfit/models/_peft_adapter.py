@@ -1,4 +1,4 @@
-"""The one module that touches peft's private internals (peft 0.21.2), for peft methods under fake tensors (issue 12).
+"""The one module that touches peft's private internals (peft 0.21.2), for peft methods under fake tensors.
 
 Three places in peft need help under fake tensors. Two are host-side computations that read tensor values meta /
 fake tensors do not have; neither touches GPU memory on a real run, so each is replaced by a value-free stand-in of

@@ -230,7 +230,7 @@ def to_empty_tied(module: nn.Module, *, device: str | torch.device) -> nn.Module
     if len(unique) == sum(1 for _ in module.named_modules(remove_duplicate=False)):
         module._apply(fn)  # what `Module.to_empty(device=device)` runs (torch/nn/modules/module.py)
     else:
-        # a module reachable twice (peft, issue 12: prompt learning's `word_embeddings`, VB-LoRA's shared vector
+        # a module reachable twice (peft: prompt learning's `word_embeddings`, VB-LoRA's shared vector
         # bank): `_apply` would convert it twice, and the second conversion of a FakeTensor parameter is a
         # `swap_tensors` that fails ("Couldn't swap Embedding.weight"); convert each module once
         for sub in unique:
@@ -244,7 +244,7 @@ def _empty_like_on(device: str | torch.device):
     that is the same tensor: for a contiguous `t`, `empty_like`'s default `memory_format=torch.preserve_format`
     gives the contiguous strides `torch.empty` gives (aten/src/ATen/native/TensorFactories.cpp `empty_like`), with
     the same shape, dtype and layout, and neither copies `requires_grad`. Under FakeTensorMode `empty` skips
-    converting each meta-built input into a FakeTensor first (issue 15: measured 0.14 -> 0.05 CPU s for
+    converting each meta-built input into a FakeTensor first (measured 0.14 -> 0.05 CPU s for
     xlnet-large-cased's 414 tensors)."""
     def empty(t: torch.Tensor) -> torch.Tensor:
         # plain tensors only: a tensor subclass (FSDP2's DTensor parameters) keeps its type through empty_like

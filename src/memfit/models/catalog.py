@@ -50,7 +50,7 @@ _META_KEY = "_memfit"
 
 #: Hub ids whose config.json has the same architecture as a bundled one (same modules and shapes): they
 #: resolve to it instead of a copied file. Only fields that change no tensor differ (token ids,
-#: chat-template bookkeeping). Issue 12: the `-Instruct` / `-it` variants people fine-tune.
+#: chat-template bookkeeping). The `-Instruct` / `-it` variants people fine-tune.
 ALIASES: dict[str, str] = {
     # Llama 3.x Instruct: the base config with eos_token_id [128001, 128008, 128009]
     "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
@@ -70,7 +70,7 @@ ALIASES: dict[str, str] = {
     "google/gemma-3-12b-it": "google/gemma-3-12b-pt",
     "google/gemma-3-27b-it": "google/gemma-3-27b-pt",
     "HuggingFaceTB/SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M",
-    # issue 12 (models people fine-tune): base / instruct twins of the same architecture (the model cards; only
+    # base / instruct twins of the same architecture (the model cards; only
     # token ids and chat bookkeeping differ). SmolLM2-1.7B is bundled by its Instruct config, the one quoted in public code
     "HuggingFaceTB/SmolLM2-360M-Instruct": "HuggingFaceTB/SmolLM2-360M",
     "HuggingFaceTB/SmolLM2-1.7B": "HuggingFaceTB/SmolLM2-1.7B-Instruct",

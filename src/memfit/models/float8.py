@@ -1,4 +1,4 @@
-"""torchao Float8 training (issue 12): `nn.Linear` layers swapped for torchao's `Float8Linear`, as accelerate's
+"""torchao Float8 training: `nn.Linear` layers swapped for torchao's `Float8Linear`, as accelerate's
 `mixed_precision="fp8"` with the torchao backend does it, simulated from torchao's own code under fake tensors.
 
 How accelerate 1.15 applies it (accelerator.py `Accelerator._prepare_ao` -> utils/ao.py `convert_model_to_fp8_ao`):

@@ -1,4 +1,4 @@
-"""peft methods beyond plain LoRA (issue 12): a peft config read from a dict, validated, and built by peft's own
+"""peft methods beyond plain LoRA: a peft config read from a dict, validated, and built by peft's own
 `get_peft_model` on the meta model.
 
 `TrainSetup(peft_config={...})` takes what peft's `get_peft_config` reads (peft 0.21 mapping.py: the
@@ -259,7 +259,7 @@ def apply_peft(model, setup: Any):
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         if "target_modules" in str(err) or "Please specify" in str(err):
-            # issue 12: peft has no default targets for many new model types (qwen3_moe, olmoe, gpt_oss, deepseek_v2,
+            # peft has no default targets for many new model types (qwen3_moe, olmoe, gpt_oss, deepseek_v2,
             # olmo2, smollm3: TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING); name this model's own
             example = ",".join(n for n in ("q_proj", "v_proj") if n in linear) or ",".join(linear[:2]) or "query,value"
             where = "`--lora-target-modules`" if kind == "LORA" and not getattr(setup, "peft_config", None) \

@@ -1,4 +1,4 @@
-"""Per-rank memory beyond one GPU: DDP, FSDP2 and DeepSpeed ZeRO-1/2/3 (issue 14, items 1-3).
+"""Per-rank memory beyond one GPU: DDP, FSDP2 and DeepSpeed ZeRO-1/2/3.
 
     from memfit import estimate
     from memfit.parallel import ParallelSetup

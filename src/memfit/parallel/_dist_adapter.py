@@ -1,4 +1,4 @@
-"""The one module that touches private or unstable torch.distributed APIs (issue 14).
+"""The one module that touches private or unstable torch.distributed APIs.
 
 - `torch.testing._internal.distributed.fake_pg.FakeStore` and the `"fake"` backend it registers: a
   process group whose collectives return at once, so one CPU process can stand for rank 0 of any
@@ -10,7 +10,7 @@
   (torch/nn/parallel/distributed.py `_ddp_init_helper`), which runs on meta tensors.
 - `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`: DDP's first bucket (1 MiB).
 - `DTensor._local_tensor`: the rank's shard of a DTensor, read inside a dispatch mode.
-- FSDP1 (issue 14 strategies): `torch.distributed.fsdp.FullyShardedDataParallel`, `ShardingStrategy`,
+- FSDP1 : `torch.distributed.fsdp.FullyShardedDataParallel`, `ShardingStrategy`,
   `CPUOffload`, `MixedPrecision`, `wrap.ModuleWrapPolicy` (public), and the storage resizes of its
   FlatParameters, `torch.distributed.fsdp._flat_param._alloc_storage` / `_free_storage` (private).
 """
@@ -129,7 +129,7 @@ def fsdp_storage_hooks(on_alloc, on_free) -> Iterator[None]:
         _fsdp_param.free_storage = orig_free
 
 
-# -- FSDP1 (issue 14 strategies) --
+# -- FSDP1  --
 def fsdp1_wrap(module: torch.nn.Module, *, block_classes: set[type] | None, sharding_strategy: str, mesh,
                use_orig_params: bool, cpu_offload: bool, param_dtype: torch.dtype | None,
                reduce_dtype: torch.dtype | None) -> torch.nn.Module:
@@ -231,7 +231,7 @@ def fsdp1_flat_grads_from_orig(model: torch.nn.Module, tracker) -> None:
         handle._use_sharded_grad_views()
 
 
-# -- gradient accumulation without communication (issue 14: FSDP accumulation) ------------------------------------
+# -- gradient accumulation without communication (FSDP accumulation) ------------------------------------
 @contextlib.contextmanager
 def fsdp_no_sync(model: torch.nn.Module, fsdp_version: int) -> Iterator[None]:
     """What accelerate 1.15 `Accelerator.no_sync` runs around a non-final micro-step: FSDP2

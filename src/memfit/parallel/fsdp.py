@@ -1,6 +1,6 @@
 """FSDP2 and FSDP1 per rank from their real code, under FakeTensorMode on a fake process group.
 
-FSDP1 (`FullyShardedDataParallel`, issue 14 strategies) runs too: on the materialized fake model (its
+FSDP1 (`FullyShardedDataParallel`) runs too: on the materialized fake model (its
 FlatParameters flatten real storages), wrapped as accelerate's `prepare_model` wraps it, so its own
 `_flat_param.py` makes each unit's FlatParameter (padded to a multiple of the shard group:
 `FlatParamHandle._get_shard`), shards it, and all-gathers the padded unsharded FlatParameter before each
@@ -26,7 +26,7 @@ Known limitations: FSDP1 with CPU offload is refused (its pinned host shards do 
 layer splicing is off (each block runs: seconds for 7B models); with `cpu_offload` the sharded parameters and optimizer state are moved out of the trace
 (host), and the sharded gradients are still counted on the GPU (a bound).
 
-Gradient accumulation (issue 14, FSDP accumulation): the Trainer runs every micro-step but the window's last
+Gradient accumulation : the Trainer runs every micro-step but the window's last
 under `accelerator.no_sync(model)` unless `accelerator_config={"gradient_accumulation_kwargs":
 {"sync_each_batch": True}}` (transformers 5.24 trainer.py `_inner_training_loop`: `sync_each_batch`, DeepSpeed or
 the last batch -> `nullcontext`, else `functools.partial(self.accelerator.no_sync, model=model)`), and accelerate

@@ -40,7 +40,7 @@ def _buffsize(env: Mapping[str, str]) -> int:
 
 
 def hybrid_group_nccl_bytes(gpus_per_node: int, nodes: int, env: Mapping[str, str] | None = None) -> int:
-    """The two communicators hybrid sharding adds on each rank (issue 14 strategies): the shard group within the
+    """The two communicators hybrid sharding adds on each rank : the shard group within the
     node (intra-node channels) and the replicate group of one rank per node (inter-node channels only); the same
     per-channel estimate as `nccl_buffer_bytes`.
 

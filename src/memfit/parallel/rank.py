@@ -150,7 +150,7 @@ def _zero_trace(trace: list[TraceEvent], buffers: list[ZeroBuffer]) -> list[Trac
         return [TraceEvent("free", e.id, e.size_bytes, e.category, phase, e.module) for e in evs]
 
     out: list[TraceEvent] = make("setup", "setup")
-    hpz = make("forward_to_step_end", "setup")  # ZeRO++ hpZ secondary partitions (issue 14)
+    hpz = make("forward_to_step_end", "setup")  # ZeRO++ hpZ secondary partitions
     out.extend(hpz)
     step_made = False
     working: list[TraceEvent] = []    # fwd_bwd: the stage-3 all-gathered working set
@@ -241,7 +241,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
     setup = resolve(setup)
     nccl = nccl_buffer_bytes(parallel.world_size, parallel.nodes)
     hybrid = parallel.strategy == "fsdp" and parallel.hybrid_shard
-    if hybrid:  # issue 14 strategies: the shard and replicate groups' communicators
+    if hybrid:  # the shard and replicate groups' communicators
         nccl += hybrid_group_nccl_bytes(parallel.gpus_per_node, parallel.nodes)
     notes = list(parallel.notes)
     if nccl:
@@ -276,7 +276,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
     sim = simulate(base, gpu=gpu)
     ranks: list[dict[str, Any]] = []
     if z.stage == 2 and z.contiguous_gradients and not z.offload_optimizer and parallel.world_size > 1:
-        # issue 14 item 4: each rank's grads_in_partition has its own size and creation point
+        # each rank's grads_in_partition has its own size and creation point
         layouts = _zero2_layouts(model, parallel.world_size)
         b = {"fp16": 2, "bf16": 2, "fp32": 4}[z.dtype]
         sim.trace, buffers, ranks = _per_rank_zero2(sim.trace, buffers, layouts, b)

@@ -87,7 +87,7 @@ class ZeroSettings:
     max_reuse_distance: int = _DS_MAX_REUSE_DISTANCE
     torch_adam: bool = False
     """`optimizer.params.torch_adam`: DeepSpeed steps torch's Adam (temporaries) instead of FusedAdam (none)."""
-    # ZeRO++ (issue 14 hybrid/ZeRO++ block; deepspeed/runtime/zero/config.py DeepSpeedZeroConfig fields)
+    # ZeRO++
     hpz_partition_size: int = 1
     """`zero_hpz_partition_size` (default 1): hpZ, a secondary partition of the bit16 parameters within groups of
     this many ranks (a node), so backward all-gathers stay inside the node (stage 3 only)."""
@@ -119,7 +119,7 @@ class ParallelSetup:
     param_dtype: str | None = None
     """FSDP2 `MixedPrecisionPolicy(param_dtype=...)`: `bf16`, `fp16`, or None (the parameters' own dtype)."""
     reduce_dtype: str | None = None
-    # FSDP1 and hybrid sharding (issue 14 strategies block): new fields, defaults keep the FSDP2 behaviour above
+    # FSDP1 and hybrid sharding : new fields, defaults keep the FSDP2 behaviour above
     fsdp_version: int = 2
     """1: FSDP1 (`FullyShardedDataParallel`, FlatParameter per wrapped unit); 2: FSDP2 (`fully_shard`)."""
     hybrid_shard: bool = False
@@ -132,7 +132,7 @@ class ParallelSetup:
     auto_wrap: str = "transformer"
     """`transformer`: each repeated block is a unit, then the root (TRANSFORMER_BASED_WRAP); `none`: the root only
     (NO_WRAP, accelerate's plugin default when the config names no policy)."""
-    # FSDP gradient accumulation (issue 14 FSDP accumulation): default = what the Trainer runs
+    # FSDP gradient accumulation : default = what the Trainer runs
     sync_each_batch: bool = False
     """`TrainingArguments(accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": ...}})`
     (accelerate `GradientAccumulationPlugin.sync_each_batch`, default False): False runs the non-final micro-steps
@@ -529,7 +529,7 @@ def parallel_from_fsdp_args(fsdp: str | list[str] | bool, fsdp_config: dict[str,
     return par, notes
 
 
-# -- FSDP gradient accumulation (issue 14 FSDP accumulation) --------------------------------------------------------
+# -- FSDP gradient accumulation  --------------------------------------------------------
 def sync_each_batch_from(accelerator_config: Any) -> bool:
     """`TrainingArguments(accelerator_config=...)`'s `gradient_accumulation_kwargs["sync_each_batch"]`: a dict, the
     path of a JSON file (TrainingArguments reads one: `AcceleratorConfig.from_json_file`), an `AcceleratorConfig`, or

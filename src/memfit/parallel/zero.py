@@ -60,7 +60,7 @@ Stage 3 (stage3.py `DeepSpeedZeroOptimizer_Stage3`, partition_parameters.py `Ini
 * fp32 master partitions 4*T/N and Adam 8*T/N (host with `offload_optimizer`); the step converts each
   sub-group's gradient to fp32 (`_prepare_fp32_grad_for_sub_group`): 4*min(T/N, sub_group_size).
 
-ZeRO++ (stage 3 only; issue 14 hybrid / ZeRO++):
+ZeRO++ (stage 3 only):
 
 * hpZ, `zero_hpz_partition_size` = h > 1: every partitioned parameter also keeps a secondary partition of
   `_aligned_size(param) // num_ranks_in_param_group` elements in its dtype (partition_parameters.py
@@ -190,7 +190,7 @@ def zero_buffers(z: ZeroSettings, inv: ParamInventory, world_size: int,
                               "partition_parameters.py: ds_numel <= stage3_param_persistence_threshold -> ds_persist"))
     gathered = P - inv.persistent_params
     first = min(inv.largest_layer_params + z.prefetch_bucket_size, z.max_live_parameters, gathered)
-    # trace complete (partitioned_param_coordinator.py, DeepSpeed 0.19.8; issue 14 ZeRO-3 live parameters):
+    # trace complete (partitioned_param_coordinator.py, DeepSpeed 0.19.8):
     # * `__params_to_release` keeps what is used again within stage3_max_reuse_distance elements; this retention
     #   does not look at `__n_available_params`, so stage3_max_live_parameters does not cap it;
     # * stage3_max_live_parameters gates only the prefetch (`_fetch_sub_module_impl`: `max_params_to_prefetch =
@@ -294,7 +294,7 @@ def deepspeed_model_states_bytes(stage: int, inv: ParamInventory, *, gpus_per_no
     return int(cpu), int(gpu)
 
 
-# -- ZeRO-2 per rank (issue 14 item 4): what differs between ranks --------------------------------------------------
+# -- ZeRO-2 per rank : what differs between ranks --------------------------------------------------
 @dataclass(frozen=True)
 class Zero2RankLayout:
     """One rank's ZeRO-2 gradient partition buffer."""

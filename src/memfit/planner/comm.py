@@ -1,4 +1,4 @@
-"""Communication of one optimizer step per rank, and the step time it adds (issue 14, item 4).
+"""Communication of one optimizer step per rank, and the step time it adds.
 
 Volumes. A collective over a payload of S bytes (the unsharded tensors) on n ranks moves, per rank,
 `bus_factor x S` bytes over its link: 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or a

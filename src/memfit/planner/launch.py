@@ -1,5 +1,5 @@
 """What to launch for a multi-GPU plan: the engine's config file, the accelerate config, the
-`TrainingArguments` change and the command (issue 14, item 4).
+`TrainingArguments` change and the command.
 
 The files are the ones the per-rank simulation read: a strategy's `ParallelSetup` is made from them by
 memfit's own readers (`parallel_setup_for`: memfit.parallel.setup `zero_settings_from_deepspeed`,
@@ -184,7 +184,7 @@ def parallel_setup_for(v: Variant, *, world_size: int, nodes: int, hidden_size: 
         return ParallelSetup(world_size=world_size, nodes=nodes, strategy="ddp")
     if v.strategy == "fsdp":
         opts, cfg = fsdp_arguments(v)
-        # the launch sets accelerator_config sync_each_batch (launch_for), so memfit simulates that (issue 14)
+        # the launch sets accelerator_config sync_each_batch (launch_for), so memfit simulates that
         par = parallel_from_fsdp_args(opts, cfg, world_size=world_size, nodes=nodes)[0].replace(sync_each_batch=True)
         if precision in ("fp16", "bf16"):
             # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:

@@ -37,7 +37,7 @@ __all__ = ["TRAINABLE_KEYS", "WEIGHT_KEYS", "Budget", "Simulations", "PhasePeaks
 
 def simulate(setup: TrainSetup, **kwargs: Any):
     """memfit.sim.engine.simulate, imported on first use: torch and transformers take seconds to import, which a
-    plan read from memfit's cache does not need (issue 15)."""
+    plan read from memfit's cache does not need."""
     from memfit.sim.engine import simulate as run
 
     return run(setup, **kwargs)
@@ -221,7 +221,7 @@ class OptimizerCost:
 
     state_bytes: int  #: its state (alive during the forward / backward of every step after the first)
     step_peak_bytes: int  #: the peak allocated in its step
-    paged_bytes: int = 0  #: state in CUDA managed memory (bitsandbytes paged optimizers; issue 12), not in the peaks
+    paged_bytes: int = 0  #: state in CUDA managed memory (bitsandbytes paged optimizers), not in the peaks
 
 
 @dataclass(frozen=True)

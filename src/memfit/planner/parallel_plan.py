@@ -1,5 +1,4 @@
-"""`memfit.planner.parallel_plan.plan_parallel`: the fastest way to spread a run over the GPUs a user has
-(issue 14, item 4).
+"""`memfit.planner.parallel_plan.plan_parallel`: the fastest way to spread a run over the GPUs a user has.
 
 Search space: a strategy (memfit.planner.launch.VARIANTS: DDP, ZeRO-1/2, FSDP2 shard_grad_op and
 full_shard, ZeRO-3; CPU offload of the optimizer / parameters as a last resort, tried only when nothing on

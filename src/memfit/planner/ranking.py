@@ -56,7 +56,7 @@ class StepTimer:
 
     def offload_bytes(self, s: TrainSetup) -> int:
         """Bytes of checkpointed inputs `gradient_checkpointing_kwargs={"offload": True}` moves to the host per
-        micro-step (issue 12; 0 without it): transformers 5.24 `GradientCheckpointingLayer` checkpoints
+        micro-step (0 without it): transformers 5.24 `GradientCheckpointingLayer` checkpoints
         `partial(forward, **kwargs)` with the positional args only, and for decoder layers that is the hidden
         states (B x S x d); `torch.utils.checkpoint` saves only those (`_NoopSaveInputs`), which `save_on_cpu`
         offloads. `every_n_layers` checkpoints the layers with `index % n == 0` (`_set_gradient_checkpointing`).
@@ -135,7 +135,7 @@ def rank(setup: TrainSetup, axes: Axes, model: MemoryModel, *, budget: Budget, n
                 changes.update(evaluation.changes)
             peak = max(by.values())
             used = int(peak * need_ratio) + budget.outside_bytes
-            # a paged optimizer's state (issue 12; not in the peaks): page traffic when the run leaves it no room
+            # a paged optimizer's state (not in the peaks): page traffic when the run leaves it no room
             paged = 0 if fit.has_state else model.optimizers[optim].paged_bytes
             traffic = paged_traffic_bytes(paged, budget.budget_bytes - used)
             t = timer.seconds(setup.replace(**changes), fit.params, fit.trainable_params,

@@ -91,7 +91,7 @@ class PlanResult:
     not_applicable: dict[str, str]
     elapsed_s: float
     simulations: int
-    cached: bool = False  #: read from memfit's cache (memfit.cache.plan_key; issue 15): `simulations` ran before
+    cached: bool = False  #: read from memfit's cache (memfit.cache.plan_key): `simulations` ran before
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -119,7 +119,7 @@ def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str
     code: list[str] = []
     names: list[str] = []
     for remedy in REGISTRY.values():
-        # alloc_conf (remedies.allocator) is no TrainSetup field: getattr with a default (issue 13 found it)
+        # alloc_conf (remedies.allocator) is no TrainSetup field: getattr with a default
         own = {k: changes[k] for k in remedy.fields if k in changes and changes[k] != getattr(base, k, None)}
         if not own:
             continue
@@ -201,7 +201,7 @@ def plan(
             hold on this machine's GPU when there is one, memfit.gpus.outside_pytorch).
         exclude: remedy names (memfit.remedies.REGISTRY) not to search, e.g. `("mixed_precision",)`
             when the run cannot use it (memfit.fit on the CPU).
-        cache: read and write memfit's cache of plans (memfit.cache.plan_key; the CLI's default, issue 15).
+        cache: read and write memfit's cache of plans (memfit.cache.plan_key; the CLI's default).
         workers: processes that run the independent simulations (memfit.planner.workers.worker_count; None:
             `MEMFIT_WORKERS`, else this process's CPUs where forking is safe; 1: all in this process). The
             result does not depend on it.
@@ -234,7 +234,7 @@ def plan(
     verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
     axes = _candidate_axes(setup, spec, verdicts, allow=allow, exclude=exclude)
     planned = planned_simulations(setup, axes) if n_workers > 1 else []
-    if planned:  # issue 15: the baseline and every partial simulation are known now: start them all
+    if planned:  # the baseline and every partial simulation are known now: start them all
         _warm_up(sims, planned)
     with WorkerPool(n_workers if planned else 1) as pool:
         if pool.workers > 1:
@@ -246,7 +246,7 @@ def plan(
     ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
                   base_time_s=base.step_time_s)
     # the candidates are verified one by one, here, after the workers are stopped: the first one usually fits, and
-    # estimating the next ones ahead cost 2.4-2.7 s CPU more per seed plan for nothing (bench/README.md, issue 15)
+    # estimating the next ones ahead cost 2.4-2.7 s CPU more per seed plan for nothing (bench/README.md)
     verified = _verify(setup, ranked, base, budget, sims, alloc_conf=alloc_conf, verify_top=verify_top,
                        max_plans=max_plans)
     chosen = _choose(verified, base.plan)
@@ -371,7 +371,7 @@ def _estimate_baseline(setup: TrainSetup, budget: Budget, alloc_conf: str | None
     need = report.required_bytes if report.required_bytes is not None else report.peak_reserved_bytes
     ratio = max(1.0, need / max(1, report.peak_allocated_bytes))
     timer = StepTimer.for_setup(setup, budget.spec)
-    # issue 12: a paged optimizer's page traffic when the run leaves its state no room (as ranking.rank)
+    # a paged optimizer's page traffic when the run leaves its state no room (as ranking.rank)
     traffic = paged_traffic_bytes(report.paged_bytes, budget.budget_bytes - need - budget.outside_bytes)
     base_time = timer.seconds(setup, report.params, report.trainable_params, paged_traffic=traffic)
     return _Baseline(report, _plan_from_report(setup, {}, report, 1.0, budget.budget_bytes, verified=True),
@@ -392,7 +392,7 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
     return Axes(
         precisions=axis("mixed_precision", {"precision": setup.precision}),
         checkpointing=axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing})
-        + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]],  # issue 12
+        + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]],
         optimizers=axis("optimizer", {"optim": setup.optim}),
         lengths=axis("truncation", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
         offloads=axis("offload", {}),
@@ -463,7 +463,7 @@ def _distinct_candidates(setup: TrainSetup, ranked: list[Candidate], base: _Base
     """The ranked candidates a plan may show, best first: each set of changes once, none that conflict."""
     seen = set()
     for c in ranked:
-        # issue 12: a change the others already make (checkpointing under kbit prep) is not proposed
+        # a change the others already make (checkpointing under kbit prep) is not proposed
         c = dataclasses.replace(c, changes=implied_changes(setup, c.changes).changes)
         key = tuple(sorted(c.changes.items()))
         if key in seen or not c.changes:

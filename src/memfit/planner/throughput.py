@@ -35,7 +35,7 @@ Step time = micro-steps x (compute time of a micro-batch) + optimizer pass.
   stay unquantized, are counted too: an overestimate of a few percent of the pass). An assumption
   from the kernels' data movement, not a measurement; FlashAttention and Liger are modelled as
   costing no time (their authors measure them as faster, which is not credited).
-* Host transfers (issue 12), over the GPU's host link (`host_link_gbps`: PCIe x16 of the card's generation,
+* Host transfers, over the GPU's host link (`host_link_gbps`: PCIe x16 of the card's generation,
   per direction, times `_PCIE_EFFICIENCY`), added to the step, not overlapped with compute:
   - checkpoint offload (`gradient_checkpointing_kwargs={"offload": True}`): transformers 5.24
     `_activation_checkpointing_enable` wraps each checkpointed layer in `save_on_cpu(pin_memory=True)`, so
@@ -67,7 +67,7 @@ _FP32_FRACTION = 0.75  # assumption, see module docstring
 _OPT_BYTES_PER_PARAM = {
     "adamw_torch": 28, "adamw_torch_fused": 28, "adamw_bnb_8bit": 16, "adamw_8bit": 16,
     "adafactor": 16, "sgd": 12, "adagrad": 20, "rmsprop": 20,
-    # bitsandbytes (issue 12): AdamW 32-bit as adamw_torch, 8-bit as adamw_bnb_8bit; Lion keeps one state:
+    # bitsandbytes: AdamW 32-bit as adamw_torch, 8-bit as adamw_bnb_8bit; Lion keeps one state:
     # 32-bit param, grad, state read + param, state written = 20 B; 8-bit 4+4+1 read, 4+1 written = 14 B
     "paged_adamw_32bit": 28, "paged_adamw_8bit": 16, "lion_32bit": 20, "lion_8bit": 14,
     "paged_lion_32bit": 20, "paged_lion_8bit": 14,
@@ -123,7 +123,7 @@ class StepCost:
     optim: str
     quantized_params: int = 0  #: base parameters stored quantized (dequantized in every matmul)
     quantized_bits: int = 4
-    #: issue 12: checkpointed inputs offloaded to the host per micro-step (each way), and a paged optimizer's
+    #: checkpointed inputs offloaded to the host per micro-step (each way), and a paged optimizer's
     #: page traffic per optimizer step (both ways); see the module docstring
     host_offload_bytes: int = 0
     paged_traffic_bytes: int = 0

@@ -1,4 +1,4 @@
-"""Worker processes for the planner's independent simulations (issue 15: `memfit plan` < 10 s on 2 cores).
+"""Worker processes for the planner's independent simulations (`memfit plan` < 10 s on 2 cores).
 
 `memfit.plan` runs a dozen simulations whose inputs are known before any of them runs (the baseline estimate
 and the partial simulations of memfit.planner.memory_model). `WorkerPool` runs them in processes forked from

@@ -1,4 +1,4 @@
-"""Checkpoint offload (issue 12): gradient checkpointing with the checkpointed inputs in pinned host memory,
+"""Checkpoint offload: gradient checkpointing with the checkpointed inputs in pinned host memory,
 `gradient_checkpointing_kwargs={"offload": True}`.
 
 transformers 5.24 `PreTrainedModel._activation_checkpointing_enable(offload=True)` wraps each checkpointed

@@ -13,7 +13,7 @@ def _check(setup, gpu):
         return Applicability(False, "embeddings and lower blocks already frozen")
     if setup.lora_r is not None:
         return Applicability(False, "LoRA already freezes the base model")
-    if getattr(setup, "peft_config", None):  # peft methods (issue 12)
+    if getattr(setup, "peft_config", None):  # peft methods
         return Applicability(False, "the peft method already freezes the base model")
     return Applicability(True, "no gradient or optimizer state for the embedding matrix")
 

@@ -9,7 +9,7 @@ from memfit.remedies.base import Applicability, Remedy
 def _check(setup, gpu):
     if setup.lora_r is not None:
         return Applicability(False, f"already LoRA r={setup.lora_r}")
-    if getattr(setup, "peft_config", None):  # peft methods (issue 12)
+    if getattr(setup, "peft_config", None):  # peft methods
         return Applicability(False, f"already a peft method ({setup.peft_config.get('peft_type')})")
     return Applicability(True, "gradients and optimizer state only for the adapters")
 

@@ -1,5 +1,5 @@
 """A smaller optimizer state, or one outside PyTorch's allocator: 8-bit AdamW (bitsandbytes), Adafactor
-(factored second moment), and bitsandbytes' paged AdamW (8- or 32-bit; issue 12).
+(factored second moment), and bitsandbytes' paged AdamW (8- or 32-bit).
 
 AdamW keeps 8 bytes per trainable parameter; 8-bit AdamW about 2; Adafactor without momentum about
 4/sqrt(n) per matrix. A paged optimizer keeps its state buffers (parameters of at least 100k elements) in

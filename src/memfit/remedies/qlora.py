@@ -19,7 +19,7 @@ from memfit.train_setup import TASKS
 def _check(setup, gpu):
     if setup.load_in_4bit or setup.load_in_8bit:
         return Applicability(False, f"already {'4' if setup.load_in_4bit else '8'}-bit")
-    if getattr(setup, "peft_config", None):  # peft methods (issue 12): the remedy adds LoRA, the setup has its own
+    if getattr(setup, "peft_config", None):  # peft methods: the remedy adds LoRA, the setup has its own
         return Applicability(False, "the setup trains another peft method; QLoRA here adds LoRA adapters")
     if gpu is not None and getattr(gpu, "vendor", "nvidia") != "nvidia":
         return Applicability(False, "bitsandbytes' 4-bit CUDA kernels are modelled for NVIDIA GPUs only")

@@ -1,4 +1,4 @@
-"""The one module that touches TRL's private or unstable APIs (TRL 1.16; issue 13).
+"""The one module that touches TRL's private or unstable APIs (TRL 1.16).
 
 Everything memfit needs from TRL internals goes through here, so a TRL upgrade breaks (at most)
 this file:

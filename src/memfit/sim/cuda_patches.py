@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.sim import moe  # MoE topic (issue 12): the experts' grouped GEMM
+from memfit.sim import moe  # MoE topic: the experts' grouped GEMM
 from memfit.sim.kernels import flash_attn
 from memfit.sim.patching import patched
 

@@ -1,4 +1,4 @@
-"""TRL's training steps (issue 13): what SFTTrainer and DPOTrainer (TRL 1.16) run in a micro-step.
+"""TRL's training steps: what SFTTrainer and DPOTrainer (TRL 1.16) run in a micro-step.
 
 memfit.sim.engine runs the Trainer's step; for `setup.trainer` `sft` / `dpo` it asks this module for the
 batch and the loss, and everything else (backward, clipping, the optimizer, accumulation) is the

@@ -1,4 +1,4 @@
-"""FlexAttention (`attn_implementation="flex_attention"`, issue 12) emulated on the CPU behind transformers' own
+"""FlexAttention (`attn_implementation="flex_attention"`) emulated on the CPU behind transformers' own
 flex path, with the allocations of the CUDA (Triton) kernel torch.compile builds.
 
 Why an emulation: torch 2.13 refuses flex attention's backward on the CPU (torch/_higher_order_ops/

@@ -79,7 +79,7 @@ def liger_supported_model_types() -> list[str]:
 
     Read from the dict literal in the installed `liger_kernel/transformers/monkey_patch.py` without importing it:
     the import (liger_kernel.transformers imports peft, bitsandbytes and Triton) took 0.8 s of a 10 s seed `plan`,
-    whose liger check only asks whether `xlnet` is a key (issue 15). Imported when liger is loaded already or the
+    whose liger check only asks whether `xlnet` is a key. Imported when liger is loaded already or the
     literal is not found as expected (tests/sim/test_liger.py checks the two agree).
     """
     loaded = sys.modules.get("liger_kernel.transformers.monkey_patch")
