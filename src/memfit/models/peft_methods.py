@@ -162,6 +162,8 @@ def build_config(data: dict[str, Any], *, source: str = "the arguments", task: s
 
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
+    if not isinstance(data, dict):  # a setup not yet through models.resolve: a JSON string or a PeftConfig
+        data = normalize_peft_config(data, source=source)[0]
     data = dict(data)
     known = {str(getattr(k, "value", k)): cls for k, cls in PEFT_TYPE_TO_CONFIG_MAPPING.items()}  # PeftType keys
     peft_type = data.get("peft_type")
