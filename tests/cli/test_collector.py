@@ -9,6 +9,7 @@ import pytest
 
 from helpers import trace_digest
 from memfit.sim.engine import _Runner, simulate
+from memfit.models.resolve import resolve
 from memfit.train_setup import TrainSetup
 
 
@@ -22,7 +23,7 @@ def test_no_simulated_storage_is_left_to_the_cyclic_collector(tiny_bert_dir, kwa
     free of the trace came from reference counting, so pausing the collector cannot move or drop one."""
     from memfit.collector import paused
 
-    setup = TrainSetup(model=tiny_bert_dir, max_length=32, **kwargs)
+    setup = resolve(TrainSetup(model=tiny_bert_dir, max_length=32, **kwargs))  # _Runner takes a resolved setup
     gc.collect()
     with paused():
         runner = _Runner(setup, fake=True, splice=True)

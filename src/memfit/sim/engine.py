@@ -127,7 +127,6 @@ def _accepts_loss_kwargs(model: nn.Module) -> bool:
 class _Runner:
     def __init__(self, setup: TrainSetup, *, fake: bool, splice: bool, spec: ModelSpec | None = None,
                  gpu: GpuSpec | None = None) -> None:
-        setup = resolve(setup)  # its task and peft_config (the setup itself when resolved already)
         self.setup = setup
         self.fake = fake
         self.low = _LOW[setup.precision]
