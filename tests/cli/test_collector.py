@@ -8,8 +8,8 @@ import gc
 import pytest
 
 from helpers import trace_digest
-from memfit.sim.engine import _Runner, simulate
 from memfit.models.resolve import resolve
+from memfit.sim.engine import _Runner, simulate
 from memfit.train_setup import TrainSetup
 
 
