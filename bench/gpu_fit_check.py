@@ -1,4 +1,4 @@
-"""`memfit.fit` on a real GPU: recovery, plan application and measurement under CUDA (issue 6).
+"""`memfit.fit` on a real GPU: recovery, plan application and measurement under CUDA.
 
 Run from the repository root (venv active) on a machine with one CUDA GPU:
 

@@ -2,7 +2,7 @@
 
     python bench/plan_speed.py            # 3 repeats, prints medians; last line plan_seconds_median=<s>
 
-Target (issue 4): under 20 s on 2 cores. The first run of a process also pays for importing
+Target: under 20 s on 2 cores. The first run of a process also pays for importing
 the model code (reported separately as `first_run_s`).
 """
 

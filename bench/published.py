@@ -25,7 +25,7 @@ Which memfit figure is compared with which measured one:
   10 steps). The record's `value_mib` (max reserved over the whole run) also covers generation at
   batch 50 and a loss pass on other data, which memfit does not simulate, so it is not compared.
   Predicted: `MemoryReport.peak_reserved_bytes` of the training step (no evaluation), at the
-  configured 768 tokens. The peft method of each experiment (issue 12) is its adapter_config.json from peft's
+  configured 768 tokens. The peft method of each experiment is its adapter_config.json from peft's
   repository at the record's commit (`bench/data/metamathqa_experiments.json`), given to memfit as `peft_config`
   (DoRA as `use_dora`); a record whose trainable count memfit does not reproduce says so in its reason.
 * Liger-Kernel op benchmarks, provider "huggingface" (`benchmark/scripts/benchmark_*.py` and
@@ -206,7 +206,7 @@ def _experiments() -> dict[str, Any]:
 
 def _express_peft_method(record: dict[str, Any], base: dict[str, Any], name: str, measured: float, metric: str,
                          stack: str) -> TrainCase | Missing:
-    """A peft method other than plain LoRA: its experiment's adapter_config.json as `peft_config` (issue 12)."""
+    """A peft method other than plain LoRA: its experiment's adapter_config.json as `peft_config`."""
     from memfit.models.peft_methods import FAKE_UNSUPPORTED
 
     method = str(record.get("method", ""))
@@ -412,7 +412,7 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
     fields = dict(case.setup_fields)
     reasons = []
     trained = (record.get("extra") or {}).get("num_trainable_params")
-    if isinstance(trained, int) and report.trainable_params != trained:  # peft methods (issue 12): said at any gap
+    if isinstance(trained, int) and report.trainable_params != trained:  # peft methods: said at any gap
         reasons.append(f"trainable parameters differ: memfit {report.trainable_params:,}, the run {trained:,}")
     if abs(error) <= GAP:
         return predicted, "; ".join(reasons)
@@ -454,7 +454,7 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
 
 
 def _peft_method_reasons(fields: dict[str, Any], report) -> list[str]:
-    """Mechanisms of a peft method's row that memfit knows it models differently from the real run (issue 12)."""
+    """Mechanisms of a peft method's row that memfit knows it models differently from the real run."""
     out = []
     cfg = json.loads(fields["peft_config"]) if "peft_config" in fields else {"peft_type": "LORA", "use_dora": True}
     kind = str(cfg.get("peft_type", "")).upper()
@@ -644,7 +644,7 @@ def run(records: list[dict[str, Any]], *, implied: bool = True) -> tuple[list[Ro
         if isinstance(case, TrainCase):
             try:
                 predicted, reason = predict_train(est, case, record, records, implied)
-            except MemfitError as err:  # a peft method memfit refuses for this model (issue 12)
+            except MemfitError as err:  # a peft method memfit refuses for this model
                 missing.append((index, Missing(case.label, f"memfit: {err}")))
                 continue
         else:

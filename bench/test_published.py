@@ -101,7 +101,7 @@ def test_classification_of_records():
     mlp = dict(express(SAMPLE[41]).setup_fields)
     assert mlp["lora_r"] == 10 and mlp["lora_target_modules"] == ("down_proj", "gate_proj", "up_proj")
     assert dict(express(SAMPLE[47]).setup_fields)["lora_r"] == 64  # rsLoRA: same memory as LoRA
-    dora = dict(express(SAMPLE[43]).setup_fields)  # issue 12: DoRA through the LoRA fields
+    dora = dict(express(SAMPLE[43]).setup_fields)  # DoRA through the LoRA fields
     assert dora["use_dora"] is True and dora["lora_r"] == 32
     assert json.loads(dict(express(SAMPLE[14]).setup_fields)["peft_config"])["peft_type"] == "ADALORA"
     assert "LoRA-FA" in express(SAMPLE[44]).missing
@@ -133,7 +133,7 @@ def test_bad_data_file_is_a_one_line_error(tmp_path):
         published.load_records(bad)
 
 
-#: peft method records whose adapter memfit builds with peft on the meta Llama-3.2-3B (issue 12).
+#: peft method records whose adapter memfit builds with peft on the meta Llama-3.2-3B.
 PEFT_METHOD_RECORDS = [14, 19, 34, 39, 43, 52, 56, 59, 75]
 
 

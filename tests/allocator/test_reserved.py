@@ -119,7 +119,7 @@ def test_a_replay_that_completes_completes_identically_at_its_own_peak(seed, cap
 @given(seed=st.integers(0, 10_000), extra_mib=st.integers(-64, 64), expandable=st.booleans(),
        split=st.sampled_from([None, 8 * MiB]))
 def test_the_capped_replay_taken_from_the_uncapped_one_is_the_capped_replay(seed, extra_mib, expandable, split):
-    """bounded.`_capped` (issue 15) returns the uncapped replay where the two must agree: it must equal the capped
+    """bounded.`_capped` returns the uncapped replay where the two must agree: it must equal the capped
     replay at every capacity, below, at and above the uncapped peak, with and without expandable segments."""
     from memfit.allocator.bounded import _capped
 
@@ -291,7 +291,7 @@ def test_capacity_bytes_is_checked(kwargs, fragment):
 
 @pytest.mark.slow
 def test_flan_t5_large_on_an_l4_is_bounded_and_short_by_what_it_needs():
-    """The case of issue 10: 769.42 GiB "reserved" and "short by 747.64 GiB" before."""
+    """A run far beyond the card: the report must not say 769.42 GiB "reserved" and "short by 747.64 GiB"."""
     s = TrainSetup.from_kwargs("google/flan-t5-large", task="seq2seq-lm", per_device_train_batch_size=8,
                                max_length=512, target_length=128, precision="bf16", eval_strategy="epoch")
     r = estimate(s, gpu="L4")

@@ -1,4 +1,4 @@
-"""memfit.cache for plans (issue 15): the same `memfit plan` twice is read from disk, keyed by everything that
+"""memfit.cache for plans: the same `memfit plan` twice is read from disk, keyed by everything that
 changes it; a warm plan imports no torch."""
 
 import json

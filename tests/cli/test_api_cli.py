@@ -1,4 +1,4 @@
-"""issue 15, "estimate / plan / the API": --check, the one --args reader, cudaMallocAsync, API entry errors,
+"""Estimate, plan and the API: --check, the one --args reader, cudaMallocAsync, API entry errors,
 short reprs, --version, the reserved figure at the allocated peak, no FutureWarnings."""
 
 import json
@@ -292,7 +292,7 @@ def _memfit_process(*args: str, cache_dir: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_fast_exit_of_a_compute_verb_keeps_its_output_exit_code_and_cache(tmp_path):
-    """Issue 15: `estimate`, `plan`, `diagnose` and `replay` end the process without the interpreter's teardown
+    """`estimate`, `plan`, `diagnose` and `replay` end the process without the interpreter's teardown
     (memfit.cli.entry). Their whole output must still arrive through a pipe, the exit code be the verb's, the cache
     entry be written, and stderr hold none of the import-time noise of torchao or bitsandbytes."""
     model = "sentence-transformers/all-MiniLM-L6-v2"

@@ -1,4 +1,4 @@
-"""`memfit serve` (memfit.server, issue 15): a served command gives what the same command gives on its own (output,
+"""`memfit serve` (memfit.server): a served command gives what the same command gives on its own (output,
 exit code, files relative to its folder, stdin), a server is used only from its own environment and folder, and
 it stops cleanly. Each test starts a real server process and real `python -m memfit` clients."""
 

@@ -1,4 +1,4 @@
-"""`memfit estimate --attn ... --liger` (issue 12): the flags reach the simulation, the JSON report says which
+"""`memfit estimate --attn ... --liger`: the flags reach the simulation, the JSON report says which
 attention ran and which kernels were emulated, and impossible combinations are one-line errors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`memfit train --trainer sft|dpo` (issue 13): TRL's real SFTTrainer / DPOTrainer on the CPU under memfit.fit,
+"""`memfit train --trainer sft|dpo`: TRL's real SFTTrainer / DPOTrainer on the CPU under memfit.fit,
 a tiny causal LM built from a config with MiniLM's tokenizer (chat template set here); every bad input a
 one-line error; TRL's activation offloading on the simulated TRL step."""
 

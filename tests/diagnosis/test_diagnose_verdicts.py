@@ -1,4 +1,4 @@
-"""Diagnose verdicts checked against each message's own arithmetic (memfit issue 15).
+"""Diagnose verdicts checked against each message's own arithmetic.
 
 The corpus (tests/data/oom/corpus.json, real messages from GitHub issues) names the primary
 cause of every message; every allocator message, and messages generated from random figures,
@@ -37,9 +37,9 @@ DATA = DATA_DIR / "oom"
 CORPUS = json.loads((DATA / "corpus.json").read_text(encoding="utf-8"))
 BY_ID = {c["id"]: c for c in CORPUS}
 
-ISSUE_FRAG = BY_ID["issue15_frag"]["text"]
-ISSUE_FREE = BY_ID["issue15_free"]["text"]
-ISSUE_SELF = BY_ID["issue15_self"]["text"]
+ISSUE_FRAG = BY_ID["quoted_frag"]["text"]
+ISSUE_FREE = BY_ID["quoted_free"]["text"]
+ISSUE_SELF = BY_ID["quoted_self"]["text"]
 ISSUE_MPS = ("MPS backend out of memory (MPS allocated: 9.57 GiB, other allocations: 17.35 GiB, max allowed: "
              "27.20 GiB). Tried to allocate 292.50 MiB on private pool.")
 K_SMALL_BUFFER = 2 * MiB  # c10/cuda/CUDACachingAllocator.cpp kSmallBuffer
@@ -355,7 +355,7 @@ def test_plan_file_that_is_binary_is_a_one_line_error(tmp_path, capsys):
     assert "directory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("cid", ["comfy7440", "xpuops3011", "ipex629", "pt175431", "therock4598", "issue15_self",
+@pytest.mark.parametrize("cid", ["comfy7440", "xpuops3011", "ipex629", "pt175431", "therock4598", "quoted_self",
                                  "pt141909", "xpuops1598"])
 def test_chinese_output_for_the_new_verdicts(cid, capsys):
     assert main(["diagnose", "--text", BY_ID[cid]["text"], "--lang", "zh"]) == 0

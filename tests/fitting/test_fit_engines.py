@@ -1,6 +1,6 @@
 """memfit.fit under DeepSpeed ZeRO-2/3 (a real Trainer on DeepSpeed's CPU accelerator, 2 processes, gloo) and the
 chunk agreement under FSDP2 (`fully_shard` in a plain loop, 2 processes, gloo: accelerate does not enable FSDP
-on the CPU, accelerate/state.py AcceleratorState.__init__), issue 14 item 5."""
+on the CPU, accelerate/state.py AcceleratorState.__init__)."""
 
 import json
 import multiprocessing

@@ -1,7 +1,7 @@
 """GPU names (typed and as nvidia-smi / torch print them), ambiguous names, bare numbers, new entries.
 
-Issue 15: `--gpu a100` silently meant A100-80GB, nvidia-smi names were rejected, L40S ... MI300X
-were missing, and `--gpu 24` said "too small" instead of asking for a unit.
+What this guards against: `--gpu a100` silently meaning A100-80GB, nvidia-smi names refused, L40S ... MI300X
+missing, and `--gpu 24` saying "too small" instead of asking for a unit.
 """
 
 from types import SimpleNamespace

@@ -13,13 +13,13 @@ _EXPECTED = {
     "gpt2": "causal-lm", "t5": "seq2seq-lm", "bart": "seq2seq-lm",
     "bert": "seq-cls", "roberta": "seq-cls", "xlm-roberta": "seq-cls", "distilbert": "seq-cls", "albert": "seq-cls",
     "electra": "seq-cls", "deberta-v2": "seq-cls", "xlnet": "seq-cls",
-    # issue 12: the models people fine-tune now
+    # the models people fine-tune now
     "qwen3": "causal-lm", "qwen3_moe": "causal-lm", "gemma2": "causal-lm", "gemma3_text": "causal-lm",
     "olmo2": "causal-lm", "olmoe": "causal-lm", "mixtral": "causal-lm", "gpt_oss": "causal-lm",
     "deepseek_v2": "causal-lm", "smollm3": "causal-lm", "modernbert": "seq-cls",
 }
 
-#: issue 12 configs whose estimate takes 5-17 s each on the shared 2-core machine (measured with
+#: Large bundled configs whose estimate takes 5-17 s each on the shared 2-core machine (measured with
 #: max_length 64, batch 1): slow. The fast run keeps one small model of each new family.
 _SLOW = {
     "meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-3B", "Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-72B-Instruct",

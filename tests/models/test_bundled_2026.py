@@ -1,4 +1,4 @@
-"""The configs bundled for issue 12 (the models people fine-tune now): sources, aliases, Gemma 3's vision tower.
+"""The configs of the models people fine-tune now: sources, aliases, Gemma 3's vision tower.
 
 The published parameter count of every bundled config is checked in tests/models/test_model_catalog.py
 (`test_param_count_matches_published`, within each record's `params_rel_tol`); this module checks what is
@@ -45,7 +45,7 @@ NAMED = [
     "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "allenai/OLMo-2-1124-7B", "answerdotai/ModernBERT-base",
     "answerdotai/ModernBERT-large", "mistralai/Mixtral-8x7B-Instruct-v0.1", "allenai/OLMoE-1B-7B-0924",
     "deepseek-ai/DeepSeek-V2-Lite",
-    # issue 12, the four found later (configs/SOURCES.md)
+    # the four found later (configs/SOURCES.md)
     "Qwen/Qwen2.5-Coder-7B", "Qwen/Qwen2.5-Coder-7B-Instruct", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "HuggingFaceTB/SmolLM2-360M", "HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-1.7B",
     "HuggingFaceTB/SmolLM2-1.7B-Instruct",

@@ -1,4 +1,4 @@
-"""torchao Float8 training (issue 12, memfit.models.float8): accelerate's `mixed_precision="fp8"` (torchao backend)
+"""torchao Float8 training (memfit.models.float8): accelerate's `mixed_precision="fp8"` (torchao backend)
 on the meta model, simulated from torchao's own code.
 
 torch's CPU build runs `torch._scaled_mm`, so the float8 step runs on real CPU tensors too: the fake trace must

@@ -125,7 +125,7 @@ def test_param_count_matches_published(hub_id):
                 model = getattr(transformers, info["params_class"]).from_config(load_bundled_config(hub_id))
     if raw["model_type"] != "xlnet" or task is not None:  # transformers alone puts XLNet's FloatTensor weights on CPU
         assert all(p.device.type == "meta" for p in model.parameters())
-    # issue 12: a published count that includes parts memfit does not bundle (Gemma 3's vision tower, rebuilt
+    # a published count that includes parts memfit does not bundle (Gemma 3's vision tower, rebuilt
     # and checked in tests/models/test_bundled_2026.py) records them as `params_excluded`
     n = _count_params(model) + info.get("params_excluded", {}).get("count", 0)
     tol = info.get("params_rel_tol", 0.01)

@@ -90,7 +90,7 @@ _ALL_TASKS_FAST = ("openai-community/gpt2", "google-t5/t5-small", "google/flan-t
                    "microsoft/deberta-v3-base", "FacebookAI/roberta-base", "Qwen/Qwen2.5-0.5B")
 
 
-_ISSUE_12 = {line.split("`")[1] for line in resources.files("memfit.models.configs").joinpath("SOURCES.md")
+_DEFAULT_TASK_ONLY = {line.split("`")[1] for line in resources.files("memfit.models.configs").joinpath("SOURCES.md")
              .read_text(encoding="utf-8").splitlines() if line.startswith("| `")}
 
 
@@ -100,14 +100,14 @@ def _cases():
     out = []
     for hub_id in bundled_model_ids():
         config = load_bundled_config(hub_id)
-        # issue 12: one MoE block is E experts on real tensors (Qwen3-30B-A3B: 604M parameters); slow
+        # one MoE block is E experts on real tensors (Qwen3-30B-A3B: 604M parameters); slow
         moe = any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1
                   for k in ("num_local_experts", "num_experts", "n_routed_experts"))
         narrow = _width(config) < _WIDE and not moe
         default = resolve(TrainSetup(model=hub_id)).task
-        # issue 12's configs (configs/SOURCES.md): their default task only; one real block of a 70B or of 32 experts
+        # the configs in SOURCES.md's tables: their default task only; one real block of a 70B or of 32 experts
         # is about a billion parameters, and the other heads are the same code as their families' older models
-        for task in [default] if hub_id in _ISSUE_12 else TASKS:
+        for task in [default] if hub_id in _DEFAULT_TASK_ONLY else TASKS:
             fast = narrow and (task == default or hub_id in _ALL_TASKS_FAST)
             out.append(pytest.param(hub_id, task, id=f"{hub_id}-{task}", marks=[] if fast else SLOW))
     return out

@@ -1,4 +1,4 @@
-"""peft methods beyond LoRA (issue 12): `TrainSetup(peft_config=...)` / `use_dora`, built by peft's own
+"""peft methods beyond LoRA: `TrainSetup(peft_config=...)` / `use_dora`, built by peft's own
 `get_peft_model` on the meta model (memfit.models.peft_methods).
 
 For every method memfit simulates, on a tiny Llama: the trainable parameter count equals peft's

@@ -1,4 +1,4 @@
-"""Quantized base weights (issue 12): bitsandbytes 4-bit / 8-bit storage against real CPU quantization, the
+"""Quantized base weights: bitsandbytes 4-bit / 8-bit storage against real CPU quantization, the
 CUDA kernels' allocation rules read from the installed bitsandbytes source, the simulated temporaries,
 peft's prepare_model_for_kbit_training, paged optimizers, TrainSetup / CLI inputs."""
 

@@ -1,4 +1,4 @@
-"""`--accelerate-config FILE.yaml` and `parallel_from_accelerate_config` (issue 14): each file is also launched through
+"""`--accelerate-config FILE.yaml` and `parallel_from_accelerate_config`: each file is also launched through
 accelerate's own code (`_validate_launch_command`, `prepare_multi_gpu_env`, then the FSDP / DeepSpeed plugin built
 from that environment, as the launched script builds it), and memfit's reading must agree with what accelerate gets."""
 

@@ -1,4 +1,4 @@
-"""memfit.parallel (issue 14): settings, DeepSpeed's "auto", ZeRO rules vs DeepSpeed's own estimators, DDP buckets."""
+"""memfit.parallel: settings, DeepSpeed's "auto", ZeRO rules vs DeepSpeed's own estimators, DDP buckets."""
 
 import json
 import re

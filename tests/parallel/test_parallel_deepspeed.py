@@ -153,7 +153,7 @@ def test_zero_plus_plus_hpz_against_real_deepspeed():
 @pytest.mark.parametrize("extra", [{"stage3_max_reuse_distance": 0}, {"stage3_max_live_parameters": 30000},
                                    {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 30000}])
 def test_zero3_live_parameters_against_real_deepspeed(extra):
-    """Which parameters ZeRO-3 keeps gathered once its trace is complete (memfit.parallel.zero, issue 14 ZeRO-3 live
+    """Which parameters ZeRO-3 keeps gathered once its trace is complete (memfit.parallel.zero, ZeRO-3 live
     parameters). Measured, real peaks on both ranks: 2267648 B with DeepSpeed's defaults, and the same with
     `stage3_max_reuse_distance: 0`, with 40000, and with `stage3_max_live_parameters: 30000` (counting gathered
     non-persistent parameters after each module fetch: the whole 110592 elements, or 90112 with distance 0): the

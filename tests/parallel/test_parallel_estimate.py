@@ -1,4 +1,4 @@
-"""`memfit estimate --gpus / --strategy / --deepspeed / --fsdp` and `estimate(parallel=...)` (issue 14)."""
+"""`memfit estimate --gpus / --strategy / --deepspeed / --fsdp` and `estimate(parallel=...)`."""
 
 import json
 
@@ -179,7 +179,7 @@ def test_estimate_next_to_a_live_zero3_config(tiny_bert_dir):
     del live
 
 
-# -- FSDP gradient accumulation (issue 14): the Trainer's no_sync unless sync_each_batch --------------------------
+# -- FSDP gradient accumulation: the Trainer's no_sync unless sync_each_batch --------------------------
 def test_fsdp_accumulation_without_sync_holds_the_unsharded_gradients(tiny_bert_dir):
     """With accumulation 2 the first micro-step runs under no_sync (accelerate's default): each rank then holds the
     whole model's gradients unsharded, where sync_each_batch holds its 1/4 shard, so the peak rises by about 3/4 of

@@ -99,7 +99,7 @@ def _worker(rank, world, init, out, strategy):
 
 
 ACCUMULATION = {"fsdp+ga2_nosync": (2, True), "fsdp+ga2_sync": (2, False), "fsdp1+ga2_nosync": (2, True)}
-"""Gradient accumulation runs (issue 14 FSDP accumulation): (micro-steps per optimizer step, no_sync for all but
+"""Gradient accumulation runs: (micro-steps per optimizer step, no_sync for all but
 the last); memfit's simulation of the same: `gradient_accumulation_steps` and `ParallelSetup.sync_each_batch`."""
 
 FSDP1 = {"fsdp1": ("FULL_SHARD", True), "fsdp1_flat": ("FULL_SHARD", False), "fsdp1_zero2": ("SHARD_GRAD_OP", True)}
@@ -194,7 +194,7 @@ def test_per_rank_prediction_matches_a_real_gloo_run(strategy):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_four_processes(strategy):
-    """The same comparison with 4 gloo processes (issue 14's evidence: 2 and 4 processes): every rank holds the
+    """The same comparison with 4 gloo processes (2 and 4 processes): every rank holds the
     same final bytes, the peaks agree up to one late-freed collective buffer, and rank 0's prediction at world
     size 4 meets the rank without it within the bound above."""
     real = _real(strategy, world=4)

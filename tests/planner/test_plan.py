@@ -147,7 +147,7 @@ def test_freeze_opt_in_offers_embeddings_and_lower_blocks(small_bert):
 
 def test_describe_takes_an_allocator_setting_that_is_no_trainsetup_field():
     """A verified plan with `alloc_conf` (remedies.allocator) is described: alloc_conf is not a TrainSetup field
-    (it raised AttributeError in `_describe` when a plan's replay needed expandable_segments; issue 13 found it)."""
+    (it raised AttributeError in `_describe` when a plan's replay needed expandable_segments)."""
     from memfit.planner.search import _describe
     from memfit.train_setup import TrainSetup
 
@@ -156,7 +156,7 @@ def test_describe_takes_an_allocator_setting_that_is_no_trainsetup_field():
 
 
 def test_the_as_is_line_of_a_run_that_does_not_fit_says_by_how_much(small_bert, capsys):
-    """Issue 15 (verdicts that read against their own numbers): a failing run's nvidia-smi figure is the one up to
+    """Verdicts that read against their own numbers: a failing run's nvidia-smi figure is the one up to
     its running out of the budget; the line says the shortfall and that the figure stops there."""
     assert main(["plan", small_bert, "--batch-size", "64", "--max-length", "512", "--gpu", "600MiB"]) in (0, 1)
     out = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal's width

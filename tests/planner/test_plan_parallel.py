@@ -1,5 +1,5 @@
 """`memfit plan --gpus NxGPU`: the fastest multi-GPU strategy that rank 0's simulation verifies fits, the
-communication it costs, and the files to launch it (issue 14, item 4)."""
+communication it costs, and the files to launch it."""
 
 import json
 from pathlib import Path

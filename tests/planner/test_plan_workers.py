@@ -1,4 +1,4 @@
-"""memfit.planner.workers (issue 15: `memfit plan` < 10 s on 2 cores): the planner's independent simulations run
+"""memfit.planner.workers (the target: `memfit plan` < 10 s on 2 cores): the planner's independent simulations run
 in forked worker processes, with the same result as the serial run, and serially wherever forking is unsafe."""
 
 import sys

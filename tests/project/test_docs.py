@@ -131,6 +131,19 @@ def test_named_source_files_exist(path):
     assert not missing, f"{path.relative_to(ROOT)} names files that are not in src/: {missing}"
 
 
+def _code_and_notes() -> list[Path]:
+    """Every source, test and bench file and every README beside data: they say what is, like the docs."""
+    roots = [SRC, ROOT / "tests", ROOT / "bench"]
+    files = [f for r in roots for f in r.rglob("*") if f.suffix in {".py", ".md"} and f.is_file()]
+    return sorted(f for f in files if f != Path(__file__).resolve())
+
+
+def test_no_issue_references_in_code():
+    hits = [f"{f.relative_to(ROOT)}: {m.group(0)}" for f in _code_and_notes()
+            for m in ISSUE_REF.finditer(f.read_text(encoding="utf-8"))]
+    assert not hits, f"code, tests and bench refer to issues: {hits[:20]}: say what the code is and why"
+
+
 def test_issue_pattern():
     assert ISSUE_REF.search("fixed in issue 12") and ISSUE_REF.search("Issues #3") and ISSUE_REF.search("(issue 15)")
     assert not ISSUE_REF.search("no issue here") and not ISSUE_REF.search("issue-free")

@@ -91,7 +91,7 @@ def test_freeze_layers_out_of_range_is_a_clear_error():
         TrainSetup(model=XLNET, freeze_layers=-1)
 
 
-# -- one remedy, one unit (issue 11) ----------------------------------------------------------------------
+# -- one remedy, one unit ----------------------------------------------------------------------
 
 def test_every_setup_field_a_remedy_changes_has_one_owner():
     from memfit.remedies import REGISTRY, remedy_for_field

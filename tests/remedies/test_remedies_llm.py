@@ -1,4 +1,4 @@
-"""The LLM-stack remedies of the planner (issue 12 item 7): FlashAttention-2, Liger kernels, QLoRA.
+"""The LLM-stack remedies of the planner: FlashAttention-2, Liger kernels, QLoRA.
 
 Each is proposed only where it can run (GPU, packages, model type), is simulated like every other
 remedy (the plan's numbers come from the emulated kernels), and says what to install."""
@@ -121,7 +121,7 @@ def test_qlora_allows_lora_and_a_bare_4bit_base_is_refused(tiny_llama):
     assert setup.replace(lora_r=16, **REGISTRY["qlora"].variants(setup, as_gpu_spec("A100-80GB"))[0]).load_in_4bit
 
 
-# -- issue 12 items 4 and 7: kbit prep's checkpointing, paged optimizers, checkpoint offload ------------------
+# -- kbit prep's checkpointing, paged optimizers, checkpoint offload ------------------
 
 _QLORA = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bf16",
           "bnb_4bit_use_double_quant": True, "lora_r": 16}

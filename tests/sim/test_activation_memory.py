@@ -1,4 +1,4 @@
-"""Activation memory techniques (issue 12): `gradient_checkpointing_kwargs` (use_reentrant, offload of the
+"""Activation memory techniques: `gradient_checkpointing_kwargs` (use_reentrant, offload of the
 checkpointed inputs through transformers' save_on_cpu) and TRL's activation offloading."""
 
 from __future__ import annotations

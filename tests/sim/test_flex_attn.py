@@ -1,4 +1,4 @@
-"""FlexAttention (`--attn flex_attention`, issue 12 item 2; memfit.sim.kernels.flex_attn): why it is emulated,
+"""FlexAttention (`--attn flex_attention`; memfit.sim.kernels.flex_attn): why it is emulated,
 the saved-tensor and allocation rules read from the installed torch (so an upgrade that changes them fails
 here), the emulated kernels' allocations, and transformers' own flex path running them on a Llama."""
 

@@ -117,7 +117,7 @@ def test_liger_kernel_config_keys_are_checked():
 
 def test_supported_model_types_read_from_source_match_liger_imported():
     """The liger check reads `MODEL_TYPE_TO_APPLY_LIGER_FN`'s keys from the installed source without importing it
-    (issue 15: the import cost 0.8 s of a seed plan); the keys must be exactly the imported dict's, and a fresh
+    (the import cost 0.8 s of a seed plan); the keys must be exactly the imported dict's, and a fresh
     process must not import liger_kernel.transformers to answer."""
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""The causal-LM loss path Hugging Face runs without Liger (issue 12): transformers 5.24 `ForCausalLMLoss`
+"""The causal-LM loss path Hugging Face runs without Liger: transformers 5.24 `ForCausalLMLoss`
 upcasts the logits to float32 (`logits = logits.float()`, loss/loss_utils.py) before `cross_entropy`, and
 Trainer passes `num_items_in_batch` to a model whose forward takes loss kwargs (then `fixed_cross_entropy`
 sums and divides, and `training_step` does not divide by the accumulation)."""

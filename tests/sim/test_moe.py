@@ -1,4 +1,4 @@
-"""Mixture-of-experts models in the simulation (memfit.sim.moe, issue 12 item 5).
+"""Mixture-of-experts models in the simulation (memfit.sim.moe).
 
 The central check is the simulator's usual one (tests/sim/test_exactness.py): the same training step on
 real zero-filled CPU tensors and on FakeTensors gives the same allocation trace, event for event. The

@@ -55,7 +55,7 @@ def _compare(model_factory, task, runners, **kw):
     full = engine.simulate(_setup(model_factory(), task, **kw), splice=False)
     assert runners[-1].cut is None
     assert _summary(spliced) == _summary(full)
-    # the evaluation (spliced too, issue 15): the same events in the same order
+    # the evaluation (spliced too): the same events in the same order
     assert _eval_events(spliced) == _eval_events(full)
     assert (spliced.params, spliced.trainable_params) == (full.params, full.trainable_params)
     return did_splice
@@ -72,7 +72,7 @@ CASES = [
     ("llama", 9, dict(lora_r=4, gradient_accumulation_steps=3)),
     ("t5", 8, dict()),  # two stacks: encoder.block and decoder.block
     ("t5", 9, dict(precision="bf16", optim="adafactor", gradient_accumulation_steps=2)),
-    # the evaluation forward is spliced too (issue 15): spliced == full with an evaluation
+    # the evaluation forward is spliced too: spliced == full with an evaluation
     ("bert", 8, dict(eval_strategy="steps", eval_samples=6)),
     ("xlnet", 9, dict(precision="bf16", eval_strategy="steps", eval_samples=4)),
     ("llama", 8, dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4)),
@@ -122,7 +122,7 @@ def test_splice_refused_gives_full_result(factory, task, runners):
 @pytest.mark.parametrize("arch, task_kw", [("bert", dict()), ("llama", dict(precision="bf16")),
                                            ("t5", dict(prediction_loss_only=True))])
 def test_an_evaluation_only_simulation_is_spliced_and_equal(arch, task_kw, runners):
-    """`simulate(train=False)` (the planner's evaluation fits) splices its evaluation too (issue 15)."""
+    """`simulate(train=False)` (the planner's evaluation fits) splices its evaluation too."""
     kw = dict(eval_strategy="steps", eval_samples=4, **task_kw)
     spliced = engine.simulate(_setup(_config(arch, 8), TASK[arch], **kw), train=False)
     assert runners[-1].cut is not None, "splicing did not happen"

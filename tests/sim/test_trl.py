@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer and DPOTrainer (issue 13): the settings read from SFTConfig / DPOConfig, the simulated
+"""TRL's SFTTrainer and DPOTrainer: the settings read from SFTConfig / DPOConfig, the simulated
 steps (memfit.sim.trl_steps) checked on real CPU tensors, real TRL trainers under memfit.testing.memory_budget
 with preflight and MemfitCallback."""
 
