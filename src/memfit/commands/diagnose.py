@@ -42,6 +42,9 @@ def diagnose_command_parser(subparsers: argparse._SubParsersAction) -> argparse.
     parser.add_argument("--text", help="the error text itself instead of a file")
     parser.add_argument("--lang", choices=LANGS, default="en", help="output language (default: en)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--html", default=None, metavar="FILE.html",
+                        help="also write the diagnosis (the message's figures as one bar of the GPU's memory, the "
+                             "causes, the remedies) as one self-contained HTML file (works offline)")
     parser.add_argument("--plan", dest="plan_file", default=None,
                         help="a plan saved with `memfit plan ... --json > plan.json`: print its chosen change")
     group = parser.add_argument_group("the run that failed (hands the diagnosis to the planner)")
@@ -169,6 +172,10 @@ def _saved_plan(path: str) -> dict:
 
 
 def diagnose_command(args: argparse.Namespace) -> int:
+    if getattr(args, "html", None) is not None:
+        from memfit.report import check_html_path
+
+        check_html_path(args.html)  # fail before the work, not after it
     text, source = _read_source(args)
     setup = None
     if args.model is not None or args.args_file is not None:
@@ -178,6 +185,11 @@ def diagnose_command(args: argparse.Namespace) -> int:
 
     d = diagnose(text, lang=args.lang, setup=setup)
     gpu_processes = _gpu_processes() if d.is_oom else []
+    if getattr(args, "html", None) is not None:
+        from memfit.report import write_html
+        from memfit.report.diagnose_view import render_diagnosis_html
+
+        print(f"memfit diagnose: {write_html(args.html, render_diagnosis_html(d))} written", file=sys.stderr)
     if args.json:
         out = to_json(d, gpu_processes)
         if d.plan is not None:

@@ -35,6 +35,9 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="exit 1 (with one line on stderr) when the setup as given does not fit, even when a plan "
                         "does; for scripts and CI")
+    p.add_argument("--html", default=None, metavar="FILE.html",
+                   help="also write every configuration simulated (memory against step time, the budget, the "
+                        "chosen one and its change) as one self-contained HTML file (works offline)")
     p.add_argument("--no-cache", action="store_true",  # memfit.cache.plan_key
                    help="plan even when memfit's cache ($MEMFIT_CACHE_DIR, else ~/.cache/memfit) holds the result")
     # -- plan across GPUs --
@@ -60,9 +63,25 @@ def _is_parallel(args: argparse.Namespace) -> bool:
     return any(getattr(args, f, None) is not None for f in ("gpus", "world_size", "nodes"))
 
 
+def _check_html(args: argparse.Namespace) -> None:
+    if getattr(args, "html", None) is not None:
+        from memfit.report import check_html_path
+
+        check_html_path(args.html)  # fail before the search, not after it
+
+
+def _write_html(args: argparse.Namespace, result) -> None:
+    if getattr(args, "html", None) is not None and result is not None:
+        from memfit.report import write_html
+        from memfit.report.plan_view import render_plan_html
+
+        print(f"memfit plan: {write_html(args.html, render_plan_html(result))} written", file=sys.stderr)
+
+
 def plan_command(args: argparse.Namespace) -> int:
     from memfit.planner.search import DEFAULT_MARGIN, plan
 
+    _check_html(args)
     if _is_parallel(args):
         return plan_parallel_command(args)
     for flag in ("strategy", "deepspeed", "fsdp", "fsdp_config", "write_launch", "interconnect", "network_gbps"):
@@ -76,6 +95,7 @@ def plan_command(args: argparse.Namespace) -> int:
     result = plan(setup, gpu=gpu, allow=[a for a in args.allow.split(",") if a.strip()],
                   margin=DEFAULT_MARGIN if args.margin is None else args.margin, alloc_conf=args.alloc_conf,
                   cache=not args.no_cache)
+    _write_html(args, result)
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2, default=str)
         print()
@@ -229,6 +249,8 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
     else:
         results, best = plan_gpu_budget(setup, kinds, **kw)
     chosen = results[best] if best is not None else None
+    _write_html(args, chosen if chosen is not None else next(
+        (r for r in results if not isinstance(r, MemfitError)), None))
     written: list[str] = []
     if args.write_launch:
         if chosen is None:

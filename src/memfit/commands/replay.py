@@ -50,6 +50,9 @@ def replay_command_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="the GPU it was recorded on (e.g. A100-80GB): its memory sizes expandable segments' "
                         "address space; only expandable-segment traces need it")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--html", default=None, metavar="FILE.html",
+                   help="also write recorded against modelled reserved memory over the trace, the first divergence "
+                        "and the other settings' lines as one self-contained HTML file (works offline)")
     p.set_defaults(func=replay_command)
     return p
 
@@ -154,6 +157,11 @@ def replay_command(args: argparse.Namespace) -> int:
         if parse_alloc_conf(text).backend == "cudaMallocAsync":
             raise MemfitError(f"--what-if `{text}`: backend:cudaMallocAsync is not modelled (its pool is managed by "
                               "the CUDA driver), so memfit cannot say what it would have done; drop it")
+    html = getattr(args, "html", None)
+    if html is not None:
+        from memfit.report import check_html_path
+
+        check_html_path(html)  # fail before the replay, not after it
     memory = None
     if args.gpu is not None:
         from memfit.gpus.catalog import resolve_gpu
@@ -164,7 +172,17 @@ def replay_command(args: argparse.Namespace) -> int:
     snapshot = load_snapshot(args.snapshot)
     r = replay_snapshot(snapshot, device=args.device, device_memory_bytes=memory)
     tries = [None, "expandable_segments:True", f"max_split_size_mb:{args.max_split_size_mb}", *args.what_if]
-    variants = [what_if(snapshot, t, device=args.device, device_memory_bytes=memory) for t in tries]
+    series: list[list[int] | None] = [[] if html is not None else None for _ in tries]  # the page's lines
+    variants = [what_if(snapshot, t, device=args.device, device_memory_bytes=memory, reserved_after=s)
+                for t, s in zip(tries, series)]
+    if html is not None:
+        import sys
+
+        from memfit.report import write_html
+        from memfit.report.replay_view import render_replay_html
+
+        page = render_replay_html(args.snapshot, args.device, r, variants, series)
+        print(f"memfit replay: {write_html(html, page)} written", file=sys.stderr)
     if args.json:
         print(json.dumps(to_json(args.snapshot, args.device, r, variants), indent=2))
     else:

@@ -7,7 +7,9 @@ report's trace, so an estimate read from memfit's cache (which keeps no trace) c
 estimate with `cache=False` (the CLI's `--no-cache`).
 
 The CLI's `--html FILE` / `--plot FILE`: `check_view_paths` before the simulation (a bad path
-fails at once), `write_views` after it.
+fails at once), `write_views` after it. The other verbs' pages (`plan_view`, `diagnose_view`,
+`replay_view`: the plan's configurations, the OOM message's memory bar, a snapshot replay's reserved
+lines) are written with `check_html_path` before the work and `write_html` after it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from memfit.report.timeline import Timeline, report_timeline
 if TYPE_CHECKING:
     from memfit.estimator import MemoryReport
 
-__all__ = ["report_timeline", "timeline_frame", "check_view_paths", "write_views", "HTML_SUFFIXES", "PLOT_SUFFIXES"]
+__all__ = ["report_timeline", "timeline_frame", "check_view_paths", "write_views", "check_html_path", "write_html",
+           "HTML_SUFFIXES", "PLOT_SUFFIXES"]
 
 HTML_SUFFIXES = (".html", ".htm")
 PLOT_SUFFIXES = (".png", ".svg")
@@ -61,6 +64,16 @@ def check_view_paths(html_path: Any = None, plot_path: Any = None) -> None:
         from memfit.report.plot import require_matplotlib
 
         require_matplotlib()
+
+
+def check_html_path(path: Any) -> Path:
+    """One-line MemfitError unless an HTML page can be written to `path` (call before the work)."""
+    return _check(path, "--html", HTML_SUFFIXES, ".html")
+
+
+def write_html(path: Any, page: str) -> str:
+    """Write `page` (one of the views' `render_*_html`) to `path`; the path written."""
+    return _write(check_html_path(path), page.encode("utf-8"), "--html")
 
 
 def write_views(report: "MemoryReport", html_path: Any = None, plot_path: Any = None) -> list[str]:

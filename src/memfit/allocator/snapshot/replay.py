@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.allocator.caching import K_SMALL_SIZE, AllocatorModel, AllocatorReport, Block, Driver, round_size
@@ -69,6 +69,11 @@ class SnapshotReplay:
     num_entries: int
     report: AllocatorReport  #: the model's figures in the form `replay` returns them
     notes: tuple[str, ...] = ()
+    #: reserved bytes after every trace entry, as recorded (the recording replayed at its own addresses)
+    recorded_reserved_bytes: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    #: reserved bytes after every trace entry in memfit's model (entries of one allocator call share the value
+    #: after it; past an entry where the model ran out of memory and stopped, none)
+    modelled_reserved_bytes: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def observed_peak_reserved_bytes(self) -> int:
@@ -194,6 +199,7 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
         address_mismatches=run.address_mismatches,
         final_state_equal=_layout(m.state()) == _layout(_final_segments(snapshot, device)),
         start=st, conf=conf, num_entries=len(entries), report=report, notes=tuple(notes),
+        recorded_reserved_bytes=tuple(rec_reserved), modelled_reserved_bytes=tuple(run.reserved_after),
     )
 
 
@@ -251,6 +257,7 @@ class _ModelRun:
     reserved_equal: bool = True
     first_divergence: Divergence | None = None  #: the first block placed elsewhere, or an OOM mismatch
     stopped_at: int | None = None  #: the entry where the model ran out of memory and the replay stopped
+    reserved_after: list[int] = field(default_factory=list)  #: reserved after every entry (after its call)
 
     def diverged(self, d: Divergence) -> None:
         if self.first_divergence is None:
@@ -338,6 +345,7 @@ def _model_run(conf: AllocConf, st: StartState, entries: Sequence[_Entry], fresh
                     alloc.index, ", ".join(recorded_ops + [f"alloc {alloc.size} B at {alloc.addr:#x}"]),
                     ", ".join(model_ops + [f"alloc {alloc.size} B at {block.ptr:#x}"])))
         drv.queue, drv.fail_all = [], False
+        run.reserved_after.extend([m.reserved] * (call_end - i))
         i = call_end
         if m.allocated > run.peak_allocated:
             run.peak_allocated, run.reserved_at_peak_allocated = m.allocated, m.reserved
@@ -399,14 +407,15 @@ class WhatIf:
 
 
 def what_if(snapshot: Mapping[str, Any], settings: str | AllocConf | None, *, device: int = 0,
-            device_memory_bytes: int | None = None) -> WhatIf:
+            device_memory_bytes: int | None = None, reserved_after: list[int] | None = None) -> WhatIf:
     """Replay the recorded calls under `settings` (None: those recorded).
 
     The cache's history before the recording is unknown, so each run starts with the
     blocks live at the first entry allocated in address order into an empty cache (under
     the settings being tried); `empty_cache()` calls are replayed, OOM-retry releases and
     `oom` entries are not (the device is taken as unlimited). Compare runs with each other,
-    not with the recording.
+    not with the recording. When `reserved_after` is a list, the reserved bytes after every
+    entry are appended to it (the line the replay view draws).
     """
     base = conf_from_snapshot(snapshot)
     if settings is None:
@@ -461,4 +470,6 @@ def what_if(snapshot: Mapping[str, Any], settings: str | AllocConf | None, *, de
             if explicit or not (grows or (nxt is not None and nxt.action == "oom")):
                 m.empty_cache()
         peak_res, peak_alloc = max(peak_res, m.reserved), max(peak_alloc, m.allocated)
+        if reserved_after is not None:
+            reserved_after.append(m.reserved)
     return WhatIf(label, peak_res, peak_alloc, m.n_malloc - seeded_mallocs, m.reserved)
