@@ -90,8 +90,12 @@ def test_gpt2_2048_tokens_is_an_error_naming_the_limit():
 
 
 def test_gpt2_at_its_limit_runs():
-    simulate(TrainSetup(model="gpt2", per_device_train_batch_size=1, max_length=1024, eval_strategy="no"),
-             optimizer_steps=0)
+    """At exactly 1024 positions the step runs: the forward allocates the float32 logits of all 1024 tokens."""
+    sim = simulate(TrainSetup(model="gpt2", per_device_train_batch_size=1, max_length=1024, eval_strategy="no"),
+                   optimizer_steps=0)
+    logits_bytes = 1 * 1024 * 50257 * 4  # batch x positions x GPT-2's vocabulary x float32
+    assert any(e.action == "alloc" and e.phase == "forward" and e.size_bytes == logits_bytes for e in sim.trace)
+    assert max(e.size_bytes for e in sim.trace if e.action == "alloc") == logits_bytes
 
 
 @pytest.mark.parametrize(("model", "limit"), [("bert-base-uncased", 512), ("roberta-base", 512),

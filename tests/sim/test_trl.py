@@ -239,9 +239,13 @@ def test_real_sft_trainer_preflight_and_callback(tok, tmp_path, strategy):
     assert estimate(hand).peak_allocated_bytes == pre.estimate.peak_allocated_bytes
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["finished"] and report["trainer"] == "sft" and report["optimizer_steps_measured"] == 2
-    assert report["measured_peak_allocated_bytes_by_phase"]["train"] > 0
-    assert report["measured_peak_allocated_bytes_by_phase"]["optimizer"] > 0
-    assert report["predicted_peak_allocated_bytes_by_phase"]["train"] > 0
+    # At the optimizer step the weights, their gradients and AdamW's two float32 moments are all alive, measured (CPU)
+    # as predicted (CUDA); the CPU's forward and backward kernels differ from CUDA's, so the train phase is not compared
+    weights_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert report["measured_peak_allocated_bytes_by_phase"]["optimizer"] >= 4 * weights_bytes
+    assert report["predicted_peak_allocated_bytes_by_phase"]["optimizer"] >= 4 * weights_bytes
+    assert report["measured_peak_allocated_bytes_by_phase"]["train"] > weights_bytes
+    assert report["predicted_peak_allocated_bytes_by_phase"]["train"] > weights_bytes
 
 
 @pytest.mark.slow
@@ -271,6 +275,7 @@ def test_real_dpo_trainer_preflight(tok, tmp_path):
     assert estimate(hand).peak_allocated_bytes == pre.estimate.peak_allocated_bytes
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["finished"] and report["trainer"] == "dpo"
+    print("PEEK", json.dumps({k: report[k] for k in report if "by_phase" in k}))
     assert report["measured_peak_allocated_bytes_by_phase"]["train"] > 0
 
 
