@@ -139,6 +139,10 @@ class MemoryReport:
     """Optimizer state of a paged bitsandbytes optimizer in CUDA managed memory (cudaMallocManaged): outside
     PyTorch's allocator, so in no allocated/reserved figure; on the GPU while there is room, paged out to host
     memory by the driver when there is not."""
+    # -- images and audio --
+    media_inputs: dict[str, Any] | None = None
+    """What the model's own processor made of each image or clip (memfit.models.processors): the size or length
+    given, the processor class, each input tensor's per-example shape, a clip's encoder positions; None for text."""
     # -- multi-GPU: rank 0 of a ParallelSetup; None on one GPU --
     parallel: dict[str, Any] | None = None
     """Strategy, world size, nodes, the rank's buffers, host memory for offload (per rank and per node),
@@ -438,7 +442,7 @@ def estimate(
         shortfall_bytes=shortfall, uncapped_peak_reserved_bytes=bounded.uncapped.peak_reserved_bytes,
         steady_state=bounded.steady, trace=trace, replay_conf=conf,
         reserved_at_peak_allocated_bytes=alloc.reserved_at_peak_allocated_bytes,
-        quantization=quantization, paged_bytes=sim.paged_bytes,
+        quantization=quantization, paged_bytes=sim.paged_bytes, media_inputs=sim.media_inputs,
         attn_implementation=sim.attn_implementation, emulated_kernels=list(sim.attn_kernels),
         parallel=None if rank is None else _parallel_json(parallel, rank, peak_reserved + outside),
     )

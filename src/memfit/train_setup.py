@@ -424,7 +424,7 @@ class TrainSetup:
             raise MemfitError(f"attn_implementation `{self.attn_implementation}` is not modelled; use one of "
                               f"{', '.join(ATTN_IMPLEMENTATIONS)} or a flash-attn hub kernel ({', '.join(HUB_FLASH_KERNELS)})")
         _check_kwargs_settings(self)
-        if self.eval_strategy not in ("no", "steps", "epoch"):
+        if self.eval_strategy not in EVAL_STRATEGIES:
             raise MemfitError(f"eval_strategy `{self.eval_strategy}` must be `no`, `steps` or `epoch`")
         if self.lora_r is not None:
             _positive_int("lora_r", self.lora_r)
@@ -698,7 +698,7 @@ def _check_quantization(setup: "TrainSetup") -> None:
     if setup.load_in_4bit and setup.load_in_8bit:
         # BitsAndBytesConfig.__init__ raises the same ValueError
         raise MemfitError("`load_in_4bit` and `load_in_8bit` are both true; only one can be used at the same time")
-    if setup.bnb_4bit_quant_type not in ("nf4", "fp4"):
+    if setup.bnb_4bit_quant_type not in BNB_4BIT_QUANT_TYPES:
         raise MemfitError(f"bnb_4bit_quant_type `{setup.bnb_4bit_quant_type}` must be `nf4` or `fp4`")
     if setup.bnb_4bit_compute_dtype is not None:
         name = _COMPUTE_DTYPES.get(setup.bnb_4bit_compute_dtype.lower())

@@ -18,6 +18,7 @@ from typing import Any
 
 from memfit.commands._setup_flags import flag_name
 from memfit.errors import MemfitError
+from memfit.trace import FINAL_SAVE
 from memfit.units import format_bytes
 
 __all__ = ["Run", "training_kwargs", "check_counts", "check_model_dir", "check_output_dir", "read_budget",
@@ -399,7 +400,7 @@ def _save_final(trainer: Any, tokenizer: Any, output_dir: str, report: Any, repo
             os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
         return None
     except Exception as err:  # noqa: BLE001 - reported on one line and in the report
-        report.error = failure_record(err, phase="final_save", step=report.steps_completed,
+        report.error = failure_record(err, phase=FINAL_SAVE, step=report.steps_completed,
                                       checkpoints=report.checkpoints)
         report.status = "failed"
         try:

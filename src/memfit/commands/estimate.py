@@ -272,6 +272,20 @@ def quantization_lines(report) -> list[str]:
     return out
 
 
+def _example_text(report) -> str:
+    """What one example of the batch is: its tokens, or the image / clip its processor made (with its tokens for
+    a seq2seq decoder)."""
+    s, media = report.setup, getattr(report, "media_inputs", None)
+    if not media:
+        return f"{s['sequence_length']} tokens"
+    if media.get("kind") == "image":
+        shape = "x".join(map(str, media["inputs"].get("pixel_values", [])))
+        return f"{media['image_size']} image -> pixel_values {shape}"
+    positions = f", {media['encoder_positions']} encoder positions" if "encoder_positions" in media else ""
+    labels = f" + {s['target_length'] or s['max_length']} label tokens" if report.task == "speech-seq2seq" else ""
+    return f"{media['audio_seconds']:g} s clip{positions}{labels}"
+
+
 def render(report, *, is_seed: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -289,7 +303,7 @@ def render(report, *, is_seed: bool = False) -> None:
     console.print(
         f"params {report.params / 1e6:,.1f} M (trainable {report.trainable_params / 1e6:,.1f} M) | "
         f"batch {s['per_device_train_batch_size']} x accumulation {s['gradient_accumulation_steps']} x "
-        f"{s['sequence_length']} tokens | {s['precision']} | {s['optim']}"
+        f"{_example_text(report)} | {s['precision']} | {s['optim']}"
         + (f" | checkpointing: {report.checkpointing}" if report.checkpointing else "")
         + (f" | SDPA: {', '.join(report.sdpa_backends)}" if report.sdpa_backends else "")
         + (f" | emulated: {', '.join(report.emulated_kernels)}" if report.emulated_kernels else "")

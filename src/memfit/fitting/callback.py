@@ -35,6 +35,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from memfit.errors import MemfitError
+from memfit.trace import BACKWARD, EVAL, FORWARD, OPTIMIZER, TRAINING
 
 __all__ = ["MemfitCallback", "ON_OOM"]
 
@@ -148,18 +149,18 @@ class MemfitCallback(TrainerCallback):
         self._reset()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._record("train")  # the micro-steps (forward, backward) and gradient clipping
+        self._record(TRAINING)  # the micro-steps (forward, backward) and gradient clipping
         self._reset()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self._record("optimizer")
+        self._record(OPTIMIZER)
         self.steps_measured += 1
 
     def on_step_end(self, args, state, control, **kwargs):
         self._reset()  # what follows (logging, evaluation) starts from the memory live now
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self._record("eval")
+        self._record(EVAL)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._write(args, done=True)
@@ -170,8 +171,8 @@ class MemfitCallback(TrainerCallback):
 
         pre = self.preflight
         phases = dict(pre.estimate.phases) if pre is not None else {}
-        predicted = {"train": max(phases.get("forward", 0), phases.get("backward", 0)),
-                     "optimizer": phases.get("optimizer", 0), "eval": phases.get("eval", 0)}
+        predicted = {TRAINING: max(phases.get(FORWARD, 0), phases.get(BACKWARD, 0)),
+                     OPTIMIZER: phases.get(OPTIMIZER, 0), EVAL: phases.get(EVAL, 0)}
         self.report = {
             "finished": done,
             "trainer": pre.setup.trainer if pre is not None else None,

@@ -363,8 +363,8 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
 
     config = copy.deepcopy(spec.config)  # the head settings below must not reach a caller's (or a live model's) config
     task = setup.task or _task_of_config(spec.config)[0]  # a setup memfit.models.resolve has not seen: the default
-    if task in ("seq-cls", "token-cls"):
-        config.num_labels = setup.num_labels
+    if task in ("seq-cls", "token-cls", "image-cls"):
+        config.num_labels = setup.num_labels  # image-cls: a new head of num_labels classes, as fine-tuning sets
         if task == "seq-cls" and setup.num_labels > 1 and getattr(config, "problem_type", None) is None:
             # what most heads set on their first forward with integer labels; DeBERTa-v2 otherwise
             # takes a `labels.nonzero()` path whose output size depends on the data
@@ -401,6 +401,7 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
 _HEAD_SUFFIXES = (
     ("ForSequenceClassification", "seq-cls"), ("ForTokenClassification", "token-cls"),
     ("ForQuestionAnswering", "qa"), ("ForMaskedLM", "mlm"), ("ForCausalLM", "causal-lm"),
+    ("ForImageClassification", "image-cls"),
     ("ForConditionalGeneration", "seq2seq-lm"), ("ForSeq2SeqLM", "seq2seq-lm"), ("LMHeadModel", "causal-lm"),
 )
 #: Fine-tuned checkpoints keep their head: a config whose architecture is one of these keeps its task.
@@ -423,6 +424,11 @@ def default_task(model: Any) -> tuple[str, str]:
     """
     if isinstance(model, nn.Module):
         name = type(getattr(model, "module", model)).__name__
+        from transformers.models.auto import modeling_auto
+
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if name.endswith("ForConditionalGeneration") and model_type in modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+            return "speech-seq2seq", f"task `speech-seq2seq` is the head of the model class `{name}`"
         for suffix, task in _HEAD_SUFFIXES:
             if suffix in name:
                 return task, f"task `{task}` is the head of the model class `{name}`"
@@ -442,6 +448,13 @@ def _task_of_config(config: Any) -> tuple[str, str]:
     if arch and arch.endswith(_FINE_TUNED_SUFFIXES):
         task = next(t for s, t in _HEAD_SUFFIXES if arch.endswith(s))
         return task, f"task `{task}` chosen from {said}{why}"
+    # image and speech models, by the Auto classes transformers maps their model type to
+    if model_type in modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return "speech-seq2seq", f"task `speech-seq2seq` chosen from {said}: a speech encoder-decoder{why}"
+    if (model_type in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+            and model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        return "image-cls", f"task `image-cls` chosen from {said}: an image encoder{why}"
     if getattr(config, "is_encoder_decoder", False) and model_type in modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return "seq2seq-lm", f"task `seq2seq-lm` chosen from {said}: an encoder-decoder{why}"
     causal_class = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)

@@ -16,6 +16,9 @@ from typing import Any
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.train_setup import AUDIO_TASKS, IMAGE_TASKS
+
+MEDIA_TASKS = IMAGE_TASKS + AUDIO_TASKS
 
 __all__ = ["PositionLimit", "position_limits", "check_sequence_lengths"]
 
@@ -87,9 +90,11 @@ def check_sequence_lengths(model: nn.Module, setup: Any, name: str, config: Any)
         config: the model's config, or None for a plain module.
     """
     seq = setup.sequence_length
-    target = (setup.target_length or seq) if setup.task == "seq2seq-lm" else None
+    target = (setup.target_length or seq) if setup.task in ("seq2seq-lm", "speech-seq2seq") else None
     for limit in position_limits(model):
         on_target = limit.decoder and target is not None  # OPT's `model.decoder` is a decoder-only model's
+        if setup.task in MEDIA_TASKS and not on_target:
+            continue  # an image or audio encoder's positions: the processor's output decides them, not max_length
         n = target if on_target else seq
         if n <= limit.max_tokens:
             continue

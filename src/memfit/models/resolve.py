@@ -6,6 +6,8 @@ a rank's simulation):
 
 * the task, when none is given: `memfit.models.build.default_task` (the head of an `nn.Module`, else the
   config's architectures), with the sentence why added to the setup's notes;
+* speech-seq2seq (Whisper): labels no longer than the decoder's `max_target_positions` when no target_length
+  is given, with a note;
 * a `peft_config` (a dict, a JSON string or a peft `PeftConfig`) read and checked by peft
   (`memfit.models.peft_methods.normalize_peft_config`), its notes added.
 
@@ -36,4 +38,13 @@ def resolve(setup: TrainSetup) -> TrainSetup:
 
         changes["task"], why = default_task(setup.model)
         notes.append(why)
+    task = changes.get("task", setup.task)
+    if task == "speech-seq2seq" and setup.target_length is None:  # Whisper's labels: at most its decoder positions
+        from memfit.models.build import resolve_config
+
+        limit = getattr(resolve_config(setup.model).config, "max_target_positions", None)
+        if isinstance(limit, int) and setup.max_length > limit:
+            changes["target_length"] = limit
+            notes.append(f"labels of {limit} tokens: the decoder's `max_target_positions` (max_length "
+                         f"{setup.max_length} is longer); --target-length sets another")
     return setup.replace(**changes, notes=notes) if changes else setup

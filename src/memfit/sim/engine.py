@@ -34,6 +34,7 @@ from torch import nn
 
 from memfit.sim.quiet import isolated_simulation
 from memfit.models.build import ModelSpec, to_empty_tied
+from memfit.models.processors import MediaInputs, media_inputs
 from memfit.models.resolve import resolve
 from memfit.models.quantization import capture, parameter_count, quant_state_tensors, quiet_bnb_logs, restore
 from memfit.sim import _torch_adapter as adapter
@@ -80,10 +81,29 @@ class Simulation:
     weights_dtype: str = "float32"
     quantization: dict | None = None  #: memfit.models.quantization.quantization_summary
     paged_bytes: int = 0  #: optimizer state in CUDA managed memory (paged optimizers), not in the trace
+    media_inputs: dict | None = None  #: what the processor made of each image or clip (MediaInputs.summary)
 
 
-def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int) -> dict[str, torch.Tensor]:
-    """The tensors DataCollatorWithPadding hands the model (int64, padded to `seq`)."""
+def _media_batch(setup: TrainSetup, batch: int, media: MediaInputs) -> dict[str, torch.Tensor]:
+    """The tensors an image or speech collator hands the model: the processor's outputs (memfit.models.processors)
+    stacked `batch` times, and the labels. Image classification: one class id per image (DefaultDataCollator);
+    speech-seq2seq: the padded token ids of the transcript, `target_length` (else `max_length`) long (the Whisper
+    fine-tuning guide's DataCollatorSpeechSeq2SeqWithPadding, labels only: the model shifts them into
+    decoder_input_ids)."""
+    out = {name: torch.zeros(batch, *shape, dtype=dtype) for name, (shape, dtype) in media.tensors.items()}
+    if setup.task == "image-cls":
+        out["labels"] = torch.zeros(batch, dtype=torch.float32 if setup.num_labels == 1 else torch.long)
+    else:
+        out["labels"] = torch.zeros(batch, setup.target_length or setup.max_length, dtype=torch.long)
+    return out
+
+
+def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int,
+                media: MediaInputs | None = None) -> dict[str, torch.Tensor]:
+    """The tensors DataCollatorWithPadding hands the model (int64, padded to `seq`); image and speech models get
+    `_media_batch`'s."""
+    if media is not None:
+        return _media_batch(setup, batch, media)
     config = getattr(model, "config", None)
     params = inspect.signature(model.forward).parameters
     out = {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
@@ -144,6 +164,10 @@ class _Runner:
         self.cut, self.sizes, self.names = prepared.cut, prepared.sizes, prepared.names
         self.checkpointing = prepared.checkpointing
         self.fwd_model = self.cut if self.cut is not None else self.model
+        # image / audio inputs: the model's own processor runs here, on real arrays, before any fake mode
+        self.media = media_inputs(setup, self.spec, self.model)
+        if self.media is not None:
+            self.notes = [*self.notes, *self.media.notes]
         self.eval_model = self.fwd_model  # the evaluation forward is spliced too
         self.liger_log: list[str] = []
         self._act_offload = None
@@ -226,7 +250,8 @@ class _Runner:
             loss, start = trl_steps.micro_loss(self)
         else:
             seq = self.setup.sequence_length
-            batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq)
+            batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq,
+                                media=self.media)
             self._register_batch(batch)
             # Trainer (transformers 5.24 get_batch_samples / compute_loss): a model whose forward takes loss kwargs gets
             # `num_items_in_batch` (the window's label count, an int64 scalar moved to the device); ForCausalLMLoss then
@@ -396,7 +421,7 @@ class _Runner:
             tr.tag_fn = self.tagger.current
         else:
             tr.tag_fn = lambda: None
-        batch = _make_batch(self.eval_model, s, s.per_device_eval_batch_size, seq=s.sequence_length)
+        batch = _make_batch(self.eval_model, s, s.per_device_eval_batch_size, seq=s.sequence_length, media=self.media)
         self._register_batch(batch)
         ignore = set(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
         with torch.no_grad():
@@ -552,6 +577,7 @@ class _Runner:
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
             quantization=quantization, paged_bytes=paged,
         )
+            media_inputs=None if self.media is None else self.media.summary,
 
     def _quant_report(self, kernels) -> dict | None:
         if self.quant_summary is None:
