@@ -191,3 +191,126 @@ def test_a_worker_that_dies_is_a_clear_error():
     with WorkerPool(2) as pool:  # a worker killed (e.g. out of host memory) must not leave the planner waiting
         with pytest.raises(MemfitError, match=r"worker process died .* `MEMFIT_WORKERS=1`"):
             pool.submit(os._exit, 1).get()  # the worker ends without a result
+
+
+# -- the workers die with the planner, whatever signal ends it ---------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc; a zombie is dead for this purpose)."""
+    from pathlib import Path
+
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the task ended meanwhile
+            pass
+    return [c for c in out if _alive(c)]
+
+
+def _alive(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status and "\nState:\tX" not in status
+
+
+def _kill_and_watch(proc, sig: int, *, workers_timeout_s: float = 120.0) -> tuple[list[int], float]:
+    """Wait until `proc` has worker processes, send it `sig`, and return the workers and the seconds until its
+    stdout pipe closed (every holder of the write end gone)."""
+    import os
+    import selectors
+    import time
+
+    deadline = time.monotonic() + workers_timeout_s
+    kids: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        kids = _children(proc.pid)
+        if len(kids) >= 2:
+            break
+        time.sleep(0.05)
+    assert len(kids) >= 2, f"no worker processes seen (exit {proc.poll()}): {proc.stderr.read()[-2000:]!r}"
+    os.kill(proc.pid, sig)
+    t0 = time.monotonic()
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    closed_s = None
+    while time.monotonic() - t0 < 30:
+        if sel.select(timeout=0.5) and not os.read(proc.stdout.fileno(), 65536):  # EOF: no writer left
+            closed_s = time.monotonic() - t0
+            break
+    sel.close()
+    assert closed_s is not None, f"stdout still open 30 s after signal {sig}; workers alive: " \
+                                 f"{[k for k in kids if _alive(k)]}"
+    for _ in range(100):  # a dying process closes its files before it turns zombie (kernel exit_files, exit_notify)
+        if not any(_alive(k) for k in kids):
+            break
+        time.sleep(0.05)
+    assert not [k for k in kids if _alive(k)], "workers outlived their parent"
+    proc.wait(timeout=30)
+    return kids, closed_s
+
+
+_SLEEPERS = """
+import sys, time
+from memfit.planner.workers import WorkerPool
+with WorkerPool(2) as pool:
+    handles = [pool.submit(time.sleep, 120) for _ in range(2)]
+    print("submitted", flush=True)
+    handles[0].get()
+"""
+
+
+def _env():
+    import os
+
+    from helpers import SRC_DIR
+
+    env = {**os.environ, "PYTHONPATH": str(SRC_DIR) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("MEMFIT_WORKERS", None)
+    return env
+
+
+@linux_only
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
+def test_busy_workers_die_with_their_parent_and_release_stdout(signame):
+    """Workers in the middle of a task: SIGTERM (the parent's handler kills them, then the default action ends it)
+    and SIGKILL (no handler runs: the kernel's PR_SET_PDEATHSIG) both end them and close the pipe at once."""
+    import signal
+    import subprocess
+
+    sig = getattr(signal, signame)
+    proc = subprocess.Popen([sys.executable, "-c", _SLEEPERS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_env())
+    try:
+        _, closed_s = _kill_and_watch(proc, sig)
+        assert closed_s < 10
+        assert proc.returncode == -sig  # ended by the signal, as `kill` meant (a shell shows 143 / 137)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+@linux_only
+def test_sigterm_of_a_real_memfit_plan_leaves_no_worker(tmp_path_factory):
+    """`memfit plan ... | consumer`, then `kill PLANNER`: no worker survives and the pipe ends (the consumer is not
+    left waiting)."""
+    import signal
+    import subprocess
+
+    model = save_bert_config(tmp_path_factory, "bert8k", hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                             intermediate_size=1024, vocab_size=8000)
+    argv = [sys.executable, "-m", "memfit", "plan", model, "--batch-size", "16", "--grad-accum", "2", "--max-length",
+            "512", "--eval-strategy", "no", "--gpu", "2GiB", "--no-cache"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**_env(), "MEMFIT_WORKERS": "2"})
+    try:
+        _, closed_s = _kill_and_watch(proc, signal.SIGTERM)
+        assert closed_s < 10
+        assert proc.returncode == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -18,19 +18,33 @@ forking is safe here, that is:
 - `MEMFIT_WORKERS` is not `1` (`MEMFIT_WORKERS=N` caps the count; the default is the CPUs this process may
   run on, `os.sched_getaffinity`, at most `MAX_WORKERS`).
 
+The workers die with the planner, whatever signal ends it, so that a pipeline reading `memfit plan`'s stdout
+(which the workers inherit) sees its end:
+
+- each worker asks the kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG, SIGKILL)`, prctl(2);
+  it fires when the *thread* that forked it ends, and concurrent.futures forks the workers from the thread that
+  first submits, the planner's main thread) and ends at once if the parent is already gone (the race prctl(2)
+  describes: `getppid()` no longer the planner);
+- the planner, while the pool runs, handles SIGTERM (`kill`'s default, which otherwise ends it without running
+  any Python cleanup): it kills its workers, then lets the signal end it as before (the previous handler, or
+  the default action, so the exit status is still "terminated by SIGTERM");
+- a worker resets SIGTERM to its default action (the planner's handler is not inherited); Ctrl-C in a terminal
+  reaches the whole process group, workers included, as before.
+
 Internal to memfit.planner.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from typing import Any, Callable
 
 from memfit.errors import MemfitError
 
-__all__ = ["MAX_WORKERS", "WorkerPool", "worker_count"]
+__all__ = ["MAX_WORKERS", "WorkerPool", "die_with_parent", "worker_count"]
 
 #: at most this many worker processes: a plan has about a dozen simulations, the longest (the baseline
 #: estimate) a third of the work, so more workers than this only cost memory (each holds a meta model)
@@ -74,9 +88,33 @@ def _fork_is_safe() -> bool:
     return True
 
 
-def _worker_init() -> None:
-    """In each worker: one intra-op thread (two processes with a thread pool each would oversubscribe the
-    cores; torch.utils.data's workers do the same, torch/utils/data/_utils/worker.py `_worker_loop`)."""
+#: prctl(2) option: the signal this process gets when its parent (thread) dies (linux/prctl.h `PR_SET_PDEATHSIG`)
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies (module docstring); end now if it already has.
+    Returns whether the kernel took the request (False off Linux or without a usable libc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no libc symbol table (a static build): the parent's SIGTERM handler remains
+        armed = False
+    if os.getppid() != parent_pid:  # the parent died before prctl: no signal will come (prctl(2))
+        os._exit(1)
+    return armed
+
+
+def _worker_init(parent_pid: int) -> None:
+    """In each worker: die with the planner (module docstring), SIGTERM's default action, and one intra-op
+    thread (two processes with a thread pool each would oversubscribe the cores; torch.utils.data's
+    workers do the same, torch/utils/data/_utils/worker.py `_worker_loop`)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent(parent_pid)
     import torch
 
     torch.set_num_threads(1)
@@ -125,6 +163,9 @@ class WorkerPool:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._pool = None
+        self._owner_pid = os.getpid()
+        self._previous_sigterm: Any = None
+        self._handling_sigterm = False
         if workers > 1:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
@@ -132,7 +173,8 @@ class WorkerPool:
             # fork: the workers inherit the imported modules and warm caches (no spawn, no imports). Not
             # multiprocessing.Pool: when one of its workers dies its task's result never comes
             self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                             initializer=_worker_init)
+                                             initializer=_worker_init, initargs=(os.getpid(),))
+            self._install_sigterm()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A handle whose `get()` returns `fn(*args)` or raises what it raised."""
@@ -144,6 +186,47 @@ class WorkerPool:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)  # tasks nobody read are not started
             self._pool = None
+        self._restore_sigterm()
+
+    def kill_workers(self) -> None:
+        """SIGKILL every worker process now (they hold no state worth saving: simulations on fake tensors)."""
+        processes = getattr(self._pool, "_processes", None) or {}  # concurrent.futures: pid -> Process
+        for proc in list(processes.values()):
+            try:
+                proc.kill()
+            except (OSError, ValueError, AttributeError):  # already gone, or already reaped
+                pass
+
+    def _install_sigterm(self) -> None:
+        """While the pool runs, SIGTERM kills the workers first (module docstring); only the main thread may."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._handling_sigterm = True
+        except (ValueError, OSError):  # not settable here (an embedded interpreter): PR_SET_PDEATHSIG remains
+            self._handling_sigterm = False
+
+    def _restore_sigterm(self) -> None:
+        if self._handling_sigterm and os.getpid() == self._owner_pid:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:  # nobody replaced it meanwhile
+                signal.signal(signal.SIGTERM, self._previous_sigterm if self._previous_sigterm is not None
+                              else signal.SIG_DFL)
+            self._handling_sigterm = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        previous = self._previous_sigterm
+        if os.getpid() == self._owner_pid:
+            self.kill_workers()
+        if callable(previous):  # someone's own handler (a launcher's, a test runner's) decides what follows
+            previous(signum, frame)
+            return
+        # the default action (or SIG_IGN, as it was): restore it and send the signal again, so that the process
+        # ends as `kill` meant, with the status a shell reads as "terminated by SIGTERM"
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        self._handling_sigterm = False
+        if previous != signal.SIG_IGN:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def __enter__(self) -> WorkerPool:
         return self
