@@ -324,41 +324,37 @@ def _axes(setup: TrainSetup, spec: GpuSpec) -> list[tuple[dict[str, Any], tuple[
     return out
 
 
-def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str | GpuSpec | None = None,
-                  world_size: int | None = None, nodes: int = 1, global_batch: int | None = None,
-                  margin: float | None = None, strategies: tuple[str, ...] | list[str] | None = None,
-                  interconnect: str | None = None, network_gbps: float | None = None,
-                  alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
-                  script: str = "train.py", allow: tuple[str, ...] | list[str] = ()) -> ParallelPlanResult:
-    """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
+@dataclass(frozen=True)
+class _Request:
+    """What `plan_parallel` was asked, checked: the GPUs, the batch per rank, the memory each rank may use."""
 
-    Args:
-        setup: a TrainSetup or a model id; its batch x accumulation is per GPU.
-        gpus: `COUNTxGPU`, e.g. `4xA100-40GB` (or give `gpu` and `world_size`).
-        gpu: catalog name, size or GpuSpec of each GPU.
-        world_size: GPUs in all.
-        nodes: nodes the GPUs are spread over (the same number on each).
-        global_batch: samples per optimizer step over all GPUs; None: the setup's batch x accumulation x world size.
-        margin: fraction of each GPU kept free (default memfit.planner.search.DEFAULT_MARGIN).
-        strategies: restrict the search to these (ddp, fsdp, zero1, zero2, zero3); None: all.
-        interconnect: "nvlink" or "pcie" within a node; None: the GPU's default (memfit.gpus.interconnect).
-        network_gbps: Gb/s per node between nodes; None: memfit.gpus.interconnect.DEFAULT_NETWORK_GBPS.
-        alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, for every allocator replay.
-        max_simulations: stop after this many per-rank simulations with the best found.
-        script: the training script named in the commands.
-        allow: opt-in remedies (`truncation`, `lora`, `qlora`, `freeze`; `qlora` allows `lora` too) the search may
-            use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched).
-    """
-    from memfit.allocator.bounded import bounded_reserved
-    from memfit.allocator.conf import parse_alloc_conf
-    from memfit.estimator import estimate
-    from memfit.gpus.outside_pytorch import non_pytorch_bytes as table
+    spec: GpuSpec
+    world_size: int
+    nodes: int
+    interconnect: Interconnect
+    global_batch: int
+    per_rank: int
+    micro_batches: tuple[int, ...]  #: the divisors of `per_rank`, ascending
+    margin: float
+    budget_bytes: int
+    capacity_bytes: int  #: the budget less memory outside PyTorch and NCCL's buffers
+    allow: tuple[str, ...]
+    strategies: tuple[str, ...]
+
+
+def _no_split(global_batch: int, world_size: int) -> MemfitError:
+    return MemfitError(f"global batch `{global_batch}` does not split over `{world_size}` GPUs; give a multiple "
+                       f"of {world_size}")
+
+
+def _request(setup: TrainSetup, *, gpus, gpu, world_size, nodes, global_batch, margin, strategies, interconnect,
+             network_gbps, max_simulations, allow) -> _Request:
+    """The checks of `plan_parallel`'s arguments, each a one-line MemfitError, and what follows from them."""
+    from memfit.gpus.outside_pytorch import non_pytorch_bytes
     from memfit.parallel.nccl import nccl_buffer_bytes
     from memfit.parallel.setup import STRATEGIES, ParallelSetup, parse_gpus
-    from memfit.planner.search import DEFAULT_MARGIN, _as_setup, _check_options, _describe
+    from memfit.planner.search import DEFAULT_MARGIN, _check_options
 
-    started = time.perf_counter()
-    setup = _as_setup(setup)
     margin = DEFAULT_MARGIN if margin is None else margin
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of each GPU kept free)")
@@ -384,90 +380,86 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     if bad:
         raise MemfitError(f"strategy `{bad[0]}` is not one of {', '.join(STRATEGIES)}")
     spec = as_gpu_spec(gpu, required=True)
-    setup = setup.replace(compute_capability=tuple(spec.compute_capability))
     ic = interconnect_for(spec.name, kind=interconnect, network_gbps=network_gbps)
     global_batch = setup.effective_batch_size * world_size if global_batch is None else global_batch
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise MemfitError(f"global batch `{global_batch!r}` must be a whole number of samples")
     if global_batch % world_size:
-        raise MemfitError(f"global batch `{global_batch}` does not split over `{world_size}` GPUs; give a multiple "
-                          f"of {world_size}")
+        raise _no_split(global_batch, world_size)
     per_rank = global_batch // world_size
-    micro_batches = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
     budget = int(spec.total_bytes * (1 - margin))
-    outside = table(spec).total_bytes + nccl_buffer_bytes(world_size, nodes)
-    capacity = budget - outside
+    capacity = budget - non_pytorch_bytes(spec).total_bytes - nccl_buffer_bytes(world_size, nodes)
     if capacity <= 0:
         raise MemfitError(f"gpu `{spec.name}` leaves no memory to PyTorch with margin {margin}; use a larger GPU")
-    notes = [n for n in [ic.note] if n]
-    m = _model_facts(setup, spec)
-    variants = [v for v in VARIANTS if v.strategy in allowed]
-    if nodes > 1 and world_size > nodes and _network_bound(ic, nodes):
-        # hybrid sharding keeps the parameter all-gathers in the node (memfit.planner.comm): after the flat ones
-        at = max(i for i, v in enumerate(variants) if v.tier == 0) + 1 if variants else 0
-        variants[at:at] = [v for v in HYBRID_VARIANTS if v.strategy in allowed]
-    families = _families(setup, spec, allow)
-    pars = {(v.key, setup.replace(**fam).precision): parallel_setup_for(
-        v, world_size=world_size, nodes=nodes, hidden_size=m.hidden_size, precision=setup.replace(**fam).precision)
-        for v in variants for fam, _ in families}
+    return _Request(spec, world_size, nodes, ic, global_batch, per_rank,
+                    tuple(b for b in range(1, per_rank + 1) if per_rank % b == 0), margin, budget, capacity,
+                    allow, allowed)
 
-    def changed(group: _Group, b: int) -> TrainSetup:
-        return setup.replace(**group.changes, per_device_train_batch_size=b, gradient_accumulation_steps=per_rank // b)
 
-    def par_of(group: _Group):
-        return pars[(group.variant.key, group.changes.get("precision", setup.precision))]
+class _Search:
+    """The branch-and-bound search of the module docstring over `groups`, simulating rank 0 of each candidate."""
 
-    def modelled(group: _Group, b: int) -> tuple[StepTime, list[Collective]]:
-        return _step(group.variant, par_of(group), changed(group, b), m, spec, ic, nodes)
+    def __init__(self, setup: TrainSetup, req: _Request, variants: list[Variant], families, m: _Model,
+                 alloc_conf: str | None, max_simulations: int):
+        self.setup, self.req, self.m = setup, req, m
+        self.alloc_conf, self.max_simulations = alloc_conf, max_simulations
+        self.pars = {(v.key, setup.replace(**fam).precision): parallel_setup_for(
+            v, world_size=req.world_size, nodes=req.nodes, hidden_size=m.hidden_size,
+            precision=setup.replace(**fam).precision) for v in variants for fam, _ in families}
+        self.candidates: list[ParallelCandidate] = []
+        self.tried: dict[tuple, ParallelCandidate] = {}
+        self.refused: list[str] = []
+        self.refused_keys: set[tuple] = set()
+        self.failed: list[tuple[_Group, int, ParallelCandidate]] = []
+        self.sims = 0
+        self.best: ParallelCandidate | None = None
+        self.best_rank: tuple = ((0, 0), 0)  # (rank_tier, order) of the best's group
 
-    groups: list[_Group] = []
-    not_modelled: dict[str, None] = {}
-    for fam, method in families:
-        axes = _axes(setup.replace(**fam), spec)
-        for i, v in enumerate(variants):
-            why = _refusal(v.strategy, fam)
-            if why:
-                not_modelled[why] = None
-                continue
-            groups += [_Group(v, i, {**fam, **ch}, lean, tuple(sorted(fam.items())), method) for ch, lean in axes]
-    groups.sort(key=lambda g: (g.rank_tier, modelled(g, micro_batches[-1])[0].total_s, g.order, -g.lean_rank))
-    candidates: list[ParallelCandidate] = []
-    tried: dict[tuple, ParallelCandidate] = {}
-    dead: set[str] = set()
-    refused: list[str] = []
-    refused_keys: set[tuple] = set()
-    failed: list[tuple[_Group, int, ParallelCandidate]] = []
-    sims = 0
-    best: ParallelCandidate | None = None
-    best_rank: tuple = ((0, 0), 0)  # (rank_tier, order) of the best's group
+    def changed(self, group: _Group, b: int) -> TrainSetup:
+        return self.setup.replace(**group.changes, per_device_train_batch_size=b,
+                                  gradient_accumulation_steps=self.req.per_rank // b)
 
-    def could_beat(g: _Group, t: float) -> bool:
+    def par_of(self, group: _Group):
+        return self.pars[(group.variant.key, group.changes.get("precision", self.setup.precision))]
+
+    def modelled(self, group: _Group, b: int) -> tuple[StepTime, list[Collective]]:
+        r = self.req
+        return _step(group.variant, self.par_of(group), self.changed(group, b), self.m, r.spec, r.interconnect,
+                     r.nodes)
+
+    def could_beat(self, g: _Group, t: float) -> bool:
         """A candidate of `g` taking `t` would replace the best (module docstring: TIE_FRACTION)."""
+        best = self.best
         if best is None:
             return True
-        if g.rank_tier != best_rank[0]:
-            return g.rank_tier < best_rank[0]
-        limit = best.step.total_s * ((1 + TIE_FRACTION) if g.order < best_rank[1] else (1 - TIE_FRACTION))
-        return t < limit or (g.order == best_rank[1] and t < best.step.total_s)
+        if g.rank_tier != self.best_rank[0]:
+            return g.rank_tier < self.best_rank[0]
+        limit = best.step.total_s * ((1 + TIE_FRACTION) if g.order < self.best_rank[1] else (1 - TIE_FRACTION))
+        return t < limit or (g.order == self.best_rank[1] and t < best.step.total_s)
 
-    def simulate(group: _Group, b: int) -> ParallelCandidate | None:
-        nonlocal sims
+    def simulate(self, group: _Group, b: int) -> ParallelCandidate | None:
+        """Rank 0 of `group` at micro-batch `b`, replayed within the capacity; None: the simulation refuses it."""
+        from memfit.allocator.bounded import bounded_reserved
+        from memfit.allocator.conf import parse_alloc_conf
+        from memfit.estimator import estimate
+
         key = (group.variant.key, tuple(sorted(group.changes.items())), b)
-        if key in tried:
-            return tried[key]
-        if key in refused_keys:
+        if key in self.tried:
+            return self.tried[key]
+        if key in self.refused_keys:
             return None
-        for other, ob, oc in failed:  # a leaner group of the strategy failed at this micro-batch or less
+        for other, ob, oc in self.failed:  # a leaner group of the strategy failed at this micro-batch or less
             if other.leaner_or_equal(group) and ob <= b:
                 return oc
-        s = changed(group, b)
-        par = par_of(group)
-        sims += 1
+        s, per_rank, capacity, alloc_conf = self.changed(group, b), self.req.per_rank, self.req.capacity_bytes, \
+            self.alloc_conf
+        self.sims += 1
         try:
-            report = estimate(s, gpu=spec, parallel=par, capacity_bytes=capacity, alloc_conf=alloc_conf)
+            report = estimate(s, gpu=self.req.spec, parallel=self.par_of(group), capacity_bytes=capacity,
+                              alloc_conf=alloc_conf)
         except MemfitError as err:  # a combination the simulation refuses (e.g. a kernel the engine's dtype lacks)
-            refused.append(f"{group.variant.label} with {group.changes or 'the setup as is'}: {err}")
-            refused_keys.add(key)
+            self.refused.append(f"{group.variant.label} with {group.changes or 'the setup as is'}: {err}")
+            self.refused_keys.add(key)
             return None
         fits, reserved, env = report.fits is True, report.peak_reserved_bytes, None
         if not fits and report.trace is not None:
@@ -484,61 +476,121 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
             headroom = -report.shortfall_bytes  # what it needs beyond the capacity
         else:
             headroom = capacity - reserved
-        st, colls = modelled(group, b)
+        st, colls = self.modelled(group, b)
         ch = {k: v for k, v in dict(group.changes, per_device_train_batch_size=b,
-                                     gradient_accumulation_steps=per_rank // b).items() if getattr(setup, k) != v}
+                                     gradient_accumulation_steps=per_rank // b).items() if getattr(self.setup, k) != v}
         c = ParallelCandidate(group.variant.key, group.variant.label, ch, b, per_rank // b, fits,
                               report.peak_allocated_bytes, reserved, reserved + report.non_pytorch_bytes, headroom,
                               (report.parallel or {}).get("host_bytes_per_node", 0), st, env,
                               [x.to_json(per_rank // b) for x in colls], report.checkpointing)
-        tried[key] = c
-        candidates.append(c)
+        self.tried[key] = c
+        self.candidates.append(c)
         if not fits:
-            failed.append((group, b, c))
+            self.failed.append((group, b, c))
         return c
 
-    stopped = False
-    for g in groups:
-        v = g.variant
-        if g.dead_key in dead:
-            continue
-        if not could_beat(g, modelled(g, micro_batches[-1])[0].total_s):
-            continue
-        if sims >= max_simulations:
-            stopped = True
-            break
-        worth = [b for b in micro_batches if could_beat(g, modelled(g, b)[0].total_s)]
-        if not worth:
-            continue
-        found = None
-        first = simulate(g, worth[-1])
-        if first is None:
-            continue  # refused: the group does not apply
-        if first.fits:  # the largest first: often enough
-            found = worth[-1]
-        else:
-            kin = [x for x in groups if x.dead_key == g.dead_key]
-            lean_group = max(kin, key=lambda x: x.lean_rank)
-            lean = simulate(lean_group, micro_batches[0]) if sims < max_simulations else None
-            if lean is not None and not lean.fits:
-                dead.add(g.dead_key)  # its leanest candidate does not fit: nothing of this strategy (and family) does
+    def run(self, groups: list[_Group]) -> bool:
+        """Search `groups` in order; True when it stopped at `max_simulations`."""
+        micro_batches, dead = self.req.micro_batches, set()
+        for g in groups:
+            if g.dead_key in dead:
                 continue
-            lo, hi = 0, len(worth) - 2
-            while lo <= hi and sims < max_simulations:
-                mid = (lo + hi + 1) // 2
-                c = simulate(g, worth[mid])
-                if c is not None and c.fits:
-                    found, lo = worth[mid], mid + 1
-                else:
-                    hi = mid - 1
-        if found is not None:
-            c = tried[(v.key, tuple(sorted(g.changes.items())), found)]
-            if could_beat(g, c.step.total_s):
-                best, best_rank = c, (g.rank_tier, g.order)
-    notes += [f"not simulated: {r}" for r in refused[:3]]
+            if not self.could_beat(g, self.modelled(g, micro_batches[-1])[0].total_s):
+                continue
+            if self.sims >= self.max_simulations:
+                return True
+            worth = [b for b in micro_batches if self.could_beat(g, self.modelled(g, b)[0].total_s)]
+            if not worth:
+                continue
+            found = None
+            first = self.simulate(g, worth[-1])
+            if first is None:
+                continue  # refused: the group does not apply
+            if first.fits:  # the largest first: often enough
+                found = worth[-1]
+            else:
+                kin = [x for x in groups if x.dead_key == g.dead_key]
+                lean_group = max(kin, key=lambda x: x.lean_rank)
+                lean = self.simulate(lean_group, micro_batches[0]) if self.sims < self.max_simulations else None
+                if lean is not None and not lean.fits:
+                    dead.add(g.dead_key)  # its leanest candidate does not fit: nothing of this strategy / family does
+                    continue
+                lo, hi = 0, len(worth) - 2
+                while lo <= hi and self.sims < self.max_simulations:
+                    mid = (lo + hi + 1) // 2
+                    c = self.simulate(g, worth[mid])
+                    if c is not None and c.fits:
+                        found, lo = worth[mid], mid + 1
+                    else:
+                        hi = mid - 1
+            if found is not None:
+                c = self.tried[(g.variant.key, tuple(sorted(g.changes.items())), found)]
+                if self.could_beat(g, c.step.total_s):
+                    self.best, self.best_rank = c, (g.rank_tier, g.order)
+        return False
+
+
+def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str | GpuSpec | None = None,
+                  world_size: int | None = None, nodes: int = 1, global_batch: int | None = None,
+                  margin: float | None = None, strategies: tuple[str, ...] | list[str] | None = None,
+                  interconnect: str | None = None, network_gbps: float | None = None,
+                  alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
+                  script: str = "train.py", allow: tuple[str, ...] | list[str] = ()) -> ParallelPlanResult:
+    """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
+
+    Args:
+        setup: a TrainSetup or a model id; its batch x accumulation is per GPU.
+        gpus: `COUNTxGPU`, e.g. `4xA100-40GB` (or give `gpu` and `world_size`).
+        gpu: catalog name, size or GpuSpec of each GPU.
+        world_size: GPUs in all.
+        nodes: nodes the GPUs are spread over (the same number on each).
+        global_batch: samples per optimizer step over all GPUs; None: the setup's batch x accumulation x world size.
+        margin: fraction of each GPU kept free (default memfit.planner.search.DEFAULT_MARGIN).
+        strategies: restrict the search to these (ddp, fsdp, zero1, zero2, zero3); None: all.
+        interconnect: "nvlink" or "pcie" within a node; None: the GPU's default (memfit.gpus.interconnect).
+        network_gbps: Gb/s per node between nodes; None: memfit.gpus.interconnect.DEFAULT_NETWORK_GBPS.
+        alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, for every allocator replay.
+        max_simulations: stop after this many per-rank simulations with the best found.
+        script: the training script named in the commands.
+        allow: opt-in remedies (`truncation`, `lora`, `qlora`, `freeze`; `qlora` allows `lora` too) the search may
+            use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched).
+    """
+    from memfit.planner.search import _as_setup, _describe
+
+    started = time.perf_counter()
+    setup = _as_setup(setup)
+    req = _request(setup, gpus=gpus, gpu=gpu, world_size=world_size, nodes=nodes, global_batch=global_batch,
+                   margin=margin, strategies=strategies, interconnect=interconnect, network_gbps=network_gbps,
+                   max_simulations=max_simulations, allow=allow)
+    spec, ic, world_size = req.spec, req.interconnect, req.world_size
+    setup = setup.replace(compute_capability=tuple(spec.compute_capability))
+    notes = [n for n in [ic.note] if n]
+    m = _model_facts(setup, spec)
+    variants = [v for v in VARIANTS if v.strategy in req.strategies]
+    if nodes > 1 and world_size > nodes and _network_bound(ic, nodes):
+        # hybrid sharding keeps the parameter all-gathers in the node (memfit.planner.comm): after the flat ones
+        at = max(i for i, v in enumerate(variants) if v.tier == 0) + 1 if variants else 0
+        variants[at:at] = [v for v in HYBRID_VARIANTS if v.strategy in req.strategies]
+    families = _families(setup, spec, req.allow)
+    search = _Search(setup, req, variants, families, m, alloc_conf, max_simulations)
+    groups: list[_Group] = []
+    not_modelled: dict[str, None] = {}
+    for fam, method in families:
+        axes = _axes(setup.replace(**fam), spec)
+        for i, v in enumerate(variants):
+            why = _refusal(v.strategy, fam)
+            if why:
+                not_modelled[why] = None
+                continue
+            groups += [_Group(v, i, {**fam, **ch}, lean, tuple(sorted(fam.items())), method) for ch, lean in axes]
+    groups.sort(key=lambda g: (g.rank_tier, search.modelled(g, req.micro_batches[-1])[0].total_s, g.order,
+                               -g.lean_rank))
+    stopped = search.run(groups)
+    notes += [f"not simulated: {r}" for r in search.refused[:3]]
     notes += [f"not searched: {why}" for why in not_modelled]
     if stopped:
-        notes.append(f"stopped after {sims} simulations (max_simulations); a faster plan may exist")
+        notes.append(f"stopped after {search.sims} simulations (max_simulations); a faster plan may exist")
+    best, candidates = search.best, search.candidates
     chosen = None if best is None else candidates.index(best)
     launch = None
     if best is not None:
@@ -552,9 +604,10 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
                             accumulation=best.gradient_accumulation_steps)
     return ParallelPlanResult(
         gpu={"name": spec.name, "total_bytes": spec.total_bytes}, world_size=world_size, nodes=nodes,
-        interconnect=ic.to_json(), global_batch=global_batch, per_rank_batch=per_rank, budget_bytes=budget,
-        capacity_bytes=capacity, margin=margin, candidates=candidates, chosen=chosen, launch=launch,
-        simulations=sims, elapsed_s=round(time.perf_counter() - started, 2), notes=notes)
+        interconnect=ic.to_json(), global_batch=req.global_batch, per_rank_batch=req.per_rank,
+        budget_bytes=req.budget_bytes, capacity_bytes=req.capacity_bytes, margin=req.margin, candidates=candidates,
+        chosen=chosen, launch=launch, simulations=search.sims, elapsed_s=round(time.perf_counter() - started, 2),
+        notes=notes)
 
 
 def parse_gpu_budget(text: str) -> list[tuple[int, str]]:
@@ -582,12 +635,11 @@ def plan_gpu_budget(setup: TrainSetup | str, kinds: list[tuple[int, str]], **kw:
     kw.setdefault("global_batch", setup.effective_batch_size * kinds[0][0])
     out: list[ParallelPlanResult | MemfitError] = []
     for count, name in kinds:
-        try:
-            out.append(plan_parallel(setup, gpu=name, world_size=count, **kw))
-        except MemfitError as err:
-            if "does not split" not in str(err):
-                raise
-            out.append(err)
+        batch = kw["global_batch"]
+        if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1 and batch % count:
+            out.append(_no_split(batch, count))  # another kind may still take the batch
+            continue
+        out.append(plan_parallel(setup, gpu=name, world_size=count, **kw))
     fitting = [(r.chosen_candidate.step.total_s, i) for i, r in enumerate(out)
                if isinstance(r, ParallelPlanResult) and r.chosen is not None]
     return out, (min(fitting)[1] if fitting else None)
