@@ -24,12 +24,12 @@ def _load(name):
     return json.loads(gzip.decompress((DATA / name).read_bytes()))
 
 
-def _recorded_reserved(snap):
+def _recorded_reserved(snap, device=0):
     """Reserved memory before and after every entry, from the file alone (no memfit code)."""
-    trace = snap["device_traces"][0]
+    trace = snap["device_traces"][device]
     delta = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
     change = sum(delta.get(e["action"], 0) * e["size"] for e in trace)
-    level = sum(s["total_size"] for s in snap["segments"] if s["device"] == 0) - change
+    level = sum(s["total_size"] for s in snap["segments"] if s["device"] == device) - change
     out = [level]
     for e in trace:
         level += delta.get(e["action"], 0) * e["size"]
@@ -37,21 +37,34 @@ def _recorded_reserved(snap):
     return out
 
 
-def test_three_real_files_are_derived_data():
-    assert [f.name for f in FILES] == ["kkaitlyn_2.7b_ctx128_fullstep.json.gz", "select_n_bert_inference_offload.json.gz",
-                                       "wedsonlin_medium_ctx128_trainstep.json.gz"]
-    assert all(f.stat().st_size < 1_000_000 for f in FILES)
+def test_real_files_are_derived_data_with_a_source():
+    names = [f.name for f in FILES]
+    assert len(names) == 10 and "wedsonlin_medium_ctx512_trainstep.json.gz" in names
+    source = (DATA / "SOURCE.md").read_text()
+    for f in FILES:
+        assert f"`{f.name}`" in source
+        assert f.stat().st_size < 100_000
+        assert len(_load(f.name)["source"]["sha256"]) == 64
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name.split(".")[0])
-def test_real_trace_replays_exactly(path):
+def _traced_devices():
+    """(file, device) of every device trace with entries: a snapshot of several GPUs holds one trace each."""
+    out = []
+    for f in FILES:
+        traces = _load(f.name)["device_traces"]
+        out += [(f, d) for d, t in enumerate(traces) if t]
+    return out
+
+
+@pytest.mark.parametrize(("path", "device"), _traced_devices(), ids=lambda x: x.name.split(".")[0] if hasattr(x, "name") else f"device{x}")
+def test_real_trace_replays_exactly(path, device):
     snap = _load(path.name)
-    trace = snap["device_traces"][0]
-    r = replay_snapshot(snap)
-    levels = _recorded_reserved(snap)
+    trace = snap["device_traces"][device]
+    r = replay_snapshot(snap, device=device)
+    levels = _recorded_reserved(snap, device)
     assert r.recorded.peak_reserved_bytes == max(levels)
-    assert r.recorded.segment_allocs == sum(e["action"] == "segment_alloc" for e in trace)
-    assert r.recorded.segment_frees == sum(e["action"] == "segment_free" for e in trace)
+    assert r.recorded.segment_allocs == sum(e["action"] in ("segment_alloc", "segment_map") for e in trace)
+    assert r.recorded.segment_frees == sum(e["action"] in ("segment_free", "segment_unmap") for e in trace)
     # memfit's own choices reproduce the recording
     assert r.segment_sequence_equal and r.reserved_equal_after_every_event
     assert r.address_mismatches == 0 and r.final_state_equal
@@ -240,3 +253,12 @@ def test_cli_replay_bad_flags(bert_pickle, capsys):
     assert "below PyTorch's minimum of 20" in capsys.readouterr().err
     assert main(["replay", bert_pickle, "--what-if", "max_split_size_mb:5"]) == 2
     assert "too small" in capsys.readouterr().err
+
+
+def test_segments_list_is_named_for_what_it_is(tmp_path):
+    # `torch.cuda.memory_snapshot()` returns the segments alone (a list), with no trace to replay
+    path = tmp_path / "segments.pickle"
+    path.write_bytes(pickle.dumps(_load("select_n_bert_inference_offload.json.gz")["segments"]))
+    with pytest.raises(MemfitError, match=r"is a list of 82 segments \(`torch.cuda.memory_snapshot\(\)`\), which holds no "
+                                          "trace"):
+        load_snapshot(path)

@@ -67,6 +67,7 @@ from memfit.trace import TraceEvent
 
 __all__ = [
     "AllocatorReport", "OomEvent", "replay", "round_size", "get_allocation_size", "AllocatorModel", "Driver", "Block",
+    "LayoutConflict",
 ]
 # the snapshot helpers (read, replay, export) live in memfit.allocator.snapshot
 
@@ -138,6 +139,19 @@ class AllocatorReport:
     oom: OomEvent | None
     peak_reserved_by_phase: dict[str, int] = field(default_factory=dict)
     peak_allocated_by_phase: dict[str, int] = field(default_factory=dict)
+
+
+class LayoutConflict(MemfitError):
+    """A recorded entry the seeded layout cannot hold (`malloc_at` and the other `*_at` calls).
+
+    `ptr` is the recorded address. On a genuine snapshot this means the reconstructed
+    state before the recording is not the real one (`memfit.allocator.snapshot.recorded`
+    searches the alternatives); otherwise the trace and the segments disagree.
+    """
+
+    def __init__(self, message: str, ptr: int) -> None:
+        super().__init__(message)
+        self.ptr = ptr
 
 
 class Driver:
@@ -764,11 +778,33 @@ class AllocatorModel:
         size = round_size(orig, self.conf)
         b = self.free_at.get(ptr)
         if b is None or not b.mapped or b.stream != stream or b.size < size or b.pool is not self.pool_for(size):
-            raise MemfitError(
+            raise LayoutConflict(
                 f"the recording allocates {orig} B at `{ptr:#x}` where the reconstructed state has no cached "
-                "block of that size on that stream; the snapshot's trace and segments disagree")
+                "block of that size on that stream; the snapshot's trace and segments disagree", ptr)
         b.pool.remove(b)
         return self.alloc_found_block(b, size, orig)
+
+    def carve_at(self, orig: int, stream: int, ptr: int) -> Block | None:
+        """`malloc_at` where no cached block starts at `ptr`: split the cached block that holds
+        [ptr, ptr + size) there and allocate from its upper part (None: no cached block holds it).
+
+        Only for replaying a recording whose state before it could not be reconstructed
+        exactly: the real allocator never splits a block at an address it did not choose.
+        """
+        size = round_size(orig, self.conf)
+        pool = self.pool_for(size)
+        for b in list(pool.blocks.values()):
+            if b.stream == stream and b.mapped and b.ptr < ptr and ptr + size <= b.ptr + b.size:
+                pool.remove(b)
+                upper = Block(b.ptr + b.size - ptr, ptr, stream, pool, b.seg)
+                upper.prev, upper.next = b, b.next
+                if b.next is not None:
+                    b.next.prev = upper
+                b.next = upper
+                b.size = ptr - b.ptr
+                pool.insert(b)
+                return self.alloc_found_block(upper, size, orig)
+        return None
 
     def segment_alloc_at(self, ptr: int, size: int, stream: int) -> None:
         """A recorded cudaMalloc: a new, entirely cached segment (the next alloc takes from it)."""
@@ -782,16 +818,16 @@ class AllocatorModel:
         """A recorded cudaFree of the cached, unsplit segment at `ptr`."""
         b = self.free_at.get(ptr)
         if b is None or not b.mapped or b.size != size or b.is_split() or b.seg is not None:
-            raise MemfitError(f"the recording frees segment `{ptr:#x}` ({size} B) that the reconstructed state "
-                              "does not hold as one cached block; the snapshot's trace and segments disagree")
+            raise LayoutConflict(f"the recording frees segment `{ptr:#x}` ({size} B) that the reconstructed state "
+                                 "does not hold as one cached block; the snapshot's trace and segments disagree", ptr)
         self.release_block(b)
 
     def segment_map_at(self, ptr: int, size: int) -> None:
         """A recorded `segment_map` of `size` bytes at the start of the unmapped block at `ptr`."""
         b = self.free_at.get(ptr)
         if b is None or b.mapped or b.seg is None or not self.map_block(b, size):
-            raise MemfitError(f"the recording maps `{ptr:#x}` ({size} B) where the reconstructed state has no "
-                              "unmapped expandable block; the snapshot's trace and segments disagree")
+            raise LayoutConflict(f"the recording maps `{ptr:#x}` ({size} B) where the reconstructed state has no "
+                                 "unmapped expandable block; the snapshot's trace and segments disagree", ptr)
 
     def segment_unmap_at(self, ptr: int, size: int) -> None:
         """A recorded `segment_unmap`: the pages [ptr, ptr + size) of a cached expandable block."""
@@ -808,8 +844,8 @@ class AllocatorModel:
                         pool.remove_unmapped(b)  # release_expandable_segment
                         self.segments -= 1
                     return
-        raise MemfitError(f"the recording unmaps `{ptr:#x}` ({size} B) outside any cached expandable block; "
-                          "the snapshot's trace and segments disagree")
+        raise LayoutConflict(f"the recording unmaps `{ptr:#x}` ({size} B) outside any cached expandable block; "
+                             "the snapshot's trace and segments disagree", ptr)
 
     def state(self) -> list[dict[str, Any]]:
         """The segments now, as `torch.cuda.memory._snapshot()['segments']` lists them (`snapshot`)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from memfit.errors import MemfitError
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
-    from memfit.allocator.snapshot import SnapshotReplay, WhatIf
+    from memfit.allocator.snapshot import DeviceSummary, SnapshotReplay, WhatIf
 
 # memfit.allocator.snapshot is imported where it runs: the CLI imports every verb's module to build its parser
 # (memfit.cli), and an estimate does not need it
@@ -41,7 +42,9 @@ def replay_command_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
                     "The pickle is read without running code from it.",
     )
     p.add_argument("snapshot", help="the .pickle written by torch.cuda.memory._dump_snapshot(path)")
-    p.add_argument("--device", type=int, default=0, help="which device's trace (default 0)")
+    p.add_argument("--device", type=int, default=None,
+                   help="which device's trace (default: the device that ran out of memory, else the first one with "
+                        "a trace); every device is summed up in one line")
     p.add_argument("--max-split-size-mb", type=int, default=128,
                    help="the max_split_size_mb to try on the trace (default 128)")
     p.add_argument("--what-if", action="append", default=[], metavar="CONF",
@@ -67,11 +70,13 @@ def _conf_json(conf: AllocConf) -> dict:
     }
 
 
-def to_json(path: str, device: int, r: SnapshotReplay, variants: list[WhatIf]) -> dict:
+def to_json(path: str, device: int, r: SnapshotReplay, variants: list[WhatIf],
+            devices: Sequence[DeviceSummary] = ()) -> dict:
     st = r.start
     return {
         "snapshot": path,
         "device": device,
+        "devices": [asdict(d) for d in devices],
         "entries": r.num_entries,
         "exact": r.exact,
         "recorded": asdict(r.recorded),
@@ -101,9 +106,24 @@ def _settings_text(conf: AllocConf) -> str:
     return ", ".join(parts)
 
 
-def render(path: str, device: int, r: SnapshotReplay, variants: list[WhatIf]) -> None:
+def device_line(d: DeviceSummary, shown: int) -> str:
+    """One device of the snapshot in one line."""
+    oom = (f"; out of memory at entry {d.oom_entry} (asked {format_bytes(d.oom_requested_bytes or 0)}, "
+           f"{format_bytes(d.oom_free_bytes or 0)} free)" if d.oom_entry is not None else "")
+    mark = "  <- replayed" if d.device == shown else ""
+    return (f"device {d.device}: {d.entries} trace entries, {d.segments} segments, peak reserved "
+            f"{format_bytes(d.peak_reserved_bytes)}, reserved at the end {format_bytes(d.final_reserved_bytes)}"
+            f"{oom}{mark}")
+
+
+def render(path: str, device: int, r: SnapshotReplay, variants: list[WhatIf],
+           devices: Sequence[DeviceSummary] = ()) -> None:
     st = r.start
     print(f"memfit replay {path}: {r.num_entries} trace entries on device {device}; settings: {_settings_text(r.conf)}")
+    if len(devices) > 1:
+        print(f"  the snapshot holds {len(devices)} devices (--device N replays another):")
+        for d in devices:
+            print(f"    {device_line(d, device)}")
     print(f"  at the start of recording: {len(st.segments) + len(st.expandable)} segments, {len(st.blocks)} live blocks, "
           f"reserved {format_bytes(st.reserved_bytes)}, allocated {format_bytes(st.allocated_bytes)} "
           "(the final segments with the trace undone)")
@@ -149,7 +169,7 @@ def replay_command(args: argparse.Namespace) -> int:
     if args.max_split_size_mb is not None and args.max_split_size_mb < 20:
         raise MemfitError(f"--max-split-size-mb `{args.max_split_size_mb}` is below PyTorch's minimum of 20 "
                           "(kLargeBuffer); use e.g. `--max-split-size-mb 128`")
-    if args.device < 0:
+    if args.device is not None and args.device < 0:
         raise MemfitError(f"--device `{args.device}` is negative; give the CUDA device index, e.g. `--device 0`")
     from memfit.allocator.conf import parse_alloc_conf
 
@@ -167,9 +187,12 @@ def replay_command(args: argparse.Namespace) -> int:
         from memfit.gpus.catalog import resolve_gpu
 
         memory = resolve_gpu(args.gpu).total_bytes
-    from memfit.allocator.snapshot import load_snapshot, replay_snapshot, what_if
+    from memfit.allocator.snapshot import default_device, device_summaries, load_snapshot, replay_snapshot, what_if
 
     snapshot = load_snapshot(args.snapshot)
+    devices = device_summaries(snapshot)
+    if args.device is None:
+        args.device = default_device(devices)
     r = replay_snapshot(snapshot, device=args.device, device_memory_bytes=memory)
     tries = [None, "expandable_segments:True", f"max_split_size_mb:{args.max_split_size_mb}", *args.what_if]
     series: list[list[int] | None] = [[] if html is not None else None for _ in tries]  # the page's lines
@@ -184,8 +207,8 @@ def replay_command(args: argparse.Namespace) -> int:
         page = render_replay_html(args.snapshot, args.device, r, variants, series)
         print(f"memfit replay: {write_html(html, page)} written", file=sys.stderr)
     if args.json:
-        print(json.dumps(to_json(args.snapshot, args.device, r, variants), indent=2))
+        print(json.dumps(to_json(args.snapshot, args.device, r, variants, devices), indent=2))
     else:
-        render(args.snapshot, args.device, r, variants)
+        render(args.snapshot, args.device, r, variants, devices)
     return 0 if r.exact else 1
 

@@ -13,7 +13,8 @@ CUDACachingAllocator.h). What each entry holds, from the C++ that records it:
 * `segment_alloc` / `segment_free`: `alloc_block` (cudaMalloc) / `release_block` (cudaFree),
   `size` = the segment's bytes. `segment_map` / `segment_unmap`: `map_block` /
   `unmap_block` of expandable-segment pages.
-* `oom`: `malloc` ran out of memory; `addr` = free device bytes, `size` = the rounded request.
+* `oom`: `malloc` ran out of memory; `addr` (torch >= 2.6: `device_free`) = free device bytes,
+  `size` = the rounded request.
 * `snapshot`, `user_defined`: no allocator state change.
 """
 
@@ -29,7 +30,8 @@ from typing import Any
 from memfit.allocator.conf import ROUNDUP_INTERVALS, AllocConf, parse_alloc_conf
 from memfit.errors import MemfitError
 
-__all__ = ["load_snapshot", "loads_snapshot", "check_snapshot", "conf_from_snapshot"]
+__all__ = ["load_snapshot", "loads_snapshot", "check_snapshot", "conf_from_snapshot", "DeviceSummary",
+           "device_summaries", "default_device"]
 
 _SEGMENT_ACTIONS = frozenset(("segment_alloc", "segment_free", "segment_map", "segment_unmap"))
 _RELEASES = frozenset(("segment_free", "segment_unmap"))
@@ -94,6 +96,11 @@ def loads_snapshot(data: bytes, *, name: str = "snapshot") -> dict[str, Any]:
 
 def check_snapshot(obj: Any, *, name: str = "snapshot") -> None:
     """A clear error unless `obj` has the shape of `torch.cuda.memory._snapshot()`."""
+    if isinstance(obj, list) and obj and all(isinstance(s, dict) and "total_size" in s for s in obj):
+        raise MemfitError(
+            f"`{name}` is a list of {len(obj)} segments (`torch.cuda.memory_snapshot()`), which holds no trace of "
+            "allocator calls to replay; record one with `torch.cuda.memory._record_memory_history()` and "
+            "`torch.cuda.memory._dump_snapshot(path)`")
     if not isinstance(obj, dict) or "segments" not in obj or "device_traces" not in obj:
         what = f"a dict with keys {sorted(map(str, obj))[:6]}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
         raise MemfitError(
@@ -176,7 +183,8 @@ def _entries(snapshot: Mapping[str, Any], device: int) -> list[_Entry]:
             raise MemfitError(f"device trace entry {i} `{e!r:.80}` has no `action`; the snapshot is damaged")
         action = e["action"]
         try:
-            addr, size, stream = int(e.get("addr", 0)), int(e.get("size", 0)), int(e.get("stream", 0) or 0)
+            addr = int(e.get("addr", e.get("device_free", 0)) or 0)
+            size, stream = int(e.get("size", 0)), int(e.get("stream", 0) or 0)
         except (TypeError, ValueError):
             raise MemfitError(f"device trace entry {i} `{e!r:.80}` has a non-integer addr/size/stream") from None
         ec = action in _RELEASES and any(
@@ -194,3 +202,51 @@ def _final_segments(snapshot: Mapping[str, Any], device: int) -> list[Mapping[st
         if int(s.get("device", 0)) == device:
             out.append(s)
     return out
+
+
+# -- the devices a snapshot holds ------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceSummary:
+    """One device of a snapshot, from the file alone (no replay)."""
+
+    device: int
+    entries: int  #: trace entries recorded
+    segments: int  #: segments at the end
+    final_reserved_bytes: int  #: reserved at the end (the final segments)
+    peak_reserved_bytes: int  #: the most reserved during the trace (the final segments with the trace undone)
+    oom_entry: int | None  #: index of the first `oom` entry
+    oom_requested_bytes: int | None  #: what that malloc asked for (rounded)
+    oom_free_bytes: int | None  #: free device memory it saw
+
+
+def device_summaries(snapshot: Mapping[str, Any]) -> list[DeviceSummary]:
+    """Every device with trace entries or segments, in index order."""
+    traces = snapshot.get("device_traces") or []
+    devices = {i for i, t in enumerate(traces) if t} | {int(s.get("device", 0)) for s in _final_segments_all(snapshot)}
+    out = []
+    for d in sorted(devices):
+        entries = _entries(snapshot, d) if d < len(traces) else []
+        segs = _final_segments(snapshot, d)
+        final = sum(int(s.get("total_size", 0)) for s in segs)
+        level = final - sum(e.size if e.action in _GROWS else -e.size for e in entries if e.action in _SEGMENT_ACTIONS)
+        peak = level
+        for e in entries:
+            if e.action in _SEGMENT_ACTIONS:
+                level += e.size if e.action in _GROWS else -e.size
+                peak = max(peak, level)
+        oom = next((e for e in entries if e.action == "oom"), None)
+        out.append(DeviceSummary(d, len(entries), len(segs), final, peak, oom.index if oom else None,
+                                 oom.size if oom else None, oom.addr if oom else None))
+    return out
+
+
+def default_device(summaries: list[DeviceSummary]) -> int:
+    """The device to replay when none is given: the one that ran out of memory, else the first with a trace."""
+    for s in summaries:
+        if s.oom_entry is not None:
+            return s.device
+    return next((s.device for s in summaries if s.entries), 0)
+
+
+def _final_segments_all(snapshot: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [s for s in snapshot.get("segments") or [] if isinstance(s, Mapping)]

@@ -24,11 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.allocator.caching import K_SMALL_SIZE, AllocatorModel, AllocatorReport, Block, Driver, round_size
+from memfit.allocator.caching import AllocatorModel, AllocatorReport, Block, Driver, round_size
 from memfit.allocator.conf import AllocConf, parse_alloc_conf
 from memfit.allocator.snapshot.read import (
     _GROWS, _RELEASES, _SEGMENT_ACTIONS, _Entry, _entries, _final_segments, check_snapshot, conf_from_snapshot,
 )
+from memfit.allocator.snapshot.recorded import StartSearch, fresh_address, search_start
 from memfit.allocator.snapshot.start import StartState, _seed, _va_bytes, start_state
 
 __all__ = ["SnapshotReplay", "ReplaySide", "Divergence", "WhatIf", "replay_snapshot", "what_if"]
@@ -69,6 +70,8 @@ class SnapshotReplay:
     num_entries: int
     report: AllocatorReport  #: the model's figures in the form `replay` returns them
     notes: tuple[str, ...] = ()
+    #: how the start state was chosen among those the final segments allow (None: not searched)
+    search: StartSearch | None = None
     #: reserved bytes after every trace entry, as recorded (the recording replayed at its own addresses)
     recorded_reserved_bytes: tuple[int, ...] = field(default=(), repr=False, compare=False)
     #: reserved bytes after every trace entry in memfit's model (entries of one allocator call share the value
@@ -88,7 +91,8 @@ class SnapshotReplay:
         """Same segment operations, same reserved memory after every entry, every block at the
         recorded address, and the same final segments and blocks as the snapshot."""
         return (self.segment_sequence_equal and self.reserved_equal_after_every_event
-                and self.address_mismatches == 0 and self.final_state_equal)
+                and self.address_mismatches == 0 and self.final_state_equal
+                and (self.search is None or self.search.consistent))
 
 
 class _RecordedDriver(Driver):
@@ -164,15 +168,17 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
     check_snapshot(snapshot)
     conf = conf if conf is not None else conf_from_snapshot(snapshot)
     entries = _entries(snapshot, device)
-    st = start_state(snapshot, device=device, conf=conf, device_memory_bytes=device_memory_bytes)
-    notes = list(conf.notes) + list(st.notes)
     va = _va_bytes(device_memory_bytes)
+    st, rec, search = search_start(snapshot, entries, device=device, conf=conf,
+                                   device_memory_bytes=device_memory_bytes, va=va)
+    notes = list(conf.notes) + list(st.notes) + search.notes()
     if device_memory_bytes is None and (st.expandable or any(e.action == "segment_map" for e in entries)):
         notes.append("expandable segments: the GPU's memory size is not in the snapshot and sets the address "
                      "space best fit sees; give it (--gpu) for an exact replay")
-    max_addr = max([e.addr for e in entries if e.action != "oom"] + [s[0] + s[1] for s in st.segments] + [1 << 32])
-    fresh_from = (max_addr + (1 << 40)) & ~((1 << 21) - 1)  # addresses no recorded segment uses
-    recorded, rec_reserved, rec_ops = _recorded_run(conf, st, entries, fresh_from, va)
+    fresh_from = fresh_address(entries, st)  # addresses no recorded segment uses
+    recorded = ReplaySide(rec.peak_reserved_bytes, rec.peak_allocated_bytes, rec.segment_allocs, rec.segment_frees,
+                          rec.final_reserved_bytes, rec.final_allocated_bytes)
+    rec_reserved, rec_ops = list(rec.reserved_after), list(rec.ops)
     run = _model_run(conf, st, entries, fresh_from, va, rec_reserved)
     if run.stopped_at is not None:
         rec_ops = [op for op in rec_ops if op[0] < run.stopped_at]
@@ -198,50 +204,9 @@ def replay_snapshot(snapshot: Mapping[str, Any], *, device: int = 0, conf: Alloc
         reserved_equal_after_every_event=run.reserved_equal, first_divergence=first_div,
         address_mismatches=run.address_mismatches,
         final_state_equal=_layout(m.state()) == _layout(_final_segments(snapshot, device)),
-        start=st, conf=conf, num_entries=len(entries), report=report, notes=tuple(notes),
+        start=st, conf=conf, num_entries=len(entries), report=report, notes=tuple(notes), search=search,
         recorded_reserved_bytes=tuple(rec_reserved), modelled_reserved_bytes=tuple(run.reserved_after),
     )
-
-
-def _recorded_run(conf: AllocConf, st: StartState, entries: Sequence[_Entry], fresh_from: int, va: int | None,
-                  ) -> tuple[ReplaySide, list[int], list[tuple[int, tuple[str, int, int]]]]:
-    """The recording replayed at its own addresses: its figures, reserved after every entry, its segment ops.
-
-    Blocks are placed where the trace says; only `should_split` (how big each block is) is
-    the model's, which is what gives the recorded `allocated` (the trace has requested sizes).
-    """
-    rec = AllocatorModel(conf, Driver(None, fresh_from), va_bytes=va)
-    live = _seed(rec, st)
-    reserved: list[int] = []
-    peak_alloc, peak_res = rec.allocated, rec.reserved
-    ops: list[tuple[int, tuple[str, int, int]]] = []
-    for e in entries:
-        a = e.action
-        if a == "alloc":
-            live[e.addr] = rec.malloc_at(e.size, e.stream, e.addr)
-            peak_alloc = max(peak_alloc, rec.allocated)
-        elif a == "free_requested":
-            rec.free_requested(live[e.addr])
-        elif a == "free_completed":
-            rec.free_completed(live.pop(e.addr))
-        elif a == "segment_alloc":
-            rec.segment_alloc_at(e.addr, e.size, e.stream)
-        elif a == "segment_free":
-            rec.segment_free_at(e.addr, e.size)
-        elif a == "segment_map":
-            if rec.free_at.get(e.addr) is None:  # the first page of a new expandable segment
-                pool = rec.small if _small_after(entries, e.index, conf) else rec.large
-                rec.new_expandable_segment(pool, e.stream, base=e.addr)
-            rec.segment_map_at(e.addr, e.size)
-        elif a == "segment_unmap":
-            rec.segment_unmap_at(e.addr, e.size)
-        if a in _SEGMENT_ACTIONS:
-            ops.append((e.index, (a, e.addr, e.size)))
-        peak_res = max(peak_res, rec.reserved)
-        reserved.append(rec.reserved)
-    side = ReplaySide(peak_res, peak_alloc, sum(op[1][0] in _GROWS for op in ops),
-                      sum(op[1][0] in _RELEASES for op in ops), rec.reserved, rec.allocated)
-    return side, reserved, ops
 
 
 @dataclass
@@ -365,15 +330,6 @@ def _first_sequence_divergence(model_ops: Sequence[tuple[str, int, int]],
         if mo is None or ro is None or (mo[0], mo[2]) != (ro[0], ro[2]):
             return Divergence(rec_ops[k][0] if k < len(rec_ops) else n, _describe(ro), _describe(mo))
     return None
-
-
-def _small_after(entries: Sequence[_Entry], index: int, conf: AllocConf) -> bool:
-    for e in entries[index + 1:]:
-        if e.action == "alloc":
-            return round_size(e.size, conf) <= K_SMALL_SIZE
-        if e.action == "oom":
-            return e.size <= K_SMALL_SIZE
-    return False
 
 
 def _oom_call(m: AllocatorModel, e: _Entry, drv: _RecordedDriver, run: _ModelRun) -> None:

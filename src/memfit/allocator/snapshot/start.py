@@ -7,6 +7,13 @@ by undoing the trace backwards; blocks that were allocated before the recording 
 in it get `round_size(requested)` bytes (plus the tail a large-pool block keeps when the
 remainder was too small to split: every cached large-pool block is > 1 MiB, see
 `should_split`).
+
+One case the final segments leave open: a block allocated before the recording, freed
+in it, and followed by a cached gap of more than 1 MiB. Its size is its rounded request
+plus a tail of 0 to 1 MiB (a tail stays in the block when, at its allocation, the memory
+after it was taken by a block freed before the recording). `StartState.open_sizes` lists
+those blocks with the sizes they can have; `block_sizes` picks one
+(`memfit.allocator.snapshot.recorded` searches them against the trace).
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.allocator.caching import _DEFAULT_VA_BYTES as _DEFAULT_VA
-from memfit.allocator.caching import K_LARGE_BUFFER, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorModel, Block, round_size
+from memfit.allocator.caching import (
+    K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE, AllocatorModel, Block, round_size,
+)
 from memfit.allocator.conf import AllocConf
 from memfit.allocator.snapshot.read import (
     _KNOWN_ACTIONS, _Entry, _entries, _final_segments, conf_from_snapshot,
@@ -49,10 +58,12 @@ class StartState:
     allocated_bytes: int
     inferred_sizes: int  #: blocks whose size came from the request (freed in the trace, allocated before)
     notes: tuple[str, ...] = ()
+    #: (address, smallest, largest bytes) of the blocks whose size the final segments leave open
+    open_sizes: tuple[tuple[int, int, int], ...] = ()
 
 
 def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf | None = None,
-                device_memory_bytes: int | None = None) -> StartState:
+                device_memory_bytes: int | None = None, block_sizes: Mapping[int, int] | None = None) -> StartState:
     """Undo the device trace from the final `segments` back to its first entry.
 
     Args:
@@ -60,6 +71,8 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
         device: which device.
         conf: the allocator settings (default: the recorded ones); they set block sizes.
         device_memory_bytes: the GPU's memory, which sets an expandable segment's address range.
+        block_sizes: {address: bytes} for blocks of `open_sizes` (a size outside the block's range is
+            clipped to it); the others get their smallest size.
     """
     conf = conf if conf is not None else conf_from_snapshot(snapshot)
     entries = _entries(snapshot, device)
@@ -140,6 +153,8 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
     starts = [s.addr for s in seg_list]
     live_addrs = sorted(live)
     inferred = ambiguous = 0
+    open_sizes: list[tuple[int, int, int]] = []
+    chosen = dict(block_sizes or {})
     for i, addr in enumerate(live_addrs):
         b = live[addr]
         if b[0] is not None:
@@ -163,8 +178,11 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
         elif gap <= K_SMALL_SIZE or (unsplittable and gap < conf.max_non_split_rounding_bytes):
             b[0] = rounded + gap  # should_split: the remainder stayed in the block
         else:
-            b[0] = rounded
-            ambiguous += 1
+            # a tail t <= 1 MiB stayed in the block; the cached rest after it, gap - t, is > 1 MiB
+            largest = rounded + min(K_SMALL_SIZE, gap - K_SMALL_SIZE - K_MIN_BLOCK_SIZE)
+            open_sizes.append((addr, rounded, largest))
+            b[0] = min(max(chosen.get(addr, rounded), rounded), largest)
+            ambiguous += b[0] == rounded
     if ambiguous:
         notes.append(f"{ambiguous} blocks allocated before the recording and freed in it were given their rounded "
                      "request size; a > 1 MiB gap after them is assumed cached")
@@ -191,7 +209,7 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
     return StartState(
         segments=tuple((s.addr, s.size, s.stream, s.small) for s in seg_list), blocks=blocks,
         expandable=tuple(expandable), reserved_bytes=reserved, allocated_bytes=allocated,
-        inferred_sizes=inferred, notes=tuple(notes),
+        inferred_sizes=inferred, notes=tuple(notes), open_sizes=tuple(open_sizes),
     )
 
 
