@@ -18,7 +18,8 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.files import read_json_object
 
-__all__ = ["TrainSetup", "TASKS", "PRECISIONS", "OPTIMIZERS", "ATTN_IMPLEMENTATIONS", "HUB_FLASH_KERNELS",
+__all__ = ["TrainSetup", "TASKS", "IMAGE_TASKS", "AUDIO_TASKS", "PRECISIONS", "OPTIMIZERS", "ATTN_IMPLEMENTATIONS",
+           "HUB_FLASH_KERNELS",
            "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
            "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields", "TRAINERS",
            "TRL_TRAINERS", "TRL_CONFIG_NAMES", "EVAL_STRATEGIES", "BNB_4BIT_QUANT_TYPES"]
@@ -31,13 +32,20 @@ TASKS = {
     "mlm": "AutoModelForMaskedLM",
     "causal-lm": "AutoModelForCausalLM",
     "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    # tasks whose inputs the model's own processor makes from images or audio (memfit.models.processors)
+    "image-cls": "AutoModelForImageClassification",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
 }
+#: The tasks of TASKS whose inputs are images (IMAGE_TASKS) or audio (AUDIO_TASKS), not tokens.
+IMAGE_TASKS = ("image-cls",)
+AUDIO_TASKS = ("speech-seq2seq",)
 _TASK_ALIASES = {
     "sequence-classification": "seq-cls", "text-classification": "seq-cls", "classification": "seq-cls",
     "token-classification": "token-cls", "ner": "token-cls",
     "question-answering": "qa", "masked-lm": "mlm", "fill-mask": "mlm",
     "causal": "causal-lm", "clm": "causal-lm", "text-generation": "causal-lm",
     "seq2seq": "seq2seq-lm", "text2text-generation": "seq2seq-lm",
+    "image-classification": "image-cls", "speech-seq2seq-lm": "speech-seq2seq",
 }
 PRECISIONS = ("fp32", "fp16", "bf16")
 #: `eval_strategy` values: transformers.trainer_utils.IntervalStrategy.
@@ -255,9 +263,9 @@ class TrainSetup:
     model: Any = "xlnet-large-cased"
     """Hub id (bundled configs work offline), a directory with config.json, a PretrainedConfig, or an nn.Module."""
     task: str | None = None
-    """One of seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm; None: the model's own, from its config's
-    architectures (`memfit.models.default_task`: causal-lm for GPT-2/Llama, seq2seq-lm for T5/BART,
-    seq-cls for encoders), said in `notes`."""
+    """One of seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm, image-cls, speech-seq2seq (Whisper); None: the
+    model's own, from its config (`memfit.models.default_task`: causal-lm for GPT-2/Llama, seq2seq-lm for T5/BART,
+    seq-cls for encoders, image-cls for ViT, speech-seq2seq for Whisper), said in `notes`."""
     num_labels: int = 2
     """Labels of a classification head."""
     per_device_train_batch_size: int = 8
@@ -273,7 +281,19 @@ class TrainSetup:
     truncation: bool = True
     """Whether inputs are truncated to max_length (only matters with example_lengths)."""
     target_length: int | None = None
-    """Decoder (labels) length for seq2seq-lm; defaults to max_length."""
+    """Decoder (labels) length for seq2seq-lm and speech-seq2seq; defaults to max_length
+    (speech-seq2seq: at most the decoder's `max_target_positions`, with a note)."""
+    # -- images and audio: the model's own processor makes the inputs (memfit.models.processors) --
+    image_size: str | None = None
+    """Size of the images the image processor receives, `WxH` in pixels (e.g. `1920x1080`); None: an image of
+    the processor's own output size. Image models only."""
+    images_per_example: int = 1
+    """Images in each example (image classification takes one)."""
+    audio_seconds: float | None = None
+    """Length of the longest audio clip of a batch in seconds; None: 30 (Whisper's window). Speech models only."""
+    sampling_rate: int | None = None
+    """Sampling rate of the audio in Hz; None: the feature extractor's own (16000 for Whisper and wav2vec2),
+    the only one it takes (resample the data first, as transformers' feature extractors require)."""
     precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     """fp32, fp16 (AMP + GradScaler) or bf16 (AMP)."""
     weights_dtype: str = field(default="auto", metadata={"choices": ("auto", *PRECISIONS)})
@@ -452,6 +472,7 @@ class TrainSetup:
     @property
     def is_padding_free(self) -> bool:
         """Whether the micro-batch is flattened to one row: `padding_free`, or packing with a bfd strategy
+        _check_media(self)
         (SFTTrainer.__init__: `args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})`)."""
         return self.trainer == "sft" and (self.padding_free or (self.packing and self.packing_strategy != "wrapped"))
 
@@ -508,6 +529,14 @@ class TrainSetup:
         for key in fields:
             if (key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES
                     and key != "quantization_config" and key not in trl_names
+    @property
+    def image_wh(self) -> tuple[int, int] | None:
+        """`image_size` as (width, height) in pixels; None when not given."""
+        if self.image_size is None:
+            return None
+        width, height = str(self.image_size).lower().split("x")
+        return int(width), int(height)
+
                     and not (trl_names and key in _TRL_REMOVED)):
                 raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
                                   "TrainSetup fields mirror TrainingArguments names")
@@ -691,6 +720,39 @@ def quantization_fields(config: Any, *, source: str = "the arguments") -> dict[s
     if out.get("bnb_4bit_quant_storage") is None:
         out.pop("bnb_4bit_quant_storage", None)
     return out
+
+def _check_media(setup: "TrainSetup") -> None:
+    """Image and audio settings: their values, and a one-line MemfitError when the task takes no such input."""
+    if setup.image_size is not None:
+        text = str(setup.image_size).strip().lower()
+        parts = text.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise MemfitError(f"image size `{setup.image_size}` is not WIDTHxHEIGHT in pixels; write e.g. "
+                              "`--image-size 1024x768`")
+        setup.image_size = text
+    _positive_int("images_per_example", setup.images_per_example)
+    seconds = setup.audio_seconds
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not math.isfinite(seconds) or seconds <= 0):
+        raise MemfitError(f"`audio_seconds` must be a positive number of seconds; got `{seconds!r}`")
+    if setup.sampling_rate is not None:
+        _positive_int("sampling_rate", setup.sampling_rate)
+    if setup.task is None:  # memfit.models.resolve fills the task, then the setup is checked again
+        return
+    name = setup.model if isinstance(setup.model, str) else type(setup.model).__name__
+    if setup.task not in IMAGE_TASKS:
+        if setup.image_size is not None or setup.images_per_example != 1:
+            flag = "--image-size" if setup.image_size is not None else "--images-per-example"
+            raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no "
+                              f"images; drop {flag}, or choose an image model or task (`--task image-cls`)")
+    elif setup.images_per_example != 1:
+        raise MemfitError(f"image classification takes one image per example; got `images_per_example` "
+                          f"{setup.images_per_example}: drop --images-per-example")
+    if setup.task not in AUDIO_TASKS and (setup.audio_seconds is not None or setup.sampling_rate is not None):
+        flag = "--audio-seconds" if setup.audio_seconds is not None else "--sampling-rate"
+        raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no audio; "
+                          f"drop {flag}, or choose a speech model (`--task speech-seq2seq`)")
+
 
 
 def _check_quantization(setup: "TrainSetup") -> None:

@@ -17,6 +17,8 @@ _EXPECTED = {
     "qwen3": "causal-lm", "qwen3_moe": "causal-lm", "gemma2": "causal-lm", "gemma3_text": "causal-lm",
     "olmo2": "causal-lm", "olmoe": "causal-lm", "mixtral": "causal-lm", "gpt_oss": "causal-lm",
     "deepseek_v2": "causal-lm", "smollm3": "causal-lm", "modernbert": "seq-cls",
+    # image and speech models: their inputs made by their own processors
+    "vit": "image-cls", "whisper": "speech-seq2seq",
 }
 
 #: Large bundled configs whose estimate takes 5-17 s each on the shared 2-core machine (measured with
@@ -28,6 +30,7 @@ _SLOW = {
     "mistralai/Mistral-Nemo-Base-2407", "mistralai/Mistral-Small-24B-Base-2501", "microsoft/phi-4",
     "openai/gpt-oss-20b", "allenai/OLMo-2-1124-7B", "answerdotai/ModernBERT-large", "mistralai/Mixtral-8x7B-Instruct-v0.1",
     "deepseek-ai/DeepSeek-V2-Lite", "HuggingFaceTB/SmolLM3-3B", "google/gemma-2-2b",
+    "openai/whisper-large-v3", "openai/whisper-large-v3-turbo",
 }
 
 

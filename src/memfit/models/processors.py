@@ -201,7 +201,7 @@ def _image_inputs(setup: TrainSetup, spec: Any) -> MediaInputs:
     image = np.zeros((height, width, 3), dtype=np.uint8)  # HWC, as PIL images become arrays
     try:
         with _quiet_transformers():
-            out = processor(images=[image], return_tensors="pt")
+            out = processor(images=[image], return_tensors="pt", input_data_format="channels_last")
     except (ValueError, RuntimeError, TypeError) as err:
         raise MemfitError(f"{type(processor).__name__} refuses a {width}x{height} image: "
                           f"{str(err).splitlines()[0][:200]}; choose another --image-size") from err
