@@ -576,8 +576,8 @@ class _Runner:
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
             quantization=quantization, paged_bytes=paged,
-        )
             media_inputs=None if self.media is None else self.media.summary,
+        )
 
     def _quant_report(self, kernels) -> dict | None:
         if self.quant_summary is None:
