@@ -412,6 +412,7 @@ class TrainSetup:
             _positive_int(name, getattr(self, name))
         if self.target_length is not None:
             _positive_int("target_length", self.target_length)
+        _check_media(self)
         if self.eval_accumulation_steps is not None:
             _positive_int("eval_accumulation_steps", self.eval_accumulation_steps)
         if self.eval_samples is not None:
@@ -468,11 +469,18 @@ class TrainSetup:
         longest = max(self.example_lengths)
         return min(longest, self.max_length) if self.truncation else longest
 
+    @property
+    def image_wh(self) -> tuple[int, int] | None:
+        """`image_size` as (width, height) in pixels; None when not given."""
+        if self.image_size is None:
+            return None
+        width, height = str(self.image_size).lower().split("x")
+        return int(width), int(height)
+
     # -- TRL ----------------------------------------------------------------------
     @property
     def is_padding_free(self) -> bool:
         """Whether the micro-batch is flattened to one row: `padding_free`, or packing with a bfd strategy
-        _check_media(self)
         (SFTTrainer.__init__: `args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})`)."""
         return self.trainer == "sft" and (self.padding_free or (self.packing and self.packing_strategy != "wrapped"))
 
@@ -529,14 +537,6 @@ class TrainSetup:
         for key in fields:
             if (key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES
                     and key != "quantization_config" and key not in trl_names
-    @property
-    def image_wh(self) -> tuple[int, int] | None:
-        """`image_size` as (width, height) in pixels; None when not given."""
-        if self.image_size is None:
-            return None
-        width, height = str(self.image_size).lower().split("x")
-        return int(width), int(height)
-
                     and not (trl_names and key in _TRL_REMOVED)):
                 raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
                                   "TrainSetup fields mirror TrainingArguments names")
@@ -638,6 +638,39 @@ def _positive_int(name: str, value: Any) -> None:
         raise MemfitError(f"`{name}` must be a positive integer; got `{value!r}`")
 
 
+def _check_media(setup: "TrainSetup") -> None:
+    """Image and audio settings: their values, and a one-line MemfitError when the task takes no such input."""
+    if setup.image_size is not None:
+        text = str(setup.image_size).strip().lower()
+        parts = text.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise MemfitError(f"image size `{setup.image_size}` is not WIDTHxHEIGHT in pixels; write e.g. "
+                              "`--image-size 1024x768`")
+        setup.image_size = text
+    _positive_int("images_per_example", setup.images_per_example)
+    seconds = setup.audio_seconds
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not math.isfinite(seconds) or seconds <= 0):
+        raise MemfitError(f"`audio_seconds` must be a positive number of seconds; got `{seconds!r}`")
+    if setup.sampling_rate is not None:
+        _positive_int("sampling_rate", setup.sampling_rate)
+    if setup.task is None:  # memfit.models.resolve fills the task, then the setup is checked again
+        return
+    name = setup.model if isinstance(setup.model, str) else type(setup.model).__name__
+    if setup.task not in IMAGE_TASKS:
+        if setup.image_size is not None or setup.images_per_example != 1:
+            flag = "--image-size" if setup.image_size is not None else "--images-per-example"
+            raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no "
+                              f"images; drop {flag}, or choose an image model or task (`--task image-cls`)")
+    elif setup.images_per_example != 1:
+        raise MemfitError(f"image classification takes one image per example; got `images_per_example` "
+                          f"{setup.images_per_example}: drop --images-per-example")
+    if setup.task not in AUDIO_TASKS and (setup.audio_seconds is not None or setup.sampling_rate is not None):
+        flag = "--audio-seconds" if setup.audio_seconds is not None else "--sampling-rate"
+        raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no audio; "
+                          f"drop {flag}, or choose a speech model (`--task speech-seq2seq`)")
+
+
 def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
     for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
@@ -720,39 +753,6 @@ def quantization_fields(config: Any, *, source: str = "the arguments") -> dict[s
     if out.get("bnb_4bit_quant_storage") is None:
         out.pop("bnb_4bit_quant_storage", None)
     return out
-
-def _check_media(setup: "TrainSetup") -> None:
-    """Image and audio settings: their values, and a one-line MemfitError when the task takes no such input."""
-    if setup.image_size is not None:
-        text = str(setup.image_size).strip().lower()
-        parts = text.split("x")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise MemfitError(f"image size `{setup.image_size}` is not WIDTHxHEIGHT in pixels; write e.g. "
-                              "`--image-size 1024x768`")
-        setup.image_size = text
-    _positive_int("images_per_example", setup.images_per_example)
-    seconds = setup.audio_seconds
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                or not math.isfinite(seconds) or seconds <= 0):
-        raise MemfitError(f"`audio_seconds` must be a positive number of seconds; got `{seconds!r}`")
-    if setup.sampling_rate is not None:
-        _positive_int("sampling_rate", setup.sampling_rate)
-    if setup.task is None:  # memfit.models.resolve fills the task, then the setup is checked again
-        return
-    name = setup.model if isinstance(setup.model, str) else type(setup.model).__name__
-    if setup.task not in IMAGE_TASKS:
-        if setup.image_size is not None or setup.images_per_example != 1:
-            flag = "--image-size" if setup.image_size is not None else "--images-per-example"
-            raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no "
-                              f"images; drop {flag}, or choose an image model or task (`--task image-cls`)")
-    elif setup.images_per_example != 1:
-        raise MemfitError(f"image classification takes one image per example; got `images_per_example` "
-                          f"{setup.images_per_example}: drop --images-per-example")
-    if setup.task not in AUDIO_TASKS and (setup.audio_seconds is not None or setup.sampling_rate is not None):
-        flag = "--audio-seconds" if setup.audio_seconds is not None else "--sampling-rate"
-        raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no audio; "
-                          f"drop {flag}, or choose a speech model (`--task speech-seq2seq`)")
-
 
 
 def _check_quantization(setup: "TrainSetup") -> None:
