@@ -17,7 +17,13 @@ does not print is unknown, never 0:
 * otherwise a shortfall of T - F, unless other processes or memory outside PyTorch
   (C - F - R) would have made room.
 * "Process N has X in use" without a "this process" line is this very process when
-  X + R exceeds what is in use (C - F), or when X is R plus a context's worth.
+  X + R exceeds what is in use (C - F), or when X is R plus a context's worth. A message cut
+  off before PyTorch's own figures (no R) whose one listed process holds all that is in use
+  allows two readings: it is this process (under a container's PID), or another one while
+  this process holds less than a CUDA context; both are said.
+* F < T <= U + F decides this allocation; with the unused cache a sliver of the reserved
+  memory and unused cache plus free memory a sliver of the card (`FRAGMENTATION_RUN_MAX_SHARE`)
+  the card is effectively full, and defragmenting buys the run at most U.
 
 MPS messages are read with MPSAllocator.mm's arithmetic: MPS allocated + other
 allocations + T > max allowed is the high-watermark limit; below it Metal itself refused.
@@ -50,6 +56,8 @@ __all__ = [
     "FRAGMENTATION_MIN_SHARE",
     "CUDA_CONTEXT_TYPICAL_BYTES",
     "OTHER_PROCESSES_MIN_BYTES",
+    "ONE_PROCESS_SLACK_BYTES",
+    "FRAGMENTATION_RUN_MAX_SHARE",
     "ALLOCATION_HEADROOM_MIN_BYTES",
     "ALLOCATION_HEADROOM_SHARE",
     "XPU_MAX_SINGLE_ALLOCATION_BYTES",
@@ -64,6 +72,17 @@ FRAGMENTATION_MIN_SHARE = 0.10
 CUDA_CONTEXT_TYPICAL_BYTES = int(1.5 * GiB)
 #: Other processes holding less than this together are not worth stopping.
 OTHER_PROCESSES_MIN_BYTES = 256 * MiB
+#: A listed process within this of all the memory in use (total - free) accounts for all of it: less than the
+#: smallest CUDA context (about 300 MiB with the CUDA runtime and cuBLAS loaded, the low end of
+#: `CUDA_CONTEXT_TYPICAL_BYTES`), so no second process that has touched CUDA fits beside it.
+ONE_PROCESS_SLACK_BYTES = 256 * MiB
+#: Unused cache below this share of reserved memory, with unused cache and free memory together below this
+#: share of the card, decides one allocation but not the run: the card is effectively full, and defragmenting
+#: returns at most that sliver. memfit's threshold: the corpus message it is meant for (tests/data/oom/corpus.json
+#: pt16417c, pytorch/pytorch#16417: 0.8% of the cache unused, 0.9% of the card unused or free) lies below it,
+#: the corpus' other fragmentation messages (2.1-91% of the cache unused, or 1.2% with 8% of the card free:
+#: zimage103) above it.
+FRAGMENTATION_RUN_MAX_SHARE = 0.02
 #: A listed process at most this far above PyTorch's reserved memory is taken to be this
 #: process seen through a container's PID namespace (PyTorch compares NVML's PID with getpid()).
 SELF_PID_SLACK_BYTES = 2 * GiB
@@ -97,7 +116,7 @@ CAUSE_KINDS = ("shortfall", "fragmentation", "memory_cap", "free_exceeds_request
                "non_pytorch", "other_processes", "self_pid", "inconsistent_free", "unknown_free",
                "mps_watermark", "mps_other_allocations", "mps_system", "cpu_ram", "truncated", "cuda_error",
                "xpu_runtime_error", "cublas_alloc_failed", "cudnn_alloc_failed", "cudnn_not_supported",
-               "nccl", "logits", "operation")
+               "nccl", "logits", "operation", "one_process")
 
 
 
@@ -176,6 +195,13 @@ def _allocator_causes(m: OomMessage, lang: str, log_text: str) -> tuple[list[Cau
         if self_pid:
             others.remove(self_pid)
             P = self_pid[1]
+    # Cut off before PyTorch's figures: one listed process holding all that is in use is this process or
+    # another one beside which this process holds less than a CUDA context; the figures cannot tell.
+    one_process: tuple[int, int] | None = None
+    if P is None and R is None and len(others) == 1 and C is not None and F_ok is not None:
+        in_use = C - F_ok
+        if abs(in_use - others[0][1]) <= ONE_PROCESS_SLACK_BYTES + _print_tol(C, F_ok, others[0][1]):
+            one_process = others.pop()
     others_bytes = sum(b for _, b in others)
 
     # What the message's arithmetic says.
@@ -222,6 +248,8 @@ def _allocator_causes(m: OomMessage, lang: str, log_text: str) -> tuple[list[Cau
         primary = "memory_cap"
     elif frag == "fits":
         primary = "fragmentation"
+    elif one_process is not None:
+        primary = "one_process"
     elif free_covers:
         # Other processes' memory changes while they run; PyTorch reads the free figure after the failure.
         primary = "other_processes" if others_bytes >= OTHER_PROCESSES_MIN_BYTES else "free_exceeds_request"
@@ -263,7 +291,11 @@ def _allocator_causes(m: OomMessage, lang: str, log_text: str) -> tuple[list[Cau
         add("unknown_free", None, "cause.unknown_free")
 
     frag_kw = {"share_unalloc": _pct(U, R, lang)}
-    if frag == "fits":
+    full = (frag == "fits" and free_known and R is not None and C is not None
+            and U < FRAGMENTATION_RUN_MAX_SHARE * R and U + F_ok < FRAGMENTATION_RUN_MAX_SHARE * C)
+    if full:
+        add("fragmentation", U, "cause.fragmentation.fits_full", **frag_kw)
+    elif frag == "fits":
         add("fragmentation", U, "cause.fragmentation.fits" if free_known else "cause.fragmentation.fits_cache",
             **frag_kw)
     elif frag == "small_pool":
@@ -299,6 +331,12 @@ def _allocator_causes(m: OomMessage, lang: str, log_text: str) -> tuple[list[Cau
     if others:
         listing = ", ".join(f"PID {pid} {fm(b)}" for pid, b in others)
         add("other_processes", others_bytes, "cause.other_processes", bytes=fm(others_bytes), processes=listing)
+    if one_process is not None:
+        pid, held = one_process
+        rest = max(0, C - F_ok - held)
+        key = "cause.one_process.short" if deficit else "cause.one_process.fits"
+        add("one_process", held, key, pid=pid, bytes=fm(held), used=fm(C - F_ok), rest=fm(rest),
+            deficit=fm(deficit))
     if self_pid:
         key = "cause.self_pid.sure" if self_sure else "cause.self_pid"
         add("self_pid", self_pid[1], key, pid=self_pid[0], bytes=fm(self_pid[1]),
@@ -315,7 +353,7 @@ def _allocator_causes(m: OomMessage, lang: str, log_text: str) -> tuple[list[Cau
         first.append("allocator")
     if primary == "free_exceeds_request":
         first.append(f"check_driver.{_free_exceeds_variant(m, log_text, R)}")
-    if primary in ("unknown_free", "inconsistent_free"):
+    if primary in ("unknown_free", "inconsistent_free", "one_process"):
         first.append("check_nvidia_smi")
     if outside_significant and not exceeds_total and primary != "free_exceeds_request":
         first.append("stop_other_processes" if others else "check_nvidia_smi")
@@ -394,7 +432,10 @@ def message_causes(m: OomMessage, lang: str, log_text: str) -> MessageCauses:
                              ["split_allocation.mps"], False)
     if m.has_numbers:
         causes, first = _allocator_causes(m, lang, log_text)
-        return MessageCauses(causes, first, causes[0].kind == "shortfall")
+        # one process holding the card is most likely this one (a shortfall); the phase's remedies come next
+        shortfall = causes[0].kind == "shortfall" or (causes[0].kind == "one_process" and any(
+            c.kind == "shortfall" and c.bytes for c in causes))
+        return MessageCauses(causes, first, shortfall)
     if m.format == "nccl":  # NCCL's buffers first, then what else holds the GPU, then the phase's remedies
         return MessageCauses([Cause("nccl", m.tried_to_allocate_bytes, t("cause.no_numbers.nccl", lang, tried=tried),
                                     True)], ["nccl_buffers", "check_nvidia_smi"], True)

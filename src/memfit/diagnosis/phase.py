@@ -11,8 +11,9 @@ The traceback frames are matched against transformers 5's Trainer (trainer.py: `
 ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``), DeepSpeed
 (deepspeed/runtime/engine.py ``step`` -> ``_take_model_step``, zero/stage_1_and_2.py and stage3.py
 ``step`` / ``_optimizer_step``; ``backward``, ``allreduce_gradients`` and the ZeRO gradient-reduction
-hooks), torch (``torch/autograd``, ``torch/optim``, ``torch/utils/data/_utils/collate.py``,
-``nn.Module._apply``) and plain PyTorch loops. The most specific phase wins, in `_PHASE_ORDER` order
+hooks, the ZeRO-3 parameter fetch ``fetch_sub_module(sub_module, forward=True|False)``), torch
+(``torch/autograd``, ``torch/optim``, ``torch/utils/data/_utils/collate.py``, ``nn.Module._apply``) and
+plain PyTorch loops. The most specific phase wins, in `_PHASE_ORDER` order
 (a forward inside evaluation is evaluation; recomputation inside backward is backward; accelerate's
 DeepSpeed wrapper calls ``engine.step()`` from inside ``backward``, and that is the optimizer step;
 ``optimizer.load_state_dict`` inside a resume is the resume).
@@ -79,6 +80,28 @@ _BACKWARD_FUNCS = {"backward", "_engine_run_backward", "allreduce_gradients", "_
                    "_pre_backward_hook", "_pre_backward", "pre_backward"}
 
 
+# DeepSpeed ZeRO-3 (deepspeedai/DeepSpeed runtime/zero/parameter_offload.py): the forward pre-hook
+# `_pre_forward_module_hook` -> `pre_sub_module_forward_function` gathers a module's parameters with
+# `param_coordinator.fetch_sub_module(sub_module, forward=True)`; the backward one,
+# `pre_sub_module_backward_function`, with `forward=False`. The call's own argument names the pass.
+_DS_FETCH_RE = re.compile(r"\bfetch_sub_module\([^)]*\bforward\s*=\s*(True|False)\b")
+_DS_FORWARD_FUNCS = {"pre_sub_module_forward_function", "_pre_forward_module_hook"}
+_DS_BACKWARD_FUNCS = {"pre_sub_module_backward_function"}
+
+
+def _ds_fetch_pass(file: str, func: str, code: str) -> str | None:
+    """"forward" / "backward" for a DeepSpeed ZeRO-3 parameter fetch frame, else None."""
+    m = _DS_FETCH_RE.search(code)
+    if m:
+        return "forward" if m.group(1) == "True" else "backward"
+    if _is_deepspeed(file) or "parameter_offload" in file:
+        if func in _DS_FORWARD_FUNCS:
+            return "forward"
+        if func in _DS_BACKWARD_FUNCS:
+            return "backward"
+    return None
+
+
 def _is_load_best(file: str, func: str, code: str) -> bool:
     return func == "_load_best_model"
 
@@ -118,12 +141,12 @@ def _is_optimizer(file: str, func: str, code: str) -> bool:
 
 def _is_backward(file: str, func: str, code: str) -> bool:
     return ("torch/autograd/" in file or func in _BACKWARD_FUNCS or func.endswith("__reduce_and_partition_ipg_grads")
-            or bool(re.search(r"\.backward\(", code)))
+            or bool(re.search(r"\.backward\(", code)) or _ds_fetch_pass(file, func, code) == "backward")
 
 
 def _is_forward(file: str, func: str, code: str) -> bool:
     return (func in _FORWARD_FUNCS or "/modeling_" in file
-            or bool(re.search(r"\bmodel\(|\bself\.model\(", code)))
+            or bool(re.search(r"\bmodel\(|\bself\.model\(", code)) or _ds_fetch_pass(file, func, code) == "forward")
 
 
 #: The one frame table: (phase, rule on (file, func, code)), most specific phase first.

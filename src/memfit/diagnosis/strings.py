@@ -205,6 +205,19 @@ MESSAGES: dict[str, dict[str, str]] = {
         "先在缓存中查找，再向驱动申请；放弃时所有完整的空闲段都已归还驱动，所以剩下的未用缓存分散在部分占用的段中，"
         "没有一块足以满足这次请求，而设备最多只能给出 {free}。如果没有碎片，这次分配本可以成功。",
     },
+    "cause.fragmentation.fits_full": {
+        "en": "Fragmentation decided this allocation, not the run: {unalloc} sits unused in PyTorch's cache "
+        "({reserved} reserved − {allocated} allocated, only {share_unalloc} of the cache) and {free} is free on the "
+        "device; together they cover the {tried} request, yet no single piece was that large, so this allocation "
+        "would have fit unfragmented. But the card is effectively full: live tensors hold {allocated} of {total} "
+        "({share}), and defragmenting (expandable_segments, max_split_size_mb) buys at most those {unalloc}, "
+        "enough for this request and not for what the step allocates after it.",
+        "zh": "碎片化决定了这一次分配，而不是整个训练：PyTorch 缓存中有 {unalloc} 未被使用（保留 {reserved} − "
+        "已分配 {allocated}，仅占缓存的 {share_unalloc}），设备上还有 {free} 空闲；两者合计足以满足 {tried} 的请求，"
+        "却没有一块足够大，所以没有碎片时这次分配本可以成功。但这块卡实际上已经满了：存活张量占用了 {total} 中的 "
+        "{allocated}（{share}），消除碎片（expandable_segments、max_split_size_mb）最多只能多出这 {unalloc}，"
+        "够这一次请求，却不够这一步之后的分配。",
+    },
     "cause.fragmentation.fits_cache": {
         "en": "Fragmentation: {unalloc} sits unused in PyTorch's cache ({reserved} reserved − {allocated} allocated), "
         "more than the {tried} request, yet no piece was that large (PyTorch searches its cache first). The message "
@@ -309,6 +322,37 @@ MESSAGES: dict[str, dict[str, str]] = {
     "cause.other_processes": {
         "en": "Other processes hold {bytes} on this GPU: {processes}.",
         "zh": "其他进程在这块 GPU 上占用了 {bytes}：{processes}。",
+    },
+    "cause.one_process.short": {
+        "en": "One process holds all the memory in use: PID {pid} has {bytes} of the {used} in use (total − free), "
+        "which leaves {rest} for anything else. The message ends before PyTorch's own figures (allocated, "
+        "reserved), so it does not say whose memory that is. Either PID {pid} is this process, listed under "
+        "another PID because it runs in a container (PyTorch matches NVML's PID against its own), and then this "
+        "run fills the card itself and needs {deficit} more than is free; or it is another process, and this one "
+        "holds at most {rest}, less than a CUDA context, so it had barely started, and stopping PID {pid} frees "
+        "{bytes}. A process that allocates holds a CUDA context, so the first reading is the likelier; "
+        "nvidia-smi on the host, or torch.cuda.memory_reserved() in the run, tells which.",
+        "zh": "一个进程占用了全部已用显存：PID {pid} 占用 {bytes}，已用显存（总量 − 空闲）为 {used}，只剩 {rest} "
+        "给其他用途。错误信息在 PyTorch 自身的数字（已分配、已保留）之前就截断了，因此无法判断这是谁的显存。"
+        "要么 PID {pid} 就是本进程，只是运行在容器中而以另一个 PID 列出（PyTorch 用 NVML 的 PID 与自身比较），"
+        "那么是本次训练自己占满了显卡，还需要比空闲多 {deficit}；要么它是另一个进程，而本进程最多占用 {rest}，"
+        "不到一个 CUDA 上下文，几乎刚刚启动，停止 PID {pid} 可以释放 {bytes}。进行分配的进程都持有 CUDA 上下文，"
+        "所以第一种解释更可能；在宿主机上运行 nvidia-smi，或在训练中调用 torch.cuda.memory_reserved()，即可确认。",
+    },
+    "cause.one_process.fits": {
+        "en": "One process holds all the memory in use: PID {pid} has {bytes} of the {used} in use (total − free), "
+        "which leaves {rest} for anything else. The message ends before PyTorch's own figures (allocated, "
+        "reserved), so it does not say whose memory that is. Either PID {pid} is this process, listed under "
+        "another PID because it runs in a container (PyTorch matches NVML's PID against its own), or it is another "
+        "process and this one holds at most {rest}, less than a CUDA context, and stopping PID {pid} frees "
+        "{bytes}. A process that allocates holds a CUDA context, so the first reading is the likelier; "
+        "nvidia-smi on the host, or torch.cuda.memory_reserved() in the run, tells which.",
+        "zh": "一个进程占用了全部已用显存：PID {pid} 占用 {bytes}，已用显存（总量 − 空闲）为 {used}，只剩 {rest} "
+        "给其他用途。错误信息在 PyTorch 自身的数字（已分配、已保留）之前就截断了，因此无法判断这是谁的显存。"
+        "要么 PID {pid} 就是本进程，只是运行在容器中而以另一个 PID 列出（PyTorch 用 NVML 的 PID 与自身比较），"
+        "要么它是另一个进程，而本进程最多占用 {rest}，不到一个 CUDA 上下文，停止 PID {pid} 可以释放 {bytes}。"
+        "进行分配的进程都持有 CUDA 上下文，所以第一种解释更可能；在宿主机上运行 nvidia-smi，或在训练中调用 "
+        "torch.cuda.memory_reserved()，即可确认。",
     },
     "cause.self_pid": {
         "en": "Process {pid} ({bytes}) is most likely this process itself: it holds PyTorch's {reserved} plus "
