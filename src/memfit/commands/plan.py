@@ -153,6 +153,33 @@ def _snippet(p) -> str:
     return "\n".join(lines)
 
 
+#: a plan's table needs this many columns: a narrower terminal, a pipe or a log gets each row as lines
+WIDE_COLUMNS = 120
+
+
+def is_wide(console) -> bool:
+    """Whether `console` (rich) writes to a terminal of at least WIDE_COLUMNS columns (rich reads `COLUMNS`; a
+    pipe or a file is 80 columns to rich, and cells there would be cut to `attn_impl…`)."""
+    return bool(console.is_terminal) and console.width >= WIDE_COLUMNS
+
+
+def print_rows(console, title: str, heads: tuple[str, ...], rows: list[tuple[str, ...]], *, label: int,
+               changes: int) -> None:
+    """A table as lines, for a narrow or non-terminal stdout: per row its `label` cell and the figures as
+    `head value` on one line, then its `changes` cell wrapped whole (no cell cut) at the console's width."""
+    import textwrap
+
+    width = max(console.width, 40)
+    out = [textwrap.fill(title, width=width, break_long_words=False, break_on_hyphens=False)]
+    for row in rows:
+        figures = ", ".join(f"{h} {v}" for i, (h, v) in enumerate(zip(heads, row)) if i not in (label, changes))
+        out.append(textwrap.fill(f"{row[label]}: {figures}", width=width, subsequent_indent="      ",
+                                 break_long_words=False, break_on_hyphens=False))
+        out.append(textwrap.fill(row[changes], width=width, initial_indent="    changes: ", subsequent_indent="      ",
+                                 break_long_words=False, break_on_hyphens=False))
+    console.print("\n".join(out), markup=False, highlight=False, soft_wrap=True)
+
+
 def render(result, *, is_seed: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -172,19 +199,26 @@ def render(result, *, is_seed: bool = False) -> None:
         shown = f"nvidia-smi would show ~{format_bytes(b.device_used_bytes)} until the budget runs out"
     c.print(f"[bold]As is[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): {shown}; budget with "
             f"{result.margin:.0%} margin {format_bytes(result.budget_bytes)}")
-    t = Table(title="Plans (fastest first within: same method, then other optimizer, then opt-ins; "
-                    "* = verified by full simulation + allocator replay; > = chosen)", title_justify="left")
-    for col in ("#", "changes", "peak reserved", "device used", "headroom", "step time", "fits"):
-        t.add_column(col, justify="right" if col not in ("changes",) else "left")
-    t.add_row("as is", "(as is)", format_bytes(b.peak_reserved_bytes), format_bytes(b.device_used_bytes),
-              format_bytes(b.headroom_bytes), "1.00x", "yes" if b.fits else "no")
+    title = ("Plans (fastest first within: same method, then other optimizer, then opt-ins; "
+             "* = verified by full simulation + allocator replay; > = chosen)")
+    heads = ("#", "changes", "peak reserved", "device used", "headroom", "step time", "fits")
+    rows = [("as is", "(as is)", format_bytes(b.peak_reserved_bytes), format_bytes(b.device_used_bytes),
+             format_bytes(b.headroom_bytes), "1.00x", "yes" if b.fits else "no")]
     for i, p in enumerate(result.plans):
         mark = ">" if i == result.chosen else ""
         desc = short(p.setup_changes, p.env)
-        t.add_row(f"{mark}{i}{'*' if p.verified else ''}", desc, format_bytes(p.peak_reserved_bytes),
-                  format_bytes(p.device_used_bytes), format_bytes(p.headroom_bytes), f"{p.relative_step_time:.2f}x",
-                  "yes" if p.fits else "no")
-    c.print(t)
+        rows.append((f"{mark}{i}{'*' if p.verified else ''}", desc, format_bytes(p.peak_reserved_bytes),
+                     format_bytes(p.device_used_bytes), format_bytes(p.headroom_bytes),
+                     f"{p.relative_step_time:.2f}x", "yes" if p.fits else "no"))
+    if is_wide(c):
+        t = Table(title=title, title_justify="left")
+        for col in heads:
+            t.add_column(col, justify="right" if col not in ("changes",) else "left")
+        for row in rows:
+            t.add_row(*row)
+        c.print(t)
+    else:
+        print_rows(c, title, heads, rows, label=0, changes=1)
     if result.chosen is not None:
         p = result.plans[result.chosen]
         c.print(f"[bold]Chosen plan {result.chosen}[/bold] ({', '.join(p.remedies)}): step time "
@@ -295,25 +329,30 @@ def render_parallel(r, *, chosen_kind: bool = False) -> None:
     from rich.table import Table
 
     c = Console()
-    if c.width < 120:  # the candidates' table needs the width (a pipe is 80 columns to rich)
-        c = Console(width=120)
     ic = r.interconnect
     link = f"{ic['kind']} {ic['intra_node_gbps']:g} GB/s per GPU" + (
         f", {ic['network_gbps']:g} Gb/s per node between nodes" if r.nodes > 1 else "")
     c.print(f"[bold]{r.world_size} x {r.gpu['name']}[/bold] on {r.nodes} node(s) ({link}); global batch "
             f"{r.global_batch} = {r.per_rank_batch} per GPU; each GPU's budget {format_bytes(r.budget_bytes)}, "
             f"{format_bytes(r.capacity_bytes)} to PyTorch" + (" [green](fastest kind)[/green]" if chosen_kind else ""))
-    t = Table(title="Candidates simulated (rank 0; step time modelled: compute + exposed communication + "
-                    "host copies; > = chosen)", title_justify="left")
-    for col in ("#", "strategy", "changes", "per GPU", "headroom", "host/node", "step", "comm", "fits"):
-        t.add_column(col, justify="left" if col in ("strategy", "changes") else "right", no_wrap=col != "changes")
-    for i, cand in enumerate(r.candidates):
-        t.add_row(f"{'>' if i == r.chosen else ''}{i}", cand.strategy, short(cand.setup_changes),
-                  format_bytes(cand.device_used_bytes), format_bytes(cand.headroom_bytes),
-                  format_bytes(cand.host_bytes_per_node) if cand.host_bytes_per_node else "-",
-                  _ms(cand.step.total_s), _ms(cand.step.exposed_comm_s + cand.step.host_copy_s),
-                  "yes" if cand.fits else "no")
-    c.print(t)
+    title = ("Candidates simulated (rank 0; step time modelled: compute + exposed communication + host copies; "
+             "> = chosen)")
+    heads = ("#", "strategy", "changes", "per GPU", "headroom", "host/node", "step", "comm", "fits")
+    rows = [(f"{'>' if i == r.chosen else ''}{i}", cand.strategy, short(cand.setup_changes),
+             format_bytes(cand.device_used_bytes), format_bytes(cand.headroom_bytes),
+             format_bytes(cand.host_bytes_per_node) if cand.host_bytes_per_node else "-",
+             _ms(cand.step.total_s), _ms(cand.step.exposed_comm_s + cand.step.host_copy_s),
+             "yes" if cand.fits else "no") for i, cand in enumerate(r.candidates)]
+    if is_wide(c):
+        t = Table(title=title, title_justify="left")
+        for col in heads:
+            t.add_column(col, justify="left" if col in ("strategy", "changes") else "right", no_wrap=col != "changes")
+        for row in rows:
+            t.add_row(*row)
+        c.print(t)
+    else:  # `6 FSDP2 full_shard: per GPU 13.55 GiB, ...` and its changes below
+        print_rows(c, title, ("#", "changes", *heads[3:]), [(f"{row[0]} {row[1]}", *row[2:]) for row in rows],
+                   label=0, changes=1)
     c.print("[dim]per GPU: what nvidia-smi shows on rank 0's GPU (reserved + CUDA context + NCCL buffers); step: "
             "modelled time of one optimizer step; comm: its exposed communication and host copies[/dim]")
     best = r.chosen_candidate
