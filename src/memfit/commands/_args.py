@@ -101,9 +101,37 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="accelerate config file (distributed_type MULTI_GPU / FSDP / DEEPSPEED, num_processes, ...)")
 
 
+def _engine_settings(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """TrainingArguments' engine settings (memfit.parallel.setup ENGINE_ARGS) from the flags and the `--args` file:
+    a flag wins over the file, with a note; `--fsdp-config` alone turns FSDP on."""
+    from memfit.parallel.setup import ENGINE_ARGS
+
+    path = args_source(args)
+    data = read_args_file(path) if path else {}
+    engine = {k: data[k] for k in ENGINE_ARGS if data.get(k) not in (None, "", [], False)}
+    notes: list[str] = []
+    for name in ("deepspeed", "fsdp", "fsdp_config"):
+        value = getattr(args, name, None)
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            flag_wins(engine, name, value, flag, notes, path)
+    if "deepspeed" in engine and getattr(args, "fsdp", None) is not None and getattr(args, "deepspeed", None) is None:
+        engine.pop("deepspeed")  # `--fsdp` replaces the file's engine
+    if "fsdp" in engine and getattr(args, "deepspeed", None) is not None and getattr(args, "fsdp", None) is None:
+        engine.pop("fsdp")
+    if "fsdp_config" in engine and "fsdp" not in engine and "deepspeed" not in engine:
+        engine["fsdp"] = True
+    return engine, notes
+
+
 def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None]:
-    """(ParallelSetup or None, the GPU name --gpus gave or None) from the multi-GPU flags."""
-    from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, parse_gpus, zero_settings_from_deepspeed
+    """(ParallelSetup or None, the GPU name --gpus gave or None) from the multi-GPU flags and the engine settings of
+    `--args FILE` (`deepspeed`, `fsdp`, `fsdp_config`, `ddp_bucket_cap_mb`: the same reader,
+    memfit.parallel.setup `parallel_from_training_args`, as for a TrainingArguments object)."""
+    from pathlib import Path
+
+    from memfit.parallel.setup import ParallelSetup, parallel_from_training_args, parse_gpus, \
+        zero_settings_from_deepspeed
 
     gpu = None
     world = getattr(args, "world_size", None)
@@ -114,43 +142,63 @@ def parallel_from_args(args: argparse.Namespace, setup) -> tuple[Any, str | None
         if world is not None and world != count:
             raise MemfitError(f"--gpus `{args.gpus}` and --world-size `{world}` differ; give one of them")
         world = count
+    engine, engine_notes = _engine_settings(args)
     if getattr(args, "accelerate_config", None):  # read by accelerate_from_args
+        if engine.get("deepspeed") or engine.get("fsdp"):
+            raise MemfitError(f"--accelerate-config and `{'deepspeed' if engine.get('deepspeed') else 'fsdp'}` of "
+                              f"`{args_source(args)}` both set the multi-GPU engine; give one of them")
         return None, gpu
-    given = [f for f in ("strategy", "deepspeed", "fsdp", "fsdp_config", "nodes") if getattr(args, f, None) is not None]
-    if world is None and not given:
+    given = [f for f in ("strategy", "nodes") if getattr(args, f, None) is not None]
+    if world is None and not given and not engine.get("deepspeed") and not engine.get("fsdp"):
         return None, gpu
     world = world or 1
     nodes = args.nodes or 1
-    if args.deepspeed and args.fsdp:
+    if engine.get("deepspeed") and engine.get("fsdp"):
         raise MemfitError("--deepspeed and --fsdp are two engines; give one")
-    if args.deepspeed:
-        from memfit.models.build import resolve_config
-        from memfit.models.catalog import hidden_size
+    path = args_source(args)
+    if engine.get("deepspeed") or engine.get("fsdp"):
+        hidden = None
+        if engine.get("deepspeed"):
+            from memfit.models.build import resolve_config
+            from memfit.models.catalog import hidden_size
 
-        hidden = hidden_size(resolve_config(setup.model).config)
-        zero, notes = zero_settings_from_deepspeed(args.deepspeed, hidden_size=hidden, precision=setup.precision)
-        if args.strategy and args.strategy != f"zero{zero.stage}":
-            raise MemfitError(f"--strategy `{args.strategy}` and `zero_optimization.stage` `{zero.stage}` of "
-                              f"`{args.deepspeed}` differ; drop --strategy or change the file")
-        return ParallelSetup(world_size=world, nodes=nodes, strategy=f"zero{zero.stage}", zero=zero,
-                             notes=tuple(notes)), gpu
-    if args.fsdp or args.fsdp_config:
-        if args.strategy not in (None, "fsdp"):
+            hidden = hidden_size(resolve_config(setup.model).config)
+        par, _ = parallel_from_training_args(engine, world_size=world, nodes=nodes, precision=setup.precision,
+                                             hidden_size=hidden, base_dir=Path(path).parent if path else None)
+        if par.strategy == "fsdp" and args.strategy not in (None, "fsdp"):
             raise MemfitError(f"--strategy `{args.strategy}` with --fsdp: give --strategy fsdp or leave it out")
-        par, _ = parallel_from_fsdp_args(args.fsdp or True, args.fsdp_config, world_size=world, nodes=nodes)
-        par = par.replace(sync_each_batch=sync_each_batch_from_args(args))
-        if par.param_dtype is None and setup.precision in ("fp16", "bf16"):
-            # the Trainer's mixed precision becomes FSDP's policy (accelerate state.py: fsdp_plugin.set_mixed_precision:
-            # param_dtype = reduce_dtype = the precision's dtype) unless fsdp_config gives one
-            par = par.replace(param_dtype=setup.precision, reduce_dtype=setup.precision)
-        return par, gpu
+        if par.zero is not None:
+            if args.strategy and args.strategy != par.strategy:
+                raise MemfitError(f"--strategy `{args.strategy}` and `zero_optimization.stage` `{par.zero.stage}` of "
+                                  f"`{engine['deepspeed']}` differ; drop --strategy or change the file")
+            check_deepspeed_batch(engine["deepspeed"], setup, world, base_dir=Path(path).parent if path else None)
+        return par.replace(notes=tuple(engine_notes) + par.notes), gpu
     strategy = args.strategy or "ddp"
     if strategy.startswith("zero"):  # no DeepSpeed file: DeepSpeed's defaults, in the Trainer's precision ("auto")
         zero, notes = zero_settings_from_deepspeed({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
                                                     "zero_optimization": {"stage": int(strategy[-1])}},
                                                    hidden_size=None, precision=setup.precision)
         return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy, zero=zero, notes=tuple(notes)), gpu
-    return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy), gpu
+    return ParallelSetup(world_size=world, nodes=nodes, strategy=strategy,
+                         bucket_cap_mb=engine.get("ddp_bucket_cap_mb"), notes=tuple(engine_notes)), gpu
+
+
+def check_deepspeed_batch(config: Any, setup, world_size: int, *, base_dir=None) -> None:
+    """memfit.parallel.deepspeed_rules `check_batch_keys` on a DeepSpeed JSON (a dict or its path)."""
+    from pathlib import Path
+
+    from memfit.parallel.deepspeed_rules import check_batch_keys
+    from memfit.parallel.setup import read_json_file
+
+    source = "the DeepSpeed config"
+    if not isinstance(config, dict):
+        source = f"`{config}`"
+        path = Path(config)
+        if not path.is_absolute() and not path.exists() and base_dir is not None and (Path(base_dir) / path).exists():
+            path = Path(base_dir) / path
+        config = read_json_file(path, "DeepSpeed config")
+    check_batch_keys(config, micro_batch=setup.per_device_train_batch_size,
+                     accumulation=setup.gradient_accumulation_steps, world_size=world_size, source=source)
 
 
 # -- FSDP gradient accumulation: `accelerator_config` of the --args file --
@@ -205,6 +253,12 @@ def accelerate_from_args(args: argparse.Namespace, setup) -> tuple[Any, Any]:
                               "refuses the mismatch); give one")
         changes["gradient_accumulation_steps"] = gas
     par = acc.parallel
+    new_setup = setup.replace(**changes) if changes else setup
+    if acc.deepspeed_config_file is not None:
+        from pathlib import Path
+
+        check_deepspeed_batch(acc.deepspeed_config_file, new_setup, par.world_size,
+                              base_dir=Path(args.accelerate_config).parent)
     if par is not None and par.strategy == "fsdp":  # the file has no key for it
         par = par.replace(sync_each_batch=sync_each_batch_from_args(args))
-    return par, (setup.replace(**changes) if changes else setup)
+    return par, new_setup

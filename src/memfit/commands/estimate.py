@@ -90,7 +90,11 @@ def build_setup(args: argparse.Namespace):
     if args.args_file:  # memfit.commands._args: the reader of every verb
         from memfit.commands._args import read_args
 
-        data, notes = read_args(args.args_file)
+        data, notes = read_args(args.args_file, fields.get("trainer"))  # --trainer: that TRL config's names too
+        from memfit.train_setup import ENGINE_ARG_NAMES
+
+        # the engine (deepspeed, fsdp, ...) is read by commands._args.parallel_from_args, the same reader as the flags
+        data = {k: v for k, v in data.items() if k not in ENGINE_ARG_NAMES}
         if args.model is None and data.get("model") is None:
             flag = "--model MODEL" if getattr(args, "verb", None) == "diagnose" else "MODEL"
             raise MemfitError(f"`--args {args.args_file}` names no model: pass {flag} as well, or put "
@@ -359,4 +363,7 @@ def render(report, *, is_seed: bool = False) -> None:
                 console.print(f"[dim]{report.oom.message}[/dim]", soft_wrap=True)
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
-    console.print(f"[dim]simulated in {report.elapsed_s:.1f} s[/dim]")
+    if report.replay_conf is None:  # a report read from memfit's cache (its note says when it was simulated)
+        console.print(f"[dim]from memfit's cache in {report.elapsed_s:.1f} s[/dim]")
+    else:
+        console.print(f"[dim]simulated in {report.elapsed_s:.1f} s[/dim]")

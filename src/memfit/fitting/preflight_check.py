@@ -281,7 +281,9 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
             f"the tokenizer has no real maximum length (model_max_length = {int(mml):.3g}): truncation=True "
             "truncates nothing, so one long text makes a batch as long as that text",
             "pass max_length=... (e.g. 512) to the tokenizer call together with truncation=True"))
-    if args.per_device_eval_batch_size > args.per_device_train_batch_size:
+    # only a run with an eval set evaluates (Trainer.evaluate needs one; without it no eval batch is ever formed)
+    if getattr(trainer, "eval_dataset", None) is not None \
+            and args.per_device_eval_batch_size > args.per_device_train_batch_size:
         flags.append(PreflightFlag(
             "eval_batch_larger",
             f"per_device_eval_batch_size ({args.per_device_eval_batch_size}) is larger than "

@@ -384,9 +384,18 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
         with _meta_init():
             model = auto.from_config(config, dtype=dtype)
     except ValueError as err:
+        from memfit.errors import first_line
+
+        media = [k for k in ("vision_config", "audio_config", "speech_config") if getattr(config, k, None) is not None]
+        if media:  # an image-text / audio-text model: no text task fits, and memfit models none of its own yet
+            raise MemfitError(
+                f"`{spec.name}` ({config.model_type}) is a multimodal model (its config has `{media[0]}`): transformers "
+                f"{transformers.__version__} has no `{task}` head for it ({first_line(err)}), and memfit does not "
+                "model its image / audio + text inputs yet; estimate its language model alone (its `text_config`)"
+            ) from err
         raise MemfitError(
             f"`{spec.name}` ({config.model_type}) has no `{task}` head in transformers "
-            f"{transformers.__version__}: {str(err).splitlines()[0][:160]}. Choose another --task"
+            f"{transformers.__version__}: {first_line(err)}. Choose another --task"
         ) from err
     if any(not p.is_meta for p in model.parameters()):
         _to_meta_tied(model)  # a parameter made outside both the device context and register_parameter

@@ -107,10 +107,38 @@ def check_sequence_lengths(model: nn.Module, setup: Any, name: str, config: Any)
         table = "decoder position limit" if on_target else "position limit"
         raise MemfitError(f"{what} exceeds {name}'s {table} of {limit.max_tokens} ({_where(config, limit)}); "
                           f"use {flag} <= {limit.max_tokens}")
+    _check_any_gpu_holds(setup, name, config)
     notes = []
     max_pos = getattr(config, "max_position_embeddings", None) if config is not None else None
     if isinstance(max_pos, int) and max_pos > 0 and _is_rope(config) and seq > max_pos:
-        notes.append(f"{seq} tokens exceed {name}'s `{_config_key(config)}` of {max_pos}: rotary positions run "
-                     "past the length it was trained for (transformers does not stop it; the memory is estimated, "
-                     "the quality of such a run is not known)")
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        scaling = " and its config has no rope scaling" if kind in (None, "default") else f" (rope scaling `{kind}`)"
+        notes.append(f"{seq} tokens exceed {name}'s `{_config_key(config)}` of {max_pos}{scaling}: rotary positions "
+                     "run past the length it was trained for (transformers does not stop it; the memory is "
+                     "estimated, the quality of such a run is not known)")
     return notes
+
+
+def _check_any_gpu_holds(setup: Any, name: str, config: Any) -> None:
+    """A one-line MemfitError when one layer's hidden states alone (micro-batch x tokens x hidden size, in a 16-bit
+    dtype, the smallest a run keeps them in) exceed the largest GPU in memfit's catalog: no GPU runs the step, and
+    simulating it would only overflow tensor sizes (torch's numel check)."""
+    from memfit.gpus.catalog import CATALOG
+    from memfit.models.catalog import hidden_size
+
+    text = getattr(config, "text_config", None) if config is not None else None
+    width = (hidden_size(config) if config is not None else None) or (hidden_size(text) if text is not None else None)
+    if not width or setup.task in MEDIA_TASKS:
+        return
+    tokens = setup.padding_free_tokens if setup.is_padding_free else setup.per_device_train_batch_size * \
+        setup.sequence_length
+    need = tokens * width * 2
+    largest = max(CATALOG.values(), key=lambda g: g.total_bytes)
+    if need > largest.total_bytes:
+        from memfit.units import format_bytes
+
+        raise MemfitError(f"{tokens:,} tokens per micro-batch (`max_length` {setup.sequence_length:,}): one layer's "
+                          f"hidden states of {name} alone ({tokens:,} x {width} x 2 B = {format_bytes(need)}) exceed the "
+                          f"largest GPU memfit knows ({largest.name}, {format_bytes(largest.total_bytes)}); use a "
+                          "smaller --max-length or --batch-size")

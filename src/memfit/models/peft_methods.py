@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, first_line
 from memfit.train_setup import suggest_name
 
 #: peft types whose training step cannot run under fake tensors, and why (peft 0.21.2 sources, each checked by
@@ -258,7 +258,7 @@ def apply_peft(model, setup: Any):
         with torch.device("meta"), build_patches():
             return get_peft_model(model, cfg)
     except (ValueError, TypeError, KeyError, NotImplementedError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         if "target_modules" in str(err) or "Please specify" in str(err):
             # peft has no default targets for many new model types (qwen3_moe, olmoe, gpt_oss, deepseek_v2,

@@ -39,7 +39,8 @@ from torch import nn
 
 from memfit.errors import MemfitError
 
-__all__ = ["QuantSpec", "quant_spec", "quantize_meta_model", "prepare_for_kbit_training", "capture", "restore",
+__all__ = ["QuantSpec", "quant_spec", "quantize_meta_model", "prepare_for_kbit_training", "unquantized_experts",
+           "capture", "restore",
            "quant_state_tensors", "quantized_storage", "meta_safe_deepcopy", "parameter_count", "quiet_bnb_logs", "quantization_summary", "BLOCKSIZE_4BIT",
            "NESTED_BLOCKSIZE"]
 
@@ -156,12 +157,13 @@ def quantize_meta_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
     return model
 
 
-def prepare_for_kbit_training(model: nn.Module) -> int:
-    """peft's `prepare_model_for_kbit_training` on the (meta) model, as users call it: its defaults
-    (`use_gradient_checkpointing=True`, `gradient_checkpointing_kwargs=None` -> `{}`, so
-    `enable_input_require_grads()` and `gradient_checkpointing_enable(gradient_checkpointing_kwargs={})`).
-    TrainSetup turns `gradient_checkpointing` on for it, so the simulator's checkpointing (the same call)
-    applies to the cut model too. Returns how many parameters it cast from fp16/bf16 to float32."""
+def prepare_for_kbit_training(model: nn.Module, use_gradient_checkpointing: bool = True) -> int:
+    """peft's `prepare_model_for_kbit_training` on the (meta) model, as users call it: by default
+    (`use_gradient_checkpointing=True`, `gradient_checkpointing_kwargs=None` -> `{}`)
+    `enable_input_require_grads()` and `gradient_checkpointing_enable(gradient_checkpointing_kwargs={})`.
+    TrainSetup turns `gradient_checkpointing` on for it (unless `kbit_use_gradient_checkpointing` is False), so the
+    simulator's checkpointing (the same call, with the setup's kwargs) applies to the cut model too. Returns how
+    many parameters it cast from fp16/bf16 to float32."""
     import warnings
 
     from peft import prepare_model_for_kbit_training
@@ -169,8 +171,22 @@ def prepare_for_kbit_training(model: nn.Module) -> int:
     half = {id(p): p.numel() for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5: gradient_* -> activation_* renames
-        prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=use_gradient_checkpointing)
     return sum(half[id(p)] for p in model.parameters() if id(p) in half and p.dtype == torch.float32)
+
+
+def unquantized_experts(model: nn.Module) -> tuple[int, int, list[str]]:
+    """(elements, bytes, names) of the fused expert weights bitsandbytes leaves unquantized: transformers 5 MoE
+    blocks (MixtralExperts, Qwen2MoeExperts, ...) hold all experts as one 3-D parameter (`gate_up_proj`,
+    `down_proj`: experts x out x in), not `nn.Linear` layers, and `replace_with_bnb_linear` replaces only
+    `nn.Linear` (transformers integrations/bitsandbytes.py), so these keep their dtype."""
+    seen: dict[int, tuple[str, Any]] = {}
+    for name, p in model.named_parameters():
+        if p.ndim == 3 and "expert" in name.lower():
+            seen.setdefault(id(p), (name, p))
+    params = [p for _, p in seen.values()]
+    kinds = sorted({n.rsplit(".", 1)[-1] for n, _ in seen.values()})
+    return (sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params), kinds)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@
     report.parallel["rank0_device_used_bytes"], report.parallel["host_bytes_per_node"]
 
 Modules: `setup` (the settings and their parsing: DeepSpeed JSON with transformers' `"auto"`,
-`TrainingArguments(fsdp=..., fsdp_config=...)`), `accelerate_config` (accelerate config files as `accelerate
+`TrainingArguments(deepspeed=..., fsdp=..., fsdp_config=...)`), `deepspeed_rules` (what transformers and accelerate
+do to a DeepSpeed config: its precision, batch keys, the keys that change memory), `accelerate_config` (accelerate config files as `accelerate
 launch` reads them), `_dist_adapter` (the one module touching private
 torch.distributed), `fsdp` (FSDP2's `fully_shard` and FSDP1's `FullyShardedDataParallel`, real, under fake
 tensors and a fake process group; hybrid sharding on a 2-D mesh),
@@ -16,8 +17,9 @@ PyTorch) and `rank` (the trace one rank sees). Importing this package does not i
 """
 
 from memfit.parallel.accelerate_config import AccelerateConfig, parallel_from_accelerate_config
-from memfit.parallel.setup import (STRATEGIES, ParallelSetup, ZeroSettings, parallel_from_fsdp_args, parse_gpus,
-                                   zero_settings_from_deepspeed)
+from memfit.parallel.setup import (STRATEGIES, ParallelSetup, ZeroSettings, parallel_from_fsdp_args,
+                                   parallel_from_training_args, parse_gpus, zero_settings_from_deepspeed)
 
 __all__ = ["ParallelSetup", "ZeroSettings", "STRATEGIES", "parse_gpus", "zero_settings_from_deepspeed",
-           "parallel_from_fsdp_args", "parallel_from_accelerate_config", "AccelerateConfig"]
+           "parallel_from_fsdp_args", "parallel_from_training_args", "parallel_from_accelerate_config",
+           "AccelerateConfig"]

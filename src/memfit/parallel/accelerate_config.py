@@ -64,7 +64,8 @@ class AccelerateConfig:
     parallel: ParallelSetup | None
     """None for `distributed_type: NO` (one process, no wrapper)."""
     precision: str
-    """`fp32`, `fp16` or `bf16` (memfit's names for accelerate's `no`, `fp16`, `bf16`)."""
+    """`fp32`, `fp16` or `bf16` (memfit's names for accelerate's `no`, `fp16`, `bf16`); for DeepSpeed the dtype it
+    trains in (memfit.parallel.deepspeed_rules `deepspeed_precision`)."""
     gradient_checkpointing: bool = False
     """`fsdp_activation_checkpointing`: FSDP's checkpointing of each block (simulated as gradient checkpointing)."""
     gradient_accumulation_steps: int | None = None
@@ -128,8 +129,11 @@ def _offload_device(value: Any, key: str) -> dict[str, str]:
     return {"device": device}
 
 
-def _deepspeed(ds: dict[str, Any], precision: str, hidden_size: int | None, base: Path | None
-               ) -> tuple[Any, int | None, str | None, list[str]]:
+def _deepspeed(ds: dict[str, Any], trainer_precision: str | None, file_precision: str, hidden_size: int | None,
+               base: Path | None) -> tuple[Any, int | None, str | None, list[str]]:
+    """ZeRO settings, the file's accumulation, its DeepSpeed JSON path and notes. The dtype is decided by
+    memfit.parallel.deepspeed_rules `deepspeed_precision` from the Trainer's precision and the file's
+    `mixed_precision` (`accelerate launch` passes it as ACCELERATE_MIXED_PRECISION)."""
     notes: list[str] = []
     file = ds.get("deepspeed_config_file")
     if file not in (None, "none"):
@@ -144,7 +148,9 @@ def _deepspeed(ds: dict[str, Any], precision: str, hidden_size: int | None, base
         config = read_json_file(path, "DeepSpeed config")
         gas = config.get("gradient_accumulation_steps")
         gas = gas if isinstance(gas, int) and not isinstance(gas, bool) else None
-        zero, more = zero_settings_from_deepspeed(config, hidden_size=hidden_size, precision=precision)
+        zero, more = zero_settings_from_deepspeed(config, hidden_size=hidden_size, precision=trainer_precision or "fp32",
+                                                  launcher_precision=file_precision, via_accelerate=True,
+                                                  source=f"`{file}`")
         return zero, gas, str(file), notes + more
     stage = ds.get("zero_stage", 2)  # DeepSpeedPlugin: ACCELERATE_DEEPSPEED_ZERO_STAGE default 2
     if stage == 0:
@@ -157,10 +163,10 @@ def _deepspeed(ds: dict[str, Any], precision: str, hidden_size: int | None, base
                                     "offload_optimizer": _offload_device(ds.get("offload_optimizer_device"),
                                                                          "offload_optimizer_device"),
                                     "offload_param": _offload_device(ds.get("offload_param_device"),
-                                                                     "offload_param_device")},
-              # DeepSpeedPlugin.set_mixed_precision: fp16/bf16 enabled from mixed_precision
-              "fp16": {"enabled": precision == "fp16"}, "bf16": {"enabled": precision == "bf16"}}
-    zero, more = zero_settings_from_deepspeed(config, hidden_size=hidden_size, precision=precision)
+                                                                     "offload_param_device")}}
+    # no fp16 / bf16 sections: DeepSpeedPlugin.set_mixed_precision adds them from mixed_precision
+    zero, more = zero_settings_from_deepspeed(config, hidden_size=hidden_size, precision=trainer_precision or "fp32",
+                                              launcher_precision=file_precision, via_accelerate=True)
     return zero, gas, None, notes + more
 
 
@@ -282,8 +288,9 @@ def parallel_from_accelerate_config(config: str | Path | dict[str, Any], *, hidd
     if kind == "FSDP":
         par, ckpt = _fsdp(_section(data, "fsdp_config"), _section(data, "parallelism_config"), precision, world, nodes)
         return AccelerateConfig(par, precision, gradient_checkpointing=ckpt, notes=tuple(par.notes))
-    zero, gas, file, more = _deepspeed(_section(data, "deepspeed_config"), precision, hidden_size, base)
+    zero, gas, file, more = _deepspeed(_section(data, "deepspeed_config"), trainer_precision, _PRECISION[mp],
+                                       hidden_size, base)
     notes += more
     par = ParallelSetup(world_size=world, nodes=nodes, strategy=f"zero{zero.stage}", zero=zero, notes=tuple(notes))
-    return AccelerateConfig(par, precision, gradient_accumulation_steps=gas, deepspeed_config_file=file,
+    return AccelerateConfig(par, zero.dtype, gradient_accumulation_steps=gas, deepspeed_config_file=file,
                             notes=tuple(notes))

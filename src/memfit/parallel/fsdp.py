@@ -219,7 +219,7 @@ def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps
         # FSDP1's CPUOffload pins its host shards and gradients (`_flat_param.py` `pin_memory`), which a FakeTensor
         # cannot do, and memfit's fake run has one device: not emulated
         raise MemfitError("FSDP1 with CPU offload (`fsdp_offload_params` / `offload`) is not modelled by memfit; "
-                          "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy is")
+                          "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy memfit models")
     setup = resolve(setup)
     replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
     with isolated_simulation(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:

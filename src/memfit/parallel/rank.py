@@ -296,8 +296,13 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
     if setup.precision != "fp32" and z.dtype == "fp32":
         notes.append(f"the DeepSpeed config enables neither fp16 nor bf16: DeepSpeed trains in fp32, and the "
                      f"Trainer's `{setup.precision}` is not applied to the model")
-    notes.append(f"DeepSpeed ZeRO-{z.stage} emulated from its source (memfit.parallel.zero); DeepSpeed's own "
-                 f"model-state estimator says {gpu / 2**30:.2f} GiB per GPU, {cpu / 2**30:.2f} GiB host")
+    frozen = (f"; here {100 * inv.trainable_params / inv.total_params:.1f} % of the parameters train, so it "
+              "overstates their states" if inv.total_params and inv.trainable_params < inv.total_params else "")
+    notes.append(f"DeepSpeed ZeRO-{z.stage} emulated from its source (memfit.parallel.zero). DeepSpeed's own "
+                 f"model-state estimator (estimate_zero{3 if z.stage == 3 else 2}_model_states_mem_needs) says "
+                 f"{gpu / 2**30:.2f} GiB per GPU, {cpu / 2**30:.2f} GiB host: another quantity, the model states "
+                 "alone (no activations, temporaries or buffers) with every parameter counted as trained (18 B each: "
+                 f"16-bit weight, gradient, fp32 master and Adam states){frozen}")
     return RankResult(sim, host_bytes=host, nccl_bytes=nccl,
                       buffers=[{"name": b.name, "bytes": b.size_bytes, "device": b.device, "lifetime": b.lifetime,
                                 "rule": b.rule} for b in buffers],

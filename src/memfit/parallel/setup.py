@@ -32,10 +32,11 @@ from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.files import read_json_object
+from memfit.train_setup import ENGINE_ARG_NAMES
 
 __all__ = ["STRATEGIES", "ParallelSetup", "ZeroSettings", "parse_gpus", "zero_settings_from_deepspeed",
            "parallel_from_fsdp_args", "read_json_file", "fsdp1_strategy", "fsdp_parallel", "FSDP1_STRATEGIES",
-           "sync_each_batch_from"]
+           "sync_each_batch_from", "parallel_from_training_args", "ENGINE_ARGS"]
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 
@@ -264,19 +265,6 @@ def _offload(section: Any, key: str) -> bool:
     raise MemfitError(f"`zero_optimization.{key}.device` `{device}` is not cpu, nvme or none")
 
 
-def _enabled(config: dict[str, Any], section: str, trainer_value: bool) -> bool:
-    """`fp16.enabled` / `bf16.enabled`: `"auto"` takes the Trainer's value (trainer_config_process fill_match)."""
-    sec = config.get(section)
-    if sec is None:
-        return False
-    if not isinstance(sec, dict):
-        raise MemfitError(f"`{section}` `{sec!r}` in the DeepSpeed config must be an object such as {{\"enabled\": true}}")
-    value = sec.get("enabled", False)
-    if value == "auto":
-        return trainer_value
-    return _flag(value, f"{section}.enabled", False)
-
-
 def _torch_adam(config: dict[str, Any]) -> bool:
     opt = config.get("optimizer")
     if not isinstance(opt, dict):
@@ -286,19 +274,27 @@ def _torch_adam(config: dict[str, Any]) -> bool:
 
 
 def zero_settings_from_deepspeed(config: dict[str, Any] | str | Path, *, hidden_size: int | None,
-                                 precision: str = "fp32") -> tuple[ZeroSettings, list[str]]:
+                                 precision: str = "fp32", launcher_precision: str | None = None,
+                                 via_accelerate: bool = False, source: str | None = None
+                                 ) -> tuple[ZeroSettings, list[str]]:
     """The ZeRO settings of a DeepSpeed JSON, `"auto"` resolved as transformers resolves it.
 
     Args:
         config: the parsed JSON, or a path to it.
         hidden_size: the model config's `hidden_size` (or the largest of `hidden_sizes`), which the
             `"auto"` bucket sizes are computed from; None when the config has none.
-        precision: the Trainer's mixed precision (`fp16`, `bf16`, `fp32`), which `"auto"` in
-            `fp16.enabled` / `bf16.enabled` takes.
+        precision: the Trainer's mixed precision (`fp16`, `bf16`; `fp32`: neither set); the run's dtype is decided
+            with the config's fp16 / bf16 sections by memfit.parallel.deepspeed_rules `deepspeed_precision`.
+        launcher_precision: an accelerate config's `mixed_precision` (`fp16`, `bf16`, `fp32`) when one launches it.
+        via_accelerate: the JSON comes from an accelerate config (`accelerate launch`), not `TrainingArguments`.
+        source: where the JSON came from, for the messages (default: its path, else "the DeepSpeed config").
 
     Returns (settings, notes).
     """
+    from memfit.parallel.deepspeed_rules import deepspeed_precision, unmodelled_key_notes
+
     if not isinstance(config, dict):
+        source = source or f"`{config}`"
         config = read_json_file(config, "DeepSpeed config")
     notes: list[str] = []
     zero = config.get("zero_optimization", {})
@@ -313,11 +309,10 @@ def zero_settings_from_deepspeed(config: dict[str, Any] | str | Path, *, hidden_
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise MemfitError(f"`zero_optimization.stage` `{stage!r}` must be 1, 2 or 3 (stage 0 is plain data "
                           "parallelism: use --strategy ddp)")
-    fp16 = _enabled(config, "fp16", precision == "fp16")
-    bf16 = _enabled(config, "bf16", precision == "bf16")
-    if fp16 and bf16:
-        raise MemfitError("the DeepSpeed config enables both `fp16` and `bf16`; enable one")
-    dtype = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    source = source or "the DeepSpeed config"
+    dtype, more = deepspeed_precision(config, trainer=precision, launcher=launcher_precision,
+                                      via_accelerate=via_accelerate, source=source)
+    notes += more + unmodelled_key_notes(config, source)
     h2 = hidden_size * hidden_size if hidden_size else None
     if "cpu_offload" in zero:  # legacy key (deepspeed/runtime/zero/config.py read_zero_config_deprecated)
         notes.append("`zero_optimization.cpu_offload` is DeepSpeed's deprecated spelling of offload_optimizer.device=cpu")
@@ -550,3 +545,66 @@ def sync_each_batch_from(accelerator_config: Any) -> bool:
         raise MemfitError(f"accelerator_config `gradient_accumulation_kwargs` `{kwargs!r}` must be an object such as "
                           "{\"sync_each_batch\": true}")
     return _flag(kwargs.get("sync_each_batch"), "gradient_accumulation_kwargs.sync_each_batch", False)
+
+
+# -- TrainingArguments' engine settings: one reader for a flag, an arguments file and a TrainingArguments object --
+#: TrainingArguments names that choose or configure the multi-GPU engine (not TrainSetup fields).
+ENGINE_ARGS = ENGINE_ARG_NAMES
+
+
+def _arg(args: Any, name: str) -> Any:
+    value = args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
+    if name == "fsdp" and isinstance(value, (list, tuple)):  # TrainingArguments holds FSDPOption enums
+        value = [str(getattr(v, "value", v)) for v in value]
+    return None if value in (None, "", [], False) else value
+
+
+def parallel_from_training_args(args: Any, *, world_size: int, nodes: int = 1, precision: str = "fp32",
+                                hidden_size: int | None = None, base_dir: str | Path | None = None,
+                                env: Mapping[str, str] | None = None) -> tuple[ParallelSetup | None, list[str]]:
+    """The ParallelSetup `TrainingArguments(deepspeed=..., fsdp=..., fsdp_config=..., ddp_bucket_cap_mb=...)` runs,
+    from a dict of its kwargs (an `--args` file) or the object itself; None when it sets no engine and
+    `world_size` is 1. The same readers as the `--deepspeed` / `--fsdp` / `--fsdp-config` flags.
+
+    Args:
+        args: a Mapping of TrainingArguments kwargs, or a TrainingArguments (TRL config) object.
+        world_size: ranks in all (TrainingArguments does not know it before launch).
+        nodes: nodes the ranks are spread over.
+        precision: the Trainer's precision (`fp16`, `bf16`; `fp32`: neither), for DeepSpeed's dtype.
+        hidden_size: the model config's hidden size, for DeepSpeed's `"auto"` bucket sizes.
+        base_dir: a relative `deepspeed` / `fsdp_config` path not found as given is looked up here (the
+            arguments file's folder), with a note.
+        env: the environment FSDP1 reads its strategy from (default os.environ).
+    """
+    notes: list[str] = []
+
+    def located(value: Any, name: str) -> Any:
+        if isinstance(value, (str, Path)) and base_dir is not None:
+            path = Path(value)
+            if not path.is_absolute() and not path.exists() and (Path(base_dir) / path).exists():
+                notes.append(f"`{name}` `{value}` read from the arguments file's folder")
+                return str(Path(base_dir) / path)
+        return value
+
+    ds, fsdp = _arg(args, "deepspeed"), _arg(args, "fsdp")
+    fsdp_config = located(_arg(args, "fsdp_config"), "fsdp_config")
+    if ds is not None and fsdp is not None:
+        raise MemfitError("`deepspeed` and `fsdp` are both set: they are two engines (transformers runs one); "
+                          "give one")
+    if ds is not None:
+        zero, more = zero_settings_from_deepspeed(located(ds, "deepspeed"), hidden_size=hidden_size,
+                                                  precision=precision)
+        return ParallelSetup(world_size=world_size, nodes=nodes, strategy=f"zero{zero.stage}", zero=zero,
+                             notes=tuple(notes + more)), notes + more
+    if fsdp is not None:
+        par, more = parallel_from_fsdp_args(True if fsdp is True else fsdp, fsdp_config, world_size=world_size,
+                                            nodes=nodes, env=env)
+        par = par.replace(sync_each_batch=sync_each_batch_from(_arg(args, "accelerator_config")))
+        if par.param_dtype is None and precision in ("fp16", "bf16"):
+            # accelerate state.py: fsdp_plugin.set_mixed_precision(mixed_precision) unless fsdp_config gives a policy
+            par = par.replace(param_dtype=precision, reduce_dtype=precision)
+        return par.replace(notes=tuple(notes + more)), notes + more
+    cap = _arg(args, "ddp_bucket_cap_mb")
+    if world_size == 1 and nodes == 1:
+        return None, notes
+    return ParallelSetup(world_size=world_size, nodes=nodes, strategy="ddp", bucket_cap_mb=cap), notes

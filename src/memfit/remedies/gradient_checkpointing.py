@@ -10,7 +10,7 @@ from memfit.remedies.base import Applicability, Remedy
 
 def _check(setup, gpu):
     if setup.gradient_checkpointing:
-        if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep:
+        if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep and setup.kbit_use_gradient_checkpointing:
             # memfit.train_setup `_check_quantization`: peft's prepare_model_for_kbit_training enables it
             return Applicability(False, "already on: peft's prepare_model_for_kbit_training (kbit prep, on by default "
                                         "for quantized models) enables it")

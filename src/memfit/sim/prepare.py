@@ -21,7 +21,7 @@ from memfit.errors import MemfitError
 from memfit.models.blocks import enable_checkpointing, repeated_layer_lists
 from memfit.models.build import ModelSpec, build_meta_model, resolve_config
 from memfit.models.limits import check_sequence_lengths
-from memfit.models.quantization import (meta_safe_deepcopy, prepare_for_kbit_training, quant_spec,
+from memfit.models.quantization import (meta_safe_deepcopy, prepare_for_kbit_training, quant_spec, unquantized_experts,
                                         quantization_summary, quantize_meta_model)
 from memfit.sim import trl_steps
 from memfit.sim.splice import SpliceRefused, truncate_layers
@@ -111,14 +111,26 @@ def quantize(p: PreparedModel, setup: TrainSetup) -> None:
     if p.quant is None:
         return
     quantize_meta_model(p.model, p.quant)
+    before = unquantized_experts(p.model)[1]
     if setup.kbit_prep:
-        cast = prepare_for_kbit_training(p.model)
+        cast = prepare_for_kbit_training(p.model, setup.kbit_use_gradient_checkpointing)
         if cast:
             p.notes.append(
                 f"peft's prepare_model_for_kbit_training was run on the model (as peft's QLoRA recipes do; "
                 f"TRL 1.16's SFTTrainer does not call it: --no-kbit-prep for such a run): it cast "
-                f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head) to "
+                f"{cast / 1e6:,.1f} M non-quantized fp16/bf16 parameters (embeddings, norms, the LM head"
+                f"{', the fused experts' if before else ''}) to "
                 f"float32, +{format_bytes(cast * 2)} of weights; --no-kbit-prep estimates without it")
+    experts, expert_bytes, kinds = unquantized_experts(p.model)
+    if experts:  # the whole story of a QLoRA MoE run: said first, loudly
+        share = expert_bytes / max(1, sum(q.numel() * q.element_size() for q in p.model.parameters()))
+        dtype = str(next(q.dtype for n, q in p.model.named_parameters() if q.ndim == 3 and "expert" in n.lower()))
+        count = f"{experts / 1e9:,.2f} B" if experts >= 1e9 else f"{experts / 1e6:,.2f} M"
+        cast_too = (" (peft's prepare_model_for_kbit_training cast them to float32)" if expert_bytes > before else "")
+        p.notes.insert(0, f"NOT QUANTIZED: {count} parameters are fused expert weights ({', '.join(kinds)}: one 3-D "
+                          "tensor per layer, not nn.Linear layers), which bitsandbytes does not quantize in "
+                          f"transformers 5: they are {dtype.removeprefix('torch.')}{cast_too}, "
+                          f"{format_bytes(expert_bytes)}, {100 * share:.0f} % of the weights' bytes")
 
 
 def convert_to_float8(p: PreparedModel, setup: TrainSetup, compute_capability: tuple[int, int]) -> None:
