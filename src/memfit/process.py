@@ -21,7 +21,7 @@ from memfit.errors import MemfitError
 __all__ = ["main", "run_here", "finish_process", "quiet_import_noise", "one_line", "build_parser",
            "COMPUTE_VERBS"]
 
-VERBS = ("estimate", "plan", "diagnose", "train", "replay", "serve")
+VERBS = ("estimate", "plan", "diagnose", "train", "replay", "serve", "ui")
 #: Verbs that run with Python's cyclic collector paused (memfit.collector: imports and simulations, seconds
 #: saved, no result changed); not `train`, a long real training run that needs it.
 COMPUTE_VERBS = ("estimate", "plan", "diagnose", "replay")

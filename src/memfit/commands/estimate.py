@@ -173,8 +173,12 @@ def estimate_command(args: argparse.Namespace) -> int:
         if gpu is not None and args.gpu is not None and args.gpu != gpus_name:
             raise MemfitError(f"--gpu `{args.gpu}` and --gpus `{args.gpus}` name different GPUs; give one")
         gpu = gpus_name
-    report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf, parallel=parallel,
-                      cache=not args.no_cache and args.snapshot is None and not views)  # these need the trace
+    from memfit.commands._progress import progress
+
+    what = f"simulating rank 0 of {parallel.world_size} ({parallel.strategy})" if parallel is not None else ""
+    with progress(f"{setup.model}: {what}", json_output=args.json, enabled=parallel is not None):  # multi-GPU: long
+        report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf, parallel=parallel,
+                          cache=not args.no_cache and args.snapshot is None and not views)  # these need the trace
     if args.snapshot is not None:
         from memfit.allocator.export import write_run_snapshot
 

@@ -92,9 +92,12 @@ def plan_command(args: argparse.Namespace) -> int:
     if gpu is None:
         raise MemfitError("`memfit plan` needs a GPU to plan for: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
                           "or `--gpu auto` on a machine with a GPU")
-    result = plan(setup, gpu=gpu, allow=[a for a in args.allow.split(",") if a.strip()],
-                  margin=DEFAULT_MARGIN if args.margin is None else args.margin, alloc_conf=args.alloc_conf,
-                  cache=not args.no_cache)
+    from memfit.commands._progress import progress
+
+    with progress(f"planning {setup.model} on {gpu}: simulating the candidates", json_output=args.json):
+        result = plan(setup, gpu=gpu, allow=[a for a in args.allow.split(",") if a.strip()],
+                      margin=DEFAULT_MARGIN if args.margin is None else args.margin, alloc_conf=args.alloc_conf,
+                      cache=not args.no_cache)
     _write_html(args, result)
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2, default=str)
@@ -276,12 +279,16 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
               interconnect=args.interconnect, network_gbps=args.network_gbps, alloc_conf=args.alloc_conf,
               max_simulations=args.max_simulations or DEFAULT_MAX_SIMULATIONS, script=args.script,
               allow=tuple(a for a in (args.allow or "").split(",") if a.strip()))  # --allow across GPUs
-    if len(kinds) == 1:
-        results, best = [plan_parallel(setup, gpu=kinds[0][1], world_size=kinds[0][0], **kw)], 0
-        if results[0].chosen is None:
-            best = None
-    else:
-        results, best = plan_gpu_budget(setup, kinds, **kw)
+    from memfit.commands._progress import progress
+
+    with progress(f"planning {setup.model} on {', '.join(f'{n}x{g}' for n, g in kinds)}: simulating rank 0 of "
+                  "each candidate", json_output=args.json):
+        if len(kinds) == 1:
+            results, best = [plan_parallel(setup, gpu=kinds[0][1], world_size=kinds[0][0], **kw)], 0
+            if results[0].chosen is None:
+                best = None
+        else:
+            results, best = plan_gpu_budget(setup, kinds, **kw)
     chosen = results[best] if best is not None else None
     _write_html(args, chosen if chosen is not None else next(
         (r for r in results if not isinstance(r, MemfitError)), None))
