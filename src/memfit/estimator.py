@@ -32,7 +32,7 @@ from memfit.gpus.outside_pytorch import non_pytorch_bytes as _non_pytorch_table
 from memfit.models.resolve import resolve
 from memfit.peaks import BREAKDOWN_KEYS, peaks
 from memfit.allocator.bounded import RESOLUTION_BYTES, SteadyState, bounded_reserved
-from memfit.trace import REPORT_PHASES, TraceEvent
+from memfit.trace import REPORT_PHASES, RL_PHASES, TraceEvent
 from memfit.train_setup import TRAINING_ARGS_NAMES, TrainSetup, suggest_name
 
 # memfit.sim.engine (torch, transformers: seconds to import) is imported in `estimate` after the cache lookup.
@@ -147,6 +147,12 @@ class MemoryReport:
     parallel: dict[str, Any] | None = None
     """Strategy, world size, nodes, the rank's buffers, host memory for offload (per rank and per node),
     NCCL bytes outside PyTorch and what nvidia-smi shows per GPU (memfit.parallel)."""
+    # -- RL trainers (GRPO) --
+    rl: dict[str, Any] | None = None
+    """GRPO: the generation batch (`steps_per_generation`, `generation_batch_size`, prompt and completion tokens),
+    the KV cache of transformers' generate in closed form, whether a reference copy is held, and vLLM's share of
+    the GPU (memfit.gpus.vllm; `vllm.training_bytes` is outside `capacity_bytes` and inside `device_used_bytes`);
+    None for other trainers."""
     trace: list[TraceEvent] = field(repr=False, compare=False, default_factory=list)
     replay_conf: AllocConf | None = field(default=None, repr=False, compare=False)
     """The allocator settings of the replay the reserved figures come from (the views in memfit.report replay
@@ -246,10 +252,12 @@ def _with_workspaces(trace: list[TraceEvent], workspace_bytes: int) -> list[Trac
     next_id = max((e.id for e in trace), default=0) + 1
     added = set()
     for ev in trace:
-        if ev.phase in ("forward", "backward") and ev.phase not in added:
+        # GRPO's generation and scoring run on the main thread's handle, as the forward does
+        handle = "forward" if ev.phase in RL_PHASES else ev.phase
+        if handle in ("forward", "backward") and handle not in added:
             out.append(TraceEvent("alloc", next_id, workspace_bytes, "workspaces", ev.phase, "cublas workspace"))
             next_id += 1
-            added.add(ev.phase)
+            added.add(handle)
         out.append(ev)
     return out
 
@@ -327,10 +335,6 @@ def estimate(
     key = None
     if parallel is not None:  # multi-GPU: not in the cache's key, so not cached
         cache = False
-    zero = getattr(parallel, "zero", None) if getattr(parallel, "strategy", "").startswith("zero") else None
-    if zero is not None and zero.dtype != "fp32" and setup.precision != zero.dtype:
-        # DeepSpeed trains in its config's dtype (memfit.parallel.deepspeed_rules decides it from every source)
-        setup = setup.replace(precision=zero.dtype)
     if cache and not (isinstance(gpu, str) and gpu.strip().lower() == "auto"):
         from memfit import cache as _cache
 
@@ -376,6 +380,10 @@ def estimate(
     if rank is not None:
         outside += rank.nccl_bytes  # NCCL's buffers: outside PyTorch's allocator (memfit.parallel.nccl)
     capacity = spec.total_bytes - outside if spec is not None else None
+    rl = _rl_part(setup, sim, spec)  # GRPO: a colocated vLLM takes its share of the card before training does
+    vllm_training = rl["vllm"]["training_bytes"] if rl is not None and rl["vllm"] is not None else 0
+    if capacity is not None:
+        capacity -= vllm_training
     if capacity_bytes is not None:
         capacity = capacity_bytes
     short_of = capacity  # a GPU smaller than the memory outside PyTorch leaves nothing (and is short of that too)
@@ -409,14 +417,10 @@ def estimate(
     if required is not None and not bounded.required_exact:
         notes.append(f"the smallest capacity was not narrowed to {RESOLUTION_BYTES // 2**20} MiB (or 1/256) within the "
                      "bound on allocator replays; `required_bytes` is one at which the run completes")
-    if zero is not None and zero.dtype != "fp32":
-        notes.append(f"weights are {sim.weights_dtype}: DeepSpeed casts the model to its config's {zero.dtype} "
-                     "(engine `_configure_distributed_model`) and scales fp16 losses with its own loss scaler, "
-                     "not torch's GradScaler")
-    elif setup.weights_dtype == "auto" and sim.weights_dtype != "float32":
+    if setup.weights_dtype == "auto" and sim.weights_dtype != "float32":
         notes.append(f"weights are {sim.weights_dtype}, the dtype transformers 5 `from_pretrained` loads this "
                      "checkpoint in by default (dtype='auto'); pass --weights-dtype fp32 if you load in fp32")
-    if sim.weights_dtype == "float16" and setup.precision == "fp16" and zero is None:
+    if sim.weights_dtype == "float16" and setup.precision == "fp16":
         notes.append("fp16 weights with fp16 mixed precision: a real run stops at the first optimizer step "
                      "(GradScaler: 'Attempting to unscale FP16 gradients'); load the model in fp32 "
                      "(--weights-dtype fp32) or use bf16")
@@ -428,7 +432,7 @@ def estimate(
                      "(bitsandbytes F.get_paged -> cudaMallocManaged), outside PyTorch's allocator and outside every "
                      "figure here: it occupies that much more GPU memory while the GPU has room and is paged to host "
                      "memory when it has not (slower steps, no OOM)")
-    phases = {p: tp.by_phase[p].bytes for p in REPORT_PHASES if p in tp.by_phase}
+    phases = {p: tp.by_phase[p].bytes for p in REPORT_PHASES + RL_PHASES if p in tp.by_phase}
     if not setup.does_eval:
         phases["eval"] = 0
     report = MemoryReport(
@@ -440,7 +444,7 @@ def estimate(
         reserved_by_phase=_reserved_by_phase(alloc, setup.does_eval, capacity is not None and alloc.oom is not None),
         fragmentation_at_peak_bytes=alloc.fragmentation_at_peak_bytes,
         non_pytorch_bytes=outside,
-        device_used_bytes=peak_reserved + outside,
+        device_used_bytes=peak_reserved + outside + vllm_training,
         gpu=None if spec is None else {"name": spec.name, "total_bytes": spec.total_bytes,
                                        "compute_capability": list(spec.compute_capability)},
         fits=None if spec is None else bounded.oom is None,
@@ -453,12 +457,81 @@ def estimate(
         quantization=quantization, paged_bytes=sim.paged_bytes, media_inputs=sim.media_inputs,
         attn_implementation=sim.attn_implementation, emulated_kernels=list(sim.attn_kernels),
         parallel=None if rank is None else _parallel_json(parallel, rank, peak_reserved + outside),
+        rl=rl,
     )
+    if rl is not None and rl["vllm"] is not None and spec is not None and rl["vllm"]["sleep"]:
+        report = _with_vllm_wakeup(report, trace, spec)
+    if rl is not None and rl["vllm"] is not None and spec is not None and not rl["vllm"]["weights_fit"]:
+        report = dataclasses.replace(report, fits=False, notes=[*report.notes, (
+            f"vLLM's share ({rl['vllm']['generation_bytes']} B) does not hold the model's weights "
+            f"({rl['vllm']['weights_bytes']} B): vLLM fails at start-up (no memory for its KV cache); raise "
+            "`vllm_gpu_memory_utilization`")])
     if key is not None:
         from memfit import cache as _cache
 
         _cache.store_entry(key, report.to_json())
     return report
+
+
+def _rl_part(setup: TrainSetup, sim: Any, spec: GpuSpec | None) -> dict[str, Any] | None:
+    """The GRPO part of the report (MemoryReport.rl); None for other trainers."""
+    if setup.trainer != "grpo":
+        return None
+    from memfit.gpus.vllm import vllm_share
+    from memfit.sim.grpo_steps import kv_cache_bytes, needs_old_log_probs
+
+    steps, gen = setup.grpo_sizes
+    p, c = setup.sequence_length, setup.max_completion_length
+    weight_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(sim.weights_dtype, 4)
+    # the cache holds what k_proj / v_proj return: the autocast dtype under mixed precision, else the weights'
+    cache_dtype_bytes = 2 if setup.precision in ("fp16", "bf16") else weight_bytes
+    from memfit.models.build import resolve_config
+
+    config = resolve_config(setup.model).config
+    kv = None if config is None else kv_cache_bytes(config, sequences=gen, tokens=p + c - 1,
+                                                    dtype_bytes=cache_dtype_bytes)
+    vllm = None
+    if setup.use_vllm:
+        total = spec.total_bytes if spec is not None else 0
+        vllm = vllm_share(mode=setup.vllm_mode, utilization=setup.vllm_gpu_memory_utilization, total_bytes=total,
+                          sleep=setup.vllm_enable_sleep_mode, weights_bytes=sim.params * weight_bytes).to_json()
+    return {"trainer": "grpo", "steps_per_generation": steps, "generation_batch_size": gen,
+            "num_generations": setup.num_generations, "prompt_tokens": p, "completion_tokens": c,
+            "kv_cache_bytes": None if setup.use_vllm else kv, "reference_copy": setup.beta != 0.0 and
+            setup.lora_r is None and not setup.peft_config, "old_log_probs": needs_old_log_probs(setup), "vllm": vllm}
+
+
+def _with_vllm_wakeup(report: MemoryReport, trace: list[TraceEvent], spec: GpuSpec) -> MemoryReport:
+    """vLLM colocated in sleep mode: what nvidia-smi shows while vLLM is awake and generates (its share, next to what
+    the training process holds then: the tensors alive when scoring starts, PyTorch's cache emptied first,
+    vllm_generation.py `sync_weights`), and whether that fits the card too. Without sleep mode the share is
+    held all along and `device_used_bytes` counts it already."""
+    vllm = report.rl["vllm"]
+    if vllm["mode"] != "colocate":
+        return report
+    from memfit.peaks import rounded
+
+    live: dict[int, int] = {}
+    held = 0
+    for ev in trace:
+        if ev.phase == "scoring":
+            break
+        if ev.action == "alloc":
+            live[ev.id] = rounded(ev.size_bytes)
+        elif ev.action == "free":
+            live.pop(ev.id, None)
+    held = sum(live.values())
+    at_generation = held + report.non_pytorch_bytes + vllm["generation_bytes"]
+    rl = {**report.rl, "vllm": {**vllm, "training_held_at_generation_bytes": held,
+                                "device_used_at_generation_bytes": at_generation}}
+    fits = report.fits
+    notes = list(report.notes)
+    if at_generation > spec.total_bytes:
+        fits = False
+        notes.append(f"vLLM's share ({vllm['generation_bytes']} B) does not fit beside what training holds while it "
+                     f"generates ({held} B): {at_generation} B of {spec.total_bytes} B")
+    return dataclasses.replace(report, rl=rl, fits=fits, notes=notes,
+                               device_used_bytes=max(report.device_used_bytes, at_generation))
 
 
 def _quantization_report(summary: dict[str, Any] | None, trace: list[TraceEvent], peak_index: int
@@ -510,7 +583,7 @@ def _parallel_json(parallel, rank, device_used_bytes: int) -> dict[str, Any]:
 def _reserved_by_phase(alloc, does_eval: bool, stopped: bool) -> dict[str, int | None]:
     """Peak reserved per phase; None for a phase an OOM in the trace keeps the run from reaching."""
     out: dict[str, int | None] = {}
-    for p in REPORT_PHASES:
+    for p in REPORT_PHASES + tuple(p for p in RL_PHASES if p in alloc.peak_reserved_by_phase):
         if p in alloc.peak_reserved_by_phase:
             out[p] = alloc.peak_reserved_by_phase[p]
         elif p == "eval" and not does_eval:

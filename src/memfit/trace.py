@@ -13,7 +13,8 @@ from typing import Literal
 
 __all__ = ["TraceEvent", "CATEGORIES", "PHASES", "TRAIN_PHASES", "REPORT_PHASES", "RUN_PHASES", "DIAGNOSED_PHASES",
            "FAILURE_PHASES", "SETUP", "FORWARD", "BACKWARD", "OPTIMIZER", "EVAL", "SAVE", "LOAD_BEST", "RESUME",
-           "DATA_COLLATION", "MODEL_LOADING", "UNKNOWN", "TRAINING", "FINAL_EVAL", "FINAL_SAVE"]
+           "DATA_COLLATION", "MODEL_LOADING", "UNKNOWN", "TRAINING", "FINAL_EVAL", "FINAL_SAVE", "GENERATION", "SCORING",
+           "RL_PHASES"]
 
 #: Memory categories, after torch.distributed._tools.mem_tracker's `_MemRefType`,
 #: split further where a user can act on it.
@@ -44,12 +45,16 @@ UNKNOWN = "unknown"  #: no traceback frame says
 TRAINING = "train"  #: somewhere inside `Trainer.train`, no frame saying more
 FINAL_EVAL = "final_eval"  #: memfit.fit's evaluation after `Trainer.train` returned
 FINAL_SAVE = "final_save"  #: `memfit train`'s save of the final model
+GENERATION = "generation"  #: GRPO: the completions generated with transformers' `generate` (no_grad, KV cache)
+SCORING = "scoring"  #: GRPO: the old / reference log-probs of the generated completions (no_grad)
+#: The phases an RL trainer adds before its training micro-steps (memfit.sim.grpo_steps).
+RL_PHASES = (GENERATION, SCORING)
 
 #: The simulator records PHASES; an estimate reports REPORT_PHASES; memfit.fit measures (and predicts)
 #: RUN_PHASES, which add checkpoint saving and loading the best model; diagnose places an OOM in one of
 #: DIAGNOSED_PHASES, which add what a traceback can show outside the training loop; a failed run's report
 #: names one of FAILURE_PHASES, which add where the caller was when no frame says more.
-PHASES = (SETUP, FORWARD, BACKWARD, OPTIMIZER, EVAL)
+PHASES = (SETUP, FORWARD, BACKWARD, OPTIMIZER, EVAL) + RL_PHASES
 TRAIN_PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 REPORT_PHASES = TRAIN_PHASES + (EVAL,)
 RUN_PHASES = REPORT_PHASES + (SAVE, LOAD_BEST)

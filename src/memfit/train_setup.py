@@ -22,7 +22,7 @@ __all__ = ["TrainSetup", "TASKS", "IMAGE_TASKS", "AUDIO_TASKS", "PRECISIONS", "O
            "HUB_FLASH_KERNELS",
            "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
            "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields", "TRAINERS",
-           "TRL_TRAINERS", "TRL_CONFIG_NAMES", "EVAL_STRATEGIES", "BNB_4BIT_QUANT_TYPES"]
+           "TRL_TRAINERS", "TRL_CONFIG_NAMES", "VLLM_MODES", "grpo_generation_sizes", "EVAL_STRATEGIES", "BNB_4BIT_QUANT_TYPES"]
 
 #: task name -> the Auto class head it builds (transformers.AutoModelFor...).
 TASKS = {
@@ -101,17 +101,15 @@ LEGACY_ARG_NAMES = {
 }
 
 #: TrainingArguments settings that change GPU memory but that memfit does not simulate: a note when set.
-_NOT_MODELLED_ARGS = ("torch_compile", "auto_find_batch_size", "torch_empty_cache_steps")
-#: TrainingArguments names that choose or configure the multi-GPU engine: memfit.parallel reads them
-#: (`parallel_from_training_args`, the CLI's `--args`), not TrainSetup.
-ENGINE_ARG_NAMES = ("deepspeed", "fsdp", "fsdp_config", "ddp_bucket_cap_mb", "accelerator_config")
+_NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "auto_find_batch_size",
+                      "torch_empty_cache_steps")
 
 # -- TRL ---------------------------------------------------------------------------------------
-#: `trainer` values: transformers' Trainer, TRL's SFTTrainer, TRL's DPOTrainer.
-TRAINERS = ("trainer", "sft", "dpo")
+#: `trainer` values: transformers' Trainer, TRL's SFTTrainer, DPOTrainer and GRPOTrainer.
+TRAINERS = ("trainer", "sft", "dpo", "grpo")
 #: The TRL trainers of TRAINERS: their steps are simulated by memfit.sim.trl_steps, `memfit train --trainer`
 #: runs them (memfit.commands.train_trl), and their configs' names are TRL_CONFIG_NAMES.
-TRL_TRAINERS = ("sft", "dpo")
+TRL_TRAINERS = ("sft", "dpo", "grpo")
 #: SFTConfig / DPOConfig fields (TRL 1.16) that TrainingArguments does not have (`dataclasses.fields(SFTConfig)`
 #: minus TRAINING_ARGS_NAMES; tests/sim/test_trl.py checks these lists against the installed TRL). Kept as text so
 #: that reading an arguments file does not import TRL. Read when `trainer` is `sft` / `dpo`, rejected otherwise.
@@ -127,15 +125,43 @@ label_smoothing ld_alpha loss_type loss_weights max_length model_init_kwargs pad
 padding_free precompute_ref_batch_size precompute_ref_log_probs ref_model_mixup_alpha ref_model_sync_steps
 router_aux_loss_coef sync_ref_model truncation_mode trust_remote_code use_weighting
 """.split()),
+    "grpo": frozenset("""
+beta cache_implementation cast_lm_head_to_fp32 chat_template_kwargs delta disable_dropout ds3_gather_for_generation
+entropy_coef entropy_coef_delta entropy_coef_max entropy_coef_min entropy_target epsilon epsilon_high
+generation_batch_size generation_kwargs importance_sampling_level log_completions log_completions_hub_repo
+log_multimodal log_unique_prompts loss_type mask_truncated_completions max_completion_length
+max_tool_calling_iterations min_p model_init_kwargs multi_objective_aggregation num_completions_to_print
+num_generations num_generations_eval num_iterations off_policy_mask_threshold pad_to_multiple_of ref_model_mixup_alpha
+ref_model_sync_steps repetition_penalty reward_weights router_aux_loss_coef sapo_temperature_neg sapo_temperature_pos
+scale_rewards shuffle_dataset steps_per_generation sync_ref_model temperature top_entropy_quantile top_k top_p
+transformers_continuous_batching_config trust_remote_code use_adaptive_entropy use_bias_correction_kl
+use_transformers_continuous_batching use_transformers_paged use_vllm vespo_k_neg vespo_k_pos vespo_lambda_neg
+vespo_lambda_pos vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
+vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min vllm_importance_sampling_correction
+vllm_importance_sampling_mode vllm_max_model_length vllm_mode vllm_model_impl vllm_server_base_url vllm_server_host
+vllm_server_port vllm_server_timeout vllm_structured_outputs_regex vllm_tensor_parallel_size
+""".split()),
 }
 #: TRL settings that change GPU memory but that memfit does not simulate: a note when set.
-_TRL_NOT_MODELLED = ("sync_ref_model", "pad_to_multiple_of")  # activation_offloading: a TrainSetup field
+_TRL_NOT_MODELLED = ("sync_ref_model", "pad_to_multiple_of",  # activation_offloading: a TrainSetup field
+                     # GRPO: other generation paths and the high-entropy mask (a [B, C] quantile)
+                     "cache_implementation", "use_transformers_paged", "use_transformers_continuous_batching",
+                     "cast_lm_head_to_fp32")
 #: TRL config names removed before TRL 1.16 -> why they are ignored (read with a note, not a TypeError).
 _TRL_REMOVED = {
     "max_prompt_length": "DPOConfig 1.x has no prompt limit: DataCollatorForPreference truncates prompt + completion "
                          "to `max_length` (keep_start/keep_end, trl/trainer/dpo_trainer.py)",
     "max_completion_length": "DPOConfig 1.x truncates prompt + completion together to `max_length`",
 }
+#: GRPOConfig names of other TRL versions -> why they are ignored with `trainer="grpo"` (TRL 1.16).
+_GRPO_REMOVED = {
+    "max_prompt_length": "GRPOTrainer 1.16 does not truncate prompts (grpo_trainer.py `_tokenize_prompts`); memfit "
+                         "takes the prompt length from `max_length` / `example_lengths`",
+    "use_liger_loss": "GRPOConfig 1.16 has no Liger loss: GRPOTrainer always scores completions with TRL's fused LM "
+                      "head (`add_fused_lm_head`), which never builds the [B, C, vocab] logits",
+}
+#: vllm_mode values of GRPOConfig in TRL 1.16 (grpo_config.py `vllm_mode`).
+VLLM_MODES = ("colocate", "server")
 #: packing_strategy values of SFTConfig in TRL 1.16 (sft_config.py `packing_strategy` choices).
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 
@@ -184,8 +210,9 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
     for key, value in data.items():
         if not isinstance(key, str):
             raise MemfitError(f"setting name `{key!r}` in {source} is not a string")
-        if trl_names and key in _TRL_REMOVED:  # TRL
-            notes.append(f"`{key}` in {source} is not a TRL 1.16 setting ({_TRL_REMOVED[key]}); ignored")
+        removed = _GRPO_REMOVED if trainer == "grpo" else _TRL_REMOVED
+        if trl_names and key in removed and key not in trl_names:  # TRL
+            notes.append(f"`{key}` in {source} is not a TRL 1.16 setting ({removed[key]}); ignored")
             continue
         if key in LEGACY_ARG_NAMES:
             new = LEGACY_ARG_NAMES[key]
@@ -365,10 +392,6 @@ class TrainSetup:
     non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on. TRL 1.16's SFTTrainer does
     not call it (trl/trainer/sft_trainer.py goes straight to `get_peft_model`; only TRL's experimental trainers call
     their own version, trl/experimental/utils.py, which freezes and checkpoints but casts nothing): False for those."""
-    kbit_use_gradient_checkpointing: bool = True
-    """`prepare_model_for_kbit_training(model, use_gradient_checkpointing=...)` (peft's default True turns gradient
-    checkpointing on); False leaves it to `gradient_checkpointing`, whose `gradient_checkpointing_kwargs` are the
-    ones peft passes on."""
     # -- Liger kernels and activation memory --
     use_liger_kernel: bool = False
     """Trainer's `use_liger_kernel`: `liger_kernel.transformers._apply_liger_kernel_to_instance` patches the model
@@ -401,6 +424,31 @@ class TrainSetup:
     """SFTConfig.assistant_only_loss: only assistant turns count in the loss."""
     precompute_ref_log_probs: bool = False
     """DPOConfig.precompute_ref_log_probs: the reference forward runs before training, not in each step."""
+    # -- GRPO: GRPOConfig's names and defaults (TRL 1.16 grpo_config.py), simulated by memfit.sim.grpo_steps --
+    num_generations: int = 8
+    """GRPOConfig.num_generations: completions sampled per prompt (at least 2; divides the generation batch)."""
+    max_completion_length: int = 512
+    """GRPOConfig.max_completion_length: new tokens per completion (the worst case: every completion this long).
+    The prompt length is `max_length` / `example_lengths` (GRPOTrainer 1.16 does not truncate prompts)."""
+    beta: float = 0.0
+    """GRPOConfig.beta: the KL coefficient; above 0 GRPOTrainer keeps a reference model (a second copy of the
+    weights; with peft the adapter is disabled instead) and scores the completions with it."""
+    steps_per_generation: int | None = None
+    """GRPOConfig.steps_per_generation: micro-steps served by one generation; None: gradient_accumulation_steps
+    (or generation_batch_size / per_device_train_batch_size)."""
+    generation_batch_size: int | None = None
+    """GRPOConfig.generation_batch_size: completions generated at once (per_device_train_batch_size x
+    steps_per_generation when None); not with steps_per_generation."""
+    num_iterations: int = 1
+    """GRPOConfig.num_iterations: optimizer passes over each generation batch (above 1: old log-probs are kept)."""
+    use_vllm: bool = False
+    """GRPOConfig.use_vllm: vLLM generates the completions (modelled by memfit.gpus.vllm, never imported)."""
+    vllm_mode: str = field(default="colocate", metadata={"choices": VLLM_MODES})
+    """GRPOConfig.vllm_mode: colocate (vLLM in the training process, on the same GPU) or server (other GPUs)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GRPOConfig.vllm_gpu_memory_utilization: the share of the GPU's total memory a colocated vLLM takes."""
+    vllm_enable_sleep_mode: bool = False
+    """GRPOConfig.vllm_enable_sleep_mode: vLLM sleeps (level 2: weights and KV cache released) outside generation."""
     compute_capability: tuple[int, int] = (8, 0)
     """Of the target GPU: decides the SDPA backend and whether bf16 is allowed."""
     notes: list[str] = field(default_factory=list)
@@ -509,6 +557,12 @@ class TrainSetup:
         return sum(sorted(self.example_lengths, reverse=True)[:b])
 
     @property
+    def grpo_sizes(self) -> tuple[int, int]:
+        """GRPO on one process: (steps_per_generation, generation_batch_size) as GRPOConfig derives them."""
+        return grpo_generation_sizes(self.per_device_train_batch_size, self.gradient_accumulation_steps,
+                                     self.steps_per_generation, self.generation_batch_size)
+
+    @property
     def effective_batch_size(self) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
@@ -543,7 +597,7 @@ class TrainSetup:
         for key in fields:
             if (key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES
                     and key != "quantization_config" and key not in trl_names
-                    and not (trl_names and key in _TRL_REMOVED)):
+                    and not (trl_names and key in (_GRPO_REMOVED if trainer == "grpo" else _TRL_REMOVED))):
                 raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
                                   "TrainSetup fields mirror TrainingArguments names")
         source = args_source or "the training arguments"
@@ -555,6 +609,14 @@ class TrainSetup:
             if key in base and base[key] != value and key != "model":
                 notes.append(f"`{key}` given twice: {value!r} overrides {base[key]!r} of {source}")
         merged = {**base, **over}
+        if trainer == "grpo":  # TRL's base config (trl/trainer/base_config.py) changes two TrainingArguments defaults
+            if "gradient_checkpointing" not in merged:
+                merged["gradient_checkpointing"] = True
+                notes.append("gradient checkpointing is on: GRPOConfig's default (TRL 1.16); "
+                             "`gradient_checkpointing=false` turns it off")
+            if "precision" not in merged:
+                merged["precision"] = "bf16"
+                notes.append("bf16 mixed precision: GRPOConfig's default when fp16 is not set (TRL 1.16)")
         if model is not None:
             if "model" in merged and merged["model"] != model:
                 notes.append(f"model `{model}` overrides `{merged['model']}` of {source}")
@@ -567,7 +629,7 @@ class TrainSetup:
         `trainer="sft"` / `"dpo"` with their max_length, packing, padding_free, ... unless `fields` say otherwise)."""
         kwargs = {name: getattr(args, name) for name in list(_ARG_TO_FIELD) + ["fp16", "bf16"] if hasattr(args, name)}
         trainer = fields.get("trainer") or _TRL_CONFIG_CLASSES.get(type(args).__name__)  # TRL
-        if trainer in ("sft", "dpo"):
+        if trainer in TRL_TRAINERS:
             kwargs["trainer"] = trainer
             for name in _TRL_READ[trainer]:
                 value = getattr(args, name, None)
@@ -596,12 +658,15 @@ def read_args_file(path: str | os.PathLike) -> dict[str, Any]:
 
 
 #: TRL config class name -> `trainer` (TRL); by name, so that TrainSetup does not import TRL.
-_TRL_CONFIG_CLASSES = {"SFTConfig": "sft", "DPOConfig": "dpo"}
+_TRL_CONFIG_CLASSES = {"SFTConfig": "sft", "DPOConfig": "dpo", "GRPOConfig": "grpo"}
 #: TRL config fields that are TrainSetup fields (read from an SFTConfig / DPOConfig object).
 _TRL_READ = {
     "sft": ("max_length", "packing", "packing_strategy", "padding_free", "completion_only_loss", "assistant_only_loss",
             "activation_offloading", "use_liger_kernel"),
     "dpo": ("max_length", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model", "use_liger_kernel"),
+    # generation_batch_size is left out: GRPOConfig.__post_init__ has derived both it and steps_per_generation
+    "grpo": ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
+             "use_liger_kernel"),
 }
 
 
@@ -625,12 +690,6 @@ def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str, tr
             continue
         if key in _TRL_NOT_MODELLED and value not in (None, False, "", [], {}, 0):  # TRL
             notes.append(f"`{key}` (TRL) is set but not modelled by memfit: the estimate is of a run without it")
-            continue
-        if key in ENGINE_ARG_NAMES:
-            if value not in (None, False, "", [], {}, 0) and key in ("deepspeed", "fsdp"):
-                notes.append(f"`{key}` chooses the multi-GPU engine, which a TrainSetup does not hold: pass "
-                             "`parallel=memfit.parallel.parallel_from_training_args(args, world_size=N)` to "
-                             "estimate() (the CLI reads it from --args)")
             continue
         if key in _NOT_MODELLED_ARGS and value not in (None, False, "", [], {}, 0):
             notes.append(f"`{key}` is set but not modelled by memfit: the estimate is of a run without it")
@@ -687,7 +746,6 @@ def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
     for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
                  "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep",
-                 "kbit_use_gradient_checkpointing",
                  "use_liger_kernel", "activation_offloading", "use_dora"):
         value = getattr(setup, name)
         if not isinstance(value, bool):
@@ -706,11 +764,8 @@ def _check_types(setup: "TrainSetup") -> None:
     if setup.example_lengths is not None and not isinstance(setup.example_lengths, (list, tuple)):
         raise MemfitError(f"`example_lengths` must be a list of token counts; got `{setup.example_lengths!r}`")
     mods = setup.lora_target_modules
-    if isinstance(mods, str):  # peft's `all-linear`, or a regex: peft takes a string as it is
-        setup.lora_target_modules = mods = [mods] if mods.lower() == "all-linear" else mods
-    elif mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
-        raise MemfitError(f"`lora_target_modules` must be a list of module names, `all-linear` or a regex; "
-                          f"got `{mods!r}`")
+    if mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
+        raise MemfitError(f"`lora_target_modules` must be a list of module names; got `{mods!r}`")
     cc = setup.compute_capability
     if not (isinstance(cc, (list, tuple)) and len(cc) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
                                                                   for x in cc)):
@@ -795,14 +850,12 @@ def _check_quantization(setup: "TrainSetup") -> None:
     mods = setup.llm_int8_skip_modules
     if mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
         raise MemfitError(f"`llm_int8_skip_modules` must be a list of module names; got `{mods!r}`")
-    if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep and setup.kbit_use_gradient_checkpointing \
-            and not setup.gradient_checkpointing:
+    if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep and not setup.gradient_checkpointing:
         # peft/utils/other.py prepare_model_for_kbit_training(use_gradient_checkpointing=True) calls
         # model.gradient_checkpointing_enable(); Trainer never turns it off (it only enables it when asked)
         setup.gradient_checkpointing = True
         setup.notes = [*setup.notes, "gradient checkpointing is on: peft's prepare_model_for_kbit_training, which "
-                       "quantized models get (kbit_prep), enables it by default; --no-kbit-use-gradient-checkpointing (peft's "
-                       "use_gradient_checkpointing=False) or --no-kbit-prep leaves it to you"]
+                       "quantized models get (kbit_prep), enables it by default; --no-kbit-prep leaves it to you"]
     if (setup.load_in_4bit or setup.load_in_8bit) and setup.lora_r is None and not setup.peft_config:
         # transformers 5.24 trainer_utils.validate_quantization_for_training, called by Trainer.__init__
         raise MemfitError("a quantized model (`load_in_4bit`/`load_in_8bit`) cannot be fine-tuned without adapters: "
@@ -899,3 +952,62 @@ def _check_trl(setup: "TrainSetup") -> None:
     elif setup.padding_free and setup.trainer != "sft":
         raise MemfitError(f"`padding_free` is an SFTTrainer setting but trainer is `{setup.trainer}`; "
                           "pass `trainer='sft'` (`--trainer sft`)")
+    _check_grpo(setup)
+
+
+def grpo_generation_sizes(per_device_train_batch_size: int, gradient_accumulation_steps: int,
+                          steps_per_generation: int | None, generation_batch_size: int | None,
+                          num_processes: int = 1) -> tuple[int, int]:
+    """(steps_per_generation, generation_batch_size) as GRPOConfig.__post_init__ (TRL 1.16 grpo_config.py) derives
+    them, or a MemfitError where it raises ValueError. `generation_batch_size` counts completions of all processes."""
+    global_batch = per_device_train_batch_size * num_processes
+    if generation_batch_size is None and steps_per_generation is None:
+        return gradient_accumulation_steps, global_batch * gradient_accumulation_steps
+    if generation_batch_size is not None and steps_per_generation is None:
+        if generation_batch_size % global_batch != 0:
+            raise MemfitError(f"generation_batch_size `{generation_batch_size}` must be divisible by the global batch "
+                              f"size ({per_device_train_batch_size} x {num_processes} processes = {global_batch}), as "
+                              f"GRPOConfig requires; use a multiple of {global_batch}")
+        return generation_batch_size // global_batch, generation_batch_size
+    if generation_batch_size is None:
+        return steps_per_generation, global_batch * steps_per_generation
+    raise MemfitError(f"generation_batch_size `{generation_batch_size}` and steps_per_generation "
+                      f"`{steps_per_generation}` are both set; GRPOConfig takes only one of them: drop one")
+
+
+def _check_grpo(setup: "TrainSetup") -> None:
+    """GRPO: the GRPOConfig values, and what GRPOConfig.__post_init__ (TRL 1.16) refuses, as one-line errors."""
+    if setup.trainer != "grpo":
+        if setup.use_vllm:
+            raise MemfitError(f"`use_vllm` is a GRPOTrainer setting but trainer is `{setup.trainer}`; "
+                              "pass `trainer='grpo'` (`--trainer grpo`)")
+        return
+    for name in ("num_generations", "max_completion_length", "num_iterations"):
+        _positive_int(name, getattr(setup, name))
+    for name in ("steps_per_generation", "generation_batch_size"):
+        if getattr(setup, name) is not None:
+            _positive_int(name, getattr(setup, name))
+    for name in ("use_vllm", "vllm_enable_sleep_mode"):
+        if not isinstance(getattr(setup, name), bool):
+            raise MemfitError(f"`{name}` must be true or false; got `{getattr(setup, name)!r}`")
+    b = setup.beta
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
+        raise MemfitError(f"`beta` must be a finite number >= 0 (GRPOConfig's KL coefficient); got `{b!r}`")
+    if setup.vllm_mode not in VLLM_MODES:
+        raise MemfitError(f"vllm_mode `{setup.vllm_mode}` must be `colocate` or `server` (GRPOConfig, TRL 1.16)")
+    u = setup.vllm_gpu_memory_utilization
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+        raise MemfitError(f"vllm_gpu_memory_utilization `{u!r}` must be a share of the GPU in (0, 1], e.g. 0.3")
+    if setup.num_generations < 2:
+        # GRPOConfig.__post_init__: "GRPO requires at least 2 generations per prompt to calculate the advantages"
+        raise MemfitError(f"num_generations `{setup.num_generations}` is below 2: GRPO needs at least 2 completions "
+                          "per prompt for its advantages; use `num_generations=2` or more")
+    _, gen = grpo_generation_sizes(setup.per_device_train_batch_size, setup.gradient_accumulation_steps,
+                                   setup.steps_per_generation, setup.generation_batch_size)
+    if gen % setup.num_generations != 0:
+        raise MemfitError(f"the generation batch of {gen} completions (per_device_train_batch_size x "
+                          f"steps_per_generation) is not divisible by num_generations `{setup.num_generations}`, as "
+                          f"GRPOConfig requires (whole prompt groups); make it a multiple of {setup.num_generations}")
+    if setup.does_eval and setup.per_device_eval_batch_size % setup.num_generations != 0:
+        raise MemfitError(f"per_device_eval_batch_size `{setup.per_device_eval_batch_size}` is not divisible by "
+                          f"num_generations `{setup.num_generations}`, as GRPOConfig requires for evaluation")

@@ -13,7 +13,7 @@ from memfit.errors import MemfitError
 from memfit.parallel.setup import STRATEGIES, ParallelSetup
 from memfit.train_setup import (ATTN_IMPLEMENTATIONS, BNB_4BIT_QUANT_TYPES, EVAL_STRATEGIES, HUB_FLASH_KERNELS,
                                 OPTIMIZERS, PACKING_STRATEGIES, PRECISIONS, QUANT_STORAGE_DTYPES, TRAINERS,
-                                TRL_TRAINERS, TrainSetup)
+                                TRL_TRAINERS, VLLM_MODES, TrainSetup)
 
 #: TrainSetup fields with no flag, and why (a new field either gets a flag or is added here with its reason).
 INTERNAL = {
@@ -45,7 +45,7 @@ CHOICES = {"precision": PRECISIONS, "weights_dtype": ("auto", *PRECISIONS), "opt
            "eval_strategy": EVAL_STRATEGIES, "attn_implementation": (*ATTN_IMPLEMENTATIONS, *HUB_FLASH_KERNELS),
            "bnb_4bit_quant_type": BNB_4BIT_QUANT_TYPES, "bnb_4bit_compute_dtype": PRECISIONS,
            "bnb_4bit_quant_storage": QUANT_STORAGE_DTYPES, "trainer": TRAINERS, "packing_strategy": PACKING_STRATEGIES,
-           "packing": PACKING_STRATEGIES, "strategy": STRATEGIES}
+           "packing": PACKING_STRATEGIES, "strategy": STRATEGIES, "vllm_mode": VLLM_MODES}
 
 
 def _verb_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -61,6 +61,9 @@ _CLS_FLAGS = ("text_column", "label_column", "num_labels")
 def check_trl_flags(args: argparse.Namespace) -> str:
     """The trainer `args` asks for (`trainer`, `sft`, `dpo`), or a MemfitError for a flag of another trainer."""
     trainer = getattr(args, "trainer", None) or "trainer"
+    if trainer == "grpo":  # GRPO needs reward functions, which a data file alone does not give
+        raise MemfitError("`memfit train --trainer grpo` is not supported: GRPOTrainer needs reward functions; run "
+                          "`memfit estimate --trainer grpo` for its memory")
     for dest, owner in _TRL_FLAGS.items():
         value = getattr(args, dest, None)
         if value is None or (value is False and trainer == "trainer"):  # `--no-...` asks for nothing here

@@ -20,6 +20,11 @@ this file:
   the upper bound, equal when every label counts (no completion-only / assistant-only masking).
 - `trl.data_utils._tokenize`: how SFTTrainer / DPOTrainer tokenize one example (the chat template for a
   list of messages, the tokenizer's call for text), for memfit's token lengths of a JSONL file.
+- GRPOTrainer (memfit.sim.grpo_steps): `GRPOTrainer._get_per_token_logps_and_entropies` (the real method, on a
+  stand-in for the trainer holding the one attribute it reads, `accelerator.autocast`), `trl.trainer.utils
+  .shuffle_sequence_dict` / `split_tensor_dict` (the generation buffer), `trl.models.utils
+  .disable_gradient_checkpointing` (around generation and scoring). GRPOTrainer asks the fused head for
+  `("log_probs", "entropy")` (grpo_trainer.py `__init__`), its reference model for the default.
 - trainer attributes read by preflight: `SFTTrainer.padding_free` (bfd packing implies it),
   `SFTTrainer.completion_only_loss`, `DPOTrainer.ref_model`, `DPOTrainer.precompute_ref_logps`.
 """
@@ -27,15 +32,45 @@ this file:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["tokenize", "add_fused_lm_head", "cuda_kernels", "trainer_kind", "sft_state", "dpo_state", "dpo_example_lengths",
-           "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS"]
+           "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS", "GRPO_FUSED_OUTPUTS", "grpo_log_probs", "shuffle_sequence_dict",
+           "split_tensor_dict", "disable_gradient_checkpointing"]
 
 #: `outputs=` of add_fused_lm_head in SFTTrainer.__init__ and DPOTrainer.__init__ (TRL 1.16).
 SFT_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 DPO_FUSED_OUTPUTS = ("log_probs",)
+GRPO_FUSED_OUTPUTS = ("log_probs", "entropy")
+
+
+def grpo_log_probs(trainer_view: Any, model: Any, *args: Any, **kwargs: Any):
+    """`GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, ...)`."""
+    from trl import GRPOTrainer
+
+    # the method without TRL's `profiling_decorator` (a timer that reads the trainer's state and arguments)
+    method = inspect.unwrap(GRPOTrainer._get_per_token_logps_and_entropies)
+    return method(trainer_view, model, *args, **kwargs)
+
+
+def shuffle_sequence_dict(batch: dict) -> dict:
+    from trl.trainer.utils import shuffle_sequence_dict as _shuffle
+
+    return _shuffle(batch)
+
+
+def split_tensor_dict(batch: dict, chunks: int) -> list[dict]:
+    from trl.trainer.utils import split_tensor_dict as _split
+
+    return _split(batch, chunks)
+
+
+def disable_gradient_checkpointing(model: Any, kwargs: dict | None):
+    from trl.models.utils import disable_gradient_checkpointing as _off
+
+    return _off(model, kwargs)
 
 
 def add_fused_lm_head(model: Any, outputs: tuple[str, ...]) -> None:

@@ -558,7 +558,8 @@ class _Runner:
                 self.tracker.phase = "forward"
                 self.replay(first, last)
                 self.optimizer_step()
-            held = self.evaluate() if s.does_eval and not optimizer_only else 0
+            # GRPO's evaluation generates too (GRPOTrainer.prediction_step): not simulated (trl_steps.notes says so)
+            held = self.evaluate() if s.does_eval and not optimizer_only and s.trainer != "grpo" else 0
             trace = [e for e in self.tracker.trace() if e.category not in ("host", "paged")]
             paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
         params = {id(p): p for p in self.model.parameters()}

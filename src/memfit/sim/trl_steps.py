@@ -66,7 +66,7 @@ VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 def wants_splice(setup: Any) -> bool:
     """Layer splicing stands the cut model for the full one; DPO's reference forward runs a second model
     whose events the splice would not tag, so DPO is simulated on the full model."""
-    return setup.trainer != "dpo"
+    return setup.trainer not in ("dpo", "grpo")  # GRPO: the reference, and generation's cache per layer
 
 
 def notes(setup: Any) -> list[str]:
@@ -91,7 +91,7 @@ def liger_config(setup: Any) -> dict | None:
     `fused_linear_cross_entropy=False` (Liger's fused loss would replace the forward that carries TRL's fused LM
     head, so only Liger's layer kernels apply) and raise ValueError when it is asked for; the same here."""
     config = setup.liger_kernel_config
-    if setup.trainer not in ("sft", "dpo"):
+    if setup.trainer not in ("sft", "dpo", "grpo"):  # GRPOTrainer.__init__ refuses it the same way
         return config
     config = dict(config or {})
     if config.get("fused_linear_cross_entropy"):
@@ -102,16 +102,12 @@ def liger_config(setup: Any) -> dict | None:
 
 def prepare_model(model: nn.Module, setup: Any) -> None:
     """TRL's fused LM head on the (meta) model, before peft wraps it, as SFTTrainer / DPOTrainer do."""
-    if setup.trainer != "trainer":
-        try:
-            import trl  # noqa: F401 - the first use of TRL in a simulation: a hint instead of a traceback
-        except ImportError as err:
-            raise MemfitError(f"`--trainer {setup.trainer}` simulates TRL's trainer, and TRL is not installed: "
-                              "`pip install trl` (or memfit's `llm` extra: `pip install 'memfit[llm]'`)") from err
     if setup.trainer == "sft":
         trl_adapter.add_fused_lm_head(model, trl_adapter.SFT_FUSED_OUTPUTS)
     elif setup.trainer == "dpo":
         trl_adapter.add_fused_lm_head(model, trl_adapter.DPO_FUSED_OUTPUTS)
+    elif setup.trainer == "grpo":
+        trl_adapter.add_fused_lm_head(model, trl_adapter.GRPO_FUSED_OUTPUTS)
 
 
 def kernels(setup: Any):
@@ -124,14 +120,18 @@ def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     adapter-disabled model is the reference, or with precomputed reference log-probs)."""
     # trl/trainer/dpo_trainer.py DPOTrainer.__init__: `if is_peft_model(self.model) or precompute_ref_log_probs:
     # self.ref_model = None` -- any peft method (LoRA or a `peft_config`), not only LoRA
-    if setup.trainer != "dpo" or setup.precompute_ref_log_probs or setup.lora_r is not None or setup.peft_config:
+    # grpo_trainer.py GRPOTrainer.__init__: no reference when `beta == 0.0` or when the model is a peft model
+    if setup.trainer == "grpo":
+        if setup.beta == 0.0 or setup.lora_r is not None or setup.peft_config:
+            return None
+    elif setup.trainer != "dpo" or setup.precompute_ref_log_probs or setup.lora_r is not None or setup.peft_config:
         return None
     from memfit.models.build import build_meta_model
 
     ref = build_meta_model(setup, spec)
     ref.requires_grad_(False)
     ref.eval()  # DPOTrainer: accelerator.prepare_model(ref_model, evaluation_mode=True), dropout disabled
-    trl_adapter.add_fused_lm_head(ref, trl_adapter.DPO_FUSED_OUTPUTS)
+    trl_adapter.add_fused_lm_head(ref, trl_adapter.DPO_FUSED_OUTPUTS)  # GRPO's reference: the default outputs too
     return ref
 
 
@@ -222,6 +222,10 @@ def _forward(runner: Any, model: nn.Module, kwargs: dict[str, Any]):
 def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     """The loss of one TRL micro-step (forward phase), and the index of the first record after the batch."""
     s = runner.setup
+    if s.trainer == "grpo":  # generation, scoring and the GRPO loss: memfit.sim.grpo_steps
+        from memfit.sim import grpo_steps
+
+        return grpo_steps.micro_loss(runner)
     if s.trainer == "sft":
         tensors, kwargs = sft_batch(s)
     elif s.trainer == "dpo":

@@ -1,0 +1,258 @@
+"""TRL's GRPOTrainer (memfit.sim.grpo_steps): GRPOConfig's names and derived sizes against the installed TRL, the
+generation phase against transformers' real `generate` measured by memfit's tracker on real CPU tensors, the whole
+step on real tensors against FakeTensors, and the closed forms (KV cache, reference copy, vLLM's share)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
+
+import torch  # noqa: E402
+from helpers import like_fake, trace_key  # noqa: E402
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from memfit import TrainSetup, estimate  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.gpus.catalog import as_gpu_spec  # noqa: E402
+from memfit.peaks import peaks  # noqa: E402
+from memfit.sim import grpo_steps  # noqa: E402
+from memfit.sim.engine import simulate  # noqa: E402
+from memfit.sim.tracker import StorageTracker  # noqa: E402
+from memfit.train_setup import TRAINING_ARGS_NAMES, TRL_CONFIG_NAMES, grpo_generation_sizes  # noqa: E402
+
+
+def _llama(kv_heads: int = 2, layers: int = 2) -> LlamaConfig:
+    """A tiny Llama; no tokenizer: the token ids are made up (pad 0, bos 1, eos 2)."""
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2, max_position_embeddings=512)
+
+
+LLAMA = _llama()
+
+
+def _setup(**kw) -> TrainSetup:
+    base = dict(model=LLAMA, task="causal-lm", trainer="grpo", per_device_train_batch_size=4,
+                gradient_accumulation_steps=2, num_generations=4, max_length=16, max_completion_length=24,
+                optim="adamw_torch", attn_implementation="sdpa")
+    return TrainSetup(**{**base, **kw})
+
+
+# -- settings ----------------------------------------------------------------------------------------
+
+def test_grpo_config_names_match_installed_trl():
+    from trl import GRPOConfig
+
+    assert TRL_CONFIG_NAMES["grpo"] == {f.name for f in dataclasses.fields(GRPOConfig)} - TRAINING_ARGS_NAMES
+
+
+@pytest.mark.parametrize("kw", [dict(per_device_train_batch_size=8, gradient_accumulation_steps=1),
+                                dict(per_device_train_batch_size=4, gradient_accumulation_steps=4),
+                                dict(per_device_train_batch_size=4, steps_per_generation=3),
+                                dict(per_device_train_batch_size=2, generation_batch_size=16),
+                                dict(per_device_train_batch_size=4, generation_batch_size=6),
+                                dict(per_device_train_batch_size=4, generation_batch_size=8, steps_per_generation=2)])
+def test_generation_sizes_as_grpo_config_derives_them(kw, tmp_path):
+    """steps_per_generation / generation_batch_size as GRPOConfig.__post_init__ (TRL 1.16) derives them; where
+    it raises ValueError, memfit raises its one-line error."""
+    from trl import GRPOConfig
+
+    args = {"gradient_accumulation_steps": 1, "num_generations": 2, **kw}
+    try:
+        cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **args)
+    except ValueError:
+        with pytest.raises(MemfitError) as err:
+            grpo_generation_sizes(args["per_device_train_batch_size"], args["gradient_accumulation_steps"],
+                                  args.get("steps_per_generation"), args.get("generation_batch_size"))
+        assert "\n" not in str(err.value)
+        return
+    assert grpo_generation_sizes(args["per_device_train_batch_size"], args["gradient_accumulation_steps"],
+                                 args.get("steps_per_generation"), args.get("generation_batch_size")) == \
+        (cfg.steps_per_generation, cfg.generation_batch_size)
+
+
+def test_grpo_config_object_is_read(tmp_path):
+    from trl import GRPOConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                      steps_per_generation=2, max_completion_length=64, beta=0.04, use_vllm=True,
+                      vllm_gpu_memory_utilization=0.5)
+    s = TrainSetup.from_training_args(args, model=LLAMA)
+    assert (s.trainer, s.num_generations, s.max_completion_length, s.beta, s.grpo_sizes) == ("grpo", 4, 64, 0.04, (2, 8))
+    assert s.use_vllm and s.vllm_gpu_memory_utilization == 0.5
+    # GRPOConfig's own defaults (TRL 1.16): bf16 and gradient checkpointing on
+    assert s.precision == "bf16" and s.gradient_checkpointing
+
+
+def test_grpo_args_file_names_and_trl_defaults():
+    s = TrainSetup.from_kwargs(LLAMA, training_args={"trainer": "grpo", "temperature": 0.7, "loss_type": "dapo",
+                                                     "max_prompt_length": 128, "use_liger_loss": True})
+    assert s.gradient_checkpointing and s.precision == "bf16"  # GRPOConfig's defaults, with notes
+    assert any("max_prompt_length" in n and "ignored" in n for n in s.notes)
+    assert any("use_liger_loss" in n and "fused LM head" in n for n in s.notes)
+    with pytest.raises(MemfitError, match="did you mean `num_generations`"):
+        TrainSetup.from_kwargs(LLAMA, training_args={"trainer": "grpo", "num_generation": 4})
+    with pytest.raises(MemfitError, match="GRPOConfig setting; say which trainer"):
+        TrainSetup.from_kwargs(LLAMA, training_args={"vllm_server_port": 8000})
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(num_generations=3), "not divisible by num_generations `3`"),
+    (dict(num_generations=1), "num_generations `1` is below 2"),
+    (dict(generation_batch_size=6), "generation_batch_size `6` must be divisible"),
+    (dict(generation_batch_size=8, steps_per_generation=2), "both set"),
+    (dict(vllm_gpu_memory_utilization=1.2), "vllm_gpu_memory_utilization `1.2`"),
+    (dict(vllm_mode="remote"), "vllm_mode `remote`"),
+    (dict(beta=-0.1), "`beta` must be"),
+    (dict(trainer="sft", use_vllm=True), "`use_vllm` is a GRPOTrainer setting"),
+])
+def test_bad_grpo_input_is_one_line(kw, fragment):
+    with pytest.raises(MemfitError) as err:
+        _setup(**kw)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_memfit_train_refuses_grpo():
+    import argparse
+
+    from memfit.commands.train_trl import check_trl_flags
+
+    with pytest.raises(MemfitError, match="not supported.*memfit estimate --trainer grpo"):
+        check_trl_flags(argparse.Namespace(trainer="grpo"))
+
+
+# -- generation: memfit against transformers' generate on real tensors ------------------------------------
+
+def _measured(fn, model) -> tuple[int, list]:
+    """Peak bytes `fn` adds above the model's weights, on real CPU tensors under memfit's tracker; its trace."""
+    tr = StorageTracker()
+    with tr:
+        for t in list(model.parameters()) + list(model.buffers()):
+            tr.register(t, "weights")
+        first = len(tr.events)
+        fn(tr)
+    trace = tr.trace()[first:]
+    return peaks(trace, round_to=1).overall.bytes, trace
+
+
+@pytest.mark.parametrize("kv_heads, g, p, c", [(2, 8, 16, 40), (4, 8, 16, 40), (1, 4, 8, 96)])
+def test_generation_matches_transformers_generate(kv_heads, g, p, c):
+    """GRPO's generation phase: memfit's prefill + last decode step on a grown cache against transformers'
+    `generate` run for all `c` tokens as GRPOTrainer calls it (do_sample, TRL's defaults, EOS ids), measured by
+    memfit's tracker on real CPU tensors: the peak above the weights within 0.5%."""
+    config = _llama(kv_heads)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # GRPOTrainer.__init__'s generation config (grpo_trainer.py), with the tiny model's special ids
+    gen = GenerationConfig(max_new_tokens=c, do_sample=True, pad_token_id=0, bos_token_id=1, eos_token_id=[2],
+                           temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+                           cache_implementation=None, disable_compile=True)
+    shape = {}
+
+    def real(tr):
+        ids = torch.randint(3, 256, (g, p))
+        mask = torch.ones(g, p, dtype=torch.long)
+        mask[-1, :1] = 0  # left-padded prompts of different lengths
+        tr.register(ids, "inputs")
+        tr.register(mask, "inputs")
+        with torch.no_grad():
+            shape["out"] = tuple(model.generate(input_ids=ids, attention_mask=mask, generation_config=gen).shape)
+
+    def predicted(tr):
+        runner = types.SimpleNamespace(model=model, low=None, tracker=tr, checkpointing=None, setup=None)
+        grpo_steps.generation(runner, g, p, c)
+
+    measured, _ = _measured(real, model)
+    assert shape["out"] == (g, p + c)  # no sequence stopped early (the worst case memfit predicts)
+    ours, trace = _measured(predicted, model)
+    assert abs(ours - measured) <= 0.005 * measured, (ours, measured)
+    # the closed form: 2 x layers x kv_heads x head_dim x tokens x batch x bytes, tokens = P + C - 1 at the end
+    layer = g * kv_heads * (64 // 4) * (p + c - 1) * 4
+    final = [ev for ev in trace if ev.action == "alloc" and ev.size_bytes == layer]
+    assert len(final) == 2 * config.num_hidden_layers
+    assert sum(ev.size_bytes for ev in final) == grpo_steps.kv_cache_bytes(config, sequences=g, tokens=p + c - 1,
+                                                                           dtype_bytes=4)
+
+
+# -- the whole step: real tensors against FakeTensors ------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(beta=0.04), dict(beta=0.04, lora_r=4), dict(use_vllm=True),
+                                dict(gradient_accumulation_steps=1, steps_per_generation=2)],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "default")
+def test_grpo_step_on_real_tensors_matches_fake(kw):
+    """Generation, scoring, forward, backward and optimizer of GRPO on real (zero) CPU tensors and on FakeTensors:
+    the same trace, event for event (as tests/sim/test_trl.py checks SFT and DPO)."""
+    setup = _setup(**kw)
+    with like_fake():
+        real = simulate(setup, fake=False, splice=False)
+    fake = simulate(setup, fake=True, splice=False)
+    a, b = trace_key(real.trace), trace_key(fake.trace)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert a == b, f"first difference at event {first}: real {a[first:first + 3]} fake {b[first:first + 3]}"
+    phases = {ev.phase for ev in fake.trace}
+    assert ("generation" in phases) != bool(kw.get("use_vllm")) and "scoring" in phases
+
+
+def test_old_log_probs_only_when_trl_computes_them():
+    """GRPOTrainer computes old log-probs when gradient_accumulation_steps % (steps_per_generation x
+    num_iterations) != 0, or with vLLM (its importance sampling correction)."""
+    assert not grpo_steps.needs_old_log_probs(_setup())
+    assert grpo_steps.needs_old_log_probs(_setup(num_iterations=2))
+    assert grpo_steps.needs_old_log_probs(_setup(gradient_accumulation_steps=1, steps_per_generation=2))
+    assert grpo_steps.needs_old_log_probs(_setup(use_vllm=True))
+
+
+# -- closed forms in the estimate ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reports():
+    out = {}
+    for name, kw in (("beta0", dict(beta=0.0)), ("beta", dict(beta=0.04)), ("beta_lora", dict(beta=0.04, lora_r=4)),
+                     ("lora", dict(beta=0.0, lora_r=4)), ("vllm", dict(use_vllm=True)),
+                     ("sleep", dict(use_vllm=True, vllm_enable_sleep_mode=True))):
+        out[name] = estimate(_setup(**kw), gpu="A100-80GB")
+    return out
+
+
+def test_beta_zero_drops_exactly_one_copy_of_the_weights(reports):
+    weights_bytes = sum(p.numel() * p.element_size() for p in LlamaForCausalLM(LLAMA).parameters())
+    ref = reports["beta"].phase_breakdowns["forward"]["weights"] - reports["beta0"].phase_breakdowns["forward"]["weights"]
+    assert abs(ref - weights_bytes) <= 512 * 32  # each tensor rounded up to 512 bytes
+    assert reports["beta"].rl["reference_copy"] and not reports["beta0"].rl["reference_copy"]
+    # peft: the adapter disabled is the reference, no copy
+    assert reports["beta_lora"].phase_breakdowns["forward"]["weights"] == \
+        reports["lora"].phase_breakdowns["forward"]["weights"]
+    assert not reports["beta_lora"].rl["reference_copy"]
+
+
+def test_vllm_share_is_utilization_times_total(reports):
+    total = as_gpu_spec("A100-80GB").total_bytes
+    v = reports["vllm"].rl["vllm"]
+    assert v["generation_bytes"] == v["training_bytes"] == int(0.3 * total)
+    # the training step has what remains of the card; nvidia-smi shows the share too
+    assert reports["vllm"].capacity_bytes == total - reports["vllm"].non_pytorch_bytes - int(0.3 * total)
+    assert reports["vllm"].device_used_bytes == (reports["vllm"].peak_reserved_bytes + reports["vllm"].non_pytorch_bytes
+                                                 + int(0.3 * total))
+    assert "generation" not in reports["vllm"].phases  # vLLM generates, not the training model
+    # sleep mode (level 2): nothing held while training, the share back while generating
+    s = reports["sleep"].rl["vllm"]
+    assert s["training_bytes"] == 0 and s["sleep_level"] == 2
+    assert reports["sleep"].capacity_bytes == total - reports["sleep"].non_pytorch_bytes
+    assert s["device_used_at_generation_bytes"] == (s["training_held_at_generation_bytes"]
+                                                   + reports["sleep"].non_pytorch_bytes + int(0.3 * total))
+
+
+def test_generation_rows_in_the_report(reports):
+    r = reports["beta0"]
+    assert r.phases["generation"] > 0 and r.phases["scoring"] > 0
+    assert r.rl["generation_batch_size"] == 8 and r.rl["steps_per_generation"] == 2
+    assert r.rl["kv_cache_bytes"] == grpo_steps.kv_cache_bytes(LLAMA, sequences=8, tokens=16 + 24 - 1, dtype_bytes=4)
+
+
+def test_vllm_share_too_small_for_the_weights_does_not_fit():
+    r = estimate(_setup(use_vllm=True, vllm_gpu_memory_utilization=1e-6), gpu="A100-80GB")
+    assert r.fits is False and any("vLLM fails at start-up" in n for n in r.notes)
