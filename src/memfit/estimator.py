@@ -335,6 +335,10 @@ def estimate(
     key = None
     if parallel is not None:  # multi-GPU: not in the cache's key, so not cached
         cache = False
+    zero = getattr(parallel, "zero", None) if getattr(parallel, "strategy", "").startswith("zero") else None
+    if zero is not None and zero.dtype != "fp32" and setup.precision != zero.dtype:
+        # DeepSpeed trains in its config's dtype (memfit.parallel.deepspeed_rules decides it from every source)
+        setup = setup.replace(precision=zero.dtype)
     if cache and not (isinstance(gpu, str) and gpu.strip().lower() == "auto"):
         from memfit import cache as _cache
 
@@ -417,10 +421,14 @@ def estimate(
     if required is not None and not bounded.required_exact:
         notes.append(f"the smallest capacity was not narrowed to {RESOLUTION_BYTES // 2**20} MiB (or 1/256) within the "
                      "bound on allocator replays; `required_bytes` is one at which the run completes")
-    if setup.weights_dtype == "auto" and sim.weights_dtype != "float32":
+    if zero is not None and zero.dtype != "fp32":
+        notes.append(f"weights are {sim.weights_dtype}: DeepSpeed casts the model to its config's {zero.dtype} "
+                     "(engine `_configure_distributed_model`) and scales fp16 losses with its own loss scaler, "
+                     "not torch's GradScaler")
+    elif setup.weights_dtype == "auto" and sim.weights_dtype != "float32":
         notes.append(f"weights are {sim.weights_dtype}, the dtype transformers 5 `from_pretrained` loads this "
                      "checkpoint in by default (dtype='auto'); pass --weights-dtype fp32 if you load in fp32")
-    if sim.weights_dtype == "float16" and setup.precision == "fp16":
+    if sim.weights_dtype == "float16" and setup.precision == "fp16" and zero is None:
         notes.append("fp16 weights with fp16 mixed precision: a real run stops at the first optimizer step "
                      "(GradScaler: 'Attempting to unscale FP16 gradients'); load the model in fp32 "
                      "(--weights-dtype fp32) or use bf16")

@@ -101,8 +101,10 @@ LEGACY_ARG_NAMES = {
 }
 
 #: TrainingArguments settings that change GPU memory but that memfit does not simulate: a note when set.
-_NOT_MODELLED_ARGS = ("deepspeed", "fsdp", "torch_compile", "auto_find_batch_size",
-                      "torch_empty_cache_steps")
+_NOT_MODELLED_ARGS = ("torch_compile", "auto_find_batch_size", "torch_empty_cache_steps")
+#: TrainingArguments names that choose or configure the multi-GPU engine: memfit.parallel reads them
+#: (`parallel_from_training_args`, the CLI's `--args`), not TrainSetup.
+ENGINE_ARG_NAMES = ("deepspeed", "fsdp", "fsdp_config", "ddp_bucket_cap_mb", "accelerator_config")
 
 # -- TRL ---------------------------------------------------------------------------------------
 #: `trainer` values: transformers' Trainer, TRL's SFTTrainer, DPOTrainer and GRPOTrainer.
@@ -392,6 +394,10 @@ class TrainSetup:
     non-quantized fp16/bf16 parameters to float32 and turns gradient checkpointing on. TRL 1.16's SFTTrainer does
     not call it (trl/trainer/sft_trainer.py goes straight to `get_peft_model`; only TRL's experimental trainers call
     their own version, trl/experimental/utils.py, which freezes and checkpoints but casts nothing): False for those."""
+    kbit_use_gradient_checkpointing: bool = True
+    """`prepare_model_for_kbit_training(model, use_gradient_checkpointing=...)` (peft's default True turns gradient
+    checkpointing on); False leaves it to `gradient_checkpointing`, whose `gradient_checkpointing_kwargs` are the
+    ones peft passes on."""
     # -- Liger kernels and activation memory --
     use_liger_kernel: bool = False
     """Trainer's `use_liger_kernel`: `liger_kernel.transformers._apply_liger_kernel_to_instance` patches the model
@@ -691,6 +697,12 @@ def _merge_arg_values(data: dict[str, Any], notes: list[str], *, source: str, tr
         if key in _TRL_NOT_MODELLED and value not in (None, False, "", [], {}, 0):  # TRL
             notes.append(f"`{key}` (TRL) is set but not modelled by memfit: the estimate is of a run without it")
             continue
+        if key in ENGINE_ARG_NAMES:
+            if value not in (None, False, "", [], {}, 0) and key in ("deepspeed", "fsdp"):
+                notes.append(f"`{key}` chooses the multi-GPU engine, which a TrainSetup does not hold: pass "
+                             "`parallel=memfit.parallel.parallel_from_training_args(args, world_size=N)` to "
+                             "estimate() (the CLI reads it from --args)")
+            continue
         if key in _NOT_MODELLED_ARGS and value not in (None, False, "", [], {}, 0):
             notes.append(f"`{key}` is set but not modelled by memfit: the estimate is of a run without it")
             continue
@@ -746,6 +758,7 @@ def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
     for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
                  "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep",
+                 "kbit_use_gradient_checkpointing",
                  "use_liger_kernel", "activation_offloading", "use_dora"):
         value = getattr(setup, name)
         if not isinstance(value, bool):
@@ -764,8 +777,11 @@ def _check_types(setup: "TrainSetup") -> None:
     if setup.example_lengths is not None and not isinstance(setup.example_lengths, (list, tuple)):
         raise MemfitError(f"`example_lengths` must be a list of token counts; got `{setup.example_lengths!r}`")
     mods = setup.lora_target_modules
-    if mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
-        raise MemfitError(f"`lora_target_modules` must be a list of module names; got `{mods!r}`")
+    if isinstance(mods, str):  # peft's `all-linear`, or a regex: peft takes a string as it is
+        setup.lora_target_modules = mods = [mods] if mods.lower() == "all-linear" else mods
+    elif mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
+        raise MemfitError(f"`lora_target_modules` must be a list of module names, `all-linear` or a regex; "
+                          f"got `{mods!r}`")
     cc = setup.compute_capability
     if not (isinstance(cc, (list, tuple)) and len(cc) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
                                                                   for x in cc)):
@@ -850,12 +866,14 @@ def _check_quantization(setup: "TrainSetup") -> None:
     mods = setup.llm_int8_skip_modules
     if mods is not None and (not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods)):
         raise MemfitError(f"`llm_int8_skip_modules` must be a list of module names; got `{mods!r}`")
-    if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep and not setup.gradient_checkpointing:
+    if (setup.load_in_4bit or setup.load_in_8bit) and setup.kbit_prep and setup.kbit_use_gradient_checkpointing \
+            and not setup.gradient_checkpointing:
         # peft/utils/other.py prepare_model_for_kbit_training(use_gradient_checkpointing=True) calls
         # model.gradient_checkpointing_enable(); Trainer never turns it off (it only enables it when asked)
         setup.gradient_checkpointing = True
         setup.notes = [*setup.notes, "gradient checkpointing is on: peft's prepare_model_for_kbit_training, which "
-                       "quantized models get (kbit_prep), enables it by default; --no-kbit-prep leaves it to you"]
+                       "quantized models get (kbit_prep), enables it by default; --no-kbit-use-gradient-checkpointing (peft's "
+                       "use_gradient_checkpointing=False) or --no-kbit-prep leaves it to you"]
     if (setup.load_in_4bit or setup.load_in_8bit) and setup.lora_r is None and not setup.peft_config:
         # transformers 5.24 trainer_utils.validate_quantization_for_training, called by Trainer.__init__
         raise MemfitError("a quantized model (`load_in_4bit`/`load_in_8bit`) cannot be fine-tuned without adapters: "

@@ -294,6 +294,34 @@ def _example_text(report) -> str:
     return f"{media['audio_seconds']:g} s clip{positions}{labels}"
 
 
+def rl_lines(report) -> list[str]:
+    """GRPO: the generation batch, the KV cache of generate, the reference copy, vLLM's share."""
+    rl = getattr(report, "rl", None)
+    if not rl:
+        return []
+    out = [f"GRPO: {rl['generation_batch_size']} completions generated at once ({rl['num_generations']} per prompt), "
+           f"{rl['steps_per_generation']} micro-steps per generation, prompts {rl['prompt_tokens']} + completions "
+           f"{rl['completion_tokens']} tokens; reference copy of the weights: {'yes' if rl['reference_copy'] else 'no'}"
+           f"; old log-probs kept: {'yes' if rl['old_log_probs'] else 'no'}"]
+    if rl.get("kv_cache_bytes") is not None:
+        out.append(f"  KV cache of generate at the last token (2 x layers x kv_heads x head_dim x tokens x batch x "
+                   f"bytes): {format_bytes(rl['kv_cache_bytes'])}")
+    v = rl.get("vllm")
+    if v:
+        if v["mode"] == "server":
+            out.append("  vLLM share: none on this GPU (vllm_mode=server: `trl vllm-serve` generates on other GPUs, "
+                       "each holding vllm_gpu_memory_utilization of its memory)")
+        else:
+            sleep = (" during generation only (sleep mode level 2 releases it while training)" if v["sleep"]
+                     else ", held all along (no sleep mode): the training step has what remains")
+            out.append(f"  vLLM share (colocate, {v['utilization']:g} x the card): "
+                       f"{format_bytes(v['generation_bytes'])}{sleep}")
+            if "device_used_at_generation_bytes" in v:
+                out.append(f"  nvidia-smi while vLLM generates: ~{format_bytes(v['device_used_at_generation_bytes'])}"
+                           f" (training holds {format_bytes(v['training_held_at_generation_bytes'])} then)")
+    return out
+
+
 def render(report, *, is_seed: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -320,7 +348,12 @@ def render(report, *, is_seed: bool = False) -> None:
     phases.add_column("phase")
     phases.add_column("allocated", justify="right")
     phases.add_column("reserved", justify="right")
-    for phase in ("forward", "backward", "optimizer", "eval"):
+    rl = getattr(report, "rl", None)
+    shown = ("generation", "scoring") if rl is not None else ()  # GRPO: before the training micro-steps
+    for phase in (*shown, "forward", "backward", "optimizer", "eval"):
+        if phase == "generation" and "generation" not in report.phases:  # vLLM generates
+            phases.add_row(phase, "in vLLM's share", "-")
+            continue
         if phase == "eval" and not report.phases.get("eval"):
             phases.add_row(phase, "not run", "-")
             continue
@@ -346,6 +379,8 @@ def render(report, *, is_seed: bool = False) -> None:
     for line in quantization_lines(report):
         console.print(line)
     for line in reserved_lines(report):
+        console.print(line)
+    for line in rl_lines(report):
         console.print(line)
     if report.gpu is not None:
         console.print(f"outside PyTorch (CUDA context, kernels): ~{format_bytes(report.non_pytorch_bytes)}")

@@ -102,6 +102,12 @@ def liger_config(setup: Any) -> dict | None:
 
 def prepare_model(model: nn.Module, setup: Any) -> None:
     """TRL's fused LM head on the (meta) model, before peft wraps it, as SFTTrainer / DPOTrainer do."""
+    if setup.trainer != "trainer":
+        try:
+            import trl  # noqa: F401 - the first use of TRL in a simulation: a hint instead of a traceback
+        except ImportError as err:
+            raise MemfitError(f"`--trainer {setup.trainer}` simulates TRL's trainer, and TRL is not installed: "
+                              "`pip install trl` (or memfit's `llm` extra: `pip install 'memfit[llm]'`)") from err
     if setup.trainer == "sft":
         trl_adapter.add_fused_lm_head(model, trl_adapter.SFT_FUSED_OUTPUTS)
     elif setup.trainer == "dpo":
@@ -112,7 +118,7 @@ def prepare_model(model: nn.Module, setup: Any) -> None:
 
 def kernels(setup: Any):
     """The context a TRL simulation runs in: TRL's log-prob kernels allocate as on CUDA."""
-    return trl_adapter.cuda_kernels() if setup.trainer in ("sft", "dpo") else contextlib.nullcontext()
+    return trl_adapter.cuda_kernels() if setup.trainer in ("sft", "dpo", "grpo") else contextlib.nullcontext()
 
 
 def build_reference(setup: Any, spec: Any) -> nn.Module | None:
