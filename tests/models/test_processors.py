@@ -144,3 +144,10 @@ def test_estimate_json_says_what_each_image_became(capsys):
     assert data["media_inputs"]["image_size"] == "1920x1080"
     assert data["media_inputs"]["inputs"] == {"pixel_values": [3, 224, 224]}
     assert data["setup"]["image_size"] == "1920x1080"
+
+
+def test_16_bit_weights_without_autocast_is_one_line(capsys):
+    """whisper-large-v3 loads in float16 (its config's torch_dtype); without autocast the float32 input_features
+    meet float16 conv weights, which F.conv1d refuses on a GPU as on the CPU."""
+    err = _one_line_error(["estimate", "openai/whisper-large-v3", "--batch-size", "1"], capsys)
+    assert "float16" in err and "--precision fp16" in err and len(err.splitlines()) == 1

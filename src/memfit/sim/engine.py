@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from memfit.errors import MemfitError
 from memfit.sim.quiet import isolated_simulation
 from memfit.models.build import ModelSpec, to_empty_tied
 from memfit.models.processors import MediaInputs, media_inputs
@@ -96,6 +97,19 @@ def _media_batch(setup: TrainSetup, batch: int, media: MediaInputs) -> dict[str,
     else:
         out["labels"] = torch.zeros(batch, setup.target_length or setup.max_length, dtype=torch.long)
     return out
+
+
+def _check_media_dtypes(model: nn.Module, media: MediaInputs, setup: TrainSetup) -> None:
+    """A one-line MemfitError for a run that fails on its first convolution: without autocast (fp32 precision) the
+    processor's float32 pixel_values / input_features meet 16-bit weights, and F.conv1d / conv2d raise "Input type
+    (float) and bias type (c10::Half) should be the same", on a GPU as on the CPU."""
+    weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    floats = [name for name, (_, dtype) in media.tensors.items() if dtype == torch.float32]
+    if setup.precision == "fp32" and weights != torch.float32 and floats:
+        dtype = str(weights).removeprefix("torch.")
+        raise MemfitError(f"the weights are {dtype} but precision is fp32: the processor's float32 `{floats[0]}` meets "
+                          f"{dtype} weights without autocast and the first convolution fails; use `--precision "
+                          f"{'bf16' if weights == torch.bfloat16 else 'fp16'}` (mixed precision) or `--weights-dtype fp32`")
 
 
 def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int,
@@ -168,6 +182,7 @@ class _Runner:
         self.media = media_inputs(setup, self.spec, self.model)
         if self.media is not None:
             self.notes = [*self.notes, *self.media.notes]
+            _check_media_dtypes(self.model, self.media, setup)
         self.eval_model = self.fwd_model  # the evaluation forward is spliced too
         self.liger_log: list[str] = []
         self._act_offload = None
