@@ -3,7 +3,7 @@
 How many pixels, frames or samples a model sees is decided by its processor, not by the user's file: ViT's
 `ViTImageProcessor` resizes any image to 224x224, DINOv2's `BitImageProcessor` resizes the shortest edge to 256
 and crops 224, Whisper's `WhisperFeatureExtractor` pads every clip to its 30 s window (3000 mel frames, 1500
-encoder positions), wav2vec2's `Wav2Vec2FeatureExtractor` keeps every sample. memfit runs that processor
+encoder positions). memfit runs that processor
 (transformers', with the settings of the model's `preprocessor_config.json`) on a black image of
 `TrainSetup.image_size` or a silent clip of `audio_seconds`, and the simulated batch has the shapes and dtypes
 it returns. Nothing here is a formula of a processor: a new processor setting changes the batch as it changes
@@ -178,7 +178,7 @@ def media_inputs(setup: TrainSetup, spec: Any, model: Any = None) -> MediaInputs
         setup: the resolved run (its task, image_size, audio_seconds, sampling_rate).
         spec: the model (memfit.models.build.ModelSpec).
         model: the built (meta) model: its `_get_feat_extract_output_lengths` gives the encoder positions of a
-            clip (Whisper's and wav2vec2's convolutions), reported with the inputs.
+            clip (Whisper's convolutions), reported with the inputs.
     """
     if setup.task in IMAGE_TASKS:
         return _image_inputs(setup, spec)
@@ -253,7 +253,7 @@ def _audio_inputs(setup: TrainSetup, spec: Any, model: Any) -> MediaInputs:
     clip = np.zeros(samples, dtype=np.float32)
     kwargs = {}
     if getattr(extractor, "return_attention_mask", False):
-        kwargs["return_attention_mask"] = True  # DataCollatorCTCWithPadding keeps the mask the extractor makes
+        kwargs["return_attention_mask"] = True  # an extractor that makes a mask: the collator passes it on
     try:
         with _quiet_transformers():
             out = extractor(clip, sampling_rate=rate, return_tensors="pt", **kwargs)
@@ -275,8 +275,8 @@ def _audio_inputs(setup: TrainSetup, spec: Any, model: Any) -> MediaInputs:
 
 
 def _encoder_positions(model: Any, frames: int) -> int | None:
-    """Positions the model's feature convolutions leave of `frames` input frames or samples, from the model's
-    own `_get_feat_extract_output_lengths` (wav2vec2, HuBERT: the conv stack; Whisper's encoder: its stride 2)."""
+    """Positions the model's feature convolutions leave of `frames` input frames, from the model's own
+    `_get_feat_extract_output_lengths` (Whisper's encoder: its stride-2 convolution)."""
     for module in (model, getattr(model, "model", None), getattr(getattr(model, "model", None), "encoder", None)):
         fn = getattr(module, "_get_feat_extract_output_lengths", None)
         if fn is not None:
