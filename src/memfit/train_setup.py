@@ -164,6 +164,11 @@ _GRPO_REMOVED = {
 }
 #: vllm_mode values of GRPOConfig in TRL 1.16 (grpo_config.py `vllm_mode`).
 VLLM_MODES = ("colocate", "server")
+#: TRL trainers memfit does not simulate -> their class (ORPO, CPO and online DPO are in trl.experimental in TRL 1.16).
+_TRL_NOT_SIMULATED = {"rloo": "RLOOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer",
+                      "distill": "DistillationTrainer", "distillation": "DistillationTrainer",
+                      "orpo": "trl.experimental ORPOTrainer", "cpo": "trl.experimental CPOTrainer",
+                      "online_dpo": "trl.experimental OnlineDPOTrainer", "online-dpo": "trl.experimental OnlineDPOTrainer"}
 #: packing_strategy values of SFTConfig in TRL 1.16 (sft_config.py `packing_strategy` choices).
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 
@@ -941,6 +946,9 @@ def _check_kwargs_settings(setup: "TrainSetup") -> None:
 
 def _check_trl(setup: "TrainSetup") -> None:
     """TRL: the TRL fields' values, and the combinations TRL 1.16 itself refuses or changes."""
+    if setup.trainer in _TRL_NOT_SIMULATED:
+        raise MemfitError(f"trainer `{setup.trainer}` ({_TRL_NOT_SIMULATED[setup.trainer]}) is not supported by memfit; "
+                          f"it simulates {', '.join(TRAINERS)}")
     if setup.trainer not in TRAINERS:
         raise MemfitError(f"trainer `{setup.trainer}` is not one of {', '.join(TRAINERS)}")
     for name in ("packing", "padding_free", "assistant_only_loss", "precompute_ref_log_probs"):
