@@ -243,7 +243,7 @@ def test_no_import_cycle():
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"errors", "units", "trace", "files", "collector", "oom_text", "_version"}),
     ("the run", {"train_setup"}),
-    ("what memfit knows", {"models", "gpus", "allocator"}),
+    ("what memfit knows", {"models", "gpus", "allocator", "inputs"}),  # inputs: data lengths, padding, packing
     ("from a trace and a model", {"peaks", "cache"}),  # cache: keyed by the model's config (models.catalog)
     ("the simulator", {"sim"}),
     ("per rank", {"parallel"}),
@@ -256,7 +256,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("fit", {"fitting"}),
     # process: main (parse, run the verb), run_here, finish_process; server: `memfit serve` (runs a verb in a
     # child through process.run_here); commands/serve.py starts it
-    ("the command line", {"commands", "process", "server"}),
+    # ui: the web app, which runs the CLI's verbs (memfit.process.main) on the command line its form makes
+    ("the command line", {"commands", "process", "server", "ui"}),
     ("the console script", {"cli"}),  # cli.entry: a served child or this process, then the fast exit
     ("the faces", {"__main__", "memfit"}),  # `python -m memfit`; the public face of `import memfit`
 ]

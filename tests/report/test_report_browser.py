@@ -10,7 +10,7 @@ import pytest
 
 from memfit import TrainSetup, estimate
 from memfit.report import report_timeline
-from memfit.units import MiB
+from memfit.units import MiB, format_bytes
 
 webdriver = pytest.importorskip("selenium.webdriver")
 
@@ -97,3 +97,135 @@ def test_an_oom_page_marks_the_oom(driver, tiny_bert_dir, tmp_path):
     assert driver.find_element(By.ID, "memfit-oom-message").text == r.oom.message.strip()
     _, tip = _hover_peak(driver)
     assert tip.find_elements(By.CSS_SELECTOR, "tr.tensor")
+
+
+# -- three setups, and the other verbs' pages ------------------------------------------------------------------
+def _screenshot(driver, tmp_path, name):
+    """A screenshot that is not blank; also saved to $MEMFIT_SCREENSHOTS (docs/images/) when set."""
+    import os
+
+    shot = tmp_path / name
+    assert driver.save_screenshot(str(shot))
+    image = pytest.importorskip("PIL.Image").open(shot).convert("RGB")
+    assert len(image.getcolors(maxcolors=1 << 20) or ()) > 16  # not blank: many colours, not one
+    if os.environ.get("MEMFIT_SCREENSHOTS"):
+        shutil.copy(shot, os.path.join(os.environ["MEMFIT_SCREENSHOTS"], name))
+
+
+def _seed():
+    from memfit.commands.estimate import SEED_CASE
+
+    seed = {k: v for k, v in SEED_CASE.items() if k not in ("model", "gpu", "training_args")}
+    seed["max_length"] = 4096  # the length an untruncated XLNet dataset reaches: it does not fit then
+    return TrainSetup.from_kwargs(SEED_CASE["model"], training_args=SEED_CASE["training_args"], **seed), {
+        "gpu": SEED_CASE["gpu"]}
+
+
+def _qlora():
+    return TrainSetup(model="meta-llama/Llama-3.2-1B", task="causal-lm", max_length=512, per_device_train_batch_size=2,
+                      load_in_4bit=True, lora_r=16, precision="fp16", gradient_checkpointing=True), {"gpu": "T4"}
+
+
+def _fsdp():
+    from memfit.parallel import ParallelSetup
+
+    return TrainSetup(model="gpt2", task="causal-lm", max_length=256, per_device_train_batch_size=2), {
+        "gpu": "A100-40GB", "parallel": ParallelSetup(world_size=4, strategy="fsdp")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, make", [("seed", _seed), ("qlora", _qlora), ("fsdp4", _fsdp)])
+def test_three_setups_in_the_browser(driver, tmp_path, name, make):
+    """The seed case at 4096 tokens (does not fit a V100-16GB), a QLoRA Llama-3.2-1B on a T4, GPT-2 with FSDP over 4
+    ranks."""
+    from selenium.webdriver.common.by import By
+
+    setup, kw = make()
+    r = estimate(setup, cache=False, **kw)
+    if name == "seed":
+        assert r.fits is False
+    path = tmp_path / f"{name}.html"
+    r.to_html(path)
+    _load(driver, path)
+    tl = report_timeline(r)
+    series = driver.find_elements(By.CSS_SELECTOR, "path[data-category]")
+    assert sorted(s.get_attribute("data-category") for s in series) == sorted(tl.categories)
+    peak, tip = _hover_peak(driver)
+    if tl.oom_index is None:
+        assert int(peak.get_attribute("data-bytes")) == r.peak_allocated_bytes
+    else:  # the timeline stops at the OOM: its highest point is the one before it; the card gives the full peak
+        assert int(peak.get_attribute("data-bytes")) == max(s.allocated_bytes for s in tl.samples)
+        assert int(driver.find_element(By.CSS_SELECTOR, "[data-marker=oom]").get_attribute("data-index")) == \
+            tl.oom_index
+        assert format_bytes(r.peak_allocated_bytes) in driver.find_element(By.CSS_SELECTOR, ".cards").text
+    rows = tip.find_elements(By.CSS_SELECTOR, "tr.tensor")
+    assert rows and {row.get_attribute("data-category") for row in rows} <= set(tl.categories)
+    _screenshot(driver, tmp_path, f"estimate-{name}.png")
+
+
+def _load_static(driver, path):
+    """A page without a script (plan, diagnose, replay): loads with no console error and no request."""
+    driver.get_log("browser")
+    driver.get_log("performance")
+    driver.get(path.as_uri())
+    assert driver.execute_script("return document.readyState") == "complete"
+    assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+    sent = [json.loads(e["message"])["message"] for e in driver.get_log("performance")]
+    assert {m["params"]["request"]["url"] for m in sent if m["method"] == "Network.requestWillBeSent"} <= {
+        path.as_uri()}
+
+
+def test_the_diagnose_and_replay_pages_in_the_browser(driver, tmp_path):
+    import gzip
+
+    from selenium.webdriver.common.by import By
+
+    from helpers import DATA_DIR
+    from memfit.allocator.snapshot import replay_snapshot, what_if
+    from memfit.diagnosis.verb import diagnose
+    from memfit.report.diagnose_view import render_diagnosis_html
+    from memfit.report.replay_view import render_replay_html
+
+    corpus = json.loads((DATA_DIR / "oom" / "corpus.json").read_text(encoding="utf-8"))
+    d = diagnose(next(c["text"] for c in corpus if c["id"] == "rlinf255"))
+    path = tmp_path / "diagnose.html"
+    path.write_text(render_diagnosis_html(d), encoding="utf-8")
+    _load_static(driver, path)
+    bar = driver.find_element(By.CSS_SELECTOR, "rect[data-segment=other_processes]")
+    assert bar.size["width"] > 0.5 * driver.find_element(By.ID, "memfit-diagnose-bar").size["width"]  # 15 of 23.6 GiB
+    _screenshot(driver, tmp_path, "diagnose.png")
+
+    snap = json.loads(gzip.decompress((DATA_DIR / "snapshots" / "wedsonlin_medium_ctx128_trainstep.json.gz").read_bytes()))
+    r = replay_snapshot(snap)
+    series = [[], []]
+    variants = [what_if(snap, t, reserved_after=s) for t, s in zip([None, "expandable_segments:True"], series)]
+    path = tmp_path / "replay.html"
+    path.write_text(render_replay_html("wedsonlin_medium_ctx128_trainstep.pickle", 0, r, variants, series),
+                    encoding="utf-8")
+    _load_static(driver, path)
+    assert len(driver.find_elements(By.CSS_SELECTOR, "path[data-series]")) == 4
+    _screenshot(driver, tmp_path, "replay.png")
+
+
+@pytest.mark.slow
+def test_the_plan_page_in_the_browser(driver, tmp_path):
+    """A BERT that does not fit a 1771 MiB GPU as is (about 20 s of simulations)."""
+    from selenium.webdriver.common.by import By
+    from transformers import BertConfig
+
+    from memfit.planner.search import plan
+    from memfit.report.plan_view import render_plan_html
+
+    BertConfig(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, intermediate_size=1024,
+               vocab_size=8000).save_pretrained(tmp_path)
+    result = plan(TrainSetup(model=str(tmp_path), max_length=512, per_device_train_batch_size=16,
+                             gradient_accumulation_steps=2), gpu="1771MiB")
+    path = tmp_path / "plan.html"
+    path.write_text(render_plan_html(result), encoding="utf-8")
+    _load_static(driver, path)
+    budget = driver.find_element(By.CSS_SELECTOR, "line[data-line=budget]")
+    for c in driver.find_elements(By.CSS_SELECTOR, "circle[data-plan]"):  # fitting points under the budget line
+        centre = c.location["y"] + c.size["height"] / 2
+        assert (centre >= budget.location["y"]) == (c.get_attribute("data-fits") == "true")
+    assert driver.find_element(By.ID, "memfit-change").text
+    _screenshot(driver, tmp_path, "plan.png")
