@@ -77,24 +77,27 @@ class StartSearch:
 
     def notes(self) -> list[str]:
         out = []
-        if self.pinned:
-            tails = sorted({n for _, n in self.pinned})
-            out.append(f"the final segments leave the size of {self.open_blocks} blocks allocated before the "
-                       f"recording open; the trace fixes {len(self.pinned)} of them (after {self.tries} start states "
-                       f"tried: blocks of {', '.join(format_bytes(t) for t in tails[:4])}"
-                       f"{', ...' if len(tails) > 4 else ''} at "
-                       f"{', '.join(f'{a:#x}' for a, _ in self.pinned[:3])}{', ...' if len(self.pinned) > 3 else ''})")
+        if self.open_blocks:
+            fixed = ""
+            if self.pinned:
+                tails = sorted({n for _, n in self.pinned})
+                fixed = (f"; the trace fixes {len(self.pinned)} of them ({self.tries} start states tried: blocks of "
+                         f"{', '.join(format_bytes(t) for t in tails[:4])}{', ...' if len(tails) > 4 else ''} at "
+                         f"{', '.join(f'{a:#x}' for a, _ in self.pinned[:3])}{', ...' if len(self.pinned) > 3 else ''})")
+            rest = self.open_blocks - len(self.pinned)
+            out.append(f"the final segments leave the size of {self.open_blocks} blocks allocated before the recording "
+                       "and freed in it open (their rounded request plus a tail of up to 1 MiB)" + fixed
+                       + (f"; {'the other ' if self.pinned else ''}{rest} get their rounded request" if rest else ""))
         if self.forced:
             out.append(
                 f"no start state the final segments allow holds the whole recording (first: entry {self.forced[0]}); "
                 f"replayed from the closest one with the recorded layout forced at {len(self.forced)} entries"
                 + (f" ({len(self.skipped)} left out)" if self.skipped else "")
-                + ": reserved memory and the segment operations are the recorded ones, allocated figures can be "
-                f"off by up to {format_bytes(self.allocated_uncertainty_bytes)}, and memfit's choices after entry "
-                f"{self.forced[0]} start from a state the recording contradicts")
-        elif self.allocated_uncertainty_bytes:
+                + ": reserved memory and the segment operations are the recorded ones, and memfit's choices after "
+                f"entry {self.forced[0]} start from a state the recording contradicts")
+        if self.allocated_uncertainty_bytes:
             out.append(f"allocated figures can be off by up to {format_bytes(self.allocated_uncertainty_bytes)} "
-                       "(blocks allocated before the recording whose size neither the segments nor the trace fix)")
+                       "(block sizes neither the segments nor the trace fix)")
         return out
 
 

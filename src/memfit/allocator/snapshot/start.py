@@ -152,7 +152,7 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
     seg_list = sorted(segs.values(), key=lambda s: s.addr)
     starts = [s.addr for s in seg_list]
     live_addrs = sorted(live)
-    inferred = ambiguous = 0
+    inferred = 0
     open_sizes: list[tuple[int, int, int]] = []
     chosen = dict(block_sizes or {})
     for i, addr in enumerate(live_addrs):
@@ -182,10 +182,6 @@ def start_state(snapshot: Mapping[str, Any], *, device: int = 0, conf: AllocConf
             largest = rounded + min(K_SMALL_SIZE, gap - K_SMALL_SIZE - K_MIN_BLOCK_SIZE)
             open_sizes.append((addr, rounded, largest))
             b[0] = min(max(chosen.get(addr, rounded), rounded), largest)
-            ambiguous += b[0] == rounded
-    if ambiguous:
-        notes.append(f"{ambiguous} blocks allocated before the recording and freed in it were given their rounded "
-                     "request size; a > 1 MiB gap after them is assumed cached")
     blocks = tuple(sorted((addr, b[0], b[3], b[1]) for addr, b in live.items()))
     expandable = []
     for (stream, small), got in sorted(pages.items()):
