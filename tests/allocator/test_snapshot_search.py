@@ -6,6 +6,7 @@ Data: tests/data/snapshots (real traces, see SOURCE.md).
 import copy
 import gzip
 import json
+import pickle
 
 import pytest
 
@@ -14,6 +15,7 @@ from memfit.allocator.caching import LayoutConflict
 from memfit.allocator.snapshot import replay_snapshot, start_state
 from memfit.allocator.snapshot.read import _entries, conf_from_snapshot
 from memfit.allocator.snapshot.recorded import fresh_address, recorded_run
+from memfit.cli import main
 from memfit.units import MiB
 
 DATA = DATA_DIR / "snapshots"
@@ -65,9 +67,8 @@ def test_ring_buffer_that_overwrote_the_start_is_searched():
     assert [size for _, size in r.search.pinned] == [3 * MiB]
 
 
-def test_trace_no_start_state_holds_is_replayed_and_says_how_far_off():
-    # an alloc moved into a block that is live then: no start state can hold it; the replay goes
-    # on with that entry left out instead of refusing the file
+def _moved_alloc():
+    """The BERT trace with one alloc (and its frees) moved into a block that is live then: no start state holds it."""
     snap = copy.deepcopy(_load("select_n_bert_inference_offload.json.gz"))
     trace = snap["device_traces"][0]
     live, moved = {}, None
@@ -88,8 +89,24 @@ def test_trace_no_start_state_holds_is_replayed_and_says_how_far_off():
             e["addr"] = new
             if e["action"] == "free_completed":
                 break
+    return snap, at
+
+
+def test_trace_no_start_state_holds_is_replayed_and_says_how_far_off():
+    # the replay goes on with that entry left out instead of refusing the file
+    snap, at = _moved_alloc()
+    trace = snap["device_traces"][0]
     r = replay_snapshot(snap)
     assert not r.exact and r.search.forced[0] == at and at in r.search.skipped
     assert r.search.allocated_uncertainty_bytes >= trace[at]["size"]
     assert any("no start state the final segments allow holds the whole recording (first: entry "
                f"{at})" in n for n in r.notes)
+
+
+def test_cli_replays_a_trace_no_start_state_holds(tmp_path, capsys):
+    snap, at = _moved_alloc()
+    path = tmp_path / "moved.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["replay", str(path), "--json"]) == 1  # replayed, not exact; not refused (2)
+    start = json.loads(capsys.readouterr().out)["start"]
+    assert start["forced_entries"][0] == at and start["allocated_uncertainty_bytes"] > 0
