@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from helpers import DATA_DIR
+from helpers import DATA_DIR, REPO_ROOT
 from memfit.allocator import caching as allocator
 from memfit.allocator.conf import AllocConf
 from memfit.allocator.snapshot import load_snapshot, loads_snapshot, replay_snapshot, start_state
@@ -70,6 +70,22 @@ def test_real_trace_replays_exactly(path, device):
     assert r.address_mismatches == 0 and r.final_state_equal
     assert r.first_divergence is None and r.exact
     assert r.modelled == r.recorded
+
+
+BENCH_FILES = sorted((REPO_ROOT / "bench" / "data" / "snapshots").glob("*.json.gz"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", BENCH_FILES, ids=lambda p: p.name.split(".")[0])
+def test_bench_trace_replays_exactly(path):
+    # the larger real traces bench/snapshot_replay.py replays (bench/data/snapshots/SOURCE.md)
+    snap = json.loads(gzip.decompress(path.read_bytes()))
+    assert f"`{path.name}`" in (path.parent / "SOURCE.md").read_text()
+    for device, trace in enumerate(snap["device_traces"]):
+        if trace:
+            r = replay_snapshot(snap, device=device)
+            assert r.recorded.peak_reserved_bytes == max(_recorded_reserved(snap, device))
+            assert r.exact and r.modelled == r.recorded
 
 
 def test_kkaitlyn_figures():
