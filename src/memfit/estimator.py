@@ -262,6 +262,15 @@ def _with_workspaces(trace: list[TraceEvent], workspace_bytes: int) -> list[Trac
     return out
 
 
+def _is_model(value: Any) -> bool:
+    """What TrainSetup's `model` takes besides a hub id: an nn.Module, a PretrainedConfig, a model directory
+    (os.PathLike); by duck type, so that this module does not import torch or transformers."""
+    import os
+
+    return (isinstance(value, os.PathLike) or callable(getattr(value, "named_parameters", None))
+            or (hasattr(value, "model_type") and callable(getattr(value, "to_dict", None))))
+
+
 def estimate(
     setup: TrainSetup | str | None = None,
     *,
@@ -277,7 +286,8 @@ def estimate(
     model id) and report its peak memory.
 
     Args:
-        setup: a TrainSetup, a model id, or None (then `fields` make the TrainSetup).
+        setup: a TrainSetup; a model (hub id, directory, PretrainedConfig or nn.Module: then `fields` are its
+            TrainSetup fields, as `TrainSetup.from_kwargs(model, **fields)`); or None (`fields` make the TrainSetup).
         gpu: a catalog name (`V100-16GB`), a size (`16GiB`), `auto`, or a GpuSpec; None leaves
             `fits` unknown and reports `required_bytes`.
         alloc_conf: PYTORCH_CUDA_ALLOC_CONF text; None reads the environment as PyTorch does.
@@ -303,7 +313,7 @@ def estimate(
             raise MemfitError("estimate() needs a model: pass a model id (`estimate(\"bert-base-uncased\")`), "
                               "a TrainSetup, or model=...")
         setup = TrainSetup.from_kwargs(**fields)
-    elif isinstance(setup, str):  # a model id: estimate("bert-base-uncased", per_device_train_batch_size=4)
+    elif isinstance(setup, str) or _is_model(setup):  # estimate("bert-base-uncased" or nn.Module, batch_size=4)
         setup = TrainSetup.from_kwargs(setup, **fields)
     elif not isinstance(setup, TrainSetup):
         raise MemfitError(f"setup `{type(setup).__name__}` is not a TrainSetup; pass TrainSetup(...), "

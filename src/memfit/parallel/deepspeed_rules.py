@@ -78,18 +78,29 @@ def deepspeed_precision(config: dict[str, Any], *, trainer: str | None, launcher
     secs = _sections(config)
     if all(secs.get(name, {}).get("enabled") is True for name in _DTYPES):  # DeepSpeed's engine refuses it too
         raise MemfitError(f"{source} enables both `fp16` and `bf16`; enable one")
-    notes: list[str] = []
-    if trainer is None:
+    try:
+        return _resolve(secs, trainer, launcher, via_accelerate, source), []
+    except MemfitError:
+        if trainer is not None:
+            raise
+        # the Trainer sets neither: the dtype the config asks for, if setting it on the Trainer makes a valid run
         implied = (launcher or _explicit_true(secs)) if via_accelerate else (_explicit_true(secs) or launcher)
-        if implied is not None:
-            why = (f"the accelerate config's mixed_precision `{launcher}`" if implied == launcher
-                   else f"`{implied}.enabled: true` in {source}")
-            notes.append(f"DeepSpeed runs in {implied} ({why}); the Trainer must set `{implied}=True` too "
-                         f"(`--precision {implied}`): transformers refuses a DeepSpeed `{implied}.enabled` that "
-                         f"differs from TrainingArguments' (trainer_config_process: 'ds {implied}.enabled=True vs hf "
-                         f"{implied}=False'); estimated in {implied}")
-            trainer = implied
-    mixed = trainer or launcher or "no"
+        if implied is None:
+            raise
+        dtype = _resolve(secs, implied, launcher, via_accelerate, source)  # else its error: what to change
+    why = (f"the accelerate config's mixed_precision `{launcher}`" if implied == launcher
+           else f"`{implied}.enabled: true` in {source}")
+    return dtype, [f"DeepSpeed runs in {dtype} ({why}); the Trainer must set `{implied}=True` too "
+                   f"(`--precision {implied}`): transformers refuses a DeepSpeed `{implied}.enabled` that differs "
+                   f"from TrainingArguments' (trainer_config_process: 'ds {implied}.enabled=True vs hf "
+                   f"{implied}=False'); estimated in {dtype}"]
+
+
+def _resolve(sections: dict[str, dict[str, Any]], trainer: str | None, launcher: str | None, via_accelerate: bool,
+             source: str) -> str:
+    """The dtype after transformers' and accelerate's processing (module docstring), or a MemfitError."""
+    secs = {name: dict(sec) for name, sec in sections.items()}
+    mixed = trainer or launcher or "no"  # TrainingArguments: ACCELERATE_MIXED_PRECISION, then fp16 / bf16
     mismatches: list[str] = []
 
     def trainer_process() -> None:  # HfTrainerDeepSpeedConfig.trainer_config_process: fill_match
@@ -133,7 +144,7 @@ def deepspeed_precision(config: dict[str, Any], *, trainer: str | None, launcher
         enabled[name] = value
     if enabled["fp16"] and enabled["bf16"]:
         raise MemfitError(f"{source} enables both `fp16` and `bf16`; enable one")
-    return ("bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"), notes
+    return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
 
 
 def _int_or_auto(config: dict[str, Any], key: str, source: str) -> int | None:
