@@ -56,7 +56,11 @@ def _traced_devices():
     return out
 
 
-@pytest.mark.parametrize(("path", "device"), _traced_devices(), ids=lambda x: x.name.split(".")[0] if hasattr(x, "name") else f"device{x}")
+def _case_id(x):
+    return x.name.split(".")[0] if hasattr(x, "name") else f"device{x}"
+
+
+@pytest.mark.parametrize(("path", "device"), _traced_devices(), ids=_case_id)
 def test_real_trace_replays_exactly(path, device):
     snap = _load(path.name)
     trace = snap["device_traces"][device]

@@ -81,9 +81,10 @@ class StartSearch:
             fixed = ""
             if self.pinned:
                 tails = sorted({n for _, n in self.pinned})
+                sizes = ", ".join(format_bytes(t) for t in tails[:4]) + (", ..." if len(tails) > 4 else "")
+                where = ", ".join(f"{a:#x}" for a, _ in self.pinned[:3]) + (", ..." if len(self.pinned) > 3 else "")
                 fixed = (f"; the trace fixes {len(self.pinned)} of them ({self.tries} start states tried: blocks of "
-                         f"{', '.join(format_bytes(t) for t in tails[:4])}{', ...' if len(tails) > 4 else ''} at "
-                         f"{', '.join(f'{a:#x}' for a, _ in self.pinned[:3])}{', ...' if len(self.pinned) > 3 else ''})")
+                         f"{sizes} at {where})")
             rest = self.open_blocks - len(self.pinned)
             out.append(f"the final segments leave the size of {self.open_blocks} blocks allocated before the recording "
                        "and freed in it open (their rounded request plus a tail of up to 1 MiB)" + fixed
