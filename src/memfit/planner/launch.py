@@ -27,6 +27,14 @@ them, so what is launched is what was simulated.
   total over machines (accelerate/commands/launch.py: "The total number of processes to be launched in
   parallel").
 
+* `training_args.json`: the plan's `TrainingArguments` change that both launchers need (batch, accumulation,
+  kernels, precision, `accelerator_config`), the engine keys left out (`deepspeed`, `fsdp`, `fsdp_config`:
+  `torchrun` takes them in `TrainingArguments`, `accelerate launch` from its config file). It is the one place
+  that carries `sync_each_batch` (no accelerate config key does, accelerate 1.15 `GradientAccumulationPlugin`),
+  so `memfit estimate ... --accelerate-config accelerate_config.yaml --args training_args.json` (or
+  `--deepspeed ds_config.json` / `--fsdp ... --fsdp-config fsdp_config.json` with the same `--args`) gives the
+  per-rank figures the plan verified, without the flags the file sets (a flag wins over `--args`).
+
 `write_launch` writes the files whole or not at all (a temporary file moved into place with `os.replace`)
 and refuses to replace a file that exists unless asked to.
 """
@@ -45,11 +53,15 @@ from memfit.errors import MemfitError
 from memfit.parallel.setup import ParallelSetup, parallel_from_fsdp_args, zero_settings_from_deepspeed
 
 __all__ = ["Variant", "VARIANTS", "HYBRID_VARIANTS", "deepspeed_config", "fsdp_arguments", "accelerate_config", "parallel_setup_for",
-           "Launch", "launch_for", "write_launch", "DS_FILE", "FSDP_FILE", "ACCELERATE_FILE"]
+           "Launch", "launch_for", "write_launch", "DS_FILE", "FSDP_FILE", "ACCELERATE_FILE", "TRAINING_ARGS_FILE",
+           "ENGINE_KEYS"]
 
 DS_FILE = "ds_config.json"
 FSDP_FILE = "fsdp_config.json"
 ACCELERATE_FILE = "accelerate_config.yaml"
+TRAINING_ARGS_FILE = "training_args.json"
+#: TrainingArguments keys that choose the engine: in `training_args.json` only for torchrun (module docstring)
+ENGINE_KEYS = ("deepspeed", "fsdp", "fsdp_config")
 
 
 @dataclass(frozen=True)
@@ -257,6 +269,9 @@ def launch_for(v: Variant, *, world_size: int, nodes: int, hidden_size: int | No
                                     indent=2) + "\n"
         args["deepspeed"] = DS_FILE
     files[ACCELERATE_FILE] = _yaml(accelerate_config(v, world_size=world_size, nodes=nodes, precision=precision))
+    common = {k: val for k, val in args.items() if k not in ENGINE_KEYS}
+    if common:  # what both launchers' TrainingArguments need, sync_each_batch included (module docstring)
+        files[TRAINING_ARGS_FILE] = json.dumps(common, indent=2) + "\n"
     per_node = world_size // nodes
     if nodes == 1:
         torchrun = f"torchrun --nproc_per_node {per_node} {script}"
