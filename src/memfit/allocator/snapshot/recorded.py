@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.allocator.caching import K_SMALL_SIZE, AllocatorModel, Driver, LayoutConflict, round_size
+from memfit.allocator.caching import K_SMALL_SIZE, AllocatorModel, Block, Driver, LayoutConflict, round_size
 from memfit.allocator.conf import AllocConf
 from memfit.allocator.snapshot.read import _GROWS, _RELEASES, _SEGMENT_ACTIONS, _Entry
 from memfit.allocator.snapshot.start import StartState, _seed, start_state
@@ -109,14 +109,20 @@ def fresh_address(entries: Sequence[_Entry], st: StartState) -> int:
 
 
 def recorded_run(conf: AllocConf, st: StartState, entries: Sequence[_Entry], fresh_from: int, va: int | None,
-                 *, forcing: bool = False) -> Recording:
+                 *, forcing: bool = False, tails: dict[int, int] | None = None) -> Recording:
     """The recording replayed at its own addresses from `st`.
 
     Raises LayoutConflict (with `entry_index` set) at the first entry `st` cannot hold,
     unless `forcing`: then the layout is forced there and the entry recorded in `forced`.
+    With `tails` (a dict), an `alloc` conflict that an open block still live from the start
+    explains grows that block on the spot and goes on; `tails` gets {address: bytes} of each
+    (the figures of such a run are not the recording's: replay the start state they give).
     """
     rec = AllocatorModel(conf, Driver(None, fresh_from), va_bytes=va)
     live = _seed(rec, st)
+    seeded = dict(live) if tails is not None else {}
+    open_sizes = {a: (lo, hi) for a, lo, hi in st.open_sizes}
+    starts = sorted(open_sizes)
     reserved: list[int] = []
     peak_alloc, peak_res = rec.allocated, rec.reserved
     ops: list[tuple[int, tuple[str, int, int]]] = []
@@ -127,7 +133,12 @@ def recorded_run(conf: AllocConf, st: StartState, entries: Sequence[_Entry], fre
         a = e.action
         try:
             if a == "alloc":
-                live[e.addr] = rec.malloc_at(e.size, e.stream, e.addr)
+                try:
+                    live[e.addr] = rec.malloc_at(e.size, e.stream, e.addr)
+                except LayoutConflict:
+                    if tails is None or not _grow_tail(rec, live, seeded, starts, open_sizes, e.addr, tails):
+                        raise
+                    live[e.addr] = rec.malloc_at(e.size, e.stream, e.addr)
                 peak_alloc = max(peak_alloc, rec.allocated)
             elif a == "free_requested":  # (a block is missing only where its alloc was left out)
                 b = live.get(e.addr)
@@ -182,8 +193,17 @@ def search_start(snapshot: Mapping[str, Any], entries: Sequence[_Entry], *, devi
     starts = sorted(open_sizes)
     best: tuple[int, dict[int, int]] = (-1, {})
     tries = 0
+    if open_sizes:  # one pass that grows each open block where the trace shows its tail, then the replay of it
+        try:
+            recorded_run(conf, st, entries, fresh_from, va, tails=sizes)
+        except LayoutConflict:
+            pass  # a conflict no tail explains: the tails found so far, then one block at a time
+        tries = 1
+        if sizes:
+            st = start_state(snapshot, device=device, conf=conf, device_memory_bytes=device_memory_bytes,
+                             block_sizes=sizes)
     # each try fixes one more open block (a block fixed twice is a conflict no open block explains)
-    for tries in range(1, len(open_sizes) + 2):
+    for tries in range(tries + 1, tries + len(open_sizes) + 2):
         try:
             rec = recorded_run(conf, st, entries, fresh_from, va)
         except LayoutConflict as err:
@@ -204,6 +224,31 @@ def search_start(snapshot: Mapping[str, Any], entries: Sequence[_Entry], *, devi
     rec = recorded_run(conf, st, entries, fresh_from, va, forcing=True)
     return st, rec, StartSearch(len(open_sizes), tuple(sorted(sizes.items())), tries, rec.forced, rec.skipped,
                                 _open_range(open_sizes, sizes) + rec.forced_bytes)
+
+
+def _grow_tail(rec: AllocatorModel, live: Mapping[int, Block], seeded: Mapping[int, Block], starts: list[int],
+               open_sizes: Mapping[int, tuple[int, int]], ptr: int, tails: dict[int, int]) -> bool:
+    """Give the open block that explains an allocation at `ptr` its tail, in the running model: the block is
+    still the one seeded at the start and the cached block after it holds `ptr`. False when that is not so."""
+    fix = _explaining_block(starts, open_sizes, ptr)
+    if fix is None:
+        return False
+    addr, size = fix
+    block = seeded.get(addr)
+    nxt = block.next if block is not None else None
+    if (block is None or live.get(addr) is not block or nxt is None or not nxt.available() or not nxt.mapped
+            or nxt.ptr != block.ptr + block.size or not nxt.ptr < ptr < nxt.ptr + nxt.size
+            or block.ptr + size != ptr):
+        return False
+    delta = ptr - nxt.ptr
+    nxt.pool.remove(nxt)
+    nxt.ptr, nxt.size = ptr, nxt.size - delta
+    nxt.pool.insert(nxt)
+    block.size += delta
+    if block.allocated:
+        rec.allocated += delta
+    tails[addr] = size
+    return True
 
 
 def _explaining_block(starts: list[int], open_sizes: Mapping[int, tuple[int, int]], ptr: int,
