@@ -12,8 +12,9 @@ after it; it is its rounded request plus a tail of 0 to 1 MiB. `search_start` st
 with every such block at its rounded request and, at each conflict, gives the open block
 that precedes the conflicting address the tail that makes a cached block start there (the
 only size that can: every cached large-pool block is > 1 MiB, so the gap cannot hold a
-second free block). It tries again until the recording replays or no open block explains
-the conflict. Then no state the data allow is exact: the state that got furthest is
+second free block): first all in one run that grows the blocks on the spot, then, should
+the state so found still meet a conflict, one block per run, until the recording replays
+or no open block explains the conflict. Then no state the data allow is exact: the state that got furthest is
 replayed with the recorded layout forced at each entry it cannot hold (`carve_at`, or the
 entry skipped), and the figures say how far they can be off.
 """
