@@ -135,7 +135,7 @@ def test_launch_files_parse_and_round_trip_to_the_same_estimate(states_heavy_ber
     out = _estimate_json(capsys, ["plan", *common, "--gpus", "4x1800MiB", "--strategy", strategy, "--json",
                                   "--write-launch", str(tmp_path)])
     chosen = out["candidates"][out["chosen"]]
-    assert sorted(Path(p).name for p in out["written"]) == sorted([engine_file, ACCELERATE_FILE])
+    assert sorted(Path(p).name for p in out["written"]) == sorted([engine_file, ACCELERATE_FILE, "training_args.json"])
     text = (tmp_path / engine_file).read_text()
     assert json.loads(text) == json.loads(out["launch"]["files"][engine_file])
     acc = yaml.safe_load((tmp_path / ACCELERATE_FILE).read_text())
