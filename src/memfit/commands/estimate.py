@@ -73,6 +73,9 @@ def add_setup_arguments(p: argparse.ArgumentParser, *, model_option: bool = Fals
                         "legacy names are read with a note, unknown names are an error; a flag wins over the file")
     if model_option:
         return
+    from memfit.commands._data import add_data_arguments
+
+    add_data_arguments(p)  # --data FILE --tokenizer ID|DIR: the worst batch of the user's data
     p.add_argument("--gpu", default=None, help="V100-16GB, A100-80GB, ..., a size like 24GiB, or auto")
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to model (default: the environment's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
@@ -159,6 +162,9 @@ def estimate_command(args: argparse.Namespace) -> int:
 
         check_view_paths(html_path=args.html, plot_path=args.plot)  # fail before the simulation, not after it
     setup, gpu, is_seed = build_setup(args)
+    from memfit.commands._data import apply_data
+
+    setup = apply_data(args, setup)
     if args.check and gpu is None:
         raise MemfitError("`--check` needs a GPU to check against: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
                           "or `--gpu auto` on a machine with a GPU")

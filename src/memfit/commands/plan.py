@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from memfit.commands._data import apply_data
 from memfit.commands.estimate import add_setup_arguments, build_setup
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
@@ -89,6 +90,7 @@ def plan_command(args: argparse.Namespace) -> int:
             raise MemfitError(f"`--{flag.replace('_', '-')}` plans across GPUs: give the GPUs with `--gpus 4xA100-40GB` "
                               "(or `--world-size N --gpu GPU`)")
     setup, gpu, is_seed = build_setup(args)
+    setup = apply_data(args, setup)  # --data: the worst batch of the user's data
     if gpu is None:
         raise MemfitError("`memfit plan` needs a GPU to plan for: pass `--gpu V100-16GB`, a size like `--gpu 24GiB`, "
                           "or `--gpu auto` on a machine with a GPU")
@@ -265,6 +267,7 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
                               "pass --force to replace it or choose another --write-launch folder")
     explicit_gpu = args.gpu
     setup, _, is_seed = build_setup(args)
+    setup = apply_data(args, setup)  # --data: the worst batch of the user's data
     kinds = parse_gpu_budget(args.gpus) if args.gpus else None
     if kinds is None:
         if args.world_size is None or explicit_gpu is None:

@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -116,39 +114,11 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def load_examples(path: str, text_column: str, label_column: str) -> tuple[list[str], list[int]]:
-    """Texts and integer labels from a CSV, JSON (list of objects) or JSONL file; MemfitError on bad input."""
-    if not os.path.isfile(path):
-        raise MemfitError(f"data file `{path}` does not exist; pass a .csv, .json or .jsonl file with --data")
-    ext = os.path.splitext(path)[1].lower()
-    try:
-        with open(path, encoding="utf-8") as fh:
-            if ext == ".csv":
-                rows = list(csv.DictReader(fh))
-            elif ext == ".jsonl":
-                rows = []
-                for i, line in enumerate(fh, 1):
-                    if line.strip():
-                        try:
-                            rows.append(json.loads(line))
-                        except json.JSONDecodeError as err:
-                            raise MemfitError(f"line {i} of `{path}` is not valid JSON ({err.msg}); fix the file") from err
-            elif ext == ".json":
-                try:
-                    data = json.load(fh)
-                except json.JSONDecodeError as err:
-                    raise MemfitError(f"`{path}` is not valid JSON ({err.msg} at line {err.lineno}); fix the file") from err
-                rows = data.get("data", data) if isinstance(data, dict) else data
-                if not isinstance(rows, list):
-                    raise MemfitError(f"`{path}` must hold a list of objects (or {{\"data\": [...]}}); "
-                                      f"got `{type(rows).__name__}`")
-            else:
-                raise MemfitError(f"data file `{path}` has extension `{ext or '(none)'}`; use .csv, .json or .jsonl")
-    except UnicodeDecodeError as err:
-        raise MemfitError(f"data file `{path}` is not UTF-8 text; save it as UTF-8") from err
-    if not rows:
-        raise MemfitError(f"data file `{path}` has no examples; give a file with at least one row")
-    if not all(isinstance(r, dict) for r in rows):
-        raise MemfitError(f"data file `{path}` must hold one object per example")
+    """Texts and integer labels from a CSV, JSON (list of objects) or JSONL file, or a folder saved by `datasets`
+    (memfit.inputs.data_file); MemfitError on bad input."""
+    from memfit.inputs.data_file import read_rows  # the reader of `memfit estimate / plan --data` too
+
+    rows = read_rows(path)
     columns = list(rows[0].keys())
     for col, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
         if col not in rows[0]:
