@@ -357,12 +357,15 @@ def test_only_lora_makes_ddp_fit_when_allowed(states_heavy_bert):
     assert r.simulations <= 5
 
 
-def test_qlora_is_searched_with_ddp_only_and_offload_is_an_error(tiny_bert_dir, capsys):
-    from memfit.planner.parallel_plan import _refusal
+def test_qlora_is_searched_sharded_and_offload_is_an_error(tiny_bert_dir, capsys):
+    from memfit.planner.parallel_plan import _refusal, _sharded_qlora
 
-    q = {"load_in_4bit": True, "lora_r": 16}
-    assert "QLoRA under FSDP" in _refusal("fsdp", q) and "QLoRA under DeepSpeed ZeRO" in _refusal("zero3", q)
-    assert _refusal("ddp", q) is None and _refusal("zero3", {"lora_r": 16}) is None
+    q = {"load_in_4bit": True, "lora_r": 16, "bnb_4bit_compute_dtype": "bf16"}
+    assert all(_refusal(s, q) is None for s in ("ddp", "fsdp", "zero3"))
+    # sharded: the 4-bit storage in the compute dtype, no kbit prep (peft's FSDP-QLoRA guide, TRL's sharded QLoRA)
+    assert _sharded_qlora("fsdp", q) == {**q, "bnb_4bit_quant_storage": "bfloat16", "kbit_prep": False}
+    assert _sharded_qlora("zero3", {**q, "bnb_4bit_compute_dtype": "fp16"})["bnb_4bit_quant_storage"] == "float32"
+    assert _sharded_qlora("ddp", q) == q and _sharded_qlora("fsdp", {"lora_r": 16}) == {"lora_r": 16}
     assert main(["plan", tiny_bert_dir, "--max-length", "16", "--gpus", "2xT4", "--allow", "offload"]) == 2
     err = capsys.readouterr().err.strip()
     assert "engines' own CPU offload" in err and len(err.splitlines()) == 1

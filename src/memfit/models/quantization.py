@@ -41,7 +41,7 @@ from memfit.errors import MemfitError
 
 __all__ = ["QuantSpec", "quant_spec", "quantize_meta_model", "prepare_for_kbit_training", "unquantized_experts",
            "capture", "restore",
-           "quant_state_tensors", "quantized_storage", "meta_safe_deepcopy", "parameter_count", "quiet_bnb_logs", "quantization_summary", "BLOCKSIZE_4BIT",
+           "quant_state_tensors", "quantized_storage", "plain_4bit_weights", "meta_safe_deepcopy", "parameter_count", "quiet_bnb_logs", "quantization_summary", "BLOCKSIZE_4BIT",
            "NESTED_BLOCKSIZE"]
 
 #: Params4bit's blocksize when none is given (bitsandbytes nn/modules.py `Params4bit.__new__`: None -> 64);
@@ -230,18 +230,50 @@ def _bnb_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def capture(model: nn.Module) -> dict[int, dict[str, Any]]:
-    """What `to_empty` loses of each bitsandbytes layer: the parameter subclass's attributes."""
+    """What `to_empty` loses of each bitsandbytes layer: the parameter subclass's attributes. A 4-bit layer whose
+    weight is no longer the bnb parameter (sharded by FSDP: `plain_4bit_weights`) is read from the module, where
+    bitsandbytes keeps them for that case (`Linear4bit.quant_state` / `.quant_storage`, set by
+    `Params4bit._quantize`; `fix_4bit_weight_quant_state_from_module` reads them back)."""
     Linear4bit, _ = _linear_kinds()
     out = {}
     for _, m in _bnb_modules(model):
         w = m.weight
-        if isinstance(m, Linear4bit):
+        if isinstance(m, Linear4bit) and getattr(w, "quant_state", None) is None:
+            qs = m.quant_state
+            out[id(m)] = dict(kind=4, quant_state=qs, blocksize=qs.blocksize, compress_statistics=qs.nested,
+                              quant_type=qs.quant_type, quant_storage=m.quant_storage)
+        elif isinstance(m, Linear4bit):
             out[id(m)] = dict(kind=4, quant_state=w.quant_state, blocksize=w.blocksize,
                               compress_statistics=w.compress_statistics, quant_type=w.quant_type,
                               quant_storage=w.quant_storage)
         else:
             out[id(m)] = dict(kind=8, SCB=w.SCB)
     return out
+
+
+def plain_4bit_weights(model: nn.Module, *, floating_only: bool = True) -> list[nn.Parameter]:
+    """Give each 4-bit layer a plain frozen Parameter of its packed storage in place of the `Params4bit`, on the
+    (meta) model, before an engine shards it; returns those whose storage is not floating (left as they are).
+
+    Under FSDP a sharded or all-gathered parameter is a plain tensor (`Params4bit.__torch_function__` wraps the
+    chunks FSDP2 cuts, which a FakeTensor cannot be), and bitsandbytes reads the quantization state back from the
+    module (`fix_4bit_weight_quant_state_from_module`; memfit.sim.kernels.bnb `bnb_cuda_patches`): the bytes are the
+    packed storage's, sharded as any frozen parameter of that dtype. With a storage that is not floating
+    (`bnb_4bit_quant_storage` uint8, the default) accelerate leaves the weight out of FSDP2's sharding
+    (accelerate 1.16 utils/fsdp_utils.py `fsdp2_prepare_model`: `incompatible_params4bit` -> `ignored_params`)."""
+    _, _, Params4bit, _ = _import_bnb()
+    Linear4bit, _ = _linear_kinds()
+    kept = []
+    for _, m in _bnb_modules(model):
+        w = m.weight
+        if not isinstance(m, Linear4bit) or not isinstance(w, Params4bit):
+            continue
+        if floating_only and not w.is_floating_point():
+            kept.append(w)
+            continue
+        m.quant_state, m.quant_storage = w.quant_state, w.quant_storage
+        m.weight = nn.Parameter(w.data, requires_grad=False)  # the same (meta) storage, without the subclass
+    return kept
 
 
 def _empty_like(t: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -12,7 +12,8 @@
 - `DTensor._local_tensor`: the rank's shard of a DTensor, read inside a dispatch mode.
 - FSDP1 : `torch.distributed.fsdp.FullyShardedDataParallel`, `ShardingStrategy`,
   `CPUOffload`, `MixedPrecision`, `wrap.ModuleWrapPolicy` (public), and the storage resizes of its
-  FlatParameters, `torch.distributed.fsdp._flat_param._alloc_storage` / `_free_storage` (private).
+  FlatParameters, `torch.distributed.fsdp._flat_param._alloc_storage` / `_free_storage` (private), and
+  `_runtime_utils._catch_all_reshard` (private: its data-pointer test).
 """
 
 from __future__ import annotations
@@ -132,10 +133,11 @@ def fsdp_storage_hooks(on_alloc, on_free) -> Iterator[None]:
 # -- FSDP1  --
 def fsdp1_wrap(module: torch.nn.Module, *, block_classes: set[type] | None, sharding_strategy: str, mesh,
                use_orig_params: bool, cpu_offload: bool, param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype | None) -> torch.nn.Module:
+               reduce_dtype: torch.dtype | None, auto_wrap_policy=None) -> torch.nn.Module:
     """`FullyShardedDataParallel(module, ...)` as accelerate's `prepare_model` builds it for FSDP1 (device_id the
     device, `ModuleWrapPolicy` over the block classes for TRANSFORMER_BASED_WRAP, none for NO_WRAP; the mixed
-    precision policy's buffer dtype is its param dtype: FullyShardedDataParallelPlugin.set_mixed_precision)."""
+    precision policy's buffer dtype is its param dtype: FullyShardedDataParallelPlugin.set_mixed_precision).
+    `auto_wrap_policy`, when given, is FSDP1's policy callable instead (peft's `fsdp_auto_wrap_policy`)."""
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -147,7 +149,7 @@ def fsdp1_wrap(module: torch.nn.Module, *, block_classes: set[type] | None, shar
     if sharding_strategy.startswith(("HYBRID", "_HYBRID")):
         kwargs["device_mesh"] = mesh
     return FSDP(module, sharding_strategy=ShardingStrategy[sharding_strategy],
-                auto_wrap_policy=ModuleWrapPolicy(block_classes) if block_classes else None,
+                auto_wrap_policy=auto_wrap_policy or (ModuleWrapPolicy(block_classes) if block_classes else None),
                 cpu_offload=CPUOffload(offload_params=cpu_offload), use_orig_params=use_orig_params,
                 device_id=torch.device("cpu"), sync_module_states=False, **kwargs)
 
@@ -165,10 +167,11 @@ def fsdp1_storage_hooks(on_alloc, on_free) -> Iterator[None]:
     from torch.distributed.utils: the padded unsharded FlatParameter, its low-precision shard), reported as
     `fsdp_storage_hooks` reports FSDP2's.
 
-    Also FSDP1's two storage tests that read data pointers, which a FakeTensor does not have (all 0):
+    Also FSDP1's three storage tests that read data pointers, which a FakeTensor does not have (all 0):
     `_data_ptr_allocated` (`data_ptr() > 0`) is answered by the storage's size (what `_alloc_storage` /
-    `_free_storage` change), `_same_storage` (`data_ptr() ==`) by the storages' identity (PyTorch keeps one
-    Python object per live storage); the same answers a real tensor gets."""
+    `_free_storage` change), `_same_storage` (`data_ptr() ==`) and `_runtime_utils._catch_all_reshard`'s
+    already-resharded test by the storages' identity (PyTorch keeps one Python object per live storage); the same
+    answers a real tensor gets."""
     from torch.distributed.fsdp import _flat_param
     from torch.distributed.tensor import DTensor
 
@@ -184,14 +187,30 @@ def fsdp1_storage_hooks(on_alloc, on_free) -> Iterator[None]:
         return a.untyped_storage() is b.untyped_storage() or (
             a.untyped_storage().data_ptr() != 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
+    from torch.distributed.fsdp import _runtime_utils
+
+    orig_catch_all = _runtime_utils._catch_all_reshard
+
+    def catch_all_reshard(state):
+        # `_catch_all_reshard`'s "already resharded" test compares `flat_param.data_ptr()` with its local shard's;
+        # on fake tensors both are 0, so a unit whose post-backward hook never runs (a frozen one: peft's units of
+        # base weights) would keep its unsharded FlatParameter; the test is answered by storage identity instead
+        handle = state._handle
+        if handle is None or (same_storage(handle.flat_param, handle.flat_param._local_shard)
+                              and not handle._skipped_use_sharded_views):
+            return
+        _runtime_utils._reshard(state, handle, _runtime_utils._should_free_in_backward(state, handle))
+
     alloc_storage, free_storage = _watched_storage(orig_alloc, orig_free, on_alloc, on_free)
     _flat_param._alloc_storage, _flat_param._free_storage = alloc_storage, free_storage
     _flat_param._data_ptr_allocated, _flat_param._same_storage = data_ptr_allocated, same_storage
+    _runtime_utils._catch_all_reshard = catch_all_reshard
     try:
         yield
     finally:
         _flat_param._alloc_storage, _flat_param._free_storage = orig_alloc, orig_free
         _flat_param._data_ptr_allocated, _flat_param._same_storage = orig_allocated, orig_same
+        _runtime_utils._catch_all_reshard = orig_catch_all
 
 
 def fsdp1_release_flat_grads(model: torch.nn.Module) -> None:

@@ -106,6 +106,54 @@ class ShardTracker(StorageTracker):
             rec.category = "weights"
 
 
+def _fsdp1_dtype_error(message: str, setup: TrainSetup) -> str:
+    """One line for FSDP1's refusal to flatten a unit (`_flat_param.py` `_validate_tensors_to_flatten`: "Cannot
+    flatten integer dtype tensors", "Must flatten tensors with uniform dtype but got A and B")."""
+    if "but got" in message:
+        got = "tensors of " + message.split("but got", 1)[-1].strip().rstrip(".")
+    else:
+        got = "integer tensors (FSDP1 flattens floating ones only)"
+    fix = "load the model in one dtype (`--weights-dtype`)"
+    if setup.load_in_4bit:
+        fix = ("with QLoRA set `bnb_4bit_quant_storage` to the model's dtype (`--bnb-4bit-quant-storage bfloat16 "
+               "--weights-dtype bf16`, peft's FSDP-QLoRA guide) and leave out prepare_model_for_kbit_training's fp32 "
+               "casts (`--no-kbit-prep`; TRL's SFTTrainer skips it for sharded QLoRA), or use FSDP2")
+    elif setup.kbit_prep and setup.load_in_8bit:
+        fix = "8-bit weights cannot share an FSDP1 unit with floating parameters; use FSDP2 or DDP"
+    return f"FSDP1 flattens each wrapped unit into one FlatParameter of one dtype, and a unit holds {got}; {fix}"
+
+
+def _whole_4bit_note(count: int, storage: str) -> str:
+    return (f"FSDP2 leaves the {count} 4-bit weights of `bnb_4bit_quant_storage` `{storage}` out of its sharding "
+            "(accelerate `fsdp2_prepare_model`: non-floating Params4bit -> `ignored_params`), so every rank holds the "
+            "whole quantized model; `bnb_4bit_quant_storage` bf16 (the compute dtype, as peft's and accelerate's "
+            "FSDP-QLoRA guides set it) shards them")
+
+
+def _peft_fsdp1_policies(model, setup: TrainSetup, parallel: ParallelSetup):
+    """(auto-wrap policy or None, param dtype, reduce dtype) of FSDP1 as the Trainer prepares a peft model.
+
+    transformers 5.24 trainer.py `_inner_training_loop`: with FSDP1 (`delay_optimizer_creation`; FSDP2 does not
+    delay it) and a `PeftModel`, `update_fsdp_plugin_peft` (transformers/distributed/fsdp.py) runs before
+    `accelerator.prepare`: the plugin's policy becomes peft's `fsdp_auto_wrap_policy(model)` (peft utils/other.py:
+    each leaf module with a trainable `weight`, the adapters, is a unit of its own, or-ed with the
+    `_no_split_modules` blocks), whatever the config named; and a bitsandbytes model whose `bnb_4bit_quant_storage`
+    is a floating dtype gets that dtype as its mixed precision (`set_mixed_precision(storage, override=True)`:
+    param, reduce and buffer dtype)."""
+    param_dtype, reduce_dtype = _DTYPES.get(parallel.param_dtype), _DTYPES.get(parallel.reduce_dtype)
+    if setup.lora_r is None and not setup.peft_config:
+        return None, param_dtype, reduce_dtype
+    from peft import PeftModel
+    from peft.utils.other import fsdp_auto_wrap_policy
+
+    if not isinstance(model, PeftModel):
+        return None, param_dtype, reduce_dtype
+    storage = getattr(torch, setup.bnb_4bit_quant_storage)
+    if (setup.load_in_4bit or setup.load_in_8bit) and storage.is_floating_point:
+        param_dtype = reduce_dtype = storage
+    return fsdp_auto_wrap_policy(model), param_dtype, reduce_dtype
+
+
 class _FsdpRunner(_Runner):
     def __init__(self, setup: TrainSetup, parallel: ParallelSetup, mesh, gpu: GpuSpec | None = None) -> None:
         super().__init__(setup, fake=True, splice=False, gpu=gpu)
@@ -121,6 +169,15 @@ class _FsdpRunner(_Runner):
             kwargs["mp_policy"] = dadapter.mixed_precision_policy(_DTYPES.get(p.param_dtype), _DTYPES.get(p.reduce_dtype))
         if p.cpu_offload:
             kwargs["offload_policy"] = dadapter.cpu_offload_policy()
+        if self.quant is not None and self.quant.bits == 4:
+            # 4-bit weights shard as plain parameters of their packed storage; those of a storage that is not
+            # floating stay whole on every rank (memfit.models.quantization.plain_4bit_weights)
+            from memfit.models.quantization import plain_4bit_weights
+
+            whole = plain_4bit_weights(self.model)
+            if whole:
+                kwargs["ignored_params"] = set(whole)
+                self.notes.append(_whole_4bit_note(len(whole), self.setup.bnb_4bit_quant_storage))
         if p.auto_wrap == "transformer":  # NO_WRAP: the root only (accelerate fsdp2_prepare_auto_wrap_policy: None)
             for _, blocks in repeated_layer_lists(self.model):
                 for block in blocks:
@@ -128,14 +185,23 @@ class _FsdpRunner(_Runner):
         dadapter.fully_shard(self.model, **kwargs)
 
     def _wrap_fsdp1(self) -> None:
-        """FSDP1 on the materialized (fake) model: FlatParameters built and sharded by FSDP1's own code."""
+        """FSDP1 on the materialized (fake) model: FlatParameters built and sharded by FSDP1's own code, with the
+        policies the Trainer gives a peft model (`_peft_fsdp1_policies`)."""
         p = self.parallel
         classes = None
         if p.auto_wrap == "transformer":
             classes = {type(b) for _, blocks in repeated_layer_lists(self.model) for b in blocks} or None
-        self.model = dadapter.fsdp1_wrap(self.model, block_classes=classes, sharding_strategy=p.fsdp1_sharding_strategy,
-                                         mesh=self.mesh, use_orig_params=p.use_orig_params, cpu_offload=p.cpu_offload,
-                                         param_dtype=_DTYPES.get(p.param_dtype), reduce_dtype=_DTYPES.get(p.reduce_dtype))
+        policy, param_dtype, reduce_dtype = _peft_fsdp1_policies(self.model, self.setup, p)
+        try:
+            self.model = dadapter.fsdp1_wrap(self.model, block_classes=classes,
+                                             sharding_strategy=p.fsdp1_sharding_strategy, mesh=self.mesh,
+                                             use_orig_params=p.use_orig_params, cpu_offload=p.cpu_offload,
+                                             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                             auto_wrap_policy=policy)
+        except ValueError as err:
+            if "uniform dtype" not in str(err) and "integer dtype" not in str(err):
+                raise
+            raise MemfitError(_fsdp1_dtype_error(str(err), self.setup)) from err
         self.fwd_model = self.model  # the Trainer calls the wrapped model (accelerator.prepare)
 
     def _materialize(self) -> None:
@@ -148,6 +214,8 @@ class _FsdpRunner(_Runner):
             from memfit.models.build import to_empty_tied
             from memfit.sim import engine
 
+            # (4-bit weights become plain Parameters of their storage here; memfit.models.quantization `capture`
+            # reads their quantization state from the module)
             to_empty_tied(self.model, device="cpu")
             self._wrap_fsdp1()
             self.tracker.paused = False

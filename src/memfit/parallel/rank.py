@@ -32,7 +32,7 @@ from memfit.train_setup import TrainSetup
 if TYPE_CHECKING:
     from memfit.gpus.catalog import GpuSpec
 
-__all__ = ["RankResult", "simulate_rank", "param_inventory", "ddp_bucket_bytes"]
+__all__ = ["RankResult", "simulate_rank", "param_inventory", "quant_state_bytes", "ddp_bucket_bytes"]
 
 
 @dataclass
@@ -56,20 +56,51 @@ def _meta_model(setup: TrainSetup):
     return _Runner(setup, fake=True, splice=False).model
 
 
-def param_inventory(model, persistence_threshold: int = 0) -> ParamInventory:
-    """Parameter counts of a (meta) model, shared parameters once (as DeepSpeed's `model_to_params`)."""
+def param_inventory(model, persistence_threshold: int = 0, zero_dtype: str | None = None) -> ParamInventory:
+    """Parameter counts of a (meta) model, shared parameters once (as DeepSpeed's `model_to_params`).
+
+    With `zero_dtype` (DeepSpeed's dtype) the counts are in elements of that dtype, as ZeRO's rules take them: the
+    engine casts every floating parameter to fp16 / bf16 when enabled (`module.half()` / `.bfloat16()` in
+    `_configure_distributed_model`: floating tensors only), so a parameter it does not cast (an integer one, such
+    as the packed uint8 storage of 4-bit weights, or any parameter of a run in fp32) counts its own bytes:
+    `numel * element_size / b` elements. The persistence test reads the parameter's own numel (`ds_numel`)."""
     seen: dict[int, Any] = {}
     for p in model.parameters():
         seen.setdefault(id(p), p)
     params = list(seen.values())
-    largest_layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    b = {"fp16": 2, "bf16": 2, "fp32": 4}.get(zero_dtype or "")
+
+    def elements(p) -> int:
+        if b is None or (p.is_floating_point() and zero_dtype != "fp32"):
+            return p.numel()
+        return -(-p.numel() * p.element_size() // b)
+
+    largest_layer = max((sum(elements(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return ParamInventory(
-        total_params=sum(p.numel() for p in params),
-        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        total_params=sum(elements(p) for p in params),
+        trainable_params=sum(elements(p) for p in params if p.requires_grad),
         largest_layer_params=largest_layer,
-        largest_param_numel=max((p.numel() for p in params), default=0),
-        persistent_params=sum(p.numel() for p in params if p.numel() <= persistence_threshold),
+        largest_param_numel=max((elements(p) for p in params), default=0),
+        persistent_params=sum(elements(p) for p in params if p.numel() <= persistence_threshold),
     )
+
+
+def _offloaded_shard_bytes(model, shard_size: int) -> int:
+    """Host bytes per rank under FSDP2's CPUOffloadPolicy: each parameter's shard (1/shard_size, hybrid sharding's
+    shard group being one node); a trainable one as fp32 with its fp32 gradient and Adam's two fp32 states (16 B
+    per element: accelerate upcasts trainable parameters to fp32 under mixed precision, `fsdp2_prepare_model`), a
+    frozen one in its own dtype only (a 4-bit weight: its packed storage; memfit.models.quantization)."""
+    seen = {id(p): p for p in model.parameters()}.values()
+    return sum(-(-p.numel() // shard_size) * (16 if p.requires_grad else p.element_size()) for p in seen)
+
+
+def quant_state_bytes(model) -> int:
+    """Bytes of the bitsandbytes quantization states of a (meta) model (absmax, code tables, nested states, SCB):
+    attributes of the layers, no parameters or buffers, so no engine shards or casts them and every rank holds
+    them whole (bitsandbytes nn/modules.py: `Linear4bit.quant_state`, kept on the module for FSDP)."""
+    from memfit.models.quantization import quant_state_tensors
+
+    return sum(t.numel() * t.element_size() for t in quant_state_tensors(model))
 
 
 def ddp_bucket_bytes(model, bucket_cap_mb: float | None) -> list[int]:
@@ -253,10 +284,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
         sim = simulate_fsdp(setup, parallel, gpu=gpu)
         host = 0
         if parallel.cpu_offload:
-            inv = param_inventory(_meta_model(setup))
-            # CPUOffloadPolicy: fp32 shards of parameters, gradients and Adam's two states on the host
-            n = parallel.shard_size  # hybrid sharding: the shard group is one node
-            host = -(-inv.total_params // n) * 4 + -(-inv.trainable_params // n) * 12
+            host = _offloaded_shard_bytes(_meta_model(setup), parallel.shard_size)
         return RankResult(sim, host_bytes=host, nccl_bytes=nccl, notes=notes)
     if parallel.strategy == "ddp":
         model = _meta_model(setup)
@@ -271,8 +299,12 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
     dtype = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}[z.dtype]
     base = setup.replace(precision="fp32", weights_dtype=dtype)
     model = _meta_model(base)
-    inv = param_inventory(model, z.param_persistence_threshold if z.stage == 3 else 0)
+    inv = param_inventory(model, z.param_persistence_threshold if z.stage == 3 else 0, zero_dtype=dtype)
     buffers = zero_buffers(z, inv, parallel.world_size, gpus_per_node=parallel.gpus_per_node)
+    if setup.load_in_4bit or setup.load_in_8bit:  # the simulated trace's quant states go with its weights
+        buffers.append(ZeroBuffer("bitsandbytes quantization states (whole on every rank)", quant_state_bytes(model),
+                                  "gpu", "setup", "weights", "bitsandbytes Linear4bit.quant_state / Int8Params.SCB: "
+                                  "layer attributes, neither partitioned nor cast by DeepSpeed"))
     sim = simulate(base, gpu=gpu)
     ranks: list[dict[str, Any]] = []
     if z.stage == 2 and z.contiguous_gradients and not z.offload_optimizer and parallel.world_size > 1:

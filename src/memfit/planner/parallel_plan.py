@@ -37,7 +37,8 @@ outside PyTorch's allocator), where the strategy's per-rank simulation models th
 Leanness and the dropping of a strategy are judged within one precision / optimizer family.
 
 Opt-ins (`allow`): the single-GPU remedies' truncation, LoRA, freezing and QLoRA variants, each alone, tried
-only when nothing without them fits, verified per rank as the others; QLoRA only with DDP (`_refusal`).
+only when nothing without them fits, verified per rank as the others; QLoRA under FSDP / ZeRO with its 4-bit
+storage in the compute dtype (`_sharded_qlora`).
 
 Known limitations: the memory of a candidate is rank 0's (memfit.parallel); opt-ins are not combined with each
 other or with another optimizer; the step time is a model (its assumptions are in
@@ -232,17 +233,27 @@ _OPT_INS = ("truncation", "lora", "freeze", "qlora")
 
 def _refusal(strategy: str, family: dict[str, Any]) -> str | None:
     """Why a strategy's per-rank simulation does not model a precision / optimizer / opt-in family (None: it does).
-
-    * QLoRA under ZeRO or FSDP: memfit.parallel.zero lays out ZeRO's partitions in DeepSpeed's 16/32-bit dtype
-      (rank.py `simulate_rank` casts the model: `weights_dtype=dtype`) and memfit.parallel.fsdp shards floating
-      parameters with `fully_shard`; neither models bitsandbytes' packed 4-bit `Params4bit` weights, so only DDP
-      (every rank holds the whole quantized model, as the single-GPU simulation) is searched with QLoRA.
-    """
-    if family.get("load_in_4bit") and strategy != "ddp":
-        engine = "FSDP" if strategy == "fsdp" else "DeepSpeed ZeRO"
-        return (f"QLoRA under {engine}: memfit's per-rank simulation does not model 4-bit (bitsandbytes Params4bit) "
-                "weights sharded or cast by the engine; only DDP is searched with QLoRA")
+    QLoRA is searched under every strategy, sharded as `_sharded_qlora` sets it up."""
     return _optimizer_refusal(strategy, family["optim"]) if "optim" in family else None
+
+
+#: `bnb_4bit_quant_storage` of sharded QLoRA per compute dtype (peft docs/source/accelerate/fsdp.md, "Use PEFT QLoRA
+#: and FSDP": bfloat16 storage for bf16 training, float32 for fp16 mixed precision; the same for DeepSpeed ZeRO-3,
+#: docs/source/accelerate/deepspeed.md)
+_SHARDED_QUANT_STORAGE = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float32", "float16": "float32",
+                          "fp32": "float32", "float32": "float32"}
+
+
+def _sharded_qlora(strategy: str, family: dict[str, Any]) -> dict[str, Any]:
+    """The QLoRA family as a sharded run sets it up: under FSDP or ZeRO the 4-bit weights are stored in the compute
+    dtype so the engine shards them as ordinary storage (memfit.parallel.fsdp: FSDP2 leaves uint8 ones whole, FSDP1
+    refuses them), and peft's `prepare_model_for_kbit_training` is not run (TRL's SFTTrainer skips it for sharded
+    QLoRA, `_prepare_peft_model`: `is_sharded_qlora`; its fp32 casts cannot share an FSDP1 unit with the bf16
+    storage). DDP keeps the family as it is."""
+    if not family.get("load_in_4bit") or strategy == "ddp":
+        return family
+    storage = _SHARDED_QUANT_STORAGE.get(str(family.get("bnb_4bit_compute_dtype")), "bfloat16")
+    return {**family, "bnb_4bit_quant_storage": storage, "kbit_prep": False}
 
 
 def _optimizer_refusal(strategy: str, optim: str) -> str | None:
@@ -582,7 +593,8 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
             if why:
                 not_modelled[why] = None
                 continue
-            groups += [_Group(v, i, {**fam, **ch}, lean, tuple(sorted(fam.items())), method) for ch, lean in axes]
+            fam_v = _sharded_qlora(v.strategy, fam)
+            groups += [_Group(v, i, {**fam_v, **ch}, lean, tuple(sorted(fam_v.items())), method) for ch, lean in axes]
     groups.sort(key=lambda g: (g.rank_tier, search.modelled(g, req.micro_batches[-1])[0].total_s, g.order,
                                -g.lean_rank))
     stopped = search.run(groups)

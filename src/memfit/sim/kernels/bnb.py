@@ -234,12 +234,26 @@ def cuda_int8_matmul(A, B, out=None, state=None, threshold=0.0, bias=None):
     return MatMul8bitLt.apply(A, B, out, bias, state)
 
 
+def fix_4bit_weight_quant_state_from_module(module) -> None:
+    """bitsandbytes' `fix_4bit_weight_quant_state_from_module` (nn/modules.py, called first by `Linear4bit.forward`)
+    for a weight FSDP has made a plain tensor (FSDP2's all-gathered parameter, FSDP1's FlatParameter view): bnb
+    wraps it as `Params4bit(module.weight, ...)` (`_make_subclass`: the same storage, no allocation) to hang the
+    module's quantization state on it, which a FakeTensor cannot be; the state is hung on the tensor itself, all
+    that `forward` reads of it (`self.weight.quant_state`)."""
+    if getattr(module.weight, "quant_state", None) is not None:
+        return
+    module.weight.quant_state = module.quant_state
+
+
 @contextlib.contextmanager
 def bnb_cuda_patches() -> Iterator[None]:
-    """`bnb.matmul` -> its CUDA path for the simulation (undone on exit)."""
+    """`bnb.matmul` -> its CUDA path for the simulation, and a sharded 4-bit weight given its quantization state
+    without the bnb subclass (`fix_4bit_weight_quant_state_from_module`); undone on exit."""
     import bitsandbytes as bnb
+    from bitsandbytes.nn import modules
 
     from memfit.sim.patching import patched
 
-    with patched(bnb, "matmul", cuda_int8_matmul):
+    with patched(bnb, "matmul", cuda_int8_matmul), \
+            patched(modules, "fix_4bit_weight_quant_state_from_module", fix_4bit_weight_quant_state_from_module):
         yield
