@@ -265,3 +265,11 @@ def test_generation_rows_in_the_report(reports):
 def test_vllm_share_too_small_for_the_weights_does_not_fit():
     r = estimate(_setup(use_vllm=True, vllm_gpu_memory_utilization=1e-6), gpu="A100-80GB")
     assert r.fits is False and any("vLLM fails at start-up" in n for n in r.notes)
+
+
+def test_plan_refuses_grpo():
+    from memfit import plan
+
+    with pytest.raises(MemfitError, match="does not plan GRPO yet") as err:
+        plan(_setup(), gpu="A100-80GB")
+    assert "\n" not in str(err.value)

@@ -210,6 +210,9 @@ def plan(
     exclude = tuple(map(remedy_id, exclude))  # an earlier remedy name is accepted (memfit.remedies.ALIASES)
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
     setup = _as_setup(setup)
+    if setup.trainer == "grpo":  # the remedies change the micro-batch, which GRPO's generation batch depends on
+        raise MemfitError("`memfit plan` does not plan GRPO yet (its remedies would change the generation batch and "
+                          "what is learned); run `memfit estimate --trainer grpo` for each configuration you consider")
     if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
         raise MemfitError("plan() needs `gpu`; `None` is not a GPU: pass gpu=\"V100-16GB\", a size like "
                           "gpu=\"24GiB\", or gpu=\"auto\"")

@@ -80,6 +80,9 @@ def notes(setup: Any) -> list[str]:
     if setup.trainer == "sft" and (setup.completion_only_loss or setup.assistant_only_loss):
         out.append("completion/assistant-only loss: the fused LM head is simulated scoring every position (its CPU "
                    "path); on CUDA it scores only the tokens that count, so the head's memory is an upper bound")
+    if setup.trainer == "grpo" and setup.does_eval:
+        out.append("GRPO's evaluation (which generates too, GRPOTrainer.prediction_step) is not simulated: the "
+                   "estimate is of the training steps")
     if setup.trainer in ("sft", "dpo") and setup.does_eval:
         out.append(f"evaluation of the {setup.trainer.upper()} trainer is simulated as Trainer's (full logits), "
                    "an upper bound: TRL's fused head keeps no logits")
