@@ -13,7 +13,8 @@
 - FSDP1 : `torch.distributed.fsdp.FullyShardedDataParallel`, `ShardingStrategy`,
   `CPUOffload`, `MixedPrecision`, `wrap.ModuleWrapPolicy` (public), and the storage resizes of its
   FlatParameters, `torch.distributed.fsdp._flat_param._alloc_storage` / `_free_storage` (private), and
-  `_runtime_utils._catch_all_reshard` (private: its data-pointer test).
+  `_runtime_utils._catch_all_reshard` (private: its data-pointer test); accelerate's fp32 upcast of a unit's
+  FlatParameter reaches `FlatParamHandle._orig_param_dtype` and `_use_sharded_views` (private).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from memfit.errors import MemfitError
 
 __all__ = ["fake_process_group", "fully_shard", "mixed_precision_policy", "cpu_offload_policy",
            "ddp_bucket_assignment", "DDP_FIRST_BUCKET_BYTES", "local_tensor", "is_dtensor", "fsdp1_wrap",
-           "fsdp1_flat_params", "fsdp1_storage_hooks", "fsdp_storage_hooks"]
+           "fsdp1_flat_params", "fsdp1_upcast_flat_params", "fsdp1_storage_hooks", "fsdp_storage_hooks"]
 
 DDP_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES)
 
@@ -159,6 +160,31 @@ def fsdp1_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return [m._handle.flat_param for m in model.modules() if isinstance(m, FSDP) and m._handle is not None]
+
+
+def fsdp1_upcast_flat_params(model: torch.nn.Module) -> int:
+    """What accelerate 1.16 `Accelerator.prepare_model` does to an FSDP1 model under mixed precision (accelerate
+    >= 0.30, "Add Upcasting for FSDP in Mixed Precision", #2674): every unit's trainable FlatParameter that is not
+    fp32 becomes fp32 (`param.data = param.data.to(torch.float32)`, `module._handle._orig_param_dtype =
+    torch.float32`), so the sharded master weights, their gradients and the optimizer's states are fp32 while the
+    unit still computes in its MixedPrecision `param_dtype`. The original parameters are then re-viewed into the
+    fp32 shard (`FlatParamHandle._use_sharded_views`, what the first forward's reshard does on a GPU) so that they
+    no longer hold the low-precision shard. Returns the number of FlatParameters upcast."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    count = 0
+    for module in FSDP.fsdp_modules(model):
+        handle = module._handle
+        if handle is None:
+            continue
+        param = handle.flat_param
+        if param.dtype != torch.float32 and param.device != torch.device("meta") and param.requires_grad:
+            param.data = param.data.to(torch.float32)
+            handle._orig_param_dtype = torch.float32
+            if handle._use_orig_params:
+                handle._use_sharded_views()
+            count += 1
+    return count
 
 
 @contextlib.contextmanager

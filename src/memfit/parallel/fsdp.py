@@ -154,10 +154,29 @@ def _peft_fsdp1_policies(model, setup: TrainSetup, parallel: ParallelSetup):
     return fsdp_auto_wrap_policy(model), param_dtype, reduce_dtype
 
 
+def _upcast_trainable(model: torch.nn.Module) -> int:
+    """accelerate 1.16 `fsdp2_prepare_model` under mixed precision (not for a model with 4-bit weights): every
+    trainable parameter that is not fp32 becomes fp32 before `fully_shard` ("Upcast to fp32 master weights;
+    MixedPrecisionPolicy.param_dtype handles compute cast"). Returns the number of parameters upcast."""
+    from memfit.sim import _torch_adapter as adapter
+
+    count = 0
+    with adapter.outside_fake_mode():  # the model is still on the meta device: its parameters stay meta tensors
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+                count += 1
+    return count
+
+
 class _FsdpRunner(_Runner):
     def __init__(self, setup: TrainSetup, parallel: ParallelSetup, mesh, gpu: GpuSpec | None = None) -> None:
         super().__init__(setup, fake=True, splice=False, gpu=gpu)
         self.tracker = ShardTracker()
+        if parallel.param_dtype is None and parallel.reduce_dtype is None and setup.precision in ("fp16", "bf16"):
+            # accelerate state.py: `fsdp_plugin.set_mixed_precision(mixed_precision)` unless a policy is given
+            # (as parallel_from_training_args does; `--strategy fsdp` alone comes here without one)
+            parallel = parallel.replace(param_dtype=setup.precision, reduce_dtype=setup.precision)
         self.parallel = parallel
         self.mesh = mesh
         self._micro_steps_run = 0
@@ -178,6 +197,8 @@ class _FsdpRunner(_Runner):
             if whole:
                 kwargs["ignored_params"] = set(whole)
                 self.notes.append(_whole_4bit_note(len(whole), self.setup.bnb_4bit_quant_storage))
+        if self.setup.precision in ("fp16", "bf16") and not (self.quant is not None and self.quant.bits == 4):
+            self._note_upcast(_upcast_trainable(self.model))
         if p.auto_wrap == "transformer":  # NO_WRAP: the root only (accelerate fsdp2_prepare_auto_wrap_policy: None)
             for _, blocks in repeated_layer_lists(self.model):
                 for block in blocks:
@@ -202,7 +223,16 @@ class _FsdpRunner(_Runner):
             if "uniform dtype" not in str(err) and "integer dtype" not in str(err):
                 raise
             raise MemfitError(_fsdp1_dtype_error(str(err), self.setup)) from err
+        if self.setup.precision in ("fp16", "bf16"):
+            self._note_upcast(dadapter.fsdp1_upcast_flat_params(self.model))
         self.fwd_model = self.model  # the Trainer calls the wrapped model (accelerator.prepare)
+
+    def _note_upcast(self, count: int) -> None:
+        if count:
+            self.notes.append(f"FSDP keeps fp32 master weights: accelerate upcasts the {count} trainable "
+                              f"{'FlatParameters' if self.parallel.fsdp_version == 1 else 'parameters'} that are not "
+                              f"fp32 under `{self.setup.precision}` mixed precision, so their shards, gradients and "
+                              "optimizer states are fp32; compute runs in the mixed-precision param dtype")
 
     def _materialize(self) -> None:
         self.tracker.paused = True

@@ -3,7 +3,8 @@
 Everything memfit needs from torch internals goes through here, so a torch upgrade
 breaks (at most) this file:
 
-- `torch._subclasses.fake_tensor.FakeTensorMode`: tensors with shapes and dtypes but no data.
+- `torch._subclasses.fake_tensor.FakeTensorMode`: tensors with shapes and dtypes but no data;
+  `unset_fake_temporarily`: a meta tensor made inside the mode that stays a plain meta tensor.
 - `torch.utils._python_dispatch.TorchDispatchMode`: seeing every aten op below autograd.
 - `torch.library.Library(..., "IMPL")` at the `AutocastCPU` dispatch key: replacing the CPU
   autocast policy by CUDA's while a simulation runs (see `cuda_autocast`).
@@ -32,6 +33,7 @@ __all__ = [
     "FakeTensorMode",
     "TorchDispatchMode",
     "new_fake_mode",
+    "outside_fake_mode",
     "exclude_autocast_cpu",
     "override_autocast_cpu",
     "current_autograd_node_name",
@@ -52,6 +54,13 @@ __all__ = [
 def new_fake_mode() -> FakeTensorMode:
     """A FakeTensorMode that accepts real (e.g. meta-built) tensors as inputs."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager:
+    """Leave the active FakeTensorMode for the enclosed code (a meta model's dtype change before it is sharded)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 _AUTOCAST_CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
