@@ -18,7 +18,7 @@ __all__ = ["ui_command_parser", "ui_command"]
 
 
 def ui_command_parser(subparsers) -> argparse.ArgumentParser:
-    from memfit.ui.app import DEFAULT_MAX_QUEUE, DEFAULT_PORT
+    from memfit.ui.settings import DEFAULT_MAX_QUEUE, DEFAULT_PORT  # not the app: the CLI starts fast
 
     p = subparsers.add_parser("ui", help="the web app: a form for estimate, plan and diagnose (needs `memfit[ui]`)",
                               description="Start memfit's web app (Gradio) on this machine: the setup as a form, "

@@ -20,15 +20,12 @@ import threading
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.ui.settings import DEFAULT_MAX_QUEUE, DEFAULT_PORT
 from memfit.ui.form import ADAPTERS, STRATEGIES, Form, diagnose_argv, estimate_argv, plan_argv
 from memfit.ui.jobs import Job, Outcome, warm_up
 
 __all__ = ["build_app", "launch", "DEFAULT_MAX_QUEUE", "DEFAULT_PORT"]
 
-#: Runs waiting at most (more are refused with a message: the queue is full).
-DEFAULT_MAX_QUEUE = 8
-#: Gradio's own default port.
-DEFAULT_PORT = 7860
 #: How often the page's status line is updated while a run goes on.
 _POLL_S = 0.5
 
