@@ -112,10 +112,24 @@ def test_bad_data_files_are_one_line_errors(tmp_path, make, match):
     (["--group-by-length"], "--data FILE"),
     (["--data", SENTIMENT, "--tokenizer", "/nonexistent/tok"], "cannot load the tokenizer"),
 ])
-def test_data_flags_are_checked_in_one_line(tiny_bert_dir, capsys, argv, match):
-    assert main(["estimate", tiny_bert_dir, *argv, "--gpu", "T4"]) != 0
+@pytest.mark.parametrize("verb", ["estimate", "plan"])
+def test_data_flags_are_checked_in_one_line(tiny_bert_dir, capsys, argv, match, verb):
+    assert main([verb, tiny_bert_dir, *argv, "--gpu", "T4"]) != 0
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_plan_says_which_batch_of_the_data_it_planned_for(tiny_bert_dir, tokenizer_dir, texts, tokenizer, capsys):
+    lengths, _ = token_lengths(texts, tokenizer, max_length=512)
+    assert main(["plan", tiny_bert_dir, "--batch-size", "8", "--eval-strategy", "no", "--gpu", "T4", "--json",
+                 "--no-cache", "--data", SENTIMENT, "--tokenizer", tokenizer_dir]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["data"].startswith(f"data: {len(texts)} examples")
+    assert f"8 x {max(lengths)} tokens" in out["data"]
+    assert main(["plan", tiny_bert_dir, "--batch-size", "8", "--eval-strategy", "no", "--gpu", "T4",
+                 "--data", SENTIMENT, "--tokenizer", tokenizer_dir]) == 0
+    assert capsys.readouterr().out.startswith("note: data: ")
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from typing import Any
 
 from memfit.errors import MemfitError
 
-__all__ = ["add_data_arguments", "apply_data"]
+__all__ = ["add_data_arguments", "apply_data", "data_note"]
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +50,17 @@ def _load_tokenizer(name: str) -> Any:
     except (OSError, ValueError, KeyError) as err:
         raise MemfitError(f"cannot load the tokenizer `{name}` ({str(err).splitlines()[0][:160]}); pass --tokenizer "
                           "with a folder holding tokenizer files or a hub id this machine can download") from err
+
+
+#: how the note of apply_data begins (data_note finds it among the setup's notes)
+NOTE_PREFIX = "data: "
+
+
+def data_note(args: argparse.Namespace, setup) -> str | None:
+    """The note apply_data added (which batch was simulated), or None without `--data`."""
+    if getattr(args, "data_file", None) is None:
+        return None
+    return next((n for n in reversed(setup.notes) if n.startswith(NOTE_PREFIX)), None)
 
 
 def apply_data(args: argparse.Namespace, setup):

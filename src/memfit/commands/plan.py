@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from memfit.commands._data import apply_data
+from memfit.commands._data import apply_data, data_note
 from memfit.commands.estimate import add_setup_arguments, build_setup
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
@@ -102,9 +102,14 @@ def plan_command(args: argparse.Namespace) -> int:
                       cache=not args.no_cache)
     _write_html(args, result)
     if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2, default=str)
+        out = result.to_json()
+        if data_note(args, setup):
+            out["data"] = data_note(args, setup)
+        json.dump(out, sys.stdout, indent=2, default=str)
         print()
     else:
+        if data_note(args, setup):
+            print(f"note: {data_note(args, setup)}")
         render(result, is_seed=is_seed)
     if args.check and not result.fits_as_is:
         fix = f"plan {result.chosen} fits" if result.chosen is not None else "no plan fits"
@@ -311,9 +316,13 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
                                                                                  "error": str(r)}
                              for r, k in zip(results, kinds)]}
         out["written"] = written
+        if data_note(args, setup):
+            out["data"] = data_note(args, setup)
         json.dump(out, sys.stdout, indent=2, default=str)
         print()
     else:
+        if data_note(args, setup):
+            print(f"note: {data_note(args, setup)}")
         for r, k in zip(results, kinds):
             if isinstance(r, MemfitError):
                 print(f"{k[0]}x{k[1]}: {r}")
