@@ -5,6 +5,7 @@ Run from the repository root:
     python bench/published.py                        # reads ../shared/published/measurements.json
     python bench/published.py --data FILE.json       # another copy of the records
     python bench/published.py --no-implied-length    # skip the length search behind the padding reason
+    python bench/published.py --liger-e2e            # also Liger's end-to-end FSDP examples (published_liger.py)
 
 The records (`measurements.json`, see its README) are figures from peft's MetaMathQA method
 comparison, Liger-Kernel's benchmark data, torchtune's README and peft's README, each with its
@@ -691,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="measurements.json (default: %(default)s)")
     parser.add_argument("--no-implied-length", action="store_true",
                         help="skip the length search behind the dynamic-padding reason (faster)")
+    parser.add_argument("--liger-e2e", action="store_true",
+                        help="also Liger-Kernel's end-to-end FSDP examples (bench/published_liger.py: 16 simulations "
+                             "of 7B-8B models on 4 ranks, about a minute each)")
     args = parser.parse_args(argv)
     records = load_records(args.data)
     started = time.perf_counter()
@@ -701,6 +705,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{est.runs} memfit estimates ({est.seconds:.0f} s), {time.perf_counter() - started:.0f} s in all")
     for line in summary(rows):
         print(line)
+    if args.liger_e2e:
+        sys.path.insert(0, str(REPO / "bench"))
+        import published_liger  # bench/published_liger.py, next to this script
+
+        print()
+        print("Liger-Kernel end-to-end examples (examples/huggingface: FSDP1 on 4 A100 80GB, peak allocated per GPU):")
+        print()
+        print(published_liger.report(published_liger.load_records()))
     return 0
 
 
