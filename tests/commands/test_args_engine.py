@@ -113,3 +113,14 @@ def test_estimate_from_an_args_file_is_the_engine_not_a_note(llama_dir, tmp_path
     assert not any("not modelled" in n for n in data["notes"])
     assert not any("Attempting to unscale" in n for n in data["notes"])  # DeepSpeed's own loss scaler, no GradScaler
     assert any("DeepSpeed casts the model to its config's fp16" in n for n in data["notes"])
+
+
+def test_plan_says_it_does_not_use_the_files_engine(llama_dir, tmp_path):
+    from memfit.commands.estimate import build_setup
+
+    (tmp_path / "args.json").write_text(json.dumps(ENGINES["zero2"]))
+    args = build_parser().parse_args(["plan", llama_dir, "--args", str(tmp_path / "args.json"), "--gpu", "T4"])
+    setup, _, _ = build_setup(args)
+    assert any("`deepspeed`" in n and "does not use it" in n for n in setup.notes)
+    args = build_parser().parse_args(["estimate", llama_dir, "--args", str(tmp_path / "args.json")])
+    assert not any("`deepspeed`" in n for n in build_setup(args)[0].notes)  # estimate reads it as the engine

@@ -97,7 +97,11 @@ def build_setup(args: argparse.Namespace):
         from memfit.train_setup import ENGINE_ARG_NAMES
 
         # the engine (deepspeed, fsdp, ...) is read by commands._args.parallel_from_args, the same reader as the flags
+        engine = [k for k in ENGINE_ARG_NAMES if data.get(k) not in (None, "", [], {}, False)]
         data = {k: v for k, v in data.items() if k not in ENGINE_ARG_NAMES}
+        if engine and getattr(getattr(args, "func", None), "__name__", None) != "estimate_command":
+            notes.append(f"`{engine[0]}` of `{args.args_file}` is read by `memfit estimate --gpus ...` (the engine of "
+                         f"a run you have); `memfit {getattr(args, 'verb', None) or 'plan'}` does not use it")
         if args.model is None and data.get("model") is None:
             flag = "--model MODEL" if getattr(args, "verb", None) == "diagnose" else "MODEL"
             raise MemfitError(f"`--args {args.args_file}` names no model: pass {flag} as well, or put "
