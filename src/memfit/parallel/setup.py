@@ -588,6 +588,12 @@ def parallel_from_training_args(args: Any, *, world_size: int, nodes: int = 1, p
 
     ds, fsdp = _arg(args, "deepspeed"), _arg(args, "fsdp")
     fsdp_config = located(_arg(args, "fsdp_config"), "fsdp_config")
+    for name, value, kinds, what in (("deepspeed", ds, (str, Path, dict), "the path of a DeepSpeed JSON or its dict"),
+                                     ("fsdp", fsdp, (str, list, tuple, bool), "options such as `full_shard auto_wrap`"),
+                                     ("fsdp_config", fsdp_config, (str, Path, dict), "the path of a JSON or its dict")):
+        if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and name != "fsdp")):
+            raise MemfitError(f"TrainingArguments `{name}` `{value!r}` must be {what}")
+    cap = _arg(args, "ddp_bucket_cap_mb")
     if ds is not None and fsdp is not None:
         raise MemfitError("`deepspeed` and `fsdp` are both set: they are two engines (transformers runs one); "
                           "give one")
@@ -604,7 +610,6 @@ def parallel_from_training_args(args: Any, *, world_size: int, nodes: int = 1, p
             # accelerate state.py: fsdp_plugin.set_mixed_precision(mixed_precision) unless fsdp_config gives a policy
             par = par.replace(param_dtype=precision, reduce_dtype=precision)
         return par.replace(notes=tuple(notes + more)), notes + more
-    cap = _arg(args, "ddp_bucket_cap_mb")
     if world_size == 1 and nodes == 1:
         return None, notes
     return ParallelSetup(world_size=world_size, nodes=nodes, strategy="ddp", bucket_cap_mb=cap), notes
