@@ -55,7 +55,7 @@ def test_every_vendored_file_has_a_case():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_reads_in_one_line_or_refuses_naming_the_key(name):
-    """Without a simulation: memfit's readers of the file (the default suite's share of the corpus)."""
+    """Without a simulation: memfit's readers of the file."""
     flags, expected = CASES[name]
     path = REAL / name
     try:
@@ -114,8 +114,7 @@ def model_params():
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.slow  # one simulation per file (about 10-25 s each on two cores)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES))  # one simulation per file, about a second each
 def test_estimated_per_rank_as_the_engine_allocates(name, model_dir, model_params, capsys):
     flags, expected = CASES[name]
     path = REAL / name
@@ -134,11 +133,12 @@ def test_estimated_per_rank_as_the_engine_allocates(name, model_dir, model_param
     want = expected[4] * model_params // (1 if par["strategy"] == "ddp" else n)
     got = data["phase_breakdowns"].get("optimizer", {}).get("optimizer_state", 0)  # offloaded: no GPU step
     assert abs(got - want) <= 0.02 * want + 64 * 1024, (got, want)
+    if par["strategy"].startswith("zero"):  # DeepSpeed's estimator figure comes with why it differs
+        assert any("DeepSpeed's own model-state estimator" in n and "another quantity" in n for n in data["notes"])
     if "tensor_parallel" in name:
         assert any("autotp_size` 4" in note for note in data["notes"])
 
 
-@pytest.mark.slow
 def test_estimate_refuses_the_batch_of_other_gpus(model_dir, capsys):
     path = REAL / "deepspeedexamples_llama_7b_single_node.json"
     assert main(["estimate", model_dir, "--task", "causal-lm", "--max-length", "64", "--deepspeed", str(path),
