@@ -230,8 +230,21 @@ def setup_config(setup: Any):
     from peft import LoraConfig
 
     return LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                      target_modules=setup.lora_target_modules, task_type=TASK_TYPES.get(setup.task),
+                      target_modules=lora_targets(setup.lora_target_modules), task_type=TASK_TYPES.get(setup.task),
                       use_dora=bool(getattr(setup, "use_dora", False)))
+
+
+def lora_targets(targets: Any) -> Any:
+    """`lora_target_modules` as peft takes it: peft's shorthand `all-linear` (peft.utils
+    INCLUDE_LINEAR_LAYERS_SHORTHAND: every linear layer but the output head, tuners_utils.py
+    `_maybe_include_all_linear_layers`) and a regex are strings there, not lists; `--lora-target-modules all-linear`
+    gives the one-element list `["all-linear"]`."""
+    from peft.utils import INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+    if isinstance(targets, (list, tuple)) and len(targets) == 1 \
+            and targets[0].lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND:
+        return INCLUDE_LINEAR_LAYERS_SHORTHAND
+    return targets
 
 
 def apply_peft(model, setup: Any):
