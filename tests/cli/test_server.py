@@ -67,7 +67,8 @@ def memfit(*args: str, env: dict[str, str], cwd: Path | None = None, stdin: str 
 
 
 def _without_timing(text: str) -> str:
-    return "\n".join(line for line in text.splitlines() if not line.startswith("simulated in"))
+    return "\n".join(line for line in text.splitlines()
+                     if not line.startswith(("simulated in", "from memfit's cache in")))
 
 
 def test_a_served_command_gives_what_it_gives_alone(server, tmp_path):
