@@ -112,10 +112,12 @@ def _type(driver, elem_id, text):
 
 
 def _run(driver, button, word):
+    """Click `button` (`<verb>-btn`) and wait for that verb's status with `word` (or its `not run`)."""
     from selenium.webdriver.common.by import By
 
+    verb = button.split("-")[0] + ":"
     driver.find_element(By.ID, button).click()
-    _wait(driver, lambda d: word in _status(d) or "not run" in _status(d))
+    _wait(driver, lambda d: _status(d).startswith(verb) and (word in _status(d) or "not run" in _status(d)))
     return _status(driver)
 
 
@@ -182,3 +184,21 @@ def test_the_first_page_answers_quickly_once_the_server_listens(server):
     with urllib.request.urlopen(url, timeout=10) as r:
         assert r.status == 200 and b"memfit" in r.read()
     assert time.monotonic() - started < 2
+
+
+def test_a_long_run_shows_progress_and_cancel_stops_it(server, driver):
+    """The built-in example's plan (tens of seconds): the status counts while it runs; Cancel ends it."""
+    from selenium.webdriver.common.by import By
+
+    url, _ = server
+    driver.get(url)
+    _wait(driver, lambda d: d.find_elements(By.ID, "plan-btn"), 60)
+    driver.find_element(By.ID, "plan-btn").click()  # the form as loaded: the built-in example on a T4
+    seen = []
+    _wait(driver, lambda d: seen.append(_status(d)) or _status(d).startswith("plan: simulating"), 120)
+    driver.find_element(By.ID, "cancel-btn").click()
+    deadline = time.monotonic() + 30
+    while not _status(driver).startswith("plan: cancelled") and time.monotonic() < deadline:
+        seen.append(_status(driver))
+        time.sleep(0.5)
+    assert _status(driver).startswith("plan: cancelled"), seen[-3:] + [driver.find_element(By.ID, "result").text]

@@ -63,13 +63,13 @@ class _Runs:
             if self._jobs.get(session) is job:
                 del self._jobs[session]
 
-    def cancel(self, session: str) -> bool:
+    def cancel(self, session: str) -> Job | None:
+        """Kill the client's running Job; the Job, or None when none runs."""
         with self._lock:
             job = self._jobs.pop(session, None)
-        if job is None:
-            return False
-        job.cancel()
-        return True
+        if job is not None:
+            job.cancel()
+        return job
 
 
 def _frame(page: str) -> str:
@@ -166,7 +166,8 @@ def build_app(*, max_queue: int = DEFAULT_MAX_QUEUE, warm: bool = True) -> Any:
 
     def on_cancel(request: gr.Request):
         session = getattr(request, "session_hash", None) or "local"
-        return "cancelled" if runs.cancel(session) else "nothing is running"
+        job = runs.cancel(session)
+        return "nothing is running" if job is None else f"{job.argv[0]}: cancelled after {job.elapsed_s:.1f} s"
 
     with gr.Blocks(title="memfit", analytics_enabled=False) as demo:
         gr.Markdown("## memfit: will this fine-tuning run fit in GPU memory?\n"

@@ -60,7 +60,7 @@ def _child(argv: list[str], html_path: str, conn) -> None:
 
 class Job:
     """`memfit <argv> --html <a fresh file>` in a forked child. `poll()` until it returns an Outcome; `cancel()`
-    kills the child. Used from one thread at a time."""
+    kills the child, also while another thread polls (the app's cancel button)."""
 
     def __init__(self, argv: list[str]) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="memfit-ui-")
@@ -73,6 +73,7 @@ class Job:
         self._proc.start()
         send.close()
         self.outcome: Outcome | None = None
+        self._cancelled = False  #: set before the child is killed, so that a poll meanwhile reads a cancel
 
     @property
     def elapsed_s(self) -> float:
@@ -82,12 +83,22 @@ class Job:
         """The Outcome once the child is done (None while it runs)."""
         if self.outcome is not None:
             return self.outcome
-        if self._recv.poll(timeout_s):
+        if self._cancelled:
+            return None  # cancel() is ending the child and sets the outcome
+        try:
+            ready = self._recv.poll(timeout_s)
+        except (OSError, ValueError):  # the pipe closed by cancel() from another thread meanwhile
+            return self.outcome
+        if ready:
             try:
                 code, page, text, error = self._recv.recv()
             except EOFError:  # the child died without an answer (killed, out of host memory)
+                if self._cancelled:  # killed by cancel(), which sets the outcome
+                    return self.outcome
                 code, page, text, error = 3, None, "", "memfit: the simulation stopped without an answer"
             self.outcome = Outcome(code, page, text, error)
+        elif self._cancelled:
+            return self.outcome
         elif not self._proc.is_alive():
             self.outcome = Outcome(3, None, "", f"memfit: the simulation ended with exit code {self._proc.exitcode}")
         if self.outcome is not None:
@@ -96,6 +107,9 @@ class Job:
 
     def cancel(self) -> None:
         """Stop the child (SIGKILL if it does not end on SIGTERM within a second)."""
+        if self.outcome is not None:
+            return
+        self._cancelled = True
         if self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(1.0)
