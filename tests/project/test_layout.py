@@ -348,8 +348,8 @@ TEST_TOPICS = {
     "train_setup": "train_setup.py: TrainSetup and its readers",
     "project": "the repository as a whole: this layout, the README and docs/",
 }
-#: The one test file outside tests/: bench/published.py's test lives with the script it loads.
-BENCH_TESTS = ["test_published.py"]
+#: The test files outside tests/: a bench script's test lives with the script it loads.
+BENCH_TESTS = ["test_published.py", "test_published_liger.py"]
 
 
 def _test_files() -> list[Path]:
