@@ -177,6 +177,20 @@ def like_fake():
         masking_utils.is_tracing = plain
 
 
+def real_and_fake(setup):
+    """`setup` simulated on real (zero) CPU tensors and on FakeTensors, asserted to be the same trace event for
+    event (`trace_key`), with the first difference in the message; returns (real, fake) for further checks."""
+    from memfit.sim.engine import simulate
+
+    with like_fake():
+        real = simulate(setup, fake=False, splice=False)
+    fake = simulate(setup, fake=True, splice=False)
+    a, b = trace_key(real.trace), trace_key(fake.trace)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert a == b, f"first difference at event {first}: real {a[first:first + 3]} fake {b[first:first + 3]}"
+    return real, fake
+
+
 def trace_key(trace):
     """(action, size, category, phase) per event, and for a free the position of its alloc: what two traces
     must share event for event to be the same run (tests/sim/test_exactness.py and its siblings)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import B, SEQ, TINY_TASK as TASK, tiny_config as _config, trace_key, like_fake
+from helpers import B, SEQ, TINY_TASK as TASK, tiny_config as _config, trace_key, like_fake, real_and_fake
 from memfit.peaks import peaks
 from memfit.sim.engine import simulate
 from memfit.train_setup import TrainSetup
@@ -76,12 +76,7 @@ CASES = [
                                                  for a, kw in CASES])
 def test_real_and_fake_traces_agree_exactly(arch, kw):
     setup = _setup(arch, **kw)
-    with _like_fake():
-        real = simulate(setup, fake=False, splice=False)
-    fake = simulate(setup, fake=True, splice=False)
-    a, b = _key(real.trace), _key(fake.trace)
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    assert a == b, f"first difference at event {first}: real {a[first:first + 3]} fake {b[first:first + 3]}"
+    real, fake = real_and_fake(setup)
     pr, pf = peaks(real.trace, round_to=1), peaks(fake.trace, round_to=1)
     assert pr == pf
     assert pr.final_live_bytes > 0

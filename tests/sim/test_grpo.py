@@ -12,7 +12,7 @@ import pytest
 trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
 import torch  # noqa: E402
-from helpers import like_fake, trace_key  # noqa: E402
+from helpers import real_and_fake  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from memfit import TrainSetup, estimate  # noqa: E402
@@ -20,7 +20,6 @@ from memfit.errors import MemfitError  # noqa: E402
 from memfit.gpus.catalog import as_gpu_spec  # noqa: E402
 from memfit.peaks import peaks  # noqa: E402
 from memfit.sim import grpo_steps  # noqa: E402
-from memfit.sim.engine import simulate  # noqa: E402
 from memfit.sim.tracker import StorageTracker  # noqa: E402
 from memfit.train_setup import TRAINING_ARGS_NAMES, TRL_CONFIG_NAMES, grpo_generation_sizes  # noqa: E402
 
@@ -195,13 +194,7 @@ def test_generation_matches_transformers_generate(kv_heads, g, p, c):
 def test_grpo_step_on_real_tensors_matches_fake(kw):
     """Generation, scoring, forward, backward and optimizer of GRPO on real (zero) CPU tensors and on FakeTensors:
     the same trace, event for event (as tests/sim/test_trl.py checks SFT and DPO)."""
-    setup = _setup(**kw)
-    with like_fake():
-        real = simulate(setup, fake=False, splice=False)
-    fake = simulate(setup, fake=True, splice=False)
-    a, b = trace_key(real.trace), trace_key(fake.trace)
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    assert a == b, f"first difference at event {first}: real {a[first:first + 3]} fake {b[first:first + 3]}"
+    real, fake = real_and_fake(_setup(**kw))
     phases = {ev.phase for ev in fake.trace}
     assert ("generation" in phases) != bool(kw.get("use_vllm")) and "scoring" in phases
 

@@ -13,7 +13,7 @@ import pytest
 
 trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
-from helpers import bundled_tokenizer, like_fake, tiny_config, trace_key  # noqa: E402
+from helpers import bundled_tokenizer, like_fake, real_and_fake, tiny_config, trace_key  # noqa: E402
 
 from memfit import MemfitCallback, TrainSetup, estimate, preflight  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
@@ -110,13 +110,7 @@ def _warm():
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_trl_step_on_real_tensors_matches_fake(kw, _warm):
     """The TRL step on real (zero) CPU tensors and on FakeTensors: the same trace, event for event."""
-    setup = _setup(**kw)
-    with like_fake():
-        real = simulate(setup, fake=False, splice=False)
-    fake = simulate(setup, fake=True, splice=False)
-    a, b = _key(real.trace), _key(fake.trace)
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    assert a == b, f"first difference at event {first}: real {a[first:first + 3]} fake {b[first:first + 3]}"
+    real, fake = real_and_fake(_setup(**kw))
     assert peaks(real.trace, round_to=1).overall.bytes == peaks(fake.trace, round_to=1).overall.bytes
 
 
