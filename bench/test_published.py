@@ -154,3 +154,16 @@ def test_peft_method_records_build_the_runs_trainable_count(record_id):
     model = apply_peft(build_meta_model(setup), setup)
     trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
     assert sum(trainable.values()) == SAMPLE[record_id]["extra"]["num_trainable_params"]
+
+
+def test_summary_separates_known_inputs_from_assumed_lengths():
+    """The op benchmarks (fixed shapes) and the training runs (example lengths not published) get a line each."""
+    Row = published.Row
+    rows = [Row(0, "kernel_microbenchmark", "op", "m", 100.0, 101.0),
+            Row(1, "peft_method_comparison_json", "run", "m", 100.0, 120.0),
+            Row(2, "peft_method_comparison_json", "run", "m", 100.0, 90.0)]
+    lines = published.summary(rows)
+    assert lines[0] == "inputs fully known (fixed op shapes): median |error| 0.010000, max 0.010000 over 1"
+    assert lines[1] == ("data lengths assumed (each batch padded to the configured maximum): median |error| 0.150000, "
+                        "max 0.200000 over 2")
+    assert lines[-1] == "published_median_abs_error=0.100000 over 3 records"
