@@ -177,6 +177,34 @@ def like_fake():
         masking_utils.is_tracing = plain
 
 
+def shard_budget(limit_bytes, count):
+    """A memfit.testing.MemoryBudget that counts a sharded tensor (DTensor) by the storage of its local shard: the
+    per-rank memory of the real FSDP / ZeRO runs of tests/parallel. `on_alloc` / `on_free` are the hooks for the
+    storages the engines allocate outside dispatch (memfit.parallel._dist_adapter's storage hooks)."""
+    from torch.utils._pytree import tree_flatten
+
+    from memfit.parallel import _dist_adapter as da
+    from memfit.testing import MemoryBudget
+
+    class Shards(MemoryBudget):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in tree_flatten(result)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._track(da.local_tensor(t).untyped_storage())
+            return result
+
+        def on_free(self, t):
+            size = self._seen.pop(t.untyped_storage(), None)
+            if size:
+                self.live_bytes -= size
+
+        def on_alloc(self, t):
+            self._track(t.untyped_storage())
+
+    return Shards(limit_bytes, count=count)
+
+
 def real_and_fake(setup):
     """`setup` simulated on real (zero) CPU tensors and on FakeTensors, asserted to be the same trace event for
     event (`trace_key`), with the first difference in the message; returns (real, fake) for further checks."""

@@ -223,11 +223,10 @@ def _worker(rank, world, port, out, checkpoint, engine, quantized, storage):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     import torch.distributed as dist
-    from torch.utils._pytree import tree_flatten
 
+    from helpers import shard_budget
     from memfit.models.quantization import quiet_bnb_logs
     from memfit.parallel import _dist_adapter as da
-    from memfit.testing import MemoryBudget
 
     if engine == "zero3":
         import deepspeed
@@ -236,22 +235,6 @@ def _worker(rank, world, port, out, checkpoint, engine, quantized, storage):
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
-    class Shards(MemoryBudget):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            for t in tree_flatten(result)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._track(da.local_tensor(t).untyped_storage())
-            return result
-
-        def on_free(self, t):
-            size = self._seen.pop(t.untyped_storage(), None)
-            if size:
-                self.live_bytes -= size
-
-        def on_alloc(self, t):
-            self._track(t.untyped_storage())
-
     torch.manual_seed(0)
     with quiet_bnb_logs():
         model = _load(checkpoint, quantized, storage)
@@ -259,7 +242,7 @@ def _worker(rank, world, port, out, checkpoint, engine, quantized, storage):
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[-1, -1] = 0  # memfit's simulated batch: one pad token
     res = {}
-    budget = Shards(1 << 40, count=[model, *_quant_states(model)])
+    budget = shard_budget(1 << 40, count=[model, *_quant_states(model)])
     from torch.distributed.fsdp import _runtime_utils
 
     catch_all = _runtime_utils._catch_all_reshard  # FSDP1's own, with real data pointers (not memfit's stand-in)

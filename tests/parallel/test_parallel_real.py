@@ -30,29 +30,12 @@ def _worker(rank, world, init, out, strategy):
     import contextlib
 
     import torch.distributed as dist
-    from torch.utils._pytree import tree_flatten
     from transformers import GPT2LMHeadModel
 
+    from helpers import shard_budget
     from memfit.parallel import _dist_adapter as da
-    from memfit.testing import MemoryBudget
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-
-    class Shards(MemoryBudget):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            for t in tree_flatten(result)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._track(da.local_tensor(t).untyped_storage())
-            return result
-
-        def on_free(self, t):
-            size = self._seen.pop(t.untyped_storage(), None)
-            if size:
-                self.live_bytes -= size
-
-        def on_alloc(self, t):
-            self._track(t.untyped_storage())
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(_config())
@@ -62,7 +45,7 @@ def _worker(rank, world, init, out, strategy):
     res = {}
     accumulation, no_sync = ACCUMULATION.get(strategy, (1, False))
     strategy = strategy.split("+")[0]
-    budget = Shards(1 << 40, count=[model])
+    budget = shard_budget(1 << 40, count=[model])
     before = budget.live_bytes
     with budget, da.fsdp_storage_hooks(budget.on_alloc, budget.on_free), \
             da.fsdp1_storage_hooks(budget.on_alloc, budget.on_free):
