@@ -7,17 +7,13 @@ it) and a linear or byte x axis; callers add points, lines and bars in data unit
 
 from __future__ import annotations
 
-import html
 import math
 from dataclasses import dataclass, field
 
+from memfit.report.html import _e
 from memfit.units import format_bytes
 
 __all__ = ["Chart", "byte_ticks", "linear_ticks"]
-
-
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _nice_step(raw: float) -> float:

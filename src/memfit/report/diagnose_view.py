@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memfit.report.html import _CSS, _e
+from memfit.report.html import _CSS, _e, page
 from memfit.report.plan_view import PLAN_CSS, plan_body
 from memfit.units import format_bytes
 
@@ -157,7 +157,4 @@ def render_diagnosis_html(d: "Diagnosis") -> str:
     """The whole page of a Diagnosis; with its plan (a setup was given) the plan's page follows it."""
     plan = "" if d.plan is None else f'<div id="memfit-plan">{plan_body(d.plan)}</div>'
 
-    return ("<!DOCTYPE html>\n<html lang=" + _e(d.lang) + "><head><meta charset=utf-8>"
-            '<meta name=viewport content="width=device-width,initial-scale=1">'
-            f"<title>memfit diagnose</title><style>{_CSS}{_DIAG_CSS}{PLAN_CSS}</style></head>"
-            f'<body data-view="diagnose">{_body(d)}{plan}</body></html>\n')
+    return page("memfit diagnose", _CSS + _DIAG_CSS + PLAN_CSS, _body(d) + plan, view="diagnose", lang=d.lang)

@@ -27,7 +27,7 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.estimator import MemoryReport
 
-__all__ = ["render_html", "timeline_data", "notebook_html", "DATA_SCHEMA"]
+__all__ = ["render_html", "timeline_data", "notebook_html", "page", "DATA_SCHEMA"]
 
 DATA_SCHEMA = "memfit.report.timeline/1"
 
@@ -129,6 +129,15 @@ def timeline_data(report: "MemoryReport", tl: Timeline) -> dict[str, Any]:
 
 def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
+
+
+def page(title: str, css: str, body: str, *, view: str | None = None, lang: str = "en") -> str:
+    """A whole self-contained page: the document shell every view of memfit.report shares."""
+    view_attr = f' data-view="{view}"' if view else ""
+    return ("<!DOCTYPE html>\n<html lang=" + _e(lang) + "><head><meta charset=utf-8>"
+            '<meta name=viewport content="width=device-width,initial-scale=1">'
+            f"<title>{_e(title)}</title><style>{css}</style></head>"
+            f"<body{view_attr}>{body}</body></html>\n")
 
 
 def _card(label: str, value: str, note: str = "", cls: str = "") -> str:
@@ -291,10 +300,7 @@ def _body(report: "MemoryReport", tl: Timeline) -> str:
 
 def render_html(report: "MemoryReport", tl: Timeline) -> str:
     """The whole page for `report` and its timeline `tl` (memfit.report.report_timeline)."""
-    return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
-            '<meta name=viewport content="width=device-width,initial-scale=1">'
-            f"<title>{_e(_title(report))}</title><style>{_CSS}</style></head>"
-            f"<body>{_body(report, tl)}</body></html>\n")
+    return page(_title(report), _CSS, _body(report, tl))
 
 
 def notebook_html(report: "MemoryReport") -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.report._svg import Chart, linear_ticks
-from memfit.report.html import _CSS, _card, _e, _table
+from memfit.report.html import _CSS, _card, _e, _table, page
 from memfit.units import format_bytes
 
 __all__ = ["PlanPoint", "plan_points", "change_text", "plan_body", "render_plan_html", "PLAN_CSS"]
@@ -198,7 +198,4 @@ def plan_body(result: Any) -> str:
 
 def render_plan_html(result: Any) -> str:
     """The whole page of a PlanResult or a ParallelPlanResult."""
-    return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
-            '<meta name=viewport content="width=device-width,initial-scale=1">'
-            f"<title>{_e(_title(result))}</title><style>{_CSS}{PLAN_CSS}</style></head>"
-            f'<body data-view="plan">{plan_body(result)}</body></html>\n')
+    return page(_title(result), _CSS + PLAN_CSS, plan_body(result), view="plan")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from memfit.report._svg import Chart, linear_ticks
-from memfit.report.html import _CSS, _card, _e, _table
+from memfit.report.html import _CSS, _card, _e, _table, page
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -136,7 +136,4 @@ def render_replay_html(path: str, device: int, r: "SnapshotReplay", variants: Se
                     + _table(["settings", "peak reserved", "change", "cudaMalloc"], vrows, {1, 2, 3}))
     if r.notes:
         body.append("<h2>Notes</h2><ul class=notes>" + "".join(f"<li>{_e(n)}</li>" for n in r.notes) + "</ul>")
-    return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
-            '<meta name=viewport content="width=device-width,initial-scale=1">'
-            f"<title>{_e(title)}</title><style>{_CSS}{_REPLAY_CSS}</style></head>"
-            f'<body data-view="replay">{"".join(body)}</body></html>\n')
+    return page(title, _CSS + _REPLAY_CSS, "".join(body), view="replay")
