@@ -1,7 +1,7 @@
 """The allocation trace the simulator records and the allocator model replays.
 
 One event per storage allocation or free on the (single) CUDA stream, in program
-order. Sizes are the bytes the tensor storage asks for (`nbytes`), before the
+order, with the shape and dtype of the tensor that created the storage. Sizes are the bytes the tensor storage asks for (`nbytes`), before the
 caching allocator's 512-byte rounding (c10/cuda/CUDACachingAllocator.cpp,
 `round_size`), which is the allocator model's job.
 """
@@ -72,3 +72,7 @@ class TraceEvent:
     category: str = "temporaries"
     phase: str = SETUP
     module: str = ""  #: module path active when the storage was allocated
+    #: shape and dtype of the tensor whose op created the storage (None: a storage the simulation knows only
+    #: the size of: evaluation buffers, cuBLAS workspaces, DDP buckets, DeepSpeed's buffers)
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None  #: e.g. "float16"

@@ -103,6 +103,46 @@ def test_timeline_of_a_synthetic_trace_stops_at_the_oom():
     last = small.samples[-1]
     assert last.index == 4 and last.allocated_bytes == 3 * MiB + 1024 and 4 not in {t.id for t in last.top}
     assert last.reserved_bytes == 22 * MiB
+    # the failing request, never allocated: what the chart stacks on the last sample
+    assert ok.oom_request is None
+    req = small.oom_request
+    assert (req.id, req.size_bytes, req.category, req.module) == (4, 30 * MiB, "temporaries", "big")
+
+
+def test_the_live_storages_carry_the_shape_dtype_and_module_of_their_tensor(report):
+    """The tracker records, at allocation, the tensor that made each storage: its shape and dtype fill the storage
+    (numel x element size, at most the 512-rounded size), and the module whose forward made it is named."""
+    import math
+
+    import torch
+
+    tl = report_timeline(report)
+    peak = next(s for s in tl.samples if s.index == tl.peak_index)
+    assert peak.top
+    for t in peak.top:
+        assert t.shape is not None and t.dtype is not None, t
+        elem = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
+        assert 0 < math.prod(t.shape) * elem <= t.size_bytes
+    allocs = [e for e in report.trace if e.action == "alloc"]
+    weights = [e for e in allocs if e.category == "weights"]
+    assert weights and all(e.shape is not None and e.module for e in weights)  # each by its parameter's name
+    assert any(e.module.endswith("word_embeddings.weight") for e in weights)
+    forward = [e for e in allocs if e.phase == "forward" and e.category == "activations"]
+    # tiny BERT has 2 layers: no splice; its layers' activations name their module
+    assert any(e.module.startswith("bert.encoder.layer.1.") for e in forward)
+
+
+def test_the_oom_request_is_the_reports(oom_report):
+    tl = report_timeline(oom_report)
+    req = tl.oom_request
+    assert req is not None and req.category == oom_report.oom.category
+    # the message's "Tried to allocate" is the new segment the allocator asks the driver for (a 20 MiB one for a
+    # 4 MiB request: CUDACachingAllocator.cpp get_allocation_size), the chart stacks the request itself
+    from memfit.allocator.caching import get_allocation_size, round_size
+
+    assert oom_report.oom.tried_to_allocate_bytes == get_allocation_size(round_size(req.size_bytes))
+    assert req.size_bytes < oom_report.oom.tried_to_allocate_bytes
+    assert tl.samples[-1].allocated_bytes == oom_report.oom.allocated_bytes
 
 
 def test_the_oom_is_the_last_sample(oom_report):
@@ -198,6 +238,10 @@ def test_the_html_of_an_oom_carries_the_message(oom_report, tmp_path):
     _, data = _check_page(text, oom_report)
     assert data["oom"]["index"] == report_timeline(oom_report).oom_index
     assert data["oom"]["message"] == oom_report.oom.message
+    req = data["oom"]["request"]
+    last = data["samples"][-1]
+    assert last["index"] == data["oom"]["index"]
+    assert req["total_bytes"] == last["allocated_bytes"] + req["size_bytes"] == req["allocated_bytes"] + req["size_bytes"]
     import html
 
     assert html.escape(oom_report.oom.message) in text  # the exact message, shown as text

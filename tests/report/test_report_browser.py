@@ -61,6 +61,19 @@ def _hover_peak(driver):
     return peak, tip
 
 
+def _assert_shapes(rows, tl):
+    """The hovered rows show the peak's largest live tensors as the timeline has them: size, category, module,
+    shape and dtype."""
+    from selenium.webdriver.common.by import By
+
+    peak = next(s for s in tl.samples if s.index == tl.peak_index)
+    cells = [[c.text for c in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    want = [("(" + ", ".join(map(str, t.shape)) + ")" if t.shape is not None else "\u2014",
+             t.dtype or "\u2014", t.module or "\u2014") for t in peak.top]
+    assert [(c[3], c[4], c[2]) for c in cells] == want
+    assert any(c[3].startswith("(") and c[4] for c in cells)
+
+
 def test_the_page_draws_the_estimate_and_hovering_lists_tensors(driver, tiny_bert_dir, tmp_path):
     from selenium.webdriver.common.by import By
 
@@ -78,6 +91,7 @@ def test_the_page_draws_the_estimate_and_hovering_lists_tensors(driver, tiny_ber
     assert int(tip.get_attribute("data-allocated-bytes")) == r.peak_allocated_bytes  # the peak's sample
     rows = tip.find_elements(By.CSS_SELECTOR, "tr.tensor")
     assert rows and {row.get_attribute("data-category") for row in rows} <= set(tl.categories)
+    _assert_shapes(rows, tl)
     shot = tmp_path / "memfit.png"
     assert driver.save_screenshot(str(shot))
     image = pytest.importorskip("PIL.Image").open(shot).convert("RGB")
@@ -97,6 +111,19 @@ def test_an_oom_page_marks_the_oom(driver, tiny_bert_dir, tmp_path):
     assert driver.find_element(By.ID, "memfit-oom-message").text == r.oom.message.strip()
     _, tip = _hover_peak(driver)
     assert tip.find_elements(By.CSS_SELECTOR, "tr.tensor")
+    # the OOM point itself: the failing request stacked on what was allocated, above the chart's highest sample
+    tl = report_timeline(r)
+    bar = driver.find_element(By.CSS_SELECTOR, "[data-marker=oom-request]")
+    assert int(bar.get_attribute("data-request-bytes")) == tl.oom_request.size_bytes
+    assert int(bar.get_attribute("data-bytes")) == tl.samples[-1].allocated_bytes + tl.oom_request.size_bytes
+    peak = driver.find_element(By.CSS_SELECTOR, "[data-marker=peak]")
+    assert bar.location["y"] < peak.location["y"]  # drawn higher than the highest point reached
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(driver).move_to_element(bar).perform()
+    assert int(tip.get_attribute("data-index")) == tl.oom_index
+    request = tip.find_element(By.CSS_SELECTOR, "tr.request")
+    assert "not granted" in request.text and request.get_attribute("data-category") == tl.oom_request.category
 
 
 # -- three setups, and the other verbs' pages ------------------------------------------------------------------
@@ -160,6 +187,8 @@ def test_three_setups_in_the_browser(driver, tmp_path, name, make):
         assert format_bytes(r.peak_allocated_bytes) in driver.find_element(By.CSS_SELECTOR, ".cards").text
     rows = tip.find_elements(By.CSS_SELECTOR, "tr.tensor")
     assert rows and {row.get_attribute("data-category") for row in rows} <= set(tl.categories)
+    if tl.oom_index is None or int(tip.get_attribute("data-index")) == tl.peak_index:
+        _assert_shapes(rows, tl)
     _screenshot(driver, tmp_path, f"estimate-{name}.png")
 
 

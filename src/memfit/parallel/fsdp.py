@@ -101,7 +101,7 @@ class ShardTracker(StorageTracker):
         storage = tensor.untyped_storage()
         rec = self._ids.get(storage)
         if rec is None or not rec.alive:
-            self._new(storage, "weights")
+            self._new(storage, "weights", tensor)
         else:
             rec.category = "weights"
 

@@ -20,6 +20,8 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
   var OFF_SCALE = 2;
   var ydata = 1;
   S.forEach(function (s) { ydata = Math.max(ydata, s.allocated_bytes, s.reserved_bytes); });
+  var REQ = D.oom !== null && D.oom.index !== null ? D.oom.request : null;  // the failing request
+  if (REQ !== null) ydata = Math.max(ydata, REQ.total_bytes);
   var ymax = ydata;
   D.lines.forEach(function (ln) { if (ln.bytes <= OFF_SCALE * ydata) ymax = Math.max(ymax, ln.bytes); });
   ymax *= 1.06;
@@ -130,6 +132,16 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
     var xo = X(D.oom.index);
     el("line", {x1: xo, x2: xo, y1: M.t, y2: M.t + PH, "class": "oom", "data-marker": "oom", "data-index": D.oom.index});
     text("out of memory: " + phaseLabel(D.oom.phase, D.oom.step), {x: xo - 6, y: M.t + 14, "text-anchor": "end", "class": "oom-label"});
+    if (REQ !== null) {  // the request that fails, stacked on what was allocated then: the point the run cannot reach
+      var yTop = Y(REQ.total_bytes), yBase = Y(REQ.allocated_bytes);
+      var bar = el("rect", {x: xo - 7, y: yTop, width: 14, height: Math.max(yBase - yTop, 1), "class": "oom-request",
+                            "data-marker": "oom-request", "data-bytes": REQ.total_bytes,
+                            "data-request-bytes": REQ.size_bytes, "data-index": D.oom.index});
+      text("failed request " + fmt(REQ.size_bytes) + " of " + (D.labels[REQ.category] || REQ.category), {}, el("title", {}, bar));
+      el("circle", {cx: xo, cy: yTop, r: 5, "class": "oom-point", "data-marker": "oom-point", "data-bytes": REQ.total_bytes});
+      text("needs " + fmt(REQ.total_bytes) + ": " + fmt(REQ.allocated_bytes) + " allocated + " + fmt(REQ.size_bytes) +
+           " requested", {x: xo - 10, y: Math.max(yTop - 8, M.t + 28), "text-anchor": "end", "class": "oom-label"});
+    }
   }
 
   // hover: the nearest sample, its categories and its largest live storages
@@ -147,6 +159,7 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
     var x = X(idx), best = k;
     for (var j = k - 1; j >= 0 && x - X(S[j].index) <= SNAP_PX; j--) { if (S[j].allocated_bytes > S[best].allocated_bytes) best = j; }
     for (var j2 = k + 1; j2 < S.length && X(S[j2].index) - x <= SNAP_PX; j2++) { if (S[j2].allocated_bytes > S[best].allocated_bytes) best = j2; }
+    if (REQ !== null && Math.abs(X(S[S.length - 1].index) - x) <= SNAP_PX) return S.length - 1;  // the OOM itself
     return best;
   }
   function cell(row, str, cls) { var td = document.createElement("td"); td.textContent = str; if (cls) td.className = cls; row.appendChild(td); return td; }
@@ -186,19 +199,27 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
       var th = document.createElement("th"); th.textContent = h; hr.appendChild(th);
     });
     tt.appendChild(hr);
-    s.top.forEach(function (id) {
-      var t = D.tensors[id];
+    function row(t, cls, size) {
       var tr = document.createElement("tr");
-      tr.className = "tensor";
-      tr.setAttribute("data-tensor-id", id);
+      tr.className = cls;
       tr.setAttribute("data-category", t.category);
-      cell(tr, fmt(t.size_bytes), "num");
+      cell(tr, size, "num");
       cell(tr, D.labels[t.category] || t.category);
       cell(tr, t.module || "\u2014");
       cell(tr, t.shape === null ? "\u2014" : "(" + t.shape.join(", ") + ")");
       cell(tr, t.dtype === null ? "\u2014" : t.dtype);
       cell(tr, t.phase);
       tt.appendChild(tr);
+      return tr;
+    }
+    if (REQ !== null && s.index === D.oom.index) {  // the OOM: the request not granted, first
+      row(REQ, "request", "requested " + fmt(REQ.size_bytes) + " (not granted" + (REQ.tried_bytes !== null &&
+          REQ.tried_bytes !== REQ.size_bytes ? "; the allocator asked the GPU for a " + fmt(REQ.tried_bytes) +
+          " segment" : "") + ")");
+      tot.textContent += " \u00b7 out of memory: would need " + fmt(REQ.total_bytes);
+    }
+    s.top.forEach(function (id) {
+      row(D.tensors[id], "tensor", fmt(D.tensors[id].size_bytes)).setAttribute("data-tensor-id", id);
     });
     tip.appendChild(tt);
     tip.style.display = "block";

@@ -10,7 +10,9 @@ point lists the largest live storages), then the breakdown at the peak, per-phas
 
 Stable hooks for tests and tools: `path[data-category=<category>]` (one per category),
 `path[data-series=reserved]`, `line[data-line=gpu-total|pytorch-capacity|required]`,
-`[data-marker=peak]` (its `data-bytes`), `[data-marker=oom]`, `#memfit-tooltip` (rows `tr.tensor`).
+`[data-marker=peak]` (its `data-bytes`), `[data-marker=oom]`, `[data-marker=oom-request]` (the failing request on
+top of what was allocated: `data-bytes` their sum, `data-request-bytes`), `#memfit-tooltip` (rows `tr.tensor`, and
+at the OOM `tr.request`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px}
 .peak{fill:#fff;stroke:#111;stroke-width:2;pointer-events:none}
 .peak-label{font-weight:600;fill:#111}
 .oom{stroke:#b00020;stroke-width:2}.oom-label{fill:#b00020;font-weight:600}
+.oom-request{fill:#b00020;fill-opacity:.35;stroke:#b00020;stroke-width:1.5;stroke-dasharray:4 2}
+.oom-point{fill:#b00020;stroke:#fff;stroke-width:1.5;pointer-events:none}
+#memfit-tooltip tr.request td{color:#b00020;font-weight:600}
 .cursor{stroke:#333;stroke-dasharray:2 2;pointer-events:none}.cursor-dot{fill:#111;pointer-events:none}
 #memfit-tooltip{position:absolute;display:none;background:#fff;border:1px solid #999;border-radius:4px;
 box-shadow:0 2px 8px rgba(0,0,0,.2);padding:6px 8px;font-size:12px;pointer-events:none;max-width:640px;z-index:2}
@@ -103,7 +108,15 @@ def timeline_data(report: "MemoryReport", tl: Timeline) -> dict[str, Any]:
     if report.oom is not None or tl.oom_index is not None:
         o = report.oom
         oom = {"index": tl.oom_index, "phase": o.phase if o else tl.spans[-1].phase,
-               "step": o.step if o else tl.spans[-1].step, "message": o.message if o else None}
+               "step": o.step if o else tl.spans[-1].step, "message": o.message if o else None, "request": None}
+        r = tl.oom_request
+        if r is not None:  # the failing request, drawn on top of what was allocated when it failed
+            oom["request"] = {"size_bytes": r.size_bytes, "category": r.category, "module": r.module,
+                              "phase": r.phase, "shape": None if r.shape is None else list(r.shape), "dtype": r.dtype,
+                              "allocated_bytes": tl.samples[-1].allocated_bytes,
+                              # the message's "Tried to allocate": the segment the allocator asked the driver for
+                              "tried_bytes": o.tried_to_allocate_bytes if o else None,
+                              "total_bytes": tl.samples[-1].allocated_bytes + r.size_bytes}
     parallel = report.parallel or {}
     return {
         "schema": DATA_SCHEMA,

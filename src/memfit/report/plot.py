@@ -2,7 +2,7 @@
 
 The same timeline the HTML view draws: allocated memory stacked by category, the reserved line,
 the GPU's memory and what PyTorch can use (or, without a GPU, the required memory), the phases as
-bands, the peak and an OOM marked. matplotlib is the `viz` extra (`pip install 'memfit[viz]'`).
+bands, the peak and an OOM marked (the failing request drawn on top of what was allocated then). matplotlib is the `viz` extra (`pip install 'memfit[viz]'`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def render_plot(report: "MemoryReport", tl: Timeline, suffix: str = ".png") -> b
     if report.required_bytes is not None:
         lines.append((report.required_bytes, "required", "#6a3d9a"))
     data_top = max(max(s.allocated_bytes, s.reserved_bytes) for s in tl.samples)
+    req = tl.oom_request
+    if req is not None:  # the failing request on top of what was allocated when it failed
+        data_top = max(data_top, tl.samples[-1].allocated_bytes + req.size_bytes)
     shown = [ln for ln in lines if ln[0] <= _OFF_SCALE * data_top]
     top = max([data_top] + [b for b, _, _ in shown])
     off_scale = [f"{ln[1]} {format_bytes(ln[0])} above the scale" for ln in lines if ln not in shown]
@@ -86,6 +89,15 @@ def render_plot(report: "MemoryReport", tl: Timeline, suffix: str = ".png") -> b
                 ha="right" if right else "left", fontsize=9, fontweight="bold")
     if tl.oom_index is not None:
         ax.axvline(tl.oom_index, color="#b00020", lw=2, zorder=4)
+        if req is not None:
+            base = tl.samples[-1].allocated_bytes
+            ax.bar([tl.oom_index], [req.size_bytes / unit], bottom=[base / unit], width=max(tl.num_events / 150, 1),
+                   color="#b00020", alpha=0.4, edgecolor="#b00020", zorder=5, label="failed request")
+            ax.plot([tl.oom_index], [(base + req.size_bytes) / unit], "o", ms=6, color="#b00020", zorder=6)
+            ax.annotate(f"needs {format_bytes(base + req.size_bytes)}: {format_bytes(base)} allocated + "
+                        f"{format_bytes(req.size_bytes)} requested", (tl.oom_index, (base + req.size_bytes) / unit),
+                        xytext=(-8, 4), textcoords="offset points", ha="right", fontsize=9, color="#b00020",
+                        fontweight="bold")
         ax.text(tl.oom_index, 0.78, "out of memory ", transform=ax.get_xaxis_transform(), ha="right", va="center",
                 color="#b00020", fontweight="bold", fontsize=9)
     ax.set_ylim(0, top / unit * 1.06)

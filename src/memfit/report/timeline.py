@@ -14,8 +14,10 @@ Runs of more events than `max_samples` are downsampled: each bucket of events ke
 and lowest allocated moment and its highest reserved one, and the peak and the OOM are always
 kept. The largest live storages are kept at the sample points only (`top_n` each).
 
-Known limitation: the trace records storages (bytes, category, module, phase), not tensors, so
-shape and dtype are None unless the trace's events carry them (`shape`, `dtype` attributes).
+Each live storage carries the shape and dtype of the tensor whose op created it (memfit.sim.tracker
+records them at allocation); storages the simulation only knows the size of (evaluation buffers,
+cuBLAS workspaces, DDP buckets, DeepSpeed's buffers) have none. A run that runs out of memory keeps
+its failing request (`Timeline.oom_request`): drawn on top of what was allocated when it failed.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class Timeline:
     oom_index: int | None
     """Event whose request runs out of memory: the replay stops there, and the last sample is that moment
     (the request not granted); None when the run completes."""
+    oom_request: LiveTensor | None = None
+    """The request that fails at `oom_index` (its size rounded as memory_allocated() would count it), never
+    allocated: the OOM point of a chart is the last sample's allocated bytes plus this."""
 
 
 _TRAIN = ("forward", "backward", "optimizer")
@@ -192,9 +197,8 @@ def _category(ev: TraceEvent) -> str:
 
 
 def _live_tensor(ev: TraceEvent) -> LiveTensor:
-    shape = getattr(ev, "shape", None)
     return LiveTensor(ev.id, rounded(ev.size_bytes), _category(ev), ev.module, ev.phase,
-                      None if shape is None else tuple(shape), getattr(ev, "dtype", None))
+                      None if ev.shape is None else tuple(ev.shape), ev.dtype)
 
 
 def timeline(
@@ -261,8 +265,9 @@ def timeline(
         samples.append(Sample(i, spans[span_at].phase, spans[span_at].step, allocated[i], reserved[i],
                               dict(by_cat), top))
         next_point = next(want, None)
+    request = None if oom_index is None else _live_tensor(trace[oom_index])
     return Timeline(samples, spans, categories, n, peak_index,
-                    allocated[peak_index], reserved[peak_reserved_index], capacity_bytes, oom_index)
+                    allocated[peak_index], reserved[peak_reserved_index], capacity_bytes, oom_index, request)
 
 
 def report_timeline(report: "MemoryReport", *, max_samples: int | None = None, top_n: int = DEFAULT_TOP_N

@@ -5,6 +5,10 @@ in an op's outputs is an allocation, and a `weakref.finalize` on the storage obj
 (PyTorch keeps one Python object per live storage) records its free. Works the same on
 FakeTensors and real CPU tensors, which is how the simulator is checked for exactness.
 
+Each storage also records the tensor that created it (shape, dtype) and where it was made: the module whose
+forward was running (`module_scope`: global forward hooks keep a stack of qualified module names), else, in a
+backward, the autograd node being executed (`MmBackward0`), unless the simulator names it itself (`module`).
+
 Known limitations: storages created outside the mode (before it is entered) are only
 seen if registered with `register`; allocations inside C++ kernels that never surface
 as an op output (cuBLAS workspaces, kernel scratch) are invisible here and are added by
@@ -13,7 +17,9 @@ the CUDA emulation where they matter (SDPA backward workspaces, see sim/sdpa.py)
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -27,9 +33,10 @@ __all__ = ["StorageTracker", "Record", "TrackedEvent"]
 class Record:
     """One storage: mutable while the simulation runs, frozen into TraceEvents at the end."""
 
-    __slots__ = ("id", "size_bytes", "category", "phase", "module", "layer", "alive", "expand_to")
+    __slots__ = ("id", "size_bytes", "category", "phase", "module", "layer", "alive", "expand_to", "shape", "dtype")
 
-    def __init__(self, sid: int, size: int, category: str, phase: str, module: str, layer: object) -> None:
+    def __init__(self, sid: int, size: int, category: str, phase: str, module: str, layer: object,
+                 shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> None:
         self.id = sid
         self.size_bytes = size
         self.category = category
@@ -39,6 +46,9 @@ class Record:
         self.alive = True
         #: set by layer splicing: freeing this record frees these instead (None: itself)
         self.expand_to: list[Record] | None = None
+        #: of the tensor whose op created the storage (None: a storage the simulation does not run)
+        self.shape = shape
+        self.dtype = dtype
 
 
 class TrackedEvent(NamedTuple):
@@ -66,12 +76,16 @@ class StorageTracker(adapter.TorchDispatchMode):
         self.layer: object = None  #: layer tag set by the simulator (for splicing repeated layers)
         self.tag_fn = lambda: None  #: returns the layer tag of the code running now
         self.paused = False
+        #: qualified names of the modules whose forward is running, innermost last (`module_scope`)
+        self.module_stack: list[str] = []
 
     # -- recording -----------------------------------------------------------------------
-    def _new(self, storage, category: str | None = None) -> Record:
+    def _new(self, storage, category: str | None = None, tensor: torch.Tensor | None = None) -> Record:
         tag = self.tag_fn()
+        stack = self.module_stack
         rec = Record(len(self.records), storage.nbytes(), category or self.default_category, self.phase,
-                     self.module or adapter.current_autograd_node_name(), tag)
+                     self.module or (stack[-1] if stack else "") or adapter.current_autograd_node_name(), tag,
+                     None if tensor is None else tuple(tensor.shape), None if tensor is None else tensor.dtype)
         self.records.append(rec)
         self._ids[storage] = rec
         self.events.append(TrackedEvent("alloc", rec, self.phase, tag))
@@ -87,7 +101,8 @@ class StorageTracker(adapter.TorchDispatchMode):
 
     def new_record_like(self, orig: Record, module: str) -> Record:
         """A copy of `orig` (layer splicing), not yet in the event list."""
-        rec = Record(len(self.records), orig.size_bytes, orig.category, orig.phase, module, orig.layer)
+        rec = Record(len(self.records), orig.size_bytes, orig.category, orig.phase, module, orig.layer, orig.shape,
+                     orig.dtype)
         self.records.append(rec)
         return rec
 
@@ -135,7 +150,7 @@ class StorageTracker(adapter.TorchDispatchMode):
         storage = tensor.untyped_storage()
         rec = self._ids.get(storage)
         if rec is None:
-            rec = self._new(storage, category)
+            rec = self._new(storage, category, tensor)
         else:
             rec.category = category
         return rec
@@ -162,11 +177,58 @@ class StorageTracker(adapter.TorchDispatchMode):
     def _see(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         if storage not in self._ids:
-            self._new(storage)
+            self._new(storage, None, t)
+
+    @contextlib.contextmanager
+    def module_scope(self, *models: torch.nn.Module | None) -> Iterator[None]:
+        """While the block runs, a storage allocated inside a module's forward (a checkpointed block's recompute
+        too) is attributed to that module: its qualified name in the first of `models` that holds it, with the
+        wrappers' own path segments (FSDP1, checkpoint wrappers) left out; a root module by its class name. Modules
+        of none of them leave the attribution to the enclosing one."""
+        names: dict[int, str] = {}
+        for model in models:
+            if model is None:
+                continue
+            for name, mod in model.named_modules():
+                path = ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
+                names.setdefault(id(mod), path or type(mod).__name__)  # the root: its class (its loss, its head)
+        stack = self.module_stack
+
+        def pre(module, args):
+            stack.append(names.get(id(module)) or (stack[-1] if stack else ""))
+
+        def post(module, args, output):
+            if stack:
+                stack.pop()
+
+        handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+                   torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            stack.clear()
 
     # -- results -------------------------------------------------------------------------
     def live_records(self) -> list[Record]:
         return [r for r in self.records if r.alive]
 
     def trace(self) -> list[TraceEvent]:
-        return [TraceEvent(a, r.id, r.size_bytes, r.category, phase, r.module) for a, r, phase, _ in self.events]
+        names = _DTYPE_NAMES
+        return [TraceEvent(a, r.id, r.size_bytes, r.category, phase, r.module, r.shape,
+                           None if r.dtype is None else names.get(r.dtype) or _dtype_name(r.dtype))
+                for a, r, phase, _ in self.events]
+
+
+#: path segments the wrappers add to a module's qualified name (torch.distributed.fsdp FullyShardedDataParallel,
+#: torch.distributed.algorithms._checkpoint.checkpoint_wrapper, peft's LoRA layers keep theirs: `base_layer`)
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+#: `torch.float16` -> "float16", filled as dtypes are met (TraceEvent.dtype)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
