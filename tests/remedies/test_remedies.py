@@ -65,7 +65,8 @@ def test_every_remedy_is_documented_and_checkable():
         verdict = remedy.check(s, None)
         assert isinstance(verdict.reason, str) and verdict.reason
         assert remedy.saves and remedy.costs and remedy.title
-    assert set(OPT_IN) == {"truncation", "lora", "freeze", "offload", "qlora"}
+    assert set(OPT_IN) == {"truncation", "lora", "freeze", "offload", "qlora", "fewer_generations",
+                           "shorter_completions", "no_reference"}
     # padding never counts as making a run fit: the peak is set by the longest batch
     assert REGISTRY["padding"].check(s, None).applies is False
 

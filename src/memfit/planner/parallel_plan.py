@@ -570,6 +570,9 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
 
     started = time.perf_counter()
     setup = _as_setup(setup)
+    if setup.trainer == "grpo":  # generation per rank and vLLM server vs colocate are not searched over GPUs
+        raise MemfitError("`memfit plan` plans GRPO on one GPU only: run `memfit plan --trainer grpo --gpu GPU` for "
+                          "each rank's plan, and `memfit estimate --trainer grpo --gpus NxGPU` to check it across them")
     req = _request(setup, gpus=gpus, gpu=gpu, world_size=world_size, nodes=nodes, global_batch=global_batch,
                    margin=margin, strategies=strategies, interconnect=interconnect, network_gbps=network_gbps,
                    max_simulations=max_simulations, allow=allow)

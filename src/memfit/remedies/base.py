@@ -52,3 +52,10 @@ class Remedy:
     advice: tuple[str, ...] = ()
     opt_in: bool = False  #: it changes the method: only with the user's consent (`--allow <name>`)
     incompatible: tuple[str, ...] = field(default_factory=tuple)
+    #: the trainers (TrainSetup.trainer) it is for; empty: every trainer. A remedy of one trainer (GRPO's vLLM
+    #: share) is not listed as "not applicable" in the plans of the others.
+    trainers: tuple[str, ...] = ()
+
+    def serves(self, trainer: str) -> bool:
+        """Whether this remedy is one for `trainer`'s runs (`trainers` empty: every trainer's)."""
+        return not self.trainers or trainer in self.trainers

@@ -49,6 +49,9 @@ REMEDY = Remedy(
     name="micro_batch", title="micro-batch x accumulation",
     saves="activations, in proportion to the micro-batch", costs="smaller micro-batches use the GPU less well",
     check=_check, variants=_variants, apply=_apply,
-    fields=("per_device_train_batch_size", "gradient_accumulation_steps"), apply_to_trainer=_apply_to_trainer,
+    # GRPO: the generation batch is kept by steps_per_generation (or generation_batch_size) changing with the
+    # micro-batch (memfit.planner.grpo_plan)
+    fields=("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+            "generation_batch_size"), apply_to_trainer=_apply_to_trainer,
     advice=("micro_batch",),
 )
