@@ -35,7 +35,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from memfit.errors import MemfitError
-from memfit.trace import BACKWARD, EVAL, FORWARD, OPTIMIZER, TRAINING
+from memfit.trace import BACKWARD, EVAL, FORWARD, OPTIMIZER, RL_PHASES, TRAINING
 
 __all__ = ["MemfitCallback", "ON_OOM"]
 
@@ -171,7 +171,8 @@ class MemfitCallback(TrainerCallback):
 
         pre = self.preflight
         phases = dict(pre.estimate.phases) if pre is not None else {}
-        predicted = {TRAINING: max(phases.get(FORWARD, 0), phases.get(BACKWARD, 0)),
+        # GRPO: generation and scoring run inside the micro-steps (GRPOTrainer._prepare_inputs)
+        predicted = {TRAINING: max(phases.get(p, 0) for p in (FORWARD, BACKWARD) + RL_PHASES),
                      OPTIMIZER: phases.get(OPTIMIZER, 0), EVAL: phases.get(EVAL, 0)}
         self.report = {
             "finished": done,

@@ -153,8 +153,9 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
 
 
 def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None) -> list[int] | None:
-    """TRL: the SFTTrainer / DPOTrainer settings and token lengths; updates `fields`, returns the
-    lengths preflight reports (packs for a packed SFT dataset, the longer sequence of each pair for DPO).
+    """TRL: the SFTTrainer / DPOTrainer / GRPOTrainer settings and token lengths; updates `fields`, returns the
+    lengths preflight reports (packs for a packed SFT dataset, the longer sequence of each pair for DPO, the
+    prompts as GRPOTrainer tokenizes them for GRPO).
     A peft model's LoRA settings are read for every trainer (DPO's reference depends on them)."""
     from memfit.sim import _trl_adapter as trl_adapter
 
@@ -190,6 +191,16 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
             fields["example_lengths"] = lengths
             fields["max_length"] = int(max_length) if max_length else max(lengths)
         return lengths
+    if kind == "grpo":
+        fields["trainer"] = "grpo"
+        args = trainer.args
+        # GRPOConfig.__post_init__ has resolved bf16 (its default: on unless fp16); an explicit bf16=False is fp32
+        fields["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        prompts = trl_adapter.grpo_prompt_lengths(trainer)  # GRPOTrainer does not truncate prompts
+        if prompts:
+            fields["example_lengths"] = prompts
+            fields["max_length"] = max(prompts)
+        return prompts
     return lengths
 
 

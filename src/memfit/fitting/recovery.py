@@ -13,7 +13,9 @@ data order are unchanged. The loss reported for the earlier micro-steps was alre
 counted and is not counted again.
 
 TRL's batches: a padding-free row (SFTTrainer with padding_free or bfd packing) is split into
-chunks of whole examples, a DPO batch into chunks of preference pairs (chosen and rejected together).
+chunks of whole examples, a DPO batch into chunks of preference pairs (chosen and rejected together), a
+GRPO micro-batch into chunks of completions (memfit.fitting.grpo_recovery, which also recovers in GRPO's
+generation and scoring).
 
 With DDP, the micro-steps run without collectives and memfit averages the gradients after
 the window (memfit.fitting.distributed), so a rank that recovers does not leave the others
@@ -72,7 +74,7 @@ class Recovery:
     """One change made after an out-of-memory error."""
 
     step: int  #: optimizer steps completed when it happened
-    phase: str  #: train, eval, optimizer, save or load_best
+    phase: str  #: train, eval, optimizer, save, load_best, or (GRPO) generation or scoring
     change: str
     diagnosis: str
     tried_to_allocate_bytes: int | None = None
@@ -140,7 +142,7 @@ def _batch_size(inputs: dict[str, Any]) -> int:
 def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
     if _is_padding_free(inputs):  # TRL: one flattened row of several examples
         return _split_padding_free(inputs, c)
-    if "completion_mask" in inputs and "labels" not in inputs:  # TRL: a DPO batch, chosen then rejected
+    if _is_dpo_batch(inputs):  # TRL: a DPO batch, chosen then rejected
         return _split_pairs(inputs, c)
     n = _batch_size(inputs)
     c = max(1, min(c, n))
@@ -161,9 +163,15 @@ def _splittable(inputs: dict[str, Any]) -> int:
     else its batch size."""
     if _is_padding_free(inputs):
         return int(inputs["cu_seq_lens_q"].numel()) - 1
-    if "completion_mask" in inputs and "labels" not in inputs:
+    if _is_dpo_batch(inputs):
         return max(1, _batch_size(inputs) // 2)
     return _batch_size(inputs)
+
+
+def _is_dpo_batch(inputs: dict[str, Any]) -> bool:
+    """DataCollatorForPreference's batch: a completion mask, no labels; a GRPO micro-batch (prompt_ids,
+    completion_ids, advantages) has one too, and splits by completions like any batch."""
+    return "completion_mask" in inputs and "labels" not in inputs and "advantages" not in inputs
 
 
 def _is_padding_free(inputs: dict[str, Any]) -> bool:

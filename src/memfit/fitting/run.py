@@ -53,7 +53,7 @@ from typing import Any, Callable, NamedTuple
 
 from memfit.errors import MemfitError
 from memfit.files import write_json_atomic
-from memfit.trace import FINAL_EVAL, OPTIMIZER, RUN_PHASES, TRAINING
+from memfit.trace import FINAL_EVAL, OPTIMIZER, RL_PHASES, RUN_PHASES, TRAINING
 from memfit.fitting.preflight_check import (PreflightFlag, PreflightReport, check_budget, check_budget_covers_model,
                                      check_trainer, preflight)
 from memfit.gpus.catalog import as_gpu_spec
@@ -95,6 +95,9 @@ class FitReport:
     interrupted: str | None = None
     #: the checkpoint folders this run wrote and kept, oldest first
     checkpoints: list[str] = field(default_factory=list)
+    #: GRPO: generation_batch_size, steps_per_generation, num_generations, generation_calls_per_batch,
+    #: scoring_batch_size, generate_calls (memfit.fitting.grpo_recovery); None for other trainers
+    rl: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -107,6 +110,14 @@ def steps_expected(trainer: Any) -> int:
     args = trainer.args
     if args.max_steps and args.max_steps > 0:
         return int(args.max_steps)
+    from memfit.sim._trl_adapter import trainer_kind
+
+    if trainer_kind(trainer) == "grpo":
+        # GRPOTrainer's dataloader yields each generation batch steps_per_generation x num_iterations times
+        # (grpo_trainer.py `get_train_dataloader`, RepeatSampler): its length is the micro-steps of an epoch
+        batches = len(trainer.get_train_dataloader())
+        per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
+        return int(math.ceil(args.num_train_epochs * per_epoch))
     n = len(trainer.train_dataset)
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     n = -(-n // world) if world > 1 else n  # each rank's share (DistributedSampler / accelerate's even batches)
@@ -421,8 +432,16 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
         budget = memory_budget(budget_bytes, count=(trainer.model,) + ((ref,) if ref is not None else ()))
     meter = Meter(budget)
     recoveries: list[Recovery] = []
-    step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
-                               on_change=log.change)
+    from memfit.sim._trl_adapter import trainer_kind
+
+    if trainer_kind(trainer) == "grpo":  # generation, scoring and GRPO micro-batches (memfit.fitting.grpo_recovery)
+        from memfit.fitting.grpo_recovery import GrpoTrainingStep
+
+        step = GrpoTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
+                                on_change=log.change, on_note=log.note)
+    else:
+        step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
+                                   on_change=log.change)
     optimizer_guard = OptimizerStepGuard(trainer, meter=meter, recoveries=recoveries, on_change=log.change,
                                          snapshot=optimizer_snapshot, max_recoveries=max_recoveries,
                                          allow_optimizer_switch=allow_optimizer_switch)
@@ -596,7 +615,7 @@ def _report(trainer: Any, run: _Run, guards: _Guards, outcome: _Outcome, *,
             predicted["load_best"] = resident
     phases = {p: {"predicted_bytes": int(predicted.get(p, 0)) if predicted.get(p) is not None else None,
                   "measured_bytes": meter.peaks.get(p)}
-              for p in RUN_PHASES}
+              for p in RUN_PHASES + tuple(p for p in RL_PHASES if p in predicted)}
     from memfit.planner.search import DEFAULT_MARGIN
 
     # measured / predicted - 1 per phase; the worst under-prediction becomes the next run's margin
@@ -620,7 +639,8 @@ def _report(trainer: Any, run: _Run, guards: _Guards, outcome: _Outcome, *,
         measured_with="memory_budget" if budget is not None else ("cuda" if meter.cuda else None),
         report_path=run.report_path, notes=notes, error=error, interrupted=interrupted,
         status="failed" if error else ("interrupted" if interrupted else "completed"),
-        checkpoints=adapter.run_checkpoints(trainer))
+        checkpoints=adapter.run_checkpoints(trainer),
+        rl=step.summary() if hasattr(step, "summary") else None)
 
 
 def _check_inputs(*, budget_bytes: Any, max_recoveries: Any, margin: Any, optimizer_snapshot: Any, plan: Any,

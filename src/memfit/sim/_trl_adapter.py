@@ -25,6 +25,13 @@ this file:
   .shuffle_sequence_dict` / `split_tensor_dict` (the generation buffer), `trl.models.utils
   .disable_gradient_checkpointing` (around generation and scoring). GRPOTrainer asks the fused head for
   `("log_probs", "entropy")` (grpo_trainer.py `__init__`), its reference model for the default.
+- GRPOTrainer under memfit.fit (memfit.fitting.grpo_recovery): `GRPOTrainer._prepare_inputs` (generation, scoring
+  and the buffer of `steps_per_generation` micro-batches), `_generate_single_turn` and
+  `_get_per_token_logps_and_entropies` (wrapped on the instance, so that an OOM in them can be retried smaller),
+  `_tokenize_prompts` (the prompt lengths for preflight), `GRPOTrainer.training_step`'s bookkeeping (`_step`, the
+  `step_time` metric; `grpo_micro_step` runs `Trainer.training_step` on a prepared micro-batch instead), and the
+  attributes that decide whether a micro-batch can be chunked (`loss_type`, `_entropy_bonus_enabled`,
+  `top_entropy_quantile`, `aux_loss_enabled`, `use_vllm`, `use_transformers_continuous_batching`, `rollout_func`).
 - trainer attributes read by preflight: `SFTTrainer.padding_free` (bfd packing implies it),
   `SFTTrainer.completion_only_loss`, `DPOTrainer.ref_model`, `DPOTrainer.precompute_ref_logps`.
 """
@@ -37,13 +44,18 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["tokenize", "add_fused_lm_head", "cuda_kernels", "trainer_kind", "sft_state", "dpo_state", "dpo_example_lengths",
-           "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS", "GRPO_FUSED_OUTPUTS", "grpo_log_probs", "shuffle_sequence_dict",
-           "split_tensor_dict", "disable_gradient_checkpointing"]
+           "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS", "GRPO_FUSED_OUTPUTS", "RLOO_FUSED_OUTPUTS", "KTO_FUSED_OUTPUTS", "nanstd", "grpo_log_probs", "shuffle_sequence_dict",
+           "split_tensor_dict", "disable_gradient_checkpointing", "grpo_state", "grpo_prompt_lengths",
+           "grpo_prepare_inputs", "grpo_micro_step", "grpo_step_done", "wrap_grpo_method"]
 
 #: `outputs=` of add_fused_lm_head in SFTTrainer.__init__ and DPOTrainer.__init__ (TRL 1.16).
 SFT_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
 DPO_FUSED_OUTPUTS = ("log_probs",)
 GRPO_FUSED_OUTPUTS = ("log_probs", "entropy")
+#: `outputs=` of add_fused_lm_head in RLOOTrainer.__init__ (as GRPOTrainer) and KTOTrainer.__init__ (TRL 1.16); their
+#: reference models get the default `("log_probs",)`.
+RLOO_FUSED_OUTPUTS = ("log_probs", "entropy")
+KTO_FUSED_OUTPUTS = ("log_probs", "entropy", "mean_logits")
 
 
 def grpo_log_probs(trainer_view: Any, model: Any, *args: Any, **kwargs: Any):
@@ -53,6 +65,13 @@ def grpo_log_probs(trainer_view: Any, model: Any, *args: Any, **kwargs: Any):
     # the method without TRL's `profiling_decorator` (a timer that reads the trainer's state and arguments)
     method = inspect.unwrap(GRPOTrainer._get_per_token_logps_and_entropies)
     return method(trainer_view, model, *args, **kwargs)
+
+
+def nanstd(tensor: Any, dim: Any = None, keepdim: bool = False) -> Any:
+    """`trl.trainer.utils.nanstd` (RLOOTrainer's group standard deviation, NaNs ignored)."""
+    from trl.trainer.utils import nanstd as _nanstd
+
+    return _nanstd(tensor, dim=dim, keepdim=keepdim)
 
 
 def shuffle_sequence_dict(batch: dict) -> dict:
@@ -73,11 +92,29 @@ def disable_gradient_checkpointing(model: Any, kwargs: dict | None):
     return _off(model, kwargs)
 
 
-def add_fused_lm_head(model: Any, outputs: tuple[str, ...]) -> None:
+def add_fused_lm_head(model: Any, outputs: tuple[str, ...], **kwargs: Any) -> None:
     """TRL's fused LM head on `model` (a PreTrainedModel, before peft wraps it, as SFTTrainer does)."""
     from trl.trainer.utils import add_fused_lm_head as _add
 
-    _add(model, outputs=outputs)
+    _add(model, outputs=outputs, **kwargs)
+
+
+def rebind_fused_lm_head(model_copy: Any) -> None:
+    """Re-add TRL's fused LM head on a deep copy of a patched model (memfit.sim.splice's cut model).
+
+    `add_fused_lm_head` keeps the model's `original_forward` (a bound method) in a closure, which `copy.deepcopy`
+    shares: the copy's non-fused path (`fused_lm_head=False`: generation, evaluation) would run the original model.
+    Each patched module of the copy is patched again, with the settings read from the closure."""
+    for module in model_copy.modules():
+        fn = module.__dict__.get("forward")
+        func = getattr(fn, "__func__", None)
+        if func is None or func.__code__.co_name != "_fused_forward":  # functools.wraps renamed it `forward`
+            continue
+        settings = inspect.getclosurevars(func).nonlocals
+        del module.forward
+        add_fused_lm_head(module, temperature=settings.get("temperature", 1.0),
+                          cast_lm_head_to_fp32=settings.get("cast_lm_head_to_fp32", False),
+                          outputs=settings.get("outputs", DPO_FUSED_OUTPUTS))
 
 
 def _no_alloc(*args: Any, **kwargs: Any) -> None:
@@ -102,18 +139,22 @@ def cuda_kernels() -> Iterator[None]:
 
 
 def trainer_kind(trainer: Any) -> str:
-    """`sft`, `dpo` or `trainer` for a trainer object, by class (TRL need not be importable)."""
+    """`sft`, `dpo`, `grpo` or `trainer` for a trainer object, by class (TRL need not be importable)."""
     names = {c.__name__ for c in type(trainer).__mro__}
     if "SFTTrainer" in names:
         return "sft"
     if "DPOTrainer" in names:
         return "dpo"
+    if "GRPOTrainer" in names:
+        return "grpo"
     # MemfitCallback sees no trainer, only its arguments: SFTConfig / DPOConfig say which trainer it is
     arg_names = {c.__name__ for c in type(getattr(trainer, "args", None)).__mro__}
     if "SFTConfig" in arg_names:
         return "sft"
     if "DPOConfig" in arg_names:
         return "dpo"
+    if "GRPOConfig" in arg_names:
+        return "grpo"
     return "trainer"
 
 
@@ -157,3 +198,118 @@ def tokenize(tokenizer: Any, value: Any) -> list[int]:
     from trl.data_utils import _tokenize
 
     return list(_tokenize(tokenizer, value)["input_ids"])
+
+
+# -- GRPOTrainer under memfit.fit (TRL 1.16 grpo_trainer.py) ------------------------------------------------
+
+def grpo_state(trainer: Any) -> dict[str, Any]:
+    """What a GRPOTrainer decided in __init__ that decides how memfit may split its work (TRL 1.16 attributes)."""
+    args = trainer.args
+    return {
+        "loss_type": getattr(trainer, "loss_type", getattr(args, "loss_type", "dapo")),
+        "num_generations": int(getattr(trainer, "num_generations", args.num_generations)),
+        "steps_per_generation": int(args.steps_per_generation),
+        "generation_batch_size": int(args.generation_batch_size),
+        "num_iterations": int(getattr(trainer, "num_iterations", getattr(args, "num_iterations", 1))),
+        "max_completion_length": int(args.max_completion_length),
+        # grpo_trainer.py __init__: entropy_coef != 0 or use_adaptive_entropy
+        "entropy_bonus": bool(getattr(trainer, "_entropy_bonus_enabled", False)),
+        "top_entropy_quantile": float(getattr(trainer, "top_entropy_quantile", 1.0)),
+        "aux_loss": bool(getattr(trainer, "aux_loss_enabled", False)),
+        "use_vllm": bool(getattr(trainer, "use_vllm", False)),
+        "continuous_batching": bool(getattr(trainer, "use_transformers_continuous_batching", False)),
+        "rollout_func": getattr(trainer, "rollout_func", None) is not None,
+        "environments": getattr(trainer, "environment_factories", None) is not None,
+        "has_ref_model": getattr(trainer, "ref_model", None) is not None,
+    }
+
+
+def grpo_prompt_lengths(trainer: Any, limit: int = 2_000, chunk: int = 256) -> list[int] | None:
+    """Token lengths of the training prompts as GRPOTrainer tokenizes them for generation (`_tokenize_prompts`:
+    the chat template with the generation prompt for conversational prompts, the processing class for text);
+    None where the trainer cannot say (environments, no `prompt` column)."""
+    if getattr(trainer, "environment_factories", None) is not None:
+        return None
+    try:
+        prompts = list(trainer.train_dataset["prompt"][:limit])
+    except Exception:
+        try:
+            prompts = [trainer.train_dataset[i]["prompt"] for i in range(min(limit, len(trainer.train_dataset)))]
+        except Exception:
+            return None
+    tokenize = getattr(trainer, "_tokenize_prompts", None)
+    if tokenize is None:  # MemfitCallback's view of the trainer: the same two calls `_tokenize_prompts` makes
+        tok = getattr(trainer, "processing_class", None)
+        if tok is None:
+            return None
+
+        def tokenize(batch):
+            from trl.data_utils import is_conversational
+
+            if is_conversational({"prompt": batch[0]}):
+                out = tok.apply_chat_template(conversation=batch, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)
+            else:
+                out = tok(text=batch)
+            return out["input_ids"], None, {}
+    lengths: list[int] = []
+    try:
+        for start in range(0, len(prompts), chunk):
+            ids, _, _ = tokenize(prompts[start:start + chunk])
+            lengths.extend(len(x) for x in ids)
+    except Exception:
+        return None
+    return lengths or None
+
+
+def grpo_prepare_inputs(trainer: Any, model: Any, generation_batch: Any) -> dict[str, Any]:
+    """`GRPOTrainer._prepare_inputs`: generates and scores a generation batch when one is due, and returns the
+    micro-batch of this micro-step from its buffer (`_buffered_inputs[_step % steps_per_generation]`). The model
+    (and a schedule-free optimizer) are put in training mode first, as `Trainer.training_step` does before it
+    calls `_prepare_inputs`: GRPOTrainer picks train or eval by `self.model.training`."""
+    model.train()
+    if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
+        trainer.optimizer.train()
+    return trainer._prepare_inputs(generation_batch)
+
+
+def grpo_micro_step(trainer: Any, model: Any, prepared: dict[str, Any], num_items_in_batch: Any):
+    """`Trainer.training_step` (forward, loss, backward) on a micro-batch `_prepare_inputs` already prepared:
+    GRPOTrainer.training_step is `Trainer.training_step` plus `grpo_step_done`, and Trainer.training_step calls
+    `self._prepare_inputs`, which is made the identity for this call (an instance attribute, removed after)."""
+    from transformers import Trainer
+
+    trainer._prepare_inputs = lambda inputs: inputs
+    try:
+        return Trainer.training_step(trainer, model, prepared, num_items_in_batch)
+    finally:
+        del trainer._prepare_inputs
+
+
+def grpo_step_done(trainer: Any, seconds: float) -> None:
+    """The bookkeeping GRPOTrainer.training_step does after a micro-step (grpo_trainer.py `training_step`): `_step`
+    advances (it picks the buffered micro-batch and decides when to generate) and `step_time` is logged once per
+    accumulation window."""
+    trainer._step += 1
+    trainer._current_train_step_time += seconds
+    if trainer._step % trainer.current_gradient_accumulation_steps == 0:
+        trainer._metrics["train"]["step_time"].append(trainer._current_train_step_time)
+        trainer._current_train_step_time = 0.0
+
+
+#: GRPOTrainer methods memfit.fit wraps on the instance: the one generate call of a batch, the log-prob passes.
+GRPO_WRAPPED = ("_generate_single_turn", "_get_per_token_logps_and_entropies")
+
+
+def wrap_grpo_method(trainer: Any, name: str, make: Any):
+    """Replace `trainer.<name>` (one of GRPO_WRAPPED) by `make(original)` on the instance; returns the undo."""
+    if name not in GRPO_WRAPPED:
+        raise ValueError(f"{name} is not a GRPOTrainer method memfit wraps")
+    original = getattr(trainer, name)
+    setattr(trainer, name, make(original))
+
+    def undo() -> None:
+        if name in vars(trainer):
+            delattr(trainer, name)
+
+    return undo
