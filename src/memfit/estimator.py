@@ -492,8 +492,8 @@ def estimate(
 
 
 def _rl_part(setup: TrainSetup, sim: Any, spec: GpuSpec | None) -> dict[str, Any] | None:
-    """The GRPO part of the report (MemoryReport.rl); None for other trainers."""
-    if setup.trainer != "grpo":
+    """The GRPO / RLOO part of the report (MemoryReport.rl); None for other trainers."""
+    if setup.trainer not in ("grpo", "rloo"):  # the trainers that generate (RLOO: GRPO's generation batch)
         return None
     from memfit.gpus.vllm import vllm_share
     from memfit.sim.grpo_steps import kv_cache_bytes, needs_old_log_probs
@@ -513,10 +513,11 @@ def _rl_part(setup: TrainSetup, sim: Any, spec: GpuSpec | None) -> dict[str, Any
         total = spec.total_bytes if spec is not None else 0
         vllm = vllm_share(mode=setup.vllm_mode, utilization=setup.vllm_gpu_memory_utilization, total_bytes=total,
                           sleep=setup.vllm_enable_sleep_mode, weights_bytes=sim.params * weight_bytes).to_json()
-    return {"trainer": "grpo", "steps_per_generation": steps, "generation_batch_size": gen,
+    return {"trainer": setup.trainer, "steps_per_generation": steps, "generation_batch_size": gen,
             "num_generations": setup.num_generations, "prompt_tokens": p, "completion_tokens": c,
             "kv_cache_bytes": None if setup.use_vllm else kv, "reference_copy": setup.beta != 0.0 and
-            setup.lora_r is None and not setup.peft_config, "old_log_probs": needs_old_log_probs(setup), "vllm": vllm}
+            setup.lora_r is None and not setup.peft_config, "old_log_probs": setup.trainer == "rloo" or needs_old_log_probs(setup),  # RLOO: always
+            "vllm": vllm}
 
 
 def _with_vllm_wakeup(report: MemoryReport, trace: list[TraceEvent], spec: GpuSpec) -> MemoryReport:

@@ -22,7 +22,7 @@ __all__ = ["TrainSetup", "TASKS", "IMAGE_TASKS", "AUDIO_TASKS", "PRECISIONS", "O
            "HUB_FLASH_KERNELS",
            "LEGACY_ARG_NAMES", "TRAINING_ARGS_NAMES",
            "normalize_arg_names", "suggest_name", "read_args_file", "quantization_fields", "TRAINERS",
-           "TRL_TRAINERS", "TRL_CONFIG_NAMES", "VLLM_MODES", "grpo_generation_sizes", "EVAL_STRATEGIES", "BNB_4BIT_QUANT_TYPES"]
+           "TRL_TRAINERS", "GENERATING_TRAINERS", "TRL_CONFIG_CLASS_NAMES", "TRL_CONFIG_NAMES", "VLLM_MODES", "grpo_generation_sizes", "EVAL_STRATEGIES", "BNB_4BIT_QUANT_TYPES"]
 
 #: task name -> the Auto class head it builds (transformers.AutoModelFor...).
 TASKS = {
@@ -35,17 +35,21 @@ TASKS = {
     # tasks whose inputs the model's own processor makes from images or audio (memfit.models.processors)
     "image-cls": "AutoModelForImageClassification",
     "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "ctc": "AutoModelForCTC",
+    # vision-language models: images and text in, text out (memfit.models.image_text)
+    "image-text-to-text": "AutoModelForImageTextToText",
 }
 #: The tasks of TASKS whose inputs are images (IMAGE_TASKS) or audio (AUDIO_TASKS), not tokens.
-IMAGE_TASKS = ("image-cls",)
-AUDIO_TASKS = ("speech-seq2seq",)
+IMAGE_TASKS = ("image-cls", "image-text-to-text")
+AUDIO_TASKS = ("speech-seq2seq", "ctc")
 _TASK_ALIASES = {
     "sequence-classification": "seq-cls", "text-classification": "seq-cls", "classification": "seq-cls",
     "token-classification": "token-cls", "ner": "token-cls",
     "question-answering": "qa", "masked-lm": "mlm", "fill-mask": "mlm",
     "causal": "causal-lm", "clm": "causal-lm", "text-generation": "causal-lm",
     "seq2seq": "seq2seq-lm", "text2text-generation": "seq2seq-lm",
-    "image-classification": "image-cls", "speech-seq2seq-lm": "speech-seq2seq",
+    "image-classification": "image-cls", "speech-seq2seq-lm": "speech-seq2seq", "vlm": "image-text-to-text",
+    "automatic-speech-recognition-ctc": "ctc",
 }
 PRECISIONS = ("fp32", "fp16", "bf16")
 #: `eval_strategy` values: transformers.trainer_utils.IntervalStrategy.
@@ -107,11 +111,19 @@ _NOT_MODELLED_ARGS = ("torch_compile", "auto_find_batch_size", "torch_empty_cach
 ENGINE_ARG_NAMES = ("deepspeed", "fsdp", "fsdp_config", "ddp_bucket_cap_mb", "accelerator_config")
 
 # -- TRL ---------------------------------------------------------------------------------------
-#: `trainer` values: transformers' Trainer, TRL's SFTTrainer, DPOTrainer and GRPOTrainer.
-TRAINERS = ("trainer", "sft", "dpo", "grpo")
-#: The TRL trainers of TRAINERS: their steps are simulated by memfit.sim.trl_steps, `memfit train --trainer`
-#: runs them (memfit.commands.train_trl), and their configs' names are TRL_CONFIG_NAMES.
-TRL_TRAINERS = ("sft", "dpo", "grpo")
+#: `trainer` values: transformers' Trainer, TRL's SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer, RewardTrainer
+#: and KTOTrainer.
+TRAINERS = ("trainer", "sft", "dpo", "grpo", "rloo", "reward", "kto")
+#: The TRL trainers of TRAINERS: their steps are simulated by memfit.sim.trl_steps (and the modules it hands RL and
+#: preference trainers to), `memfit train --trainer` runs SFT and DPO (memfit.commands.train_trl), and their
+#: configs' names are TRL_CONFIG_NAMES.
+TRL_TRAINERS = ("sft", "dpo", "grpo", "rloo", "reward", "kto")
+#: The trainers that generate completions in their step (GRPOTrainer and RLOOTrainer share the generation batch,
+#: `num_generations`, vLLM and `steps_per_generation`: RLOOConfig has GRPOConfig's generation names, TRL 1.16).
+GENERATING_TRAINERS = ("grpo", "rloo")
+#: The TRL config classes of TRAINERS (for messages).
+TRL_CONFIG_CLASS_NAMES = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "rloo": "RLOOConfig",
+                          "reward": "RewardConfig", "kto": "KTOConfig"}
 #: SFTConfig / DPOConfig fields (TRL 1.16) that TrainingArguments does not have (`dataclasses.fields(SFTConfig)`
 #: minus TRAINING_ARGS_NAMES; tests/sim/test_trl.py checks these lists against the installed TRL). Kept as text so
 #: that reading an arguments file does not import TRL. Read when `trainer` is `sft` / `dpo`, rejected otherwise.
@@ -143,6 +155,26 @@ vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min vllm_importa
 vllm_importance_sampling_mode vllm_max_model_length vllm_mode vllm_model_impl vllm_server_base_url vllm_server_host
 vllm_server_port vllm_server_timeout vllm_structured_outputs_regex vllm_tensor_parallel_size
 """.split()),
+    "rloo": frozenset("""
+beta cache_implementation chat_template_kwargs disable_dropout ds3_gather_for_generation epsilon epsilon_high
+generation_batch_size generation_kwargs log_completions log_multimodal log_unique_prompts mask_truncated_completions
+max_completion_length min_p model_init_kwargs normalize_advantages num_completions_to_print num_generations
+num_generations_eval num_iterations pad_to_multiple_of ref_model_mixup_alpha ref_model_sync_steps repetition_penalty
+reward_clip_range reward_weights router_aux_loss_coef shuffle_dataset steps_per_generation sync_ref_model
+temperature top_k top_p transformers_continuous_batching_config trust_remote_code
+use_transformers_continuous_batching use_transformers_paged use_vllm vllm_enable_sleep_mode
+vllm_gpu_memory_utilization vllm_group_port vllm_max_model_length vllm_mode vllm_model_impl vllm_server_base_url
+vllm_server_host vllm_server_port vllm_server_timeout vllm_structured_outputs_regex vllm_tensor_parallel_size
+""".split()),
+    "reward": frozenset("""
+activation_offloading center_rewards_coefficient chat_template_path dataset_num_proc disable_dropout eos_token
+max_length model_init_kwargs pad_to_multiple_of pad_token trust_remote_code
+""".split()),
+    "kto": frozenset("""
+activation_offloading beta dataset_num_proc desirable_weight disable_dropout loss_type max_length model_init_kwargs
+pad_to_multiple_of precompute_ref_batch_size precompute_ref_log_probs ref_model_mixup_alpha ref_model_sync_steps
+router_aux_loss_coef sync_ref_model trust_remote_code undesirable_weight
+""".split()),
 }
 #: TRL settings that change GPU memory but that memfit does not simulate: a note when set.
 _TRL_NOT_MODELLED = ("sync_ref_model", "pad_to_multiple_of",  # activation_offloading: a TrainSetup field
@@ -155,18 +187,19 @@ _TRL_REMOVED = {
                          "to `max_length` (keep_start/keep_end, trl/trainer/dpo_trainer.py)",
     "max_completion_length": "DPOConfig 1.x truncates prompt + completion together to `max_length`",
 }
-#: GRPOConfig names of other TRL versions -> why they are ignored with `trainer="grpo"` (TRL 1.16).
+#: GRPOConfig / RLOOConfig names of other TRL versions -> why they are ignored with `trainer="grpo"` / `"rloo"`
+#: (TRL 1.16; rloo_trainer.py `_tokenize_prompts` and `__init__` do the same as grpo_trainer.py).
 _GRPO_REMOVED = {
-    "max_prompt_length": "GRPOTrainer 1.16 does not truncate prompts (grpo_trainer.py `_tokenize_prompts`); memfit "
+    "max_prompt_length": "GRPOTrainer / RLOOTrainer 1.16 do not truncate prompts (`_tokenize_prompts`); memfit "
                          "takes the prompt length from `max_length` / `example_lengths`",
-    "use_liger_loss": "GRPOConfig 1.16 has no Liger loss: GRPOTrainer always scores completions with TRL's fused LM "
+    "use_liger_loss": "TRL 1.16 has no Liger loss: GRPOTrainer / RLOOTrainer always score completions with TRL's fused LM "
                       "head (`add_fused_lm_head`), which never builds the [B, C, vocab] logits",
 }
 #: vllm_mode values of GRPOConfig in TRL 1.16 (grpo_config.py `vllm_mode`).
 VLLM_MODES = ("colocate", "server")
 #: TRL trainers memfit does not simulate -> their class (ORPO, CPO and online DPO are in trl.experimental in TRL 1.16).
-_TRL_NOT_SIMULATED = {"rloo": "RLOOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer",
-                      "distill": "DistillationTrainer", "distillation": "DistillationTrainer",
+_TRL_NOT_SIMULATED = {"distill": "DistillationTrainer", "distillation": "DistillationTrainer",
+                      "gkd": "trl.experimental GKDTrainer",
                       "orpo": "trl.experimental ORPOTrainer", "cpo": "trl.experimental CPOTrainer",
                       "online_dpo": "trl.experimental OnlineDPOTrainer", "online-dpo": "trl.experimental OnlineDPOTrainer"}
 #: packing_strategy values of SFTConfig in TRL 1.16 (sft_config.py `packing_strategy` choices).
@@ -217,7 +250,7 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
     for key, value in data.items():
         if not isinstance(key, str):
             raise MemfitError(f"setting name `{key!r}` in {source} is not a string")
-        removed = _GRPO_REMOVED if trainer == "grpo" else _TRL_REMOVED
+        removed = _GRPO_REMOVED if trainer in GENERATING_TRAINERS else _TRL_REMOVED
         if trl_names and key in removed and key not in trl_names:  # TRL
             notes.append(f"`{key}` in {source} is not a TRL 1.16 setting ({removed[key]}); ignored")
             continue
@@ -234,7 +267,7 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
         elif key not in valid:
             trl = [t for t, names in TRL_CONFIG_NAMES.items() if key in names]
             if trl:  # TRL: an SFTConfig / DPOConfig name without the trainer that reads it
-                raise MemfitError(f"`{key}` in {source} is a TRL {trl[0].upper()}Config setting; say which trainer "
+                raise MemfitError(f"`{key}` in {source} is a TRL {TRL_CONFIG_CLASS_NAMES[trl[0]]} setting; say which trainer "
                                   f"runs it: `trainer={trl[0]!r}` (`--trainer {trl[0]}`)")
             raise MemfitError(f"unknown setting `{key}` in {source}{suggest_name(key, valid)}; it is neither a "
                               "TrainingArguments argument (transformers 5) nor a memfit TrainSetup field")
@@ -299,9 +332,10 @@ class TrainSetup:
     model: Any = "xlnet-large-cased"
     """Hub id (bundled configs work offline), a directory with config.json, a PretrainedConfig, or an nn.Module."""
     task: str | None = None
-    """One of seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm, image-cls, speech-seq2seq (Whisper); None: the
-    model's own, from its config (`memfit.models.default_task`: causal-lm for GPT-2/Llama, seq2seq-lm for T5/BART,
-    seq-cls for encoders, image-cls for ViT, speech-seq2seq for Whisper), said in `notes`."""
+    """One of seq-cls, token-cls, qa, mlm, causal-lm, seq2seq-lm, image-cls, speech-seq2seq (Whisper), ctc
+    (wav2vec2, HuBERT), image-text-to-text (Qwen2.5-VL); None: the model's own, from its config (`memfit.models.default_task`: causal-lm for
+    GPT-2/Llama, seq2seq-lm for T5/BART, seq-cls for encoders, image-cls for ViT, speech-seq2seq for Whisper, ctc for
+    wav2vec2), said in `notes`."""
     num_labels: int = 2
     """Labels of a classification head."""
     per_device_train_batch_size: int = 8
@@ -317,16 +351,18 @@ class TrainSetup:
     truncation: bool = True
     """Whether inputs are truncated to max_length (only matters with example_lengths)."""
     target_length: int | None = None
-    """Decoder (labels) length for seq2seq-lm and speech-seq2seq; defaults to max_length
-    (speech-seq2seq: at most the decoder's `max_target_positions`, with a note)."""
+    """Decoder (labels) length for seq2seq-lm and speech-seq2seq, transcript characters for ctc; defaults to
+    max_length (speech-seq2seq: at most the decoder's `max_target_positions`; ctc: at most the encoder positions of
+    a clip; with a note)."""
     # -- images and audio: the model's own processor makes the inputs (memfit.models.processors) --
     image_size: str | None = None
     """Size of the images the image processor receives, `WxH` in pixels (e.g. `1920x1080`); None: an image of
     the processor's own output size. Image models only."""
     images_per_example: int = 1
-    """Images in each example (image classification takes one)."""
+    """Images in each example (image classification takes one; a vision-language model any number)."""
     audio_seconds: float | None = None
-    """Length of the longest audio clip of a batch in seconds; None: 30 (Whisper's window). Speech models only."""
+    """Length of the longest audio clip of a batch in seconds; None: 30 (Whisper's window), 20 for ctc (the
+    longest clip run_speech_recognition_ctc.py keeps). Speech models only."""
     sampling_rate: int | None = None
     """Sampling rate of the audio in Hz; None: the feature extractor's own (16000 for Whisper and wav2vec2),
     the only one it takes (resample the data first, as transformers' feature extractors require)."""
@@ -420,9 +456,10 @@ class TrainSetup:
     """torchao Float8 training recipe (tensorwise, rowwise, rowwise_with_gw_hp), applied as accelerate's
     `mixed_precision="fp8"` (torchao backend) applies it; needs bf16 and a GPU of compute capability 8.9+."""
     # -- TRL -------------------------------------------------------------------------
-    trainer: str = field(default="trainer", metadata={"choices": TRAINERS})
-    """Which trainer runs the step: `trainer` (transformers.Trainer), `sft` (TRL SFTTrainer) or `dpo` (TRL
-    DPOTrainer); TRL's steps are simulated by memfit.sim.trl_steps."""
+    trainer: str = field(default="trainer", metadata={"choices": TRAINERS, "checked_by_setup": True})
+    """Which trainer runs the step: `trainer` (transformers.Trainer) or TRL's `sft` (SFTTrainer), `dpo` (DPOTrainer),
+    `grpo` (GRPOTrainer), `rloo` (RLOOTrainer), `reward` (RewardTrainer: a one-score sequence-classification head over
+    chosen / rejected pairs) or `kto` (KTOTrainer); TRL's steps are simulated by memfit.sim.trl_steps."""
     packing: bool = False
     """SFTConfig.packing: examples packed into sequences of `max_length` tokens."""
     packing_strategy: str = field(default="bfd", metadata={"choices": PACKING_STRATEGIES})
@@ -436,14 +473,17 @@ class TrainSetup:
     precompute_ref_log_probs: bool = False
     """DPOConfig.precompute_ref_log_probs: the reference forward runs before training, not in each step."""
     # -- GRPO: GRPOConfig's names and defaults (TRL 1.16 grpo_config.py), simulated by memfit.sim.grpo_steps --
-    num_generations: int = 8
-    """GRPOConfig.num_generations: completions sampled per prompt (at least 2; divides the generation batch)."""
+    num_generations: int | None = None
+    """GRPOConfig / RLOOConfig.num_generations: completions sampled per prompt (at least 2; divides the generation
+    batch); None: the trainer's default, 8 for GRPO, 2 for RLOO (TRL 1.16)."""
     max_completion_length: int = 512
     """GRPOConfig.max_completion_length: new tokens per completion (the worst case: every completion this long).
     The prompt length is `max_length` / `example_lengths` (GRPOTrainer 1.16 does not truncate prompts)."""
-    beta: float = 0.0
-    """GRPOConfig.beta: the KL coefficient; above 0 GRPOTrainer keeps a reference model (a second copy of the
-    weights; with peft the adapter is disabled instead) and scores the completions with it."""
+    beta: float | None = None
+    """GRPOConfig / RLOOConfig / KTOConfig.beta: the KL coefficient; above 0 GRPOTrainer and RLOOTrainer keep a
+    reference model (a second copy of the weights; with peft the adapter is disabled instead) and score the
+    completions with it (KTOTrainer always does). None: the trainer's default, 0.0 for GRPO, 0.05 for RLOO, 0.1 for
+    KTO (TRL 1.16)."""
     steps_per_generation: int | None = None
     """GRPOConfig.steps_per_generation: micro-steps served by one generation; None: gradient_accumulation_steps
     (or generation_batch_size / per_device_train_batch_size)."""
@@ -521,7 +561,8 @@ class TrainSetup:
         _check_trl(self)  # TRL
         _check_float8(self)  # torchao Float8 training
         # task None: memfit.models.resolve fills it from the model, then checks the setup again
-        if self.task is not None and self.trainer != "trainer" and self.task != "causal-lm":  # TRL
+        if self.task is not None and self.trainer not in ("trainer", "reward") and self.task != "causal-lm" \
+                and not (self.trainer == "sft" and self.task == "image-text-to-text"):  # TRL (SFT: its VLM collator)
             raise MemfitError(f"trainer `{self.trainer}` trains a causal language model, but the task is "
                               f"`{self.task}`; use `task='causal-lm'` (a *ForCausalLM model)")
 
@@ -608,7 +649,7 @@ class TrainSetup:
         for key in fields:
             if (key not in setup_names and key not in TRAINING_ARGS_NAMES and key not in LEGACY_ARG_NAMES
                     and key != "quantization_config" and key not in trl_names
-                    and not (trl_names and key in (_GRPO_REMOVED if trainer == "grpo" else _TRL_REMOVED))):
+                    and not (trl_names and key in (_GRPO_REMOVED if trainer in GENERATING_TRAINERS else _TRL_REMOVED))):
                 raise MemfitError(f"unknown setting `{key}`{suggest_name(key, setup_names | TRAINING_ARGS_NAMES)}; "
                                   "TrainSetup fields mirror TrainingArguments names")
         source = args_source or "the training arguments"
@@ -620,14 +661,15 @@ class TrainSetup:
             if key in base and base[key] != value and key != "model":
                 notes.append(f"`{key}` given twice: {value!r} overrides {base[key]!r} of {source}")
         merged = {**base, **over}
-        if trainer == "grpo":  # TRL's base config (trl/trainer/base_config.py) changes two TrainingArguments defaults
+        if trainer in _BASE_CONFIG_DEFAULTS:  # TRL's base config (trl/trainer/base_config.py) changes two defaults
+            cfg = TRL_CONFIG_CLASS_NAMES[trainer]
             if "gradient_checkpointing" not in merged:
                 merged["gradient_checkpointing"] = True
-                notes.append("gradient checkpointing is on: GRPOConfig's default (TRL 1.16); "
+                notes.append(f"gradient checkpointing is on: {cfg}'s default (TRL 1.16); "
                              "`gradient_checkpointing=false` turns it off")
             if "precision" not in merged:
                 merged["precision"] = "bf16"
-                notes.append("bf16 mixed precision: GRPOConfig's default when fp16 is not set (TRL 1.16)")
+                notes.append(f"bf16 mixed precision: {cfg}'s default when fp16 is not set (TRL 1.16)")
         if model is not None:
             if "model" in merged and merged["model"] != model:
                 notes.append(f"model `{model}` overrides `{merged['model']}` of {source}")
@@ -669,7 +711,11 @@ def read_args_file(path: str | os.PathLike) -> dict[str, Any]:
 
 
 #: TRL config class name -> `trainer` (TRL); by name, so that TrainSetup does not import TRL.
-_TRL_CONFIG_CLASSES = {"SFTConfig": "sft", "DPOConfig": "dpo", "GRPOConfig": "grpo"}
+_TRL_CONFIG_CLASSES = {"SFTConfig": "sft", "DPOConfig": "dpo", "GRPOConfig": "grpo", "RLOOConfig": "rloo",
+                       "RewardConfig": "reward", "KTOConfig": "kto"}
+#: The trainers whose config's defaults `from_kwargs` applies: `gradient_checkpointing=True` and bf16 unless fp16
+#: (trl/trainer/base_config.py `_BaseConfig`, which every TRL 1.16 config subclasses).
+_BASE_CONFIG_DEFAULTS = ("grpo", "rloo", "reward", "kto")
 #: TRL config fields that are TrainSetup fields (read from an SFTConfig / DPOConfig object).
 _TRL_READ = {
     "sft": ("max_length", "packing", "packing_strategy", "padding_free", "completion_only_loss", "assistant_only_loss",
@@ -678,6 +724,11 @@ _TRL_READ = {
     # generation_batch_size is left out: GRPOConfig.__post_init__ has derived both it and steps_per_generation
     "grpo": ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
              "use_liger_kernel"),
+    "rloo": ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm",
+             "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "use_liger_kernel"),
+    "reward": ("max_length", "activation_offloading", "use_liger_kernel"),
+    "kto": ("max_length", "beta", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model",
+            "use_liger_kernel"),
 }
 
 
@@ -750,13 +801,13 @@ def _check_media(setup: "TrainSetup") -> None:
             flag = "--image-size" if setup.image_size is not None else "--images-per-example"
             raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no "
                               f"images; drop {flag}, or choose an image model or task (`--task image-cls`)")
-    elif setup.images_per_example != 1:
+    elif setup.images_per_example != 1 and setup.task == "image-cls":
         raise MemfitError(f"image classification takes one image per example; got `images_per_example` "
                           f"{setup.images_per_example}: drop --images-per-example")
     if setup.task not in AUDIO_TASKS and (setup.audio_seconds is not None or setup.sampling_rate is not None):
         flag = "--audio-seconds" if setup.audio_seconds is not None else "--sampling-rate"
         raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no audio; "
-                          f"drop {flag}, or choose a speech model (`--task speech-seq2seq`)")
+                          f"drop {flag}, or choose a speech model (`--task speech-seq2seq` or `--task ctc`)")
 
 
 def _check_types(setup: "TrainSetup") -> None:
@@ -944,13 +995,28 @@ def _check_kwargs_settings(setup: "TrainSetup") -> None:
             raise MemfitError(f"`liger_kernel_config[{key!r}]` must be true or false; got `{value!r}`")
 
 
+#: Per trainer, the defaults of TrainSetup fields left None (TRL 1.16 grpo_config.py, rloo_config.py, kto_config.py);
+#: other trainers: `fallback`.
+_TRAINER_DEFAULTS = {"num_generations": ({"grpo": 8, "rloo": 2}, 8),
+                     "beta": ({"grpo": 0.0, "rloo": 0.05, "kto": 0.1}, 0.0)}
+
+
+def _trainer_defaults(setup: "TrainSetup") -> None:
+    """`num_generations` / `beta` left None: the trainer's own default."""
+    for name, (per_trainer, fallback) in _TRAINER_DEFAULTS.items():
+        if getattr(setup, name) is None:
+            setattr(setup, name, per_trainer.get(setup.trainer, fallback))
+
+
 def _check_trl(setup: "TrainSetup") -> None:
     """TRL: the TRL fields' values, and the combinations TRL 1.16 itself refuses or changes."""
     if setup.trainer in _TRL_NOT_SIMULATED:
         raise MemfitError(f"trainer `{setup.trainer}` ({_TRL_NOT_SIMULATED[setup.trainer]}) is not supported by memfit; "
                           f"it simulates {', '.join(TRAINERS)}")
     if setup.trainer not in TRAINERS:
-        raise MemfitError(f"trainer `{setup.trainer}` is not one of {', '.join(TRAINERS)}")
+        raise MemfitError(f"trainer `{setup.trainer}` is not one of {', '.join(TRAINERS)}"
+                          f"{suggest_name(setup.trainer, set(TRAINERS))}")
+    _trainer_defaults(setup)
     for name in ("packing", "padding_free", "assistant_only_loss", "precompute_ref_log_probs"):
         if not isinstance(getattr(setup, name), bool):
             raise MemfitError(f"`{name}` must be true or false; got `{getattr(setup, name)!r}`")
@@ -967,9 +1033,9 @@ def _check_trl(setup: "TrainSetup") -> None:
     if sft_only and setup.trainer != "sft":
         raise MemfitError(f"`{sft_only[0]}` is an SFTTrainer setting but trainer is `{setup.trainer}`; "
                           "pass `trainer='sft'` (`--trainer sft`)")
-    if setup.precompute_ref_log_probs and setup.trainer != "dpo":
-        raise MemfitError("`precompute_ref_log_probs` is a DPOTrainer setting but trainer is "
-                          f"`{setup.trainer}`; pass `trainer='dpo'` (`--trainer dpo`)")
+    if setup.precompute_ref_log_probs and setup.trainer not in ("dpo", "kto"):
+        raise MemfitError("`precompute_ref_log_probs` is a DPOTrainer setting (KTOTrainer's too) but trainer is "
+                          f"`{setup.trainer}`; pass `trainer='dpo'` (`--trainer dpo`) or `trainer='kto'`")
     if setup.padding_free and setup.trainer == "dpo":
         # DPOTrainer.__init__ (TRL 1.16): "padding_free=True is temporarily unavailable ... Falling back"
         setup.padding_free = False
@@ -979,6 +1045,27 @@ def _check_trl(setup: "TrainSetup") -> None:
         raise MemfitError(f"`padding_free` is an SFTTrainer setting but trainer is `{setup.trainer}`; "
                           "pass `trainer='sft'` (`--trainer sft`)")
     _check_grpo(setup)
+    _check_reward_and_kto(setup)
+
+
+def _check_reward_and_kto(setup: "TrainSetup") -> None:
+    """RewardTrainer: a sequence-classification model of one label (reward_trainer.py `__init__` loads
+    `AutoModelForSequenceClassification` with `num_labels=1` and refuses a model of another), so the task is
+    `seq-cls`. KTOTrainer: `beta` a number."""
+    if setup.trainer == "reward":
+        if setup.task is None:
+            setup.task = "seq-cls"
+            setup.notes = [*setup.notes, "RewardTrainer trains a sequence-classification model with one output (the "
+                                         "reward): the model is built as AutoModelForSequenceClassification, "
+                                         "num_labels=1 (TRL 1.16 reward_trainer.py)"]
+        elif setup.task != "seq-cls":
+            raise MemfitError(f"trainer `reward` trains a sequence-classification head (AutoModelForSequenceClassification"
+                              f", one label), but the task is `{setup.task}`; use `task='seq-cls'` or leave it out")
+        setup.num_labels = 1
+    if setup.trainer == "kto":
+        b = setup.beta
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise MemfitError(f"`beta` must be a finite number (KTOConfig's KL coefficient); got `{b!r}`")
 
 
 def grpo_generation_sizes(per_device_train_batch_size: int, gradient_accumulation_steps: int,
@@ -1002,12 +1089,14 @@ def grpo_generation_sizes(per_device_train_batch_size: int, gradient_accumulatio
 
 
 def _check_grpo(setup: "TrainSetup") -> None:
-    """GRPO: the GRPOConfig values, and what GRPOConfig.__post_init__ (TRL 1.16) refuses, as one-line errors."""
-    if setup.trainer != "grpo":
+    """GRPO / RLOO: the GRPOConfig / RLOOConfig values, and what their `__post_init__` (TRL 1.16 grpo_config.py,
+    rloo_config.py: the same checks) refuses, as one-line errors."""
+    if setup.trainer not in GENERATING_TRAINERS:
         if setup.use_vllm:
-            raise MemfitError(f"`use_vllm` is a GRPOTrainer setting but trainer is `{setup.trainer}`; "
-                              "pass `trainer='grpo'` (`--trainer grpo`)")
+            raise MemfitError(f"`use_vllm` is a GRPOTrainer setting (RLOOTrainer's too) but trainer is `{setup.trainer}`; "
+                              "pass `trainer='grpo'` (`--trainer grpo`) or `trainer='rloo'`")
         return
+    cfg, kind = TRL_CONFIG_CLASS_NAMES[setup.trainer], setup.trainer.upper()
     for name in ("num_generations", "max_completion_length", "num_iterations"):
         _positive_int(name, getattr(setup, name))
     for name in ("steps_per_generation", "generation_batch_size"):
@@ -1018,22 +1107,23 @@ def _check_grpo(setup: "TrainSetup") -> None:
             raise MemfitError(f"`{name}` must be true or false; got `{getattr(setup, name)!r}`")
     b = setup.beta
     if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b < 0:
-        raise MemfitError(f"`beta` must be a finite number >= 0 (GRPOConfig's KL coefficient); got `{b!r}`")
+        raise MemfitError(f"`beta` must be a finite number >= 0 ({cfg}'s KL coefficient); got `{b!r}`")
     if setup.vllm_mode not in VLLM_MODES:
-        raise MemfitError(f"vllm_mode `{setup.vllm_mode}` must be `colocate` or `server` (GRPOConfig, TRL 1.16)")
+        raise MemfitError(f"vllm_mode `{setup.vllm_mode}` must be `colocate` or `server` ({cfg}, TRL 1.16)")
     u = setup.vllm_gpu_memory_utilization
     if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
         raise MemfitError(f"vllm_gpu_memory_utilization `{u!r}` must be a share of the GPU in (0, 1], e.g. 0.3")
     if setup.num_generations < 2:
-        # GRPOConfig.__post_init__: "GRPO requires at least 2 generations per prompt to calculate the advantages"
-        raise MemfitError(f"num_generations `{setup.num_generations}` is below 2: GRPO needs at least 2 completions "
+        # GRPOConfig / RLOOConfig.__post_init__: "... requires at least 2 generations per prompt to calculate the
+        # advantages"
+        raise MemfitError(f"num_generations `{setup.num_generations}` is below 2: {kind} needs at least 2 completions "
                           "per prompt for its advantages; use `num_generations=2` or more")
     _, gen = grpo_generation_sizes(setup.per_device_train_batch_size, setup.gradient_accumulation_steps,
                                    setup.steps_per_generation, setup.generation_batch_size)
     if gen % setup.num_generations != 0:
         raise MemfitError(f"the generation batch of {gen} completions (per_device_train_batch_size x "
                           f"steps_per_generation) is not divisible by num_generations `{setup.num_generations}`, as "
-                          f"GRPOConfig requires (whole prompt groups); make it a multiple of {setup.num_generations}")
+                          f"{cfg} requires (whole prompt groups); make it a multiple of {setup.num_generations}")
     if setup.does_eval and setup.per_device_eval_batch_size % setup.num_generations != 0:
         raise MemfitError(f"per_device_eval_batch_size `{setup.per_device_eval_batch_size}` is not divisible by "
-                          f"num_generations `{setup.num_generations}`, as GRPOConfig requires for evaluation")
+                          f"num_generations `{setup.num_generations}`, as {cfg} requires for evaluation")

@@ -115,8 +115,7 @@ def test_bad_grpo_input_is_one_line(kw, fragment):
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("trainer, name", [("rloo", "RLOOTrainer"), ("kto", "KTOTrainer"), ("reward", "RewardTrainer"),
-                                           ("orpo", "ORPOTrainer"), ("cpo", "CPOTrainer"),
+@pytest.mark.parametrize("trainer, name", [("gkd", "GKDTrainer"), ("orpo", "ORPOTrainer"), ("cpo", "CPOTrainer"),
                                            ("online_dpo", "OnlineDPOTrainer"), ("distill", "DistillationTrainer")])
 def test_other_rl_trainers_are_named_not_supported(trainer, name):
     with pytest.raises(MemfitError) as err:

@@ -202,7 +202,10 @@ def _add(parser: Any, name: str, verb_default: str | None) -> None:
         else:
             kwargs["nargs"] = 0
     else:
-        kwargs.update(type={"int": int, "float": float}.get(kind, str), choices=choices,
+        # `checked_by_setup`: TrainSetup refuses a value with a message of its own (`--trainer orpo` names the TRL
+        # trainer memfit does not simulate), not argparse's "invalid choice"
+        kwargs.update(type={"int": int, "float": float}.get(kind, str),
+                      choices=None if f.metadata.get("checked_by_setup") else choices,
                       metavar=_metavar(name, kind, choices))
     parser.add_argument(*shown, action=_SetupFlag, **kwargs)
     if hidden:

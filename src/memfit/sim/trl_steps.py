@@ -36,7 +36,7 @@ DPOTrainer (dpo_trainer.py `DataCollatorForPreference.torch_call`, `_compute_los
 - loss: sigmoid DPO `-logsigmoid(beta * (chosen_logratios - rejected_logratios)).mean()`.
 
 `activation_offloading=True`: the forward and the loss run inside TRL's offloading context
-(`_activation_offloading`, memfit.sim.offload's rule of trl/models/activation_offloading.py).
+(`activation_offloading`, memfit.sim.offload's rule of trl/models/activation_offloading.py).
 
 Not simulated: TRL's logging metrics (a few device scalars), evaluation (Trainer's evaluation loop is
 simulated, with full logits, an upper bound). Liger (`use_liger_kernel`) applies its layer kernels only, as TRL
@@ -56,17 +56,20 @@ from memfit.errors import MemfitError
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
 
-__all__ = ["liger_config", "prepare_model", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch",
+__all__ = ["liger_config", "prepare_model", "prepare_cut", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch", "activation_offloading",
            "dpo_batch", "wants_splice", "notes"]
 
+#: The trainers that put TRL's fused LM head on the model (RewardTrainer trains a sequence-classification head).
+_FUSED_HEAD_TRAINERS = ("sft", "dpo", "grpo", "rloo", "kto")
 #: Attention implementations that attend per example on a flattened row (cu_seq_lens), in transformers 5.
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 def wants_splice(setup: Any) -> bool:
     """Layer splicing stands the cut model for the full one; DPO's reference forward runs a second model
-    whose events the splice would not tag, so DPO is simulated on the full model."""
-    return setup.trainer not in ("dpo", "grpo")  # GRPO: the reference, and generation's cache per layer
+    whose events the splice would not tag, so DPO is simulated on the full model (GRPO's reference has a cut
+    model and a tagger of its own: memfit.sim.grpo_steps)."""
+    return setup.trainer not in ("dpo", "kto")  # KTO: its reference forwards, as DPO's
 
 
 def notes(setup: Any) -> list[str]:
@@ -80,10 +83,11 @@ def notes(setup: Any) -> list[str]:
     if setup.trainer == "sft" and (setup.completion_only_loss or setup.assistant_only_loss):
         out.append("completion/assistant-only loss: the fused LM head is simulated scoring every position (its CPU "
                    "path); on CUDA it scores only the tokens that count, so the head's memory is an upper bound")
-    if setup.trainer == "grpo" and setup.does_eval:
-        out.append("GRPO's evaluation (which generates too, GRPOTrainer.prediction_step) is not simulated: the "
+    if setup.trainer in ("grpo", "rloo") and setup.does_eval:
+        name = {"grpo": "GRPO", "rloo": "RLOO"}[setup.trainer]
+        out.append(f"{name}'s evaluation (which generates too, {name}Trainer.prediction_step) is not simulated: the "
                    "estimate is of the training steps")
-    if setup.trainer in ("sft", "dpo") and setup.does_eval:
+    if setup.trainer in ("sft", "dpo", "kto") and setup.does_eval:
         out.append(f"evaluation of the {setup.trainer.upper()} trainer is simulated as Trainer's (full logits), "
                    "an upper bound: TRL's fused head keeps no logits")
     return out
@@ -94,7 +98,7 @@ def liger_config(setup: Any) -> dict | None:
     `fused_linear_cross_entropy=False` (Liger's fused loss would replace the forward that carries TRL's fused LM
     head, so only Liger's layer kernels apply) and raise ValueError when it is asked for; the same here."""
     config = setup.liger_kernel_config
-    if setup.trainer not in ("sft", "dpo", "grpo"):  # GRPOTrainer.__init__ refuses it the same way
+    if setup.trainer not in _FUSED_HEAD_TRAINERS:  # GRPO / RLOO / KTOTrainer.__init__ refuse it the same way
         return config
     config = dict(config or {})
     if config.get("fused_linear_cross_entropy"):
@@ -117,11 +121,24 @@ def prepare_model(model: nn.Module, setup: Any) -> None:
         trl_adapter.add_fused_lm_head(model, trl_adapter.DPO_FUSED_OUTPUTS)
     elif setup.trainer == "grpo":
         trl_adapter.add_fused_lm_head(model, trl_adapter.GRPO_FUSED_OUTPUTS)
+    elif setup.trainer == "rloo":
+        trl_adapter.add_fused_lm_head(model, trl_adapter.RLOO_FUSED_OUTPUTS)
+    elif setup.trainer == "kto":
+        trl_adapter.add_fused_lm_head(model, trl_adapter.KTO_FUSED_OUTPUTS)
+    # reward: a sequence-classification head, no fused LM head (reward_trainer.py)
+
+
+def prepare_cut(*cuts: nn.Module | None) -> None:
+    """The cut models (memfit.sim.splice) of a model with TRL's fused LM head: the head patched again on each, so
+    that its non-fused forward (generation, evaluation) runs the cut model, not the one it was copied from."""
+    for cut in cuts:
+        if cut is not None:
+            trl_adapter.rebind_fused_lm_head(cut)
 
 
 def kernels(setup: Any):
     """The context a TRL simulation runs in: TRL's log-prob kernels allocate as on CUDA."""
-    return trl_adapter.cuda_kernels() if setup.trainer in ("sft", "dpo", "grpo") else contextlib.nullcontext()
+    return trl_adapter.cuda_kernels() if setup.trainer in _FUSED_HEAD_TRAINERS else contextlib.nullcontext()
 
 
 def build_reference(setup: Any, spec: Any) -> nn.Module | None:
@@ -130,10 +147,12 @@ def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     # trl/trainer/dpo_trainer.py DPOTrainer.__init__: `if is_peft_model(self.model) or precompute_ref_log_probs:
     # self.ref_model = None` -- any peft method (LoRA or a `peft_config`), not only LoRA
     # grpo_trainer.py GRPOTrainer.__init__: no reference when `beta == 0.0` or when the model is a peft model
-    if setup.trainer == "grpo":
+    # rloo_trainer.py RLOOTrainer.__init__: as GRPO; kto_trainer.py KTOTrainer.__init__: as DPO
+    if setup.trainer in ("grpo", "rloo"):
         if setup.beta == 0.0 or setup.lora_r is not None or setup.peft_config:
             return None
-    elif setup.trainer != "dpo" or setup.precompute_ref_log_probs or setup.lora_r is not None or setup.peft_config:
+    elif setup.trainer not in ("dpo", "kto") or setup.precompute_ref_log_probs or setup.lora_r is not None \
+            or setup.peft_config:
         return None
     from memfit.models.build import build_meta_model
 
@@ -235,7 +254,21 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
         from memfit.sim import grpo_steps
 
         return grpo_steps.micro_loss(runner)
-    if s.trainer == "sft":
+    if s.trainer == "rloo":  # GRPO's generation and scoring passes, RLOO's rewards and loss: memfit.sim.rloo_steps
+        from memfit.sim import rloo_steps
+
+        return rloo_steps.micro_loss(runner)
+    if s.trainer in ("reward", "kto"):  # memfit.sim.reward_steps, memfit.sim.kto_steps
+        from memfit.sim import kto_steps, reward_steps
+
+        return (reward_steps if s.trainer == "reward" else kto_steps).micro_loss(runner)
+    media = getattr(runner, "media", None)
+    if s.trainer == "sft" and media is not None and media.example is not None:  # TRL's VLM collator
+        from memfit.sim.host_values import image_text_batch
+
+        tensors = image_text_batch(media.example, s.per_device_train_batch_size)
+        kwargs = dict(tensors)
+    elif s.trainer == "sft":
         tensors, kwargs = sft_batch(s)
     elif s.trainer == "dpo":
         tensors, kwargs = dpo_batch(s)
@@ -244,7 +277,7 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     for t in tensors.values():
         runner.tracker.register(t, "inputs")
     start = len(runner.tracker.records)
-    with _activation_offloading(runner):
+    with activation_offloading(runner):
         if s.trainer == "sft":
             out = _forward(runner, runner.fwd_model, kwargs)
             per_token_loss = -out.log_probs  # SFTTrainer.compute_loss: zero on ignored positions
@@ -257,7 +290,7 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     return loss, start
 
 
-def _activation_offloading(runner: Any):
+def activation_offloading(runner: Any):
     """TRL's `activation_offloading=True`: SFTTrainer.training_step and DPOTrainer.training_step (TRL 1.16) run
     `super().training_step` inside `self.maybe_activation_offload_context`
     (`get_act_offloading_ctx_manager(model=self.model)`, built in `__init__`), so every tensor the forward and
