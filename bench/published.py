@@ -632,6 +632,7 @@ def predict_op(case: OpCase) -> tuple[float, str]:
 
 # -- the run -------------------------------------------------------------------------------------
 def run(records: list[dict[str, Any]], *, implied: bool = True) -> tuple[list[Row], list[tuple[int, Missing]], Estimator]:
+    from memfit import progress
     from memfit.errors import MemfitError
 
     est = Estimator()
@@ -639,6 +640,7 @@ def run(records: list[dict[str, Any]], *, implied: bool = True) -> tuple[list[Ro
     missing: list[tuple[int, Missing]] = []
     for index, record in enumerate(records):
         case = express(record)
+        progress.report(getattr(case, "label", "not expressible"), index, len(records))
         if isinstance(case, Missing):
             missing.append((index, case))
             continue
@@ -710,7 +712,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     records = load_records(args.data)
     started = time.perf_counter()
-    rows, missing, est = run(records, implied=not args.no_implied_length)
+    from memfit.commands._progress import progress as terminal_progress
+
+    with terminal_progress("bench/published.py", unit="record"):  # on a terminal: which record, of how many
+        rows, missing, est = run(records, implied=not args.no_implied_length)
     print(format_tables(rows, missing, records))
     print()
     print(f"{len(records)} records: {len(rows)} compared, {len(missing)} not expressible; "

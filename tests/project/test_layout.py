@@ -241,7 +241,7 @@ def test_no_import_cycle():
 #: Bottom-up: a module may import from its own layer or any layer below it. A name is a top-level module or
 #: package of memfit (a package's modules are in its layer); "memfit" is the package's own `__init__.py`.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"errors", "units", "trace", "files", "collector", "oom_text", "_version"}),
+    ("foundation", {"errors", "units", "trace", "files", "collector", "oom_text", "progress", "_version"}),
     ("the run", {"train_setup"}),
     ("what memfit knows", {"models", "gpus", "allocator", "inputs"}),  # inputs: data lengths, padding, packing
     ("from a trace and a model", {"peaks", "cache"}),  # cache: keyed by the model's config (models.catalog)

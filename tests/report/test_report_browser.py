@@ -256,5 +256,10 @@ def test_the_plan_page_in_the_browser(driver, tmp_path):
     for c in driver.find_elements(By.CSS_SELECTOR, "circle[data-plan]"):  # fitting points under the budget line
         centre = c.location["y"] + c.size["height"] / 2
         assert (centre >= budget.location["y"]) == (c.get_attribute("data-fits") == "true")
+    dots = driver.find_elements(By.CSS_SELECTOR, "circle[data-searched]")  # every configuration the search ranked
+    assert len(dots) == len(result.searched) > len(result.plans)
+    for c in dots:
+        centre = c.location["y"] + c.size["height"] / 2
+        assert (centre >= budget.location["y"] - 1) == (c.get_attribute("data-fits") == "true")
     assert driver.find_element(By.ID, "memfit-change").text
     _screenshot(driver, tmp_path, "plan.png")

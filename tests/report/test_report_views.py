@@ -193,6 +193,25 @@ def test_plan_points_are_the_plans_need_against_the_budget():
     assert [a["data-verified"] for a in circles] == ["true", "true", "true", "false"]
     assert next(a for t, a in tags if a.get("data-line") == "budget")["data-bytes"] == str(budget)
     assert "gradient_checkpointing=True" in text.split('id="memfit-change">')[1].split("</pre>")[0]
+    assert not [a for t, a in tags if "data-searched" in a]  # nothing searched: no dots
+
+
+def test_every_searched_configuration_is_a_point():
+    from memfit.planner.search import SearchedCandidate
+
+    searched = [SearchedCandidate({"per_device_train_batch_size": b}, (8 + b) * GiB, 1 + b / 10, 8 + b <= 10)
+                for b in (1, 2, 4)]
+    result = PlanResult(fits_as_is=False, baseline=_plan(False, -2 * GiB, 1.0), chosen=None, plans=[],
+                        gpu={"name": "T4", "total_bytes": 16 * GiB}, margin=0.05, budget_bytes=10 * GiB, miss_bytes=GiB,
+                        suggestions=[], not_applicable={}, elapsed_s=1.0, simulations=4, searched=searched)
+    tags = _tags(render_plan_html(result))
+    dots = [a for t, a in tags if t == "circle" and "data-searched" in a]
+    assert [(int(a["data-bytes"]), a["data-fits"]) for a in dots] == [(9 * GiB, "true"), (10 * GiB, "true"),
+                                                                      (12 * GiB, "false")]
+    budget_y = float(next(a for t, a in tags if a.get("data-line") == "budget")["y1"])
+    assert [float(a["cy"]) >= budget_y for a in dots] == [True, True, False]  # fitting ones on or under the line
+    # the JSON round trip keeps them (memfit's cache of plans)
+    assert PlanResult.from_json(json.loads(json.dumps(result.to_json()))) == result
 
 
 @pytest.mark.slow
@@ -215,3 +234,10 @@ def test_cli_plan_html_of_a_real_plan(tmp_path, capsys):
     assert [int(a["data-bytes"]) for a in circles] == need
     chosen = [a["data-plan"] for a in circles if a["data-chosen"] == "true"]
     assert chosen == [str(data["chosen"])]
+    # every configuration the search ranked is a point too, the plans among them
+    dots = [a for t, a in tags if t == "circle" and "data-searched" in a]
+    assert len(dots) == len(data["searched"]) >= len(data["plans"])
+    assert [int(a["data-bytes"]) for a in dots] == [c["need_bytes"] for c in data["searched"]]
+    assert [a["data-fits"] == "true" for a in dots] == [c["need_bytes"] <= data["budget_bytes"] for c in data["searched"]]
+    searched = {json.dumps(c["setup_changes"], sort_keys=True) for c in data["searched"]}
+    assert all(json.dumps(p["setup_changes"], sort_keys=True) in searched for p in data["plans"])

@@ -24,6 +24,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
+from memfit import progress
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.gpus.catalog import GpuSpec
@@ -118,6 +119,8 @@ class Simulations:
     #: submitted ahead: (kind, setup, kwargs or (budget, alloc_conf), handle with .get())
     pending: list[tuple[str, TrainSetup, Any, Any]] = dataclasses.field(default_factory=list)
     ran_here: int = 0  #: simulations run in this process (not prefetched)
+    #: how many simulations the search runs at most (memfit.progress's total); None: not counted
+    expected: int | None = None
 
     def phase_peaks(self, setup: TrainSetup, **kwargs: Any) -> PhasePeaks:
         """Per-phase peaks of a partial simulation of `setup` (kwargs: memfit.sim.engine.simulate's).
@@ -132,6 +135,7 @@ class Simulations:
         reused = self._reused(setup, kwargs)
         if reused is not None:
             return reused
+        self._tell(setup, kwargs)
         result = self._take("phase_peaks", setup, kwargs)
         if result is None:
             self.ran_here += 1
@@ -189,12 +193,32 @@ class Simulations:
 
     def estimate(self, setup: TrainSetup, budget: Budget, alloc_conf: str | None) -> MemoryReport:
         """A full estimate (simulation + allocator replay) of `setup` with the budget's capacity."""
+        self._tell(setup, None)
         report = self._take("estimate", setup, (budget, alloc_conf))
         if report is None:
             self.ran_here += 1
             report = _estimate_of(setup, budget, alloc_conf)
         self.count += 1
         return report
+
+    def _tell(self, setup: TrainSetup, kwargs: dict[str, Any] | None) -> None:
+        """memfit.progress: which simulation runs now (kwargs None: a full estimate), after `count` of them."""
+        bits = [setup.precision, f"batch {setup.per_device_train_batch_size}"]
+        if setup.gradient_checkpointing:
+            bits.append("checkpointing")
+        bits.append(setup.optim)
+        if setup.lora_r is not None:
+            bits.append(f"LoRA r={setup.lora_r}" + (" 4-bit" if setup.load_in_4bit else ""))
+        if kwargs is None:
+            kind = "full estimate"
+        elif kwargs.get("optimizer_only"):
+            kind = "optimizer step"
+        elif not kwargs.get("train", True):
+            kind = f"evaluation, batch {setup.per_device_eval_batch_size}"
+            bits = bits[:1]
+        else:
+            kind = "micro-steps"
+        progress.report(f"{kind}: {', '.join(str(b) for b in bits)}", self.count, self.expected)
 
 
 def planned_simulations(setup: TrainSetup, axes: Axes) -> list[tuple[TrainSetup, dict[str, Any]]]:

@@ -1,17 +1,19 @@
-"""A plan as one self-contained HTML page: every configuration the search returned as a point (the
+"""A plan as one self-contained HTML page: every configuration the search weighed as a point (the
 memory it needs on the GPU against its modelled step time), the budget as a line, the fitting ones
 marked, the chosen one ringed, and its exact change (environment, TrainingArguments, code; across
 GPUs the launch files and commands) ready to copy.
 
 A view of what `memfit.plan` / `memfit.planner.parallel_plan.plan_parallel` returned, nothing
-recomputed: a single-GPU plan's points are its baseline and `PlanResult.plans` (the verified ones
-and the best of the fitted memory model, `max_plans` of them), with the step time relative to the
-setup as given; a multi-GPU plan's points are `ParallelPlanResult.candidates` (every per-rank
-simulation), with the modelled seconds of one optimizer step. No script: a point's details are its
-SVG `<title>`, shown on hover.
+recomputed: a single-GPU plan's points are every configuration its search ranked
+(`PlanResult.searched`: the fitted memory model of the partial simulations, small dots), its baseline
+and `PlanResult.plans` (the verified ones and the best of the fitted model, `max_plans` of them), with
+the step time relative to the setup as given; a multi-GPU plan's points are
+`ParallelPlanResult.candidates` (every per-rank simulation), with the modelled seconds of one optimizer
+step. No script: a point's details are its SVG `<title>`, shown on hover.
 
-Stable hooks: `circle[data-plan]` (one per point; `data-fits`, `data-verified`, `data-bytes`,
-`data-chosen`), `line[data-line=budget]`, `#memfit-change` (the change as text).
+Stable hooks: `circle[data-plan]` (one per plan; `data-fits`, `data-verified`, `data-bytes`,
+`data-chosen`), `circle[data-searched]` (one per searched configuration; `data-fits`, `data-bytes`),
+`line[data-line=budget]`, `#memfit-change` (the change as text).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PLAN_CSS = """
 .pt{stroke:#333;stroke-width:1}.pt.fits{fill:#1b7f3b}.pt.nofit{fill:#fff;stroke:#b00020;stroke-width:1.6}
 .pt.fitted{fill-opacity:.45}.pt.baseline{fill:#777}.ring{fill:none;stroke:#111;stroke-width:2.2}
 .hline.budget{stroke:#b00020}.pt-label{fill:#333;font-size:11px}
+.sp{stroke-width:.8}.sp.fits{fill:#1b7f3b;fill-opacity:.35;stroke:#1b7f3b}.sp.nofit{fill:none;stroke:#b00020;stroke-opacity:.6}
 """
 
 
@@ -97,10 +100,16 @@ def change_text(result: Any) -> str | None:
     return "\n".join(lines + list(p.code))
 
 
+def _searched(result: Any) -> list[Any]:
+    """A single-GPU plan's searched configurations (memfit.planner.search.SearchedCandidate), best first."""
+    return list(getattr(result, "searched", None) or [])
+
+
 def _chart(result: Any, points: list[PlanPoint], parallel: bool) -> str:
     budget = result.budget_bytes
-    ymax = max([p.need_bytes for p in points] + [budget]) * 1.08
-    xs = [p.step_time for p in points]
+    searched = _searched(result)
+    ymax = max([p.need_bytes for p in points] + [c.need_bytes for c in searched] + [budget]) * 1.08
+    xs = [p.step_time for p in points] + [c.relative_step_time for c in searched]
     lo, hi = min(xs), max(xs)
     pad = (hi - lo) * 0.08 or max(hi * 0.1, 0.05)
     c = Chart(max(lo - pad, 0), hi + pad, ymax)
@@ -109,6 +118,11 @@ def _chart(result: Any, points: list[PlanPoint], parallel: bool) -> str:
            "modelled time of one optimizer step" + (" (seconds)" if parallel else " (relative to the setup as given)"))
     c.hline(budget, f"budget {format_bytes(budget)} ({result.margin:.0%} of the GPU kept free)", "budget",
             f'data-line="budget" data-bytes="{budget}"')
+    for i, sc in enumerate(searched):  # underneath the plans: every configuration the search ranked
+        title = (f"searched: {_changes_label(sc.setup_changes)}\nneeds {format_bytes(sc.need_bytes)} by the fitted "
+                 f"memory model; step time {sc.relative_step_time:g}x; {'fits' if sc.fits else 'does not fit'}")
+        c.point(sc.relative_step_time, sc.need_bytes, 3, "sp " + ("fits" if sc.fits else "nofit"), title,
+                f'data-searched="{i}" data-fits="{str(sc.fits).lower()}" data-bytes="{sc.need_bytes}"')
     for p in points:
         cls = "pt " + ("fits" if p.fits else "nofit") + ("" if p.verified else " fitted") + (
             " baseline" if p.index is None else "")
@@ -150,6 +164,10 @@ def _summary(result: Any, points: list[PlanPoint]) -> str:
     else:
         cards.append(_card("chosen", "nothing fits" if not (not parallel and points[0].fits) else "as is",
                            "", "bad" if parallel or not points[0].fits else "good"))
+    searched = _searched(result)
+    if searched:
+        cards.append(_card("configurations weighed", str(len(searched)),
+                           f"{sum(c.fits for c in searched)} fit by the fitted model"))
     cards.append(_card("simulations", str(result.simulations), f"in {result.elapsed_s:.1f} s"))
     return '<div class="cards">' + "".join(cards) + "</div>"
 
@@ -175,6 +193,9 @@ def plan_body(result: Any) -> str:
              "as the search compares them) against its modelled step time. "
              "Filled green: fits the budget; open red: does not; pale: memory from the search's fitted model "
              "rather than a full simulation. Hover a point for its figures.")
+    if _searched(result):
+        intro += (f" Small dots: all {len(_searched(result))} configurations the search ranked, as the memory model "
+                  f"fitted to its {result.simulations} simulations predicts them; large ones: the plans it returned.")
     if parallel:
         intro += f" Per GPU, as rank 0's simulation gives it; global batch {result.global_batch}."
     body = [f"<h1>{_e(_title(result))}</h1>", _summary(result, points), "<h2>Configurations</h2>",
