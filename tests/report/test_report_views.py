@@ -114,6 +114,32 @@ def test_cli_replay_html_marks_the_first_divergence(tmp_path, capsys):
 def test_cli_replay_html_bad_path_fails_before_reading(tmp_path, capsys):
     assert main(["replay", str(tmp_path / "missing.pickle"), "--html", str(tmp_path / "r.txt")]) == 2
     assert "--html writes .html" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "missing.pickle"), "--plot", str(tmp_path / "r.jpg")]) == 2
+    assert "--plot writes .png or .svg" in capsys.readouterr().err
+
+
+def test_cli_replay_plot_draws_the_lines_and_the_divergence(tmp_path, capsys):
+    """--plot: the HTML view's lines as a picture; the SVG keeps each text as a comment (matplotlib's svg backend)."""
+    pytest.importorskip("matplotlib")
+    snap = _load("select_n_bert_inference_offload.json.gz")
+    snap["allocator_settings"] = {"max_split_size": 128 * MiB, "expandable_segments": False}
+    path = tmp_path / "diverging.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    svg, png = tmp_path / "replay.svg", tmp_path / "replay.png"
+    assert main(["replay", str(path), "--plot", str(svg), "--json"]) == 1
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # --json stays JSON
+    assert f"{svg} written" in captured.err
+    text = svg.read_text(encoding="utf-8")
+    r = replay_snapshot(snap)
+    for label in ("recorded (the real allocator)", "memfit's model of the recorded settings",
+                  "what if: expandable_segments:True", "what if: max_split_size_mb:128", "first divergence: entry 122"):
+        assert label in text, label
+    from memfit.units import format_bytes
+
+    assert f"peak {format_bytes(r.recorded.peak_reserved_bytes)}" in text
+    assert main(["replay", str(path), "--plot", str(png)]) == 1
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 # -- diagnose -------------------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ def replay_command_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--html", default=None, metavar="FILE.html",
                    help="also write recorded against modelled reserved memory over the trace, the first divergence "
                         "and the other settings' lines as one self-contained HTML file (works offline)")
+    p.add_argument("--plot", default=None, metavar="FILE.png|.svg",
+                   help="also write the same lines as a static picture (matplotlib, the `viz` extra)")
     p.set_defaults(func=replay_command)
     return p
 
@@ -181,11 +183,11 @@ def replay_command(args: argparse.Namespace) -> int:
         if parse_alloc_conf(text).backend == "cudaMallocAsync":
             raise MemfitError(f"--what-if `{text}`: backend:cudaMallocAsync is not modelled (its pool is managed by "
                               "the CUDA driver), so memfit cannot say what it would have done; drop it")
-    html = getattr(args, "html", None)
-    if html is not None:
-        from memfit.report import check_html_path
+    html, plot = getattr(args, "html", None), getattr(args, "plot", None)
+    if html is not None or plot is not None:
+        from memfit.report import check_view_paths
 
-        check_html_path(html)  # fail before the replay, not after it
+        check_view_paths(html, plot)  # fail before the replay, not after it
     memory = None
     if args.gpu is not None:
         from memfit.gpus.catalog import resolve_gpu
@@ -199,7 +201,8 @@ def replay_command(args: argparse.Namespace) -> int:
         args.device = default_device(devices)
     r = replay_snapshot(snapshot, device=args.device, device_memory_bytes=memory)
     tries = [None, "expandable_segments:True", f"max_split_size_mb:{args.max_split_size_mb}", *args.what_if]
-    series: list[list[int] | None] = [[] if html is not None else None for _ in tries]  # the page's lines
+    drawn = html is not None or plot is not None
+    series: list[list[int] | None] = [[] if drawn else None for _ in tries]  # the page's and the picture's lines
     variants = [what_if(snapshot, t, device=args.device, device_memory_bytes=memory, reserved_after=s)
                 for t, s in zip(tries, series)]
     if html is not None:
@@ -210,6 +213,15 @@ def replay_command(args: argparse.Namespace) -> int:
 
         page = render_replay_html(args.snapshot, args.device, r, variants, series)
         print(f"memfit replay: {write_html(html, page)} written", file=sys.stderr)
+    if plot is not None:
+        import sys
+        from pathlib import Path
+
+        from memfit.report import write_file
+        from memfit.report.replay_plot import render_replay_plot
+
+        data = render_replay_plot(args.snapshot, args.device, r, variants, series, Path(plot).suffix.lower())
+        print(f"memfit replay: {write_file(plot, data, '--plot')} written", file=sys.stderr)
     if args.json:
         print(json.dumps(to_json(args.snapshot, args.device, r, variants, devices), indent=2))
     else:

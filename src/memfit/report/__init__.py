@@ -9,7 +9,8 @@ estimate with `cache=False` (the CLI's `--no-cache`).
 The CLI's `--html FILE` / `--plot FILE`: `check_view_paths` before the simulation (a bad path
 fails at once), `write_views` after it. The other verbs' pages (`plan_view`, `diagnose_view`,
 `replay_view`: the plan's configurations, the OOM message's memory bar, a snapshot replay's reserved
-lines) are written with `check_html_path` before the work and `write_html` after it.
+lines) are written with `check_html_path` before the work and `write_html` after it; a replay's `--plot`
+(`replay_plot`) with `check_view_paths` and `write_file`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from memfit.estimator import MemoryReport
 
 __all__ = ["report_timeline", "timeline_frame", "check_view_paths", "write_views", "check_html_path", "write_html",
-           "HTML_SUFFIXES", "PLOT_SUFFIXES"]
+           "write_file", "HTML_SUFFIXES", "PLOT_SUFFIXES"]
 
 HTML_SUFFIXES = (".html", ".htm")
 PLOT_SUFFIXES = (".png", ".svg")
@@ -95,6 +96,16 @@ def write_views(report: "MemoryReport", html_path: Any = None, plot_path: Any = 
 
         written.append(_write(Path(plot_path), render_plot(report, tl, Path(plot_path).suffix.lower()), "--plot"))
     return written
+
+
+def write_file(path: Any, data: bytes, flag: str) -> str:
+    """Write a view's bytes (a `--plot` picture) to `path`, checked as `check_view_paths` checks `flag`'s
+    paths; the path written."""
+    if flag == "--plot":
+        _check(path, flag, PLOT_SUFFIXES, ".png or .svg")
+    else:
+        check_html_path(path)
+    return _write(Path(path), data, flag)
 
 
 def _write(path: Path, data: bytes, flag: str) -> str:

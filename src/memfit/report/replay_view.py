@@ -24,7 +24,7 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.allocator.snapshot import SnapshotReplay, WhatIf
 
-__all__ = ["MAX_POINTS", "downsample", "render_replay_html"]
+__all__ = ["MAX_POINTS", "WHAT_IF_COLORS", "downsample", "render_replay_html"]
 
 #: Points per line at most (min and max per bucket: twice this many vertices).
 MAX_POINTS = 2000
@@ -35,7 +35,7 @@ _REPLAY_CSS = """
 .div{stroke:#b00020;stroke-width:1.5;stroke-dasharray:3 3}.div-label{fill:#b00020;font-weight:600}
 """
 #: What-if line colours (Okabe & Ito 2008, as memfit.report.style).
-_WHAT_IF_COLORS = ("#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#999999")
+WHAT_IF_COLORS = ("#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#999999")
 
 
 def downsample(values: Sequence[int], max_points: int = MAX_POINTS) -> list[tuple[int, int]]:
@@ -70,7 +70,7 @@ def _chart(r: "SnapshotReplay", variants: Sequence["WhatIf"], series: Sequence[S
             continue
         color = ""
         if kind == "what-if":
-            color = f'style="stroke:{_WHAT_IF_COLORS[k % len(_WHAT_IF_COLORS)]}"'
+            color = f'style="stroke:{WHAT_IF_COLORS[k % len(WHAT_IF_COLORS)]}"'
             k += 1
         c.polyline(downsample(vals), f"ln {kind}", f'data-series="{kind}" data-settings="{_e(settings)}" '
                    f'data-peak-bytes="{max(vals)}" {color}', f"{label}: peak {format_bytes(max(vals))}")
@@ -90,7 +90,7 @@ def _legend(variants: Sequence["WhatIf"], series: Sequence[Sequence[int] | None]
     k = 0
     for v, s in zip(variants, series):
         if s:
-            items.append(f'<span><i style="background:{_WHAT_IF_COLORS[k % len(_WHAT_IF_COLORS)]}"></i>'
+            items.append(f'<span><i style="background:{WHAT_IF_COLORS[k % len(WHAT_IF_COLORS)]}"></i>'
                          f"what if: {_e(v.settings)}</span>")
             k += 1
     return '<div class="legend">' + "".join(items) + "</div>"
