@@ -409,6 +409,18 @@ class TrainSetup:
     """Input embeddings get no gradient (requires_grad=False)."""
     freeze_layers: int = 0
     """The lowest N blocks of the model's (first) stack of layers get no gradient."""
+    # -- freezing parts of image and speech models (memfit.models.freezing, the models' own methods) --
+    freeze_feature_encoder: bool | None = None
+    """A wav2vec2-style model's convolutional feature encoder gets no gradient (its `freeze_feature_encoder()`);
+    None: frozen for ctc, as transformers' run_speech_recognition_ctc.py does by default, else not."""
+    freeze_encoder: bool = False
+    """Whisper's audio encoder gets no gradient (its `freeze_encoder()`; run_speech_recognition_seq2seq.py's
+    `--freeze_encoder`)."""
+    freeze_vision_tower: bool = False
+    """The vision tower gets no gradient: a vision-language model's image encoder (`get_encoder(modality="image")`),
+    an image classifier's backbone (all but the classification head)."""
+    freeze_projector: bool = False
+    """A vision-language model's projector (between the vision tower and the language model) gets no gradient."""
     offload_optimizer_state: bool = False
     """Optimizer state kept in host memory (DeepSpeed ZeRO-Offload); not on the GPU."""
     # -- quantization: BitsAndBytesConfig's fields and defaults (transformers 5.24
@@ -793,8 +805,18 @@ def _check_media(setup: "TrainSetup") -> None:
         raise MemfitError(f"`audio_seconds` must be a positive number of seconds; got `{seconds!r}`")
     if setup.sampling_rate is not None:
         _positive_int("sampling_rate", setup.sampling_rate)
+    if setup.freeze_feature_encoder is not None and not isinstance(setup.freeze_feature_encoder, bool):
+        raise MemfitError(f"`freeze_feature_encoder` must be true, false or unset; got `{setup.freeze_feature_encoder!r}`")
     if setup.task is None:  # memfit.models.resolve fills the task, then the setup is checked again
         return
+    # the freezing of a part of an image or speech model: only where the task's models have that part
+    for flag, tasks in (("freeze_feature_encoder", ("ctc",)), ("freeze_encoder", ("speech-seq2seq",)),
+                        ("freeze_vision_tower", ("image-cls", "image-text-to-text")),
+                        ("freeze_projector", ("image-text-to-text",))):
+        if getattr(setup, flag) and setup.task not in tasks:
+            dashed = "--" + flag.replace("_", "-")
+            raise MemfitError(f"`{dashed}` is set but the run is `{setup.task}`, whose models have no such part "
+                              f"(it is for {' / '.join(tasks)}); drop {dashed}")
     name = setup.model if isinstance(setup.model, str) else type(setup.model).__name__
     if setup.task not in IMAGE_TASKS:
         if setup.image_size is not None or setup.images_per_example != 1:
@@ -812,7 +834,8 @@ def _check_media(setup: "TrainSetup") -> None:
 
 def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
-    for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings",
+    for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings", "freeze_encoder",
+                 "freeze_vision_tower", "freeze_projector",
                  "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep",
                  "kbit_use_gradient_checkpointing",
                  "use_liger_kernel", "activation_offloading", "use_dora"):
@@ -1066,6 +1089,11 @@ def _check_reward_and_kto(setup: "TrainSetup") -> None:
         b = setup.beta
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
             raise MemfitError(f"`beta` must be a finite number (KTOConfig's KL coefficient); got `{b!r}`")
+        if setup.per_device_train_batch_size <= 1:
+            # KTOTrainer.__init__ (loss_type "kto"): "Actual (not effective) batch size must be > 1"
+            raise MemfitError(f"per_device_train_batch_size `{setup.per_device_train_batch_size}` is too small for KTO: "
+                              "KTOTrainer needs at least 2 examples per micro-batch (its KL term pairs each prompt "
+                              "with another example's completion); use 2 or more")
 
 
 def grpo_generation_sizes(per_device_train_batch_size: int, gradient_accumulation_steps: int,
