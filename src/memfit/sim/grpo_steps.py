@@ -36,6 +36,13 @@ Training (phases `forward` / `backward`, `_compute_loss`): the slice's ids conca
 `[B, C]`, never the `[B, C, vocab]` logits), and the default loss (`loss_type="dapo"`, token-level importance
 ratio, two-sided clipping, the KL term when `beta > 0`, vLLM's importance ratio when `use_vllm`).
 
+Layer splicing (memfit.sim.splice): with the cut model, every no-grad pass (the prefill, the cache grown layer by
+layer, the decode step, each scoring chunk of the policy and of the reference) is spliced as it ends, the
+generation's passes with one `SpliceCarry` (the cache a generic block fills in the prefill is the one its copies
+replace in the decode step); the training forward and backward are spliced by the engine, as SFT's. The
+reference copy has a cut model of its own (`ref_cut`). tests/sim/test_grpo.py checks the spliced trace against
+the full model's.
+
 Known limitations: TRL's logging metrics (clip ratios, entropy means: `[B, C]` temporaries freed before the
 backward) are not simulated; other `loss_type`s are simulated as `dapo` (the same `[B, C]` element-wise ops);
 the reward functions run on the host (a reward *model* on the GPU is not modelled); evaluation is not
@@ -52,6 +59,7 @@ import torch
 
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
+from memfit.sim.splice import K, LayerTagger, SpliceCarry, SpliceRefused, close_carry, splice_events
 from memfit.trace import FORWARD, GENERATION, SCORING
 
 __all__ = ["micro_loss", "generation", "needs_old_log_probs", "kv_cache_bytes"]
@@ -102,7 +110,73 @@ def _checkpointing_off(runner: Any):
     `disable_gradient_checkpointing`, called by `unwrap_model_for_generation` and `_generate_and_score_completions`)."""
     if runner.checkpointing != "huggingface":
         return contextlib.nullcontext()
-    return trl_adapter.disable_gradient_checkpointing(runner.model, runner.setup.gradient_checkpointing_kwargs)
+    return trl_adapter.disable_gradient_checkpointing(runner.fwd_model, runner.setup.gradient_checkpointing_kwargs)
+
+
+# -- layer splicing of the no-grad passes ----------------------------------------------------------------------
+
+def _splice(runner: Any, carry: SpliceCarry | None = None) -> None:
+    """Write the full model's events for everything recorded since the last splice (no-op without a cut model)."""
+    if runner.cut is None:
+        return
+    tr = runner.tracker
+    splice_events(tr, runner.grpo_spliced_events, runner.sizes, runner.names, carry=carry)
+    runner.grpo_spliced_events = len(tr.events)
+
+
+@contextlib.contextmanager
+def _no_grad_pass(runner: Any, tagger: LayerTagger | None = None):
+    """A no-grad forward of a cut model, tagged as the evaluation's is (`LayerTagger.gaps`: the previous block's
+    output is freed between two blocks, and counts as the block before it)."""
+    if runner.cut is None:
+        yield
+        return
+    tagger = tagger or runner.tagger
+    tr = runner.tracker
+    saved = tr.tag_fn
+    tagger.gaps, tagger.trailing, tr.tag_fn = True, None, tagger.current
+    try:
+        yield
+    finally:
+        tagger.gaps, tagger.trailing, tr.tag_fn = False, None, saved
+
+
+@contextlib.contextmanager
+def _as_block(runner: Any, index: int):
+    """What runs inside counts as block `index` of the (one) repeated stack (the cache grown layer by layer)."""
+    if runner.cut is None:
+        yield
+        return
+    runner.tagger.stack.append((0, index))
+    try:
+        yield
+    finally:
+        runner.tagger.stack.pop()
+
+
+def _reference(runner: Any) -> tuple[torch.nn.Module, LayerTagger | None]:
+    """The reference model that runs (its cut model when the policy is spliced) and its tagger. The cut reference
+    is put on the device the first time (`to_empty`, zeros on a real run) and never counted: the full reference's
+    weights are (memfit.sim.trl_steps.materialize_reference)."""
+    ref_cut = getattr(runner, "ref_cut", None)
+    if runner.cut is None or ref_cut is None:
+        return runner.ref_model, None
+    tagger = getattr(runner, "_ref_tagger", None)
+    if tagger is None:
+        from memfit.models.build import to_empty_tied
+
+        tr = runner.tracker
+        tr.paused = True
+        to_empty_tied(ref_cut, device="cpu")
+        if not runner.fake:
+            with torch.no_grad():
+                for t in list(ref_cut.parameters()) + list(ref_cut.buffers()):
+                    t.zero_()
+        tr.paused = False
+        for t in list(ref_cut.parameters()) + list(ref_cut.buffers()):
+            tr.ignore(t)
+        tagger = runner._ref_tagger = LayerTagger(ref_cut, tr, runner.names)
+    return ref_cut, tagger
 
 
 class _Decoder:
@@ -169,8 +243,9 @@ def generation(runner: Any, g: int, p: int, c: int) -> None:
     from transformers import DynamicCache
 
     tr = runner.tracker
-    model = runner.model
+    model = runner.fwd_model
     forward = _PreparedForward(model, runner.low)
+    carry = SpliceCarry()
     # TRL's `generate_inputs`: the caller holds them for the whole call
     prompt_ids, prompt_mask = _longs(g, p), torch.ones(g, p, dtype=torch.long)
     # prompts of different lengths, left-padded: generate keeps the mask (it drops an all-ones one) and
@@ -182,23 +257,36 @@ def generation(runner: Any, g: int, p: int, c: int) -> None:
         cache = DynamicCache(config=model.config)
         decode = _Decoder(prompt_ids, prompt_mask, real=not getattr(runner, "fake", True))
         inputs = decode.model_inputs(model, cache, first=True)
-        out = forward(**inputs, return_dict=True)
+        with _no_grad_pass(runner):
+            out = forward(**inputs, return_dict=True)
+        _splice(runner, carry)
         del inputs
         decode.step(out.logits)
         del out
         if c > 1:
             # the C - 2 decode steps before the last one, by their result: the cache grown to P + C - 2 tokens,
             # the ids, mask and positions to P + C - 1
-            for layer in cache.layers:
-                layer.keys, layer.values = _grow(layer.keys, p + c - 2), _grow(layer.values, p + c - 2)
+            filled = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+            if runner.cut is not None and len(filled) != K:
+                raise SpliceRefused(f"the cut model filled {len(filled)} cache layers, not {K}")
+            for i, layer in enumerate(filled):
+                with _as_block(runner, i):
+                    layer.keys, layer.values = _grow(layer.keys, p + c - 2), _grow(layer.values, p + c - 2)
+            del filled, layer  # the cache alone holds its layers: `del cache` frees them
+            _splice(runner, carry)
             decode.grow(p + c - 1)
             inputs = decode.model_inputs(model, cache, first=False)
-            out = forward(**inputs, return_dict=True)
+            with _no_grad_pass(runner):
+                out = forward(**inputs, return_dict=True)
+            _splice(runner, carry)
             del inputs
             decode.step(out.logits)
             del out
         del cache, decode  # TRL keeps only the completions' token lists (on the host)
     del prompt_ids, prompt_mask
+    _splice(runner, carry)
+    if runner.cut is not None:
+        close_carry(tr, carry)
 
 
 class _TrainerView:
@@ -208,12 +296,17 @@ class _TrainerView:
         self.accelerator = types.SimpleNamespace(autocast=lambda: cuda_autocast(low))
 
 
-def _log_probs(runner: Any, model: torch.nn.Module, input_ids, attention_mask, c: int, **kwargs: Any):
-    """TRL's `GRPOTrainer._get_per_token_logps_and_entropies`, the real code, on `model`'s prepared forward."""
+def _log_probs(runner: Any, model: torch.nn.Module, input_ids, attention_mask, c: int, *,
+               tagger: LayerTagger | None = None, spliced: bool = False, **kwargs: Any):
+    """TRL's `GRPOTrainer._get_per_token_logps_and_entropies`, the real code, on `model`'s prepared forward.
+    `spliced`: a no-grad pass of a cut model, spliced as each chunk's forward returns (`tagger`: the reference's)."""
     low = runner.low
 
     def call(**kw: Any):
-        out = model(**kw)
+        with _no_grad_pass(runner, tagger) if spliced else contextlib.nullcontext():
+            out = model(**kw)
+        if spliced:
+            _splice(runner)
         if low is not None:
             from accelerate.utils import convert_to_fp32
 
@@ -238,8 +331,8 @@ def _score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
     b = s.per_device_train_batch_size
     with torch.no_grad(), _checkpointing_off(runner):
         if needs_old_log_probs(s):
-            batch["old_per_token_logps"], _, _ = _log_probs(runner, runner.model, prompt_completion_ids,
-                                                            attention_mask, c, batch_size=b)
+            batch["old_per_token_logps"], _, _ = _log_probs(runner, runner.fwd_model, prompt_completion_ids,
+                                                            attention_mask, c, batch_size=b, spliced=True)
         if s.use_vllm:  # vLLM's log-probs of the sampled tokens, and the importance sampling ratio from them
             batch["sampling_per_token_logps"] = torch.zeros(g, c)
             tr.register(batch["sampling_per_token_logps"], "inputs")
@@ -249,12 +342,13 @@ def _score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
             del diff
         if s.beta != 0.0:
             if runner.ref_model is not None:
-                batch["ref_per_token_logps"], _, _ = _log_probs(runner, runner.ref_model, prompt_completion_ids,
-                                                                attention_mask, c, batch_size=b)
+                ref, tagger = _reference(runner)
+                batch["ref_per_token_logps"], _, _ = _log_probs(runner, ref, prompt_completion_ids, attention_mask,
+                                                                c, batch_size=b, tagger=tagger, spliced=True)
             else:  # peft: the adapter disabled is the reference
-                with runner.model.disable_adapter():
-                    batch["ref_per_token_logps"], _, _ = _log_probs(runner, runner.model, prompt_completion_ids,
-                                                                    attention_mask, c, batch_size=b)
+                with runner.fwd_model.disable_adapter():
+                    batch["ref_per_token_logps"], _, _ = _log_probs(runner, runner.fwd_model, prompt_completion_ids,
+                                                                    attention_mask, c, batch_size=b, spliced=True)
     del prompt_completion_ids, attention_mask
     # rewards [G, functions] on the device, grouped by prompt: the advantages [G]
     rewards = torch.zeros(g, 1).sum(dim=1)
@@ -307,6 +401,7 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     step = getattr(runner, "_grpo_step", 0)
     if step % (steps * s.num_iterations) == 0 or getattr(runner, "_grpo_buffer", None) is None:
         p, c = s.sequence_length, s.max_completion_length
+        runner.grpo_spliced_events = len(tr.events)  # what the passes below splice starts here
         if not s.use_vllm:
             tr.phase = GENERATION
             generation(runner, gen, p, c)
@@ -315,6 +410,7 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
         batch = trl_adapter.shuffle_sequence_dict(batch)
         runner._grpo_buffer = trl_adapter.split_tensor_dict(batch, steps)
         del batch
+        _splice(runner)  # the engine splices the training forward and backward from here on
         tr.phase = FORWARD
     runner._grpo_step = step + 1
     inputs = runner._grpo_buffer[step % steps]

@@ -15,7 +15,14 @@ identical events, so the k-th allocation of block 1 (or 3) stands for the k-th o
 generic copy. A free issued outside the blocks of something every copy allocated frees
 all copies.
 
-The result is checked against the full simulation in tests/sim/test_splice.py. The splice is
+Passes that follow one another and share per-layer state (generation's KV cache: the prefill fills it, the
+decode step replaces each layer's keys and values) are spliced one by one with a `SpliceCarry`: what a
+generic block allocated in one pass keeps standing for its copies, so the next pass's block n frees copy n
+(a plain splice makes a record that outlives it free all its copies at once, right for what is freed outside
+the blocks). `close_carry` ends the run of passes.
+
+The result is checked against the full simulation in tests/sim/test_splice.py (tests/sim/test_grpo.py for
+GRPO's generation and scoring passes). The splice is
 refused (and the full model simulated) when the two middle blocks of the cut model do not
 produce identical events, when a block's events are not contiguous, or when the stack is
 too short to gain anything.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -32,7 +40,8 @@ from memfit.models.blocks import repeated_layer_lists
 from memfit.sim import _torch_adapter as adapter
 from memfit.sim.tracker import Record, StorageTracker, TrackedEvent
 
-__all__ = ["K", "GENERIC", "SpliceRefused", "truncate_layers", "LayerTagger", "splice_events", "cut_block"]
+__all__ = ["K", "GENERIC", "SpliceRefused", "truncate_layers", "LayerTagger", "splice_events", "cut_block",
+           "SpliceCarry", "close_carry"]
 
 K = 5  #: blocks kept per repeated stack: 0, 1, the generic one, N-2, N-1
 GENERIC = 2  #: the block that stands for blocks 2 .. N-3
@@ -47,7 +56,7 @@ def truncate_layers(model: nn.Module) -> tuple[nn.Module, dict[int, int], dict[i
 
     Returns the copy, `{list index: N}` and `{list index: qualified list name}`.
     """
-    lists = [(name, ml) for name, ml in repeated_layer_lists(model) if len(ml) > K + 1]
+    lists = [(name, ml) for name, ml in repeated_layer_lists(model) if len(ml) > K + 1 and _uniform(model, name)]
     if not lists:
         raise SpliceRefused("no repeated layer list longer than K + 1")
     cut = copy.deepcopy(model)
@@ -60,6 +69,16 @@ def truncate_layers(model: nn.Module) -> tuple[nn.Module, dict[int, int], dict[i
         setattr(parent, attr, kept)
         sizes[j], names[j] = len(ml), name
     return cut, sizes, names
+
+
+def _uniform(model: nn.Module, name: str) -> bool:
+    """Whether the blocks of the list `name` all run alike. Qwen2.5-VL's vision tower runs its
+    `fullatt_block_indexes` blocks with full attention and the others in windows (modeling_qwen2_5_vl.py
+    `Qwen2_5_VisionTransformerPretrainedModel.forward`): blocks 0-4 cannot stand for blocks 7, 15, 23 and 31, so
+    that stack is simulated whole (the others are still cut)."""
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return not getattr(getattr(parent, "config", None), "fullatt_block_indexes", None)
 
 
 class LayerTagger:
@@ -139,6 +158,24 @@ class LayerTagger:
             h.remove()
 
 
+@dataclass
+class SpliceCarry:
+    """What consecutive `splice_events` calls of one run of passes share (module docstring)."""
+
+    owner: dict = field(default_factory=dict)  #: record id -> tag of the run that allocated it
+    copies: dict = field(default_factory=dict)  #: record id of a generic-block record -> {n: copy}
+
+
+def close_carry(tracker: StorageTracker, carry: SpliceCarry) -> None:
+    """End a run of carried passes: a generic record still alive frees all its copies when it is freed."""
+    for rid, by_n in carry.copies.items():
+        rec = tracker.records[rid]
+        if rec.alive and rec.expand_to is None:
+            rec.expand_to = [by_n[n] for n in sorted(by_n)]
+    carry.owner.clear()
+    carry.copies.clear()
+
+
 def cut_block(n: int, total: int) -> tuple[int, int | None]:
     """Block `n` of a stack of `total` -> (its block in the cut model, the copy index if generic).
 
@@ -161,11 +198,14 @@ def _n_index(tag, sizes) -> int | None:
 
 
 def splice_events(
-    tracker: StorageTracker, start: int, sizes: dict[int, int], names: dict[int, str]
+    tracker: StorageTracker, start: int, sizes: dict[int, int], names: dict[int, str],
+    carry: SpliceCarry | None = None,
 ) -> dict[int, dict[int, Record]]:
     """Rewrite tracker.events[start:] as the full model's events (in place).
 
-    Returns `{record id of a generic-block record: {n: copy}}` for the records that were copied.
+    Returns `{record id of a generic-block record: {n: copy}}` for the records that were copied. With `carry`,
+    the generic records still alive keep standing for their copies (their free is one event, which the next
+    call with the same carry resolves to the copy of the block that frees it); `close_carry` ends the run.
     """
     events = tracker.events[start:]
     # runs of consecutive events with the same tag
@@ -201,12 +241,19 @@ def splice_events(
                 if other is not None and other != s_:
                     raise SpliceRefused(f"blocks {other_i} and {GENERIC} of stack {names[j]} differ in phase {phase}")
 
-    copies: dict[int, dict[int, Record]] = {}
-    owner: dict[int, object] = {}  # record id -> tag of the run that allocated it (None: outside blocks)
+    copies: dict[int, dict[int, Record]] = {} if carry is None else carry.copies
+    # record id -> tag of the run that allocated it (None: outside blocks)
+    owner: dict[int, object] = {} if carry is None else carry.owner
     out: list = []
 
-    def module_for(rec: Record, j: int, n: int) -> str:
-        return rec.module.replace(f"{names[j]}.{GENERIC}.", f"{names[j]}.{n}.")
+    def module_for(rec: Record, j: int, n: int, i: int = GENERIC) -> str:
+        """`rec`'s module path with cut block i of stack j named as full-model block n (`layers.2.mlp` ->
+        `layers.7.mlp`)."""
+        old, new = f"{names[j]}.{i}", f"{names[j]}.{n}"
+        m = rec.module
+        if m == old:
+            return new
+        return m.replace(old + ".", new + ".", 1) if m.startswith(old + ".") else m
 
     def twin_copy(rec: Record, target_n: int, j: int) -> Record | None:
         """The generic copy at `target_n` that stands where block 1's or 3's record `rec` stood."""
@@ -233,11 +280,15 @@ def splice_events(
         if tag is None or tag[1] != GENERIC:
             n_from = None if tag is None else _n_index(tag, sizes)
             pending: list[Record] = []  # consecutive frees, outside the blocks, of generic records
+            # the block of the last record of a stack freed outside the blocks before them: frees that come
+            # from the last blocks down (a list of per-layer caches dropped: CPython frees a list's items from the
+            # end) free the copies from the last down too
+            down = [False]
 
             def flush(ph, tag=tag) -> None:
                 # a generic record stands for all its copies; several freed in a row (a per-layer cache
                 # dropped at once) are freed copy by copy, as the full model's per-block structures free them
-                for n in sorted({n for r in pending for n in copies[r.id]}):
+                for n in sorted({n for r in pending for n in copies[r.id]}, reverse=down[0]):
                     for r in pending:
                         t = copies[r.id].get(n)
                         if t is not None and t.alive:
@@ -254,6 +305,8 @@ def splice_events(
                     flush(ph)
                 if action == "alloc":
                     owner[rec.id] = tag
+                    if n_from is not None and n_from != tag[1]:  # the last two blocks: named as the full model's
+                        rec.module = module_for(rec, tag[0], n_from, tag[1])
                     out.append(TrackedEvent(action, rec, ph, tag))
                     continue
                 if src in ("old", None):
@@ -261,6 +314,7 @@ def splice_events(
                     continue
                 if tag is None or src[0] != tag[0]:
                     targets = [rec]  # outside the blocks (a generic record's frees are `pending`)
+                    down[0] = src[1] > GENERIC
                 else:
                     t = resolve(rec, src, tag[1], n_from, tag[0])
                     targets = [t] if t is not None else []
@@ -299,7 +353,8 @@ def splice_events(
                     out.append(TrackedEvent("free", t, ph, (j, n)))
         for action, rec, _, _ in evs:
             if action == "alloc":
-                rec.expand_to = [copies[rec.id][n] for n in sorted(copies[rec.id])]
+                if carry is None:
+                    rec.expand_to = [copies[rec.id][n] for n in sorted(copies[rec.id])]
             elif owner.get(rec.id) == tag:
                 rec.alive = False
     tracker.events[start:] = out
