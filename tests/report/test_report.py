@@ -232,6 +232,26 @@ def test_the_html_is_one_self_contained_file(t4_report, tmp_path):
     assert "nvidia-smi" in text and "T4" in text
 
 
+def test_the_page_replays_the_trace_with_other_allocator_settings(t4_report, oom_report, tmp_path):
+    """The allocator what-ifs: the run's own settings (the timeline's reserved line), then expandable segments and
+    max_split_size_mb:128, each replayed on the same trace within the same capacity."""
+    from memfit.allocator.caching import replay
+    from memfit.allocator.conf import parse_alloc_conf
+    from memfit.units import format_bytes
+
+    for r in (t4_report, oom_report):
+        text = open(write_views(r, html_path=tmp_path / "w.html")[0], encoding="utf-8").read()
+        table = text.split('id="memfit-what-ifs">')[1].split("</table>")[0]
+        rows = [re.sub(r"<[^>]+>", "|", row) for row in table.split("<tr>")[2:]]
+        assert [row.split("|")[1].split(" ")[0] for row in rows] == ["(defaults)", "expandable_segments:True",
+                                                                    "max_split_size_mb:128"]
+        tl = report_timeline(r)
+        assert format_bytes(tl.peak_reserved_bytes) in rows[0]
+        exp = replay(r.trace, conf=parse_alloc_conf("expandable_segments:True"), capacity_bytes=r.capacity_bytes)
+        assert format_bytes(exp.peak_reserved_bytes) in rows[1]
+        assert ("runs out of memory" in rows[0]) == (tl.oom_index is not None)
+
+
 def test_the_html_of_an_oom_carries_the_message(oom_report, tmp_path):
     path = write_views(oom_report, html_path=tmp_path / "oom.html")[0]
     text = open(path, encoding="utf-8").read()

@@ -5,12 +5,13 @@ Works offline and makes no network request of any kind: the data (a JSON script,
 hand-written JavaScript drawing SVG) are inline, the styles too; no font, image or script is
 referenced. The page: the memory timeline (allocated stacked by category, the reserved line, the
 GPU's memory and what PyTorch can use, the phases as bands, the peak and an OOM marked; hovering a
-point lists the largest live storages), then the breakdown at the peak, per-phase peaks, what
-`nvidia-smi` would show, the steady state of a long run, the OOM message and the report's notes.
+point lists the largest live tensors: size, category, module, shape, dtype), then the breakdown at the peak,
+per-phase peaks, what `nvidia-smi` would show, the steady state of a long run, the allocator what-ifs (the trace
+replayed with other PYTORCH_CUDA_ALLOC_CONF settings), the OOM message and the report's notes.
 
 Stable hooks for tests and tools: `path[data-category=<category>]` (one per category),
 `path[data-series=reserved]`, `line[data-line=gpu-total|pytorch-capacity|required]`,
-`[data-marker=peak]` (its `data-bytes`), `[data-marker=oom]`, `[data-marker=oom-request]` (the failing request on
+`#memfit-what-ifs` (one row per setting), `[data-marker=peak]` (its `data-bytes`), `[data-marker=oom]`, `[data-marker=oom-request]` (the failing request on
 top of what was allocated: `data-bytes` their sum, `data-request-bytes`), `#memfit-tooltip` (rows `tr.tensor`, and
 at the OOM `tr.request`).
 """
@@ -21,6 +22,7 @@ import html
 import json
 from typing import TYPE_CHECKING, Any
 
+from memfit.errors import MemfitError
 from memfit.report._chart import CHART_JS
 from memfit.report.style import PHASE_COLORS, category_color, category_label
 from memfit.report.timeline import Timeline, report_timeline
@@ -236,6 +238,45 @@ def _device(report: "MemoryReport") -> str:
     return out
 
 
+#: The allocator settings the page tries on the run's trace, after the run's own: those memfit's plan tries when a
+#: configuration does not fit (memfit.planner.search `_verified_plan`, memfit.remedies.allocator).
+WHAT_IF_SETTINGS = ("expandable_segments:True", "max_split_size_mb:128")
+
+
+def _what_ifs(report: "MemoryReport") -> str:
+    """The run's trace replayed with other PYTORCH_CUDA_ALLOC_CONF settings (memfit.allocator.caching.replay, the
+    capacity of the estimate's own replay): peak reserved, fragmentation and whether it completes."""
+    if not report.trace:
+        return ""
+    from memfit.allocator.caching import replay
+    from memfit.allocator.conf import parse_alloc_conf
+
+    capacity = report.capacity_bytes if report.capacity_bytes is not None else report.required_bytes
+    own = report.alloc_conf if report.alloc_conf not in ("", "(default)") else ""
+    rows = []
+    for text in (None,) + WHAT_IF_SETTINGS:
+        if text is not None and text.split(":")[0] in own:
+            continue  # the run sets it already
+        settings = own if text is None else (f"{own},{text}" if own else text)
+        try:
+            conf = report.replay_conf if text is None and report.replay_conf is not None else parse_alloc_conf(settings)
+        except (ValueError, MemfitError):  # memfit's own texts parse; a report built by hand may not
+            continue
+        if text is not None and conf.backend == "cudaMallocAsync":
+            continue
+        r = replay(report.trace, conf=conf, capacity_bytes=capacity)
+        verdict = ("runs out of memory in " + r.oom.phase) if r.oom is not None else "completes"
+        rows.append([_e(settings or "(defaults)") + (" <i>(this run)</i>" if text is None else ""),
+                     _e(format_bytes(r.peak_reserved_bytes)), _e(format_bytes(r.fragmentation_at_peak_bytes)),
+                     str(r.num_cudamalloc), f'<span class="{"bad" if r.oom else "good"}">{_e(verdict)}</span>'])
+    where = "what PyTorch can use on this GPU" if report.capacity_bytes is not None else "the required memory"
+    return (f"<h2>Allocator settings</h2><p class=sub>The same trace replayed by the caching-allocator model with "
+            f"other PYTORCH_CUDA_ALLOC_CONF settings, within {_e(where)} "
+            f"({_e(format_bytes(capacity or 0))}).</p>"
+            + _table(["PYTORCH_CUDA_ALLOC_CONF", "peak reserved", "fragmentation at the peak", "cudaMalloc calls",
+                      "the simulated steps"], rows, {1, 2, 3}).replace('<table class="t">', '<table class="t" id="memfit-what-ifs">'))
+
+
 def _oom(report: "MemoryReport", tl: Timeline | None) -> str:
     o = report.oom
     if o is None:
@@ -305,7 +346,7 @@ def _body(report: "MemoryReport", tl: Timeline) -> str:
             '<div id="memfit-chart-wrap"><svg id="memfit-chart" role="img" aria-label="memory timeline"></svg>'
             '<div id="memfit-tooltip"></div></div>'
             f'{_legend(tl)}<p id="memfit-off-scale" class=sub></p>'
-            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}"
+            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}{_what_ifs(report)}"
             f"{_notes(report, tl)}"
             f'<script id="memfit-data" type="application/json">{_json_script(timeline_data(report, tl))}</script>'
             f"<script>{CHART_JS}</script>")
