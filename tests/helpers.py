@@ -205,12 +205,14 @@ def shard_budget(limit_bytes, count):
     return Shards(limit_bytes, count=count)
 
 
-def real_and_fake(setup):
+def real_and_fake(setup, *, real_masks_like_fake=True):
     """`setup` simulated on real (zero) CPU tensors and on FakeTensors, asserted to be the same trace event for
-    event (`trace_key`), with the first difference in the message; returns (real, fake) for further checks."""
+    event (`trace_key`), with the first difference in the message; returns (real, fake) for further checks.
+    `real_masks_like_fake=False`: the real run reads its attention mask as a GPU run does (a vision-language model,
+    whose fake run has the real mask: memfit.sim.host_values)."""
     from memfit.sim.engine import simulate
 
-    with like_fake():
+    with like_fake() if real_masks_like_fake else _contextlib.nullcontext():
         real = simulate(setup, fake=False, splice=False)
     fake = simulate(setup, fake=True, splice=False)
     a, b = trace_key(real.trace), trace_key(fake.trace)

@@ -369,6 +369,10 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
             # what most heads set on their first forward with integer labels; DeBERTa-v2 otherwise
             # takes a `labels.nonzero()` path whose output size depends on the data
             config.problem_type = "single_label_classification"
+    if task == "ctc" and getattr(config, "layerdrop", 0.0):
+        # LayerDrop skips encoder layers at random (a host draw per layer); run_speech_recognition_ctc.py sets
+        # `layerdrop` 0.0 unless asked, and a step that skips none is the one that needs the most memory
+        config.layerdrop = 0.0
     if setup.attn_implementation is not None:
         config._attn_implementation = setup.attn_implementation
     if getattr(config, "pad_token_id", None) is None and task == "seq-cls":
@@ -438,6 +442,8 @@ def default_task(model: Any) -> tuple[str, str]:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if name.endswith("ForConditionalGeneration") and model_type in modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
             return "speech-seq2seq", f"task `speech-seq2seq` is the head of the model class `{name}`"
+        if name.endswith("ForCTC"):
+            return "ctc", f"task `ctc` is the head of the model class `{name}`"
         for suffix, task in _HEAD_SUFFIXES:
             if suffix in name:
                 return task, f"task `{task}` is the head of the model class `{name}`"
@@ -458,8 +464,16 @@ def _task_of_config(config: Any) -> tuple[str, str]:
         task = next(t for s, t in _HEAD_SUFFIXES if arch.endswith(s))
         return task, f"task `{task}` chosen from {said}{why}"
     # image and speech models, by the Auto classes transformers maps their model type to
+    if getattr(config, "vision_config", None) is not None \
+            and model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return ("image-text-to-text", f"task `image-text-to-text` chosen from {said}: a vision-language model{why}")
     if model_type in modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
         return "speech-seq2seq", f"task `speech-seq2seq` chosen from {said}: a speech encoder-decoder{why}"
+    if model_type in modeling_auto.MODEL_FOR_CTC_MAPPING_NAMES and not (arch or "").endswith(
+            ("ForSequenceClassification", "ForAudioFrameClassification", "ForXVector")):
+        # wav2vec2 / HuBERT checkpoints, pretrained (`*ForPreTraining`, `*Model`) or CTC-fine-tuned: speech
+        # recognition with a CTC head, as transformers' run_speech_recognition_ctc.py fine-tunes them
+        return "ctc", f"task `ctc` chosen from {said}: a speech encoder, fine-tuned with a CTC head{why}"
     if (model_type in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
             and model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
             and model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):

@@ -50,7 +50,12 @@ NOT_BUILT: dict[str, str] = {
 #: TrainSetup.task -> peft TaskType (what memfit's LoRA always passed); prompt-learning methods need it, since
 #: get_peft_model only builds PeftModelForCausalLM & co. (which insert the prompts) for a task type.
 TASK_TYPES = {"seq-cls": "SEQ_CLS", "token-cls": "TOKEN_CLS", "qa": "QUESTION_ANS", "causal-lm": "CAUSAL_LM",
-              "seq2seq-lm": "SEQ_2_SEQ_LM"}
+              "seq2seq-lm": "SEQ_2_SEQ_LM", "image-text-to-text": "CAUSAL_LM"}
+#: LoRA's modules of a vision-language model when none are named: the language model's query and value projections,
+#: as the Hugging Face cookbook's "Fine-Tuning a Vision Language Model (Qwen2-VL-7B) with TRL" sets them
+#: (`LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")`); Qwen2.5-VL's vision tower names
+#: its attention `qkv` / `proj`, so the adapters sit in the language model only (TRL's and peft's common recipe).
+VLM_LORA_TARGETS = ["q_proj", "v_proj"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -230,7 +235,9 @@ def setup_config(setup: Any):
     from peft import LoraConfig
 
     return LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                      target_modules=lora_targets(setup.lora_target_modules), task_type=TASK_TYPES.get(setup.task),
+                      target_modules=lora_targets(setup.lora_target_modules or (
+                          VLM_LORA_TARGETS if setup.task == "image-text-to-text" else None)),
+                      task_type=TASK_TYPES.get(setup.task),
                       use_dora=bool(getattr(setup, "use_dora", False)))
 
 

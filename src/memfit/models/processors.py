@@ -32,7 +32,8 @@ import torch
 from memfit.errors import MemfitError
 from memfit.train_setup import AUDIO_TASKS, IMAGE_TASKS, TrainSetup
 
-__all__ = ["MediaInputs", "media_inputs", "bundled_processor_ids", "load_bundled_processor", "load_processor"]
+__all__ = ["MediaInputs", "media_inputs", "bundled_processor_ids", "load_bundled_processor", "bundled_processor_record",
+           "load_processor", "quiet_transformers"]
 
 _PACKAGE, _FOLDER = "memfit.models.configs", "processors"
 _META_KEY = "_memfit"
@@ -40,6 +41,9 @@ _META_KEY = "_memfit"
 #: `chunk_length=30`, transformers/models/whisper/feature_extraction_whisper.py), the clip every Whisper batch
 #: is padded to.
 DEFAULT_AUDIO_SECONDS = 30.0
+#: ... and for CTC fine-tuning (wav2vec2, HuBERT): the longest clip transformers' run_speech_recognition_ctc.py
+#: keeps (`max_duration_in_seconds`, default 20.0, examples/pytorch/speech-recognition).
+DEFAULT_CTC_AUDIO_SECONDS = 20.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class MediaInputs:
     """For the report and its JSON: the input given, the processor class, each tensor's shape, and the encoder
     positions of a clip where the model says how many its convolutions leave."""
     notes: list[str] = field(default_factory=list)
+    example: dict[str, torch.Tensor] | None = None
+    """The processor's real output for one example, for a model that reads input values on the host (a
+    vision-language model: memfit.models.image_text); the batch is `per_device_train_batch_size` copies of it,
+    concatenated on the first axis as the processor concatenates examples. None: the batch is made of `tensors`."""
 
 
 # -- the processor's settings ----------------------------------------------------------------------------------
@@ -73,6 +81,13 @@ def bundled_processor_ids() -> list[str]:
     return sorted(_bundled_files())
 
 
+def bundled_processor_record(hub_id: str) -> dict[str, Any] | None:
+    """The `_memfit` record of the bundled preprocessor config of `hub_id` (its source, and a vision-language
+    model's `processor_config`: the settings of its `processor_config.json`), or None."""
+    data = _bundled_files().get(hub_id)
+    return None if data is None else dict(data.get(_META_KEY) or {})
+
+
 def load_bundled_processor(hub_id: str) -> dict[str, Any] | None:
     """The bundled `preprocessor_config.json` of `hub_id` (without memfit's `_memfit` record), or None."""
     data = _bundled_files().get(hub_id)
@@ -82,7 +97,7 @@ def load_bundled_processor(hub_id: str) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Keep transformers' backend warnings ("requires torchvision ... falling back to the PIL backend") off the
     terminal: the report names the processor class that ran."""
     from transformers.utils import logging as hf_logging
@@ -116,7 +131,7 @@ def load_processor(spec: Any, kind: str) -> tuple[Any, str]:
 
     key = "image_processor_type" if kind == "image" else "feature_extractor_type"
     auto = AutoImageProcessor if kind == "image" else AutoFeatureExtractor
-    with _quiet_transformers():
+    with quiet_transformers():
         if spec.source == "bundled":
             from memfit.models.catalog import find_bundled
 
@@ -180,6 +195,8 @@ def media_inputs(setup: TrainSetup, spec: Any, model: Any = None) -> MediaInputs
         model: the built (meta) model: its `_get_feat_extract_output_lengths` gives the encoder positions of a
             clip (Whisper's convolutions), reported with the inputs.
     """
+    if setup.task == "image-text-to-text":  # images and text: memfit.models.image_text.image_text_inputs
+        return None
     if setup.task in IMAGE_TASKS:
         return _image_inputs(setup, spec)
     if setup.task in AUDIO_TASKS:
@@ -200,7 +217,7 @@ def _image_inputs(setup: TrainSetup, spec: Any) -> MediaInputs:
         (width, height), given = setup.image_wh, setup.image_size
     image = np.zeros((height, width, 3), dtype=np.uint8)  # HWC, as PIL images become arrays
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             out = processor(images=[image], return_tensors="pt", input_data_format="channels_last")
     except (ValueError, RuntimeError, TypeError) as err:
         raise MemfitError(f"{type(processor).__name__} refuses a {width}x{height} image: "
@@ -242,8 +259,9 @@ def _audio_inputs(setup: TrainSetup, spec: Any, model: Any) -> MediaInputs:
                           f"pass --sampling-rate {rate}")
     seconds = setup.audio_seconds
     if seconds is None:
-        seconds = DEFAULT_AUDIO_SECONDS
-        notes.append(f"no --audio-seconds: clips of {seconds:g} s assumed")
+        seconds = DEFAULT_CTC_AUDIO_SECONDS if setup.task == "ctc" else DEFAULT_AUDIO_SECONDS
+        notes.append(f"no --audio-seconds: clips of {seconds:g} s assumed"
+                     + (" (run_speech_recognition_ctc.py's `max_duration_in_seconds`)" if setup.task == "ctc" else ""))
     window_s = getattr(extractor, "chunk_length", None)  # Whisper: the 30 s the encoder takes (feature extractor)
     if setup.task == "speech-seq2seq" and isinstance(window_s, (int, float)) and seconds > window_s:
         raise MemfitError(f"`audio_seconds` {seconds:g} is longer than {spec.name}'s {window_s:g} s window "
@@ -255,7 +273,7 @@ def _audio_inputs(setup: TrainSetup, spec: Any, model: Any) -> MediaInputs:
     if getattr(extractor, "return_attention_mask", False):
         kwargs["return_attention_mask"] = True  # an extractor that makes a mask: the collator passes it on
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             out = extractor(clip, sampling_rate=rate, return_tensors="pt", **kwargs)
     except (ValueError, RuntimeError, TypeError) as err:
         raise MemfitError(f"{name} refuses a {seconds:g} s clip: {str(err).splitlines()[0][:200]}") from err
@@ -267,6 +285,8 @@ def _audio_inputs(setup: TrainSetup, spec: Any, model: Any) -> MediaInputs:
     positions = _encoder_positions(model, tensors[first][0][-1])
     if positions is not None:
         summary["encoder_positions"] = positions
+    if setup.task == "ctc":
+        summary["label_length"] = _ctc_label_length(setup, spec, positions, notes)
     what = f"{first} {'x'.join(map(str, tensors[first][0]))}"
     notes.append(f"each {seconds:g} s clip at {rate} Hz becomes {what}"
                  + (f", {positions} encoder positions" if positions is not None else "")
@@ -274,9 +294,28 @@ def _audio_inputs(setup: TrainSetup, spec: Any, model: Any) -> MediaInputs:
     return MediaInputs(tensors, summary, notes)
 
 
+def _ctc_label_length(setup: TrainSetup, spec: Any, positions: int | None, notes: list[str]) -> int:
+    """Characters of each CTC transcript: `target_length`, else `max_length` capped at the clip's encoder positions
+    (CTC aligns one character or more to each position: a longer transcript has no alignment)."""
+    if setup.target_length is not None:
+        if positions is not None and setup.target_length > positions:
+            raise MemfitError(f"`target_length` {setup.target_length} is longer than the {positions} positions "
+                              f"{spec.name}'s encoder makes of a {setup.audio_seconds or DEFAULT_CTC_AUDIO_SECONDS:g} s "
+                              f"clip: CTC needs a position per character; use --target-length {positions} or less, "
+                              "or longer clips")
+        return setup.target_length
+    if positions is not None and setup.max_length > positions:
+        notes.append(f"labels of {positions} characters: the clip's encoder positions (max_length "
+                     f"{setup.max_length} is longer, and CTC needs a position per character); --target-length sets "
+                     "another")
+        return positions
+    return setup.max_length
+
+
 def _encoder_positions(model: Any, frames: int) -> int | None:
-    """Positions the model's feature convolutions leave of `frames` input frames, from the model's own
-    `_get_feat_extract_output_lengths` (Whisper's encoder: its stride-2 convolution)."""
+    """Positions the model's feature convolutions leave of `frames` input frames (samples for wav2vec2), from the
+    model's own `_get_feat_extract_output_lengths` (Whisper's encoder: its stride-2 convolution; wav2vec2: its
+    seven-layer convolution stack, 320 samples a position)."""
     for module in (model, getattr(model, "model", None), getattr(getattr(model, "model", None), "encoder", None)):
         fn = getattr(module, "_get_feat_extract_output_lengths", None)
         if fn is not None:

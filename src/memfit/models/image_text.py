@@ -1,0 +1,153 @@
+"""The inputs of a vision-language model, made by the model's own processor from synthetic images and text.
+
+How many tokens an image becomes is decided by the processor, not by memfit: Qwen2.5-VL's
+`Qwen2VLImageProcessor` resizes to a multiple of 28 pixels within `min_pixels` / `max_pixels` (`smart_resize`)
+and its processor inserts one `<|image_pad|>` per 2x2 patches of `image_grid_thw`. memfit builds the model's
+processor class (transformers' `Qwen2_5_VLProcessor`, ...) from the bundled `preprocessor_config.json` and a
+stub tokenizer that knows the model's special tokens (memfit.models._processor_adapter), and runs it on one
+example: `images_per_example` black images of `image_size` and a prompt of `max_length` one-token words with
+one image placeholder per image, written as the model's chat template writes it. The example's tensors come
+back real: the model reads some of them on the host (Qwen2.5-VL's `image_grid_thw` sizes its vision tower's
+windows and its 3D positions, the placeholder tokens in `input_ids` say where the image features go), so
+the simulator keeps them real and runs what depends on them on real data (memfit.sim.host_values).
+
+    memfit estimate Qwen/Qwen2.5-VL-7B-Instruct --image-size 1024x1024 --lora-r 16 --trainer sft
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.errors import MemfitError
+
+__all__ = ["FAMILIES", "ImageTextFamily", "image_text_example", "image_text_inputs", "DEFAULT_IMAGE_WH"]
+
+#: The image size assumed without --image-size for a processor that resizes to no fixed size (Qwen2.5-VL keeps
+#: the aspect and the pixel count within its bounds): the size the issue's examples quote.
+DEFAULT_IMAGE_WH = (1024, 1024)
+
+
+@dataclass(frozen=True)
+class ImageTextFamily:
+    """How memfit runs one model type's processor."""
+
+    processor: str
+    """transformers' processor class."""
+    placeholder: str
+    """What the model's chat template writes for one image in a user turn (the processor expands it)."""
+    tokens: dict[str, str]
+    """Special token -> the config attribute holding its id (the tokens the processor reads or writes)."""
+    image_token_attr: str
+    """The config attribute of the id of the tokens the image features replace (counted in `input_ids`)."""
+
+
+FAMILIES: dict[str, ImageTextFamily] = {
+    # Qwen2.5-VL's chat template (tokenizer_config.json / chat_template.json): each image of a user turn is
+    # `<|vision_start|><|image_pad|><|vision_end|>`; Qwen2_5_VLProcessor repeats `<|image_pad|>`
+    # image_grid_thw.prod() // merge_size**2 times (processing_qwen2_5_vl.py `replace_image_token`).
+    "qwen2_5_vl": ImageTextFamily(
+        processor="Qwen2_5_VLProcessor",
+        placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+        tokens={"<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id",
+                "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"},
+        image_token_attr="image_token_id",
+    ),
+}
+
+
+def _config_id(config: Any, attr: str) -> int:
+    for c in (config, getattr(config, "text_config", None)):
+        value = getattr(c, attr, None) if c is not None else None
+        if isinstance(value, int):
+            return value
+    raise MemfitError(f"the config of model type `{config.model_type}` has no `{attr}`; memfit cannot place its "
+                      "image tokens")
+
+
+def _bundled_processor_settings(spec: Any) -> dict[str, Any]:
+    """The processor's own settings (`processor_config.json`: Gemma 3's `image_seq_length`, ...), bundled in the
+    `_memfit` record of the model's preprocessor config as `processor_config`."""
+    from memfit.models.catalog import find_bundled
+    from memfit.models.processors import bundled_processor_record
+
+    if spec.source != "bundled":
+        return {}
+    record = bundled_processor_record(find_bundled(spec.name) or spec.name) or {}
+    return dict(record.get("processor_config") or {})
+
+
+def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
+    """The processor's output for one example of `setup` (real tensors), a summary for the report, and notes.
+
+    Raises MemfitError (one line) for a model type memfit has no processor recipe for, and for an image size the
+    processor refuses.
+    """
+    import numpy as np
+    import transformers
+
+    from memfit.models._processor_adapter import TEXT_WORD, processor_class, stub_tokenizer
+    from memfit.models.processors import load_processor, quiet_transformers
+
+    config = spec.config
+    family = FAMILIES.get(getattr(config, "model_type", ""))
+    if family is None:
+        known = ", ".join(sorted(FAMILIES))
+        raise MemfitError(f"memfit does not run the processor of model type `{config.model_type}` yet (it does for "
+                          f"{known}); estimate its language model alone (its `text_config`)")
+    image_processor, source = load_processor(spec, "image")
+    notes = []
+    if setup.image_wh is None:
+        width, height = DEFAULT_IMAGE_WH
+        notes.append(f"no --image-size: a {width}x{height} image assumed")
+    else:
+        width, height = setup.image_wh
+    n = setup.images_per_example
+    tokens = {token: _config_id(config, attr) for token, attr in family.tokens.items()}
+    tokenizer = stub_tokenizer(tokens)
+    with quiet_transformers():
+        processor = processor_class(getattr(transformers, family.processor))(
+            image_processor=image_processor, tokenizer=tokenizer, **_bundled_processor_settings(spec))
+        text = family.placeholder * n + " " + " ".join([TEXT_WORD] * setup.max_length)
+        image = np.zeros((height, width, 3), dtype=np.uint8)  # HWC, as a decoded PIL image becomes an array
+        try:
+            out = processor(images=[[image] * n], text=[text], return_tensors="pt")
+        except (ValueError, RuntimeError, TypeError) as err:
+            raise MemfitError(f"{family.processor} refuses a {width}x{height} image: "
+                              f"{str(err).splitlines()[0][:200]}; choose another --image-size") from err
+    example = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    image_id = _config_id(config, family.image_token_attr)
+    image_tokens = int((example["input_ids"] == image_id).sum())
+    per_image = image_tokens // n
+    length = int(example["input_ids"].shape[-1])
+    summary = {"kind": "image-text", "image_size": f"{width}x{height}", "given": setup.image_size,
+               "images_per_example": n, "image_tokens_per_image": per_image, "image_tokens": image_tokens,
+               "text_tokens": setup.max_length, "sequence_length": length,
+               "processor": f"{family.processor} ({type(image_processor).__name__})", "processor_settings": source,
+               "inputs": {k: list(v.shape) for k, v in example.items()}}
+    if "image_grid_thw" in example:
+        summary["image_grid_thw"] = example["image_grid_thw"].tolist()
+    pixels = example.get("pixel_values")
+    shape = "x".join(map(str, pixels.shape)) if pixels is not None else "?"
+    notes.append(f"each {width}x{height} image becomes {per_image} image tokens (pixel_values {shape} for "
+                 f"{n} image{'s' if n > 1 else ''}; {family.processor} with {type(image_processor).__name__}, settings "
+                 f"from {source}); the sequence is {length} tokens: {image_tokens} image, {setup.max_length} text "
+                 f"(--max-length), {length - image_tokens - setup.max_length} the template's image markers")
+    if getattr(setup, "lora_r", None) is not None and not setup.lora_target_modules and not setup.peft_config:
+        from memfit.models.peft_methods import VLM_LORA_TARGETS
+
+        notes.append(f"LoRA on the language model's {', '.join(VLM_LORA_TARGETS)} (the Hugging Face VLM fine-tuning "
+                     "recipe's modules); --lora-target-modules names others")
+    return example, summary, notes
+
+
+def image_text_inputs(setup: Any, spec: Any) -> Any:
+    """`image_text_example` as the simulator takes it: a memfit.models.processors.MediaInputs holding the real
+    example (its `tensors` the example's shapes and dtypes)."""
+    from memfit.models.processors import MediaInputs
+
+    example, summary, notes = image_text_example(setup, spec)
+    tensors = {name: (tuple(t.shape), t.dtype) for name, t in example.items()}
+    return MediaInputs(tensors, summary, notes, example=example)

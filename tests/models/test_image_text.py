@@ -1,0 +1,140 @@
+"""memfit.models.image_text: a vision-language model's example, made by its own processor.
+
+The image-token counts are compared with what the installed transformers' image processor returns for the same
+synthetic image, computed here at test time from its own output (`image_grid_thw`, divided by the merge of
+`merge_size` x `merge_size` patches into one token as Qwen2_5_VLProcessor does), never a table; and with the
+count the issue quotes from the shipped processor settings (a 1024x1024 image is about 1,370 tokens for
+Qwen2.5-VL).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from memfit.cli import main
+from memfit.errors import MemfitError
+from memfit.models.build import default_task, resolve_config
+from memfit.models.image_text import image_text_example
+from memfit.models.processors import load_bundled_processor
+from memfit.models.resolve import resolve
+from memfit.train_setup import TrainSetup
+
+#: The sizes the image tests run: square images and a 1920x1080 video frame.
+SIZES = ["224x224", "448x448", "672x672", "1024x1024", "1344x1344", "1920x1080"]
+QWEN = ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _example(**fields):
+    setup = resolve(TrainSetup(**fields))
+    return image_text_example(setup, resolve_config(setup.model))
+
+
+def _installed_qwen_grid(hub_id: str, width: int, height: int):
+    """image_grid_thw of one black image from the installed transformers' Qwen2-VL image processor."""
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
+    data = load_bundled_processor(hub_id)
+    processor = get_image_processor_class_from_name(data["image_processor_type"])(**data)
+    out = processor(images=[np.zeros((height, width, 3), dtype=np.uint8)], return_tensors="pt")
+    return out["image_grid_thw"], processor.merge_size
+
+
+@pytest.mark.parametrize("hub_id", QWEN)
+def test_default_task_is_image_text_to_text(hub_id):
+    task, why = default_task(hub_id)
+    assert task == "image-text-to-text" and "Qwen2_5_VLForConditionalGeneration" in why
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_qwen_image_tokens_are_what_the_installed_processor_returns(size):
+    width, height = map(int, size.split("x"))
+    grid, merge = _installed_qwen_grid(QWEN[0], width, height)
+    expected = int(grid.prod()) // merge**2
+    example, summary, notes = _example(model=QWEN[0], image_size=size, max_length=32)
+    assert summary["image_tokens_per_image"] == expected
+    assert summary["image_grid_thw"] == grid.tolist()
+    assert int((example["input_ids"] == 151655).sum()) == expected  # <|image_pad|>, the config's image_token_id
+    assert example["pixel_values"].shape[0] == int(grid.prod())  # one row per patch
+    # the sequence: the image tokens, the 32 text words, <|vision_start|> and <|vision_end|>
+    assert summary["sequence_length"] == example["input_ids"].shape[1] == expected + 32 + 2
+    assert f"becomes {expected} image tokens" in notes[-1]
+
+
+def test_qwen_1024_image_is_the_count_the_issue_quotes():
+    # smart_resize: 1024 rounds to 1036 = 37 x 28 pixels, 74 x 74 patches of 14, merged 2 x 2
+    _, summary, _ = _example(model=QWEN[0], image_size="1024x1024", max_length=8)
+    assert summary["image_tokens_per_image"] == 1369
+
+
+def test_images_per_example_repeat_the_placeholder():
+    one, s1, _ = _example(model=QWEN[1], image_size="448x448", max_length=8)
+    two, s2, _ = _example(model=QWEN[1], image_size="448x448", max_length=8, images_per_example=2)
+    assert s2["image_tokens"] == 2 * s1["image_tokens"] and s2["images_per_example"] == 2
+    assert two["image_grid_thw"].shape[0] == 2 and two["pixel_values"].shape[0] == 2 * one["pixel_values"].shape[0]
+
+
+def test_batch_is_what_the_processor_makes_of_that_many_examples():
+    """The simulated batch (host_values.image_text_batch: B copies concatenated on the first axis) has the shapes
+    the processor itself returns for B examples."""
+    import transformers
+
+    from memfit.models._processor_adapter import TEXT_WORD, processor_class, stub_tokenizer
+    from memfit.models.image_text import FAMILIES
+    from memfit.models.processors import load_processor
+    from memfit.sim.host_values import image_text_batch
+
+    setup = resolve(TrainSetup(model=QWEN[0], image_size="300x200", max_length=8))
+    spec = resolve_config(setup.model)
+    example, _, _ = image_text_example(setup, spec)
+    family = FAMILIES["qwen2_5_vl"]
+    image_processor, _ = load_processor(spec, "image")
+    tokens = {t: getattr(spec.config, a) for t, a in family.tokens.items()}
+    processor = processor_class(transformers.Qwen2_5_VLProcessor)(image_processor=image_processor,
+                                                                  tokenizer=stub_tokenizer(tokens))
+    text = family.placeholder + " " + " ".join([TEXT_WORD] * 8)
+    image = np.zeros((200, 300, 3), dtype=np.uint8)
+    three = processor(images=[[image]] * 3, text=[text] * 3, return_tensors="pt")
+    batch = image_text_batch(example, 3)
+    assert {k: tuple(v.shape) for k, v in three.items()} == {k: tuple(v.shape) for k, v in batch.items()
+                                                              if k != "labels"}
+    assert batch["labels"].shape == batch["input_ids"].shape
+
+
+def test_an_image_the_processor_refuses_is_one_line(capsys):
+    # smart_resize: "absolute aspect ratio must be smaller than 200"
+    with pytest.raises(MemfitError, match=r"refuses a 5000x20 image: .*aspect ratio.*--image-size"):
+        _example(model=QWEN[0], image_size="5000x20")
+    assert main(["estimate", QWEN[0], "--image-size", "5000x20"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "5000x20" in err and "Traceback" not in err
+
+
+def test_a_text_model_with_an_image_size_is_one_line(capsys):
+    assert main(["estimate", "openai-community/gpt2", "--image-size", "1024x1024"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--image-size" in err and "takes no images" in err
+
+
+def test_lora_defaults_to_the_language_model():
+    _, _, notes = _example(model=QWEN[0], image_size="224x224", max_length=8, lora_r=16)
+    assert any("q_proj, v_proj" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_estimate_json_has_the_image_tokens(capsys):
+    code = main(["estimate", QWEN[1], "--image-size", "448x448", "--max-length", "64", "--batch-size", "1",
+                 "--precision", "bf16", "--lora-r", "8", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    media = report["media_inputs"]
+    grid, merge = _installed_qwen_grid(QWEN[1], 448, 448)
+    assert media["image_tokens_per_image"] == int(grid.prod()) // merge**2
+    assert report["task"] == "image-text-to-text"
