@@ -484,6 +484,8 @@ def estimate(
             f"vLLM's share ({rl['vllm']['generation_bytes']} B) does not hold the model's weights "
             f"({rl['vllm']['weights_bytes']} B): vLLM fails at start-up (no memory for its KV cache); raise "
             "`vllm_gpu_memory_utilization`")])
+    if rl is not None and rl["vllm"] is not None and spec is not None:
+        report = _with_vllm_startup(report, rl["vllm"], spec, outside)
     if key is not None:
         from memfit import cache as _cache
 
@@ -518,6 +520,28 @@ def _rl_part(setup: TrainSetup, sim: Any, spec: GpuSpec | None) -> dict[str, Any
             "kv_cache_bytes": None if setup.use_vllm else kv, "reference_copy": setup.beta != 0.0 and
             setup.lora_r is None and not setup.peft_config, "old_log_probs": setup.trainer == "rloo" or needs_old_log_probs(setup),  # RLOO: always
             "vllm": vllm}
+
+
+def _with_vllm_startup(report: MemoryReport, vllm: dict[str, Any], spec: GpuSpec, outside_bytes: int) -> MemoryReport:
+    """vLLM colocated: TRL builds the engine in GRPOTrainer.__init__ after Trainer.__init__ has put the policy on
+    the GPU (grpo_trainer.py: `super().__init__` before `VLLMGeneration(...)`), and vLLM refuses to start when the
+    free memory then is below `gpu_memory_utilization x total` ("Free memory on device ... on startup is less than
+    desired GPU memory utilization", vllm/v1/worker/gpu_worker.py `init_device`). A share above what the card has
+    left is a run that never starts: `fits` is False and a note gives the largest share that starts."""
+    if vllm["mode"] != "colocate":
+        return report
+    free_at_start = spec.total_bytes - vllm["weights_bytes"] - outside_bytes
+    if vllm["generation_bytes"] <= free_at_start:
+        return report
+    largest = max(0.0, int(free_at_start / spec.total_bytes * 100) / 100)
+    from memfit.units import format_bytes
+
+    return dataclasses.replace(report, fits=False, notes=[*report.notes, (
+        f"vllm_gpu_memory_utilization `{vllm['utilization']}` asks vLLM for {format_bytes(vllm['generation_bytes'])} "
+        f"of the {spec.name}'s {format_bytes(spec.total_bytes)}, but when TRL starts vLLM the training process already "
+        f"holds the weights ({format_bytes(vllm['weights_bytes'])}) and memory outside PyTorch "
+        f"({format_bytes(outside_bytes)}): vLLM stops at start-up (free memory below its share); use at most "
+        f"{largest:g}")])
 
 
 def _with_vllm_wakeup(report: MemoryReport, trace: list[TraceEvent], spec: GpuSpec) -> MemoryReport:

@@ -307,3 +307,30 @@ def test_callback_preflights_a_grpo_trainer_and_counts_generation_in_the_micro_s
     assert r["predicted_peak_allocated_bytes_by_phase"]["train"] == max(
         phases[p] for p in ("forward", "backward", "generation", "scoring"))
     assert r["preflight"]["longest_example"] == 7
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_reward_model_of_another_tokenizer_is_one_line_before_training(tmp_path):
+    """A reward model with 20 token embeddings scored through the policy's 30-token tokenizer: GRPOTrainer would
+    index past its embedding after the first generation; preflight (and so memfit.fit) says so first."""
+    from datasets import Dataset
+    from transformers import LlamaForSequenceClassification
+    from trl import GRPOConfig, GRPOTrainer
+
+    from memfit.errors import MemfitError
+
+    small = LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, num_labels=1)
+    policy, _ = _grpo(tmp_path / "p")
+    args = GRPOConfig(str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                      use_cpu=True, report_to="none", bf16=False, max_steps=1)
+    t = GRPOTrainer(model=policy.model, reward_funcs=LlamaForSequenceClassification(small), args=args,
+                    reward_processing_classes=TOK, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                    processing_class=TOK)
+    for call in (mf.preflight, lambda tr: mf.fit(tr, plan=False)):
+        with pytest.raises(MemfitError, match=r"has 20 token embeddings but its processing class") as info:
+            call(t)
+        assert "\n" not in str(info.value) and "reward_processing_classes" in str(info.value)
+    assert t.state.global_step == 0

@@ -221,6 +221,28 @@ def check_trainer(trainer: Any) -> None:
                           "call .train() on")
 
 
+def check_reward_tokenizers(trainer: Any) -> None:
+    """GRPO: a clear error when a reward model's processing class has more tokens than the reward model has
+    embeddings. GRPOTrainer decodes the completions and tokenizes them again with that processing class
+    (grpo_trainer.py `_calculate_rewards`); an id past the embedding stops the run after its first generation (an
+    IndexError on the CPU, a device-side assert on CUDA)."""
+    from memfit.sim import _trl_adapter as trl_adapter
+
+    for i, model, tok in trl_adapter.grpo_reward_models(trainer):
+        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+        rows = getattr(embeddings, "num_embeddings", None)
+        try:
+            tokens = len(tok)
+        except TypeError:
+            continue
+        if rows is not None and tokens > rows:
+            raise MemfitError(
+                f"reward model `{type(model).__name__}` (reward_funcs[{i}]) has {rows} token embeddings but its "
+                f"processing class `{type(tok).__name__}` has {tokens} tokens, another tokenizer: ids from {rows} on "
+                "index past its embedding after the first generation; pass the reward model's own tokenizer in "
+                "reward_processing_classes, or leave it None and TRL loads it")
+
+
 def check_budget(budget_bytes: Any) -> int | None:
     """The emulated budget in bytes from an int or a size such as "800MiB"; a clear error otherwise."""
     if budget_bytes is None:
@@ -272,6 +294,7 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     check_trainer(trainer)
     budget_bytes = check_budget(budget_bytes)
     spec = as_gpu_spec(gpu)
+    check_reward_tokenizers(trainer)
     setup, lengths = setup_from_trainer(trainer)
     if spec is None and budget_bytes is not None:
         spec = budget_spec(budget_bytes)

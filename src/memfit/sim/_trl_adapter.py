@@ -44,9 +44,10 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["tokenize", "add_fused_lm_head", "cuda_kernels", "trainer_kind", "sft_state", "dpo_state", "dpo_example_lengths",
-           "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS", "GRPO_FUSED_OUTPUTS", "RLOO_FUSED_OUTPUTS", "KTO_FUSED_OUTPUTS", "nanstd", "grpo_log_probs", "shuffle_sequence_dict",
+           "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS", "GRPO_FUSED_OUTPUTS", "RLOO_FUSED_OUTPUTS", "KTO_FUSED_OUTPUTS", "nanstd",
+           "divergence_kernels", "chunked_divergence", "grpo_log_probs", "shuffle_sequence_dict",
            "split_tensor_dict", "disable_gradient_checkpointing", "grpo_state", "grpo_prompt_lengths",
-           "grpo_prepare_inputs", "grpo_micro_step", "grpo_step_done", "wrap_grpo_method"]
+           "grpo_prepare_inputs", "grpo_micro_step", "grpo_step_done", "wrap_grpo_method", "grpo_reward_models"]
 
 #: `outputs=` of add_fused_lm_head in SFTTrainer.__init__ and DPOTrainer.__init__ (TRL 1.16).
 SFT_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")
@@ -136,6 +137,44 @@ def cuda_kernels() -> Iterator[None]:
     finally:
         for n, fn in saved.items():
             setattr(ck, n, fn)
+
+
+def _project_cuda(tile: Any, hidden_chunk: Any, weight: Any, bias: Any, start: int, end: int, dtype: Any) -> None:
+    """`trl.kernels.chunked_divergence._project` as it allocates on CUDA: the head's rows cast to the compute dtype
+    (`weight[start:end].to(dtype)`), then `torch.mm(..., out_dtype=float32, out=tile)` writing into the tile (the
+    CPU path's `hidden.float()` / `w.float()` copies do not exist there); the bias added in place."""
+    w = weight[start:end].to(dtype).t()
+    del w
+    if bias is not None:
+        tile.add_(bias[start:end].float())
+
+
+@contextlib.contextmanager
+def divergence_kernels() -> Iterator[None]:
+    """While inside, DistillationTrainer's chunked divergence (`trl.kernels.chunked_divergence`) allocates what its
+    CUDA path allocates: the Triton kernels `_stats_kernel` / `_jsd_kernel` / `_backward_kernel` fold each
+    `[4096, 32768]` tile in registers (their torch fallbacks `_stats_tile`, `_jsd_tile`, `_backward_tile` allocate
+    tile-sized temporaries), `_addmm_fp32` accumulates in place, `_project` as `_project_cuda`."""
+    import trl.kernels.chunked_divergence as cd
+
+    patches = {"_stats_tile": _no_alloc, "_jsd_tile": _no_alloc, "_backward_tile": _no_alloc,
+               "_addmm_fp32": _no_alloc, "_project": _project_cuda}
+    saved = {n: getattr(cd, n) for n in patches}
+    try:
+        for n, fn in patches.items():
+            setattr(cd, n, fn)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(cd, n, fn)
+
+
+def chunked_divergence(*args: Any) -> Any:
+    """`trl.kernels.chunked_divergence.ChunkedDivergenceFunction.apply` (the autograd function of
+    DistillationTrainer's loss, `_chunked_divergence_loss`)."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    return ChunkedDivergenceFunction.apply(*args)
 
 
 def trainer_kind(trainer: Any) -> str:
@@ -313,3 +352,15 @@ def wrap_grpo_method(trainer: Any, name: str, make: Any):
             delattr(trainer, name)
 
     return undo
+
+
+def grpo_reward_models(trainer: Any) -> list[tuple[int, Any, Any]]:
+    """(index, model, processing class) of each reward *model* of a GRPOTrainer (`reward_funcs` /
+    `reward_processing_classes` as GRPOTrainer.__init__ leaves them: the reward model's own tokenizer where none
+    was given)."""
+    import torch
+
+    funcs = list(getattr(trainer, "reward_funcs", None) or [])
+    classes = list(getattr(trainer, "reward_processing_classes", None) or [None] * len(funcs))
+    return [(i, f, c) for i, (f, c) in enumerate(zip(funcs, classes))
+            if isinstance(f, torch.nn.Module) and c is not None]
