@@ -1,5 +1,6 @@
 """memfit.report: the estimate's timeline, the self-contained HTML view and the static plot."""
 
+import html
 import json
 import re
 from html.parser import HTMLParser
@@ -326,3 +327,21 @@ def test_a_multi_gpu_report_is_drawn_for_rank_0(tiny_bert_dir, tmp_path):
     text = open(r.to_html(tmp_path / "ddp.html"), encoding="utf-8").read()
     _, data = _check_page(text, r)
     assert (data["rank"], data["world_size"]) == (0, 2) and "Rank 0 of 2" in text
+
+
+def test_ranks_that_differ_are_listed_per_rank(tiny_bert_dir, tmp_path):
+    """ZeRO-2: each rank's gradient partition buffer differs (memfit.parallel.rank); the page lists every group of
+    ranks with its own peak, as the report's `parallel.ranks` has them."""
+    from memfit.parallel import ParallelSetup
+
+    r = estimate(TrainSetup(model=tiny_bert_dir, max_length=16), gpu="T4",
+                 parallel=ParallelSetup(world_size=3, strategy="zero2"))
+    text = open(r.to_html(tmp_path / "z2.html"), encoding="utf-8").read()
+    assert "<h2>Per rank</h2>" in text and html.escape(r.parallel["ranks_differ"]) in text
+    from memfit.units import format_bytes
+
+    ranks = r.parallel["ranks"]
+    assert [d["ranks"] for d in ranks] == [[0], [1], [2]]  # three partitions that cut the parameters differently
+    table = text.split('id="memfit-ranks">')[1].split("</table>")[0]
+    assert table.count("<tr>") == 1 + len(ranks)
+    assert all(format_bytes(d["peak_allocated_bytes"]) in table for d in ranks)

@@ -277,6 +277,22 @@ def _what_ifs(report: "MemoryReport") -> str:
                       "the simulated steps"], rows, {1, 2, 3}).replace('<table class="t">', '<table class="t" id="memfit-what-ifs">'))
 
 
+def _ranks(report: "MemoryReport") -> str:
+    """Multi-GPU: what each rank holds. The timeline is rank 0's; ranks whose memory differs (ZeRO-2's gradient
+    partitions, memfit.parallel.rank) are listed with their peak, else the page says why they are alike."""
+    p = report.parallel
+    if not p:
+        return ""
+    ranks = p.get("ranks") or []
+    out = f"<h2>Per rank</h2><p class=sub>{_e(p.get('ranks_differ', ''))}</p>"
+    if ranks:
+        rows = [[_e(", ".join(map(str, d["ranks"]))), _e(format_bytes(d["peak_allocated_bytes"])),
+                 _e(format_bytes(d.get("grads_in_partition_bytes", 0)))] for d in ranks]
+        out += _table(["ranks", "peak allocated", "gradient partition buffer"], rows).replace(
+            '<table class="t">', '<table class="t" id="memfit-ranks">')
+    return out
+
+
 def _oom(report: "MemoryReport", tl: Timeline | None) -> str:
     o = report.oom
     if o is None:
@@ -346,7 +362,7 @@ def _body(report: "MemoryReport", tl: Timeline) -> str:
             '<div id="memfit-chart-wrap"><svg id="memfit-chart" role="img" aria-label="memory timeline"></svg>'
             '<div id="memfit-tooltip"></div></div>'
             f'{_legend(tl)}<p id="memfit-off-scale" class=sub></p>'
-            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}{_what_ifs(report)}"
+            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}{_ranks(report)}{_what_ifs(report)}"
             f"{_notes(report, tl)}"
             f'<script id="memfit-data" type="application/json">{_json_script(timeline_data(report, tl))}</script>'
             f"<script>{CHART_JS}</script>")
