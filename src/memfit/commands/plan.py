@@ -31,7 +31,8 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
                      "and micro-batch that rank 0's simulation verifies, and the files and command to launch it.",
     )
     add_setup_arguments(p)
-    p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload (comma-separated)")
+    p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload; with --trainer grpo: "
+                        "fewer_generations, shorter_completions, no_reference, lora, qlora (comma-separated)")
     p.add_argument("--margin", type=float, default=None, help="fraction of the GPU kept free (default 0.05)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 (with one line on stderr) when the setup as given does not fit, even when a plan "
@@ -96,7 +97,7 @@ def plan_command(args: argparse.Namespace) -> int:
                           "or `--gpu auto` on a machine with a GPU")
     from memfit.commands._progress import progress
 
-    with progress(f"planning {setup.model} on {gpu}: simulating the candidates", json_output=args.json):
+    with progress(f"planning {setup.model} on {gpu}", json_output=args.json):
         result = plan(setup, gpu=gpu, allow=[a for a in args.allow.split(",") if a.strip()],
                       margin=DEFAULT_MARGIN if args.margin is None else args.margin, alloc_conf=args.alloc_conf,
                       cache=not args.no_cache)
@@ -124,8 +125,9 @@ def short(changes: dict, env: dict | None = None) -> str:
     c = dict(changes)
     if "precision" in c:
         out.append(c.pop("precision"))
-    if c.pop("gradient_checkpointing", False):
-        out.append("ckpt")
+    ckpt = c.pop("gradient_checkpointing", None)
+    if ckpt is not None:
+        out.append("ckpt" if ckpt else "no ckpt")  # GRPO plans turn GRPOConfig's default checkpointing off
     if "optim" in c:
         out.append(c.pop("optim"))
     b = c.pop("per_device_train_batch_size", None)
@@ -143,6 +145,13 @@ def short(changes: dict, env: dict | None = None) -> str:
         out.append(f"frozen blocks 0-{c.pop('freeze_layers') - 1}")
     if c.pop("offload_optimizer_state", False):
         out.append("offload")
+    if "steps_per_generation" in c:
+        out.append(f"{c.pop('steps_per_generation')} steps/generation")
+    if "vllm_gpu_memory_utilization" in c:
+        out.append(f"vLLM share {c.pop('vllm_gpu_memory_utilization')}")
+    sleep = c.pop("vllm_enable_sleep_mode", None)
+    if sleep is not None:
+        out.append("vLLM sleep" if sleep else "no vLLM sleep")
     if "per_device_eval_batch_size" in c:
         out.append(f"eval b{c.pop('per_device_eval_batch_size')}")
     if "eval_accumulation_steps" in c:
@@ -152,13 +161,13 @@ def short(changes: dict, env: dict | None = None) -> str:
     return ", ".join(out) or "(as is)"
 
 
-def _snippet(p) -> str:
+def _snippet(p, config_class: str = "TrainingArguments") -> str:
     lines = []
     for k, v in p.env.items():
         lines.append(f"export {k}={v}")
     if p.changes:
         kw = ", ".join(f"{k}={v!r}" for k, v in p.changes.items())
-        lines.append(f"TrainingArguments(..., {kw})")
+        lines.append(f"{config_class}(..., {kw})")
     lines += p.code
     return "\n".join(lines)
 
@@ -233,7 +242,7 @@ def render(result, *, is_seed: bool = False) -> None:
         p = result.plans[result.chosen]
         c.print(f"[bold]Chosen plan {result.chosen}[/bold] ({', '.join(p.remedies)}): step time "
                 f"{p.relative_step_time:.2f}x, {format_bytes(p.headroom_bytes)} headroom. Apply:")
-        c.print(_snippet(p), markup=False, highlight=False)
+        c.print(_snippet(p, result.config_class), markup=False, highlight=False)
     elif result.fits_as_is:
         c.print("The setup fits as it is and no faster configuration fits.")
     else:
@@ -289,8 +298,8 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
               allow=tuple(a for a in (args.allow or "").split(",") if a.strip()))  # --allow across GPUs
     from memfit.commands._progress import progress
 
-    with progress(f"planning {setup.model} on {', '.join(f'{n}x{g}' for n, g in kinds)}: simulating rank 0 of "
-                  "each candidate", json_output=args.json):
+    with progress(f"planning {setup.model} on {', '.join(f'{n}x{g}' for n, g in kinds)} (rank 0 of each candidate)",
+                  json_output=args.json):
         if len(kinds) == 1:
             results, best = [plan_parallel(setup, gpu=kinds[0][1], world_size=kinds[0][0], **kw)], 0
             if results[0].chosen is None:

@@ -50,7 +50,7 @@ from memfit.remedies import REGISTRY, Applicability
 from memfit.train_setup import TrainSetup
 
 __all__ = ["plan_grpo", "GRPO_OPT_IN", "MAX_SIMULATIONS", "share_for", "GrpoFacts", "grpo_facts",
-           "held_when_vllm_wakes"]
+           "held_when_vllm_wakes", "grpo_micro_batches"]
 
 #: The `--allow` names a GRPO plan searches (memfit.remedies ids).
 GRPO_OPT_IN = ("fewer_generations", "shorter_completions", "no_reference", "lora", "qlora")
@@ -201,6 +201,28 @@ def plan_grpo(setup: TrainSetup, budget: Budget, *, allow: tuple[str, ...], excl
     )
 
 
+def grpo_micro_batches(setup: TrainSetup, num_generations: int | None = None) -> list[dict[str, Any]]:
+    """The micro-batch splits of a GRPO setup that keep its generation batch and its completions per optimizer step
+    (both scaled by `num_generations / setup.num_generations` when fewer generations are planned: the same prompts,
+    fewer completions each): per_device_train_batch_size, gradient_accumulation_steps and steps_per_generation
+    (or generation_batch_size, where the setup gives it) as GRPOConfig takes them, smallest micro-batch first."""
+    steps, g = setup.grpo_sizes
+    e = setup.effective_batch_size
+    if num_generations is not None and num_generations != setup.num_generations:
+        g, e = g * num_generations // setup.num_generations, e * num_generations // setup.num_generations
+    out = []
+    for b in range(1, math.gcd(e, g) + 1):
+        if e % b or g % b:
+            continue
+        mb: dict[str, Any] = {"per_device_train_batch_size": b, "gradient_accumulation_steps": e // b}
+        if setup.generation_batch_size is not None:
+            mb["generation_batch_size"] = g
+        elif setup.steps_per_generation is not None or g != e:
+            mb["steps_per_generation"] = g // b
+        out.append(mb)
+    return out
+
+
 def _dominated(changes: dict[str, Any], failed: list[dict[str, Any]], setup: TrainSetup) -> bool:
     """A candidate that needs at least what one that failed needs: the same other settings with a micro-batch at
     least as large, and checkpointing off where the failed one had it on, or as it was."""
@@ -266,7 +288,7 @@ class _Search:
             for optim in optims:
                 for ckpt in ckpts:
                     for kernel in kernels:
-                        for mb in self.micro_batches(method):
+                        for mb in grpo_micro_batches(s, method.get("num_generations")):
                             changes = {**method, **optim, **ckpt, **kernel, **mb}
                             changes = {k: v for k, v in changes.items() if getattr(s, k) != v}
                             key = tuple(sorted(changes.items()))
@@ -283,28 +305,6 @@ class _Search:
                             bound = self.time(cs, base_report.params, trainable, None, bound=True)
                             out.append(_Candidate(changes, tier, bound))
         out.sort(key=lambda c: (c.tier, c.bound_s, len(c.changes)))
-        return out
-
-    def micro_batches(self, method: dict[str, Any]) -> list[dict[str, Any]]:
-        """The micro-batch splits that keep the generation batch and the completions per optimizer step (halved
-        with `fewer_generations`): per_device_train_batch_size, gradient_accumulation_steps and
-        steps_per_generation / generation_batch_size as the setup gives them."""
-        s = self.setup
-        steps, g = s.grpo_sizes
-        e = s.effective_batch_size
-        if "num_generations" in method:  # the same prompts, fewer completions each
-            scale = method["num_generations"] / s.num_generations
-            g, e = int(g * scale), int(e * scale)
-        out = []
-        for b in range(1, math.gcd(e, g) + 1):
-            if e % b or g % b:
-                continue
-            mb: dict[str, Any] = {"per_device_train_batch_size": b, "gradient_accumulation_steps": e // b}
-            if s.generation_batch_size is not None:
-                mb["generation_batch_size"] = g
-            elif s.steps_per_generation is not None or g != e:
-                mb["steps_per_generation"] = g // b
-            out.append(mb)
         return out
 
     # -- memory ----------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from memfit import progress
 from memfit.allocator.conf import parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport
@@ -49,7 +50,7 @@ from memfit.planner.throughput import paged_traffic_bytes
 from memfit.planner.workers import WorkerPool, worker_count
 from memfit.train_setup import TrainSetup
 
-__all__ = ["Plan", "PlanResult", "plan", "DEFAULT_MARGIN"]
+__all__ = ["Plan", "PlanResult", "SearchedCandidate", "plan", "DEFAULT_MARGIN"]
 
 #: Fraction of the GPU kept free: allocator and library behaviour we do not model
 #: (cuDNN, NCCL, driver differences) and the error of the estimate itself.
@@ -78,6 +79,17 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class SearchedCandidate:
+    """One configuration the search weighed (memfit.planner.ranking.rank), as the fitted memory model of its partial
+    simulations predicts it: the points of the plan page. The returned `Plan`s are the best of them, some verified."""
+
+    setup_changes: dict[str, Any]  #: TrainSetup changes (only those that differ from the setup)
+    need_bytes: int  #: predicted need on the GPU: peak allocated x the baseline's need ratio + memory outside PyTorch
+    relative_step_time: float  #: modelled step time over the setup's
+    fits: bool  #: need_bytes <= the budget
+
+
+@dataclass(frozen=True)
 class PlanResult:
     fits_as_is: bool
     baseline: Plan
@@ -92,6 +104,9 @@ class PlanResult:
     elapsed_s: float
     simulations: int
     cached: bool = False  #: read from memfit's cache (memfit.cache.plan_key): `simulations` ran before
+    #: every configuration the search ranked, in ranking order (best first); empty for a plan searched otherwise
+    searched: list[SearchedCandidate] = field(default_factory=list)
+    config_class: str = "TrainingArguments"  #: the class whose kwargs `Plan.changes` are (`GRPOConfig` for GRPO)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -105,6 +120,7 @@ class PlanResult:
         kw = {k: v for k, v in data.items() if k in fields}
         kw["baseline"] = Plan(**kw["baseline"])
         kw["plans"] = [Plan(**p) for p in kw["plans"]]
+        kw["searched"] = [SearchedCandidate(**c) for c in kw.get("searched", [])]
         return cls(**kw)
 
 
@@ -210,9 +226,6 @@ def plan(
     exclude = tuple(map(remedy_id, exclude))  # an earlier remedy name is accepted (memfit.remedies.ALIASES)
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
     setup = _as_setup(setup)
-    if setup.trainer == "grpo":  # the remedies change the micro-batch, which GRPO's generation batch depends on
-        raise MemfitError("`memfit plan` does not plan GRPO yet (its remedies would change the generation batch and "
-                          "what is learned); run `memfit estimate --trainer grpo` for each configuration you consider")
     if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
         raise MemfitError("plan() needs `gpu`; `None` is not a GPU: pass gpu=\"V100-16GB\", a size like "
                           "gpu=\"24GiB\", or gpu=\"auto\"")
@@ -232,11 +245,23 @@ def plan(
             if hit is not None:
                 return dataclasses.replace(hit, cached=True, elapsed_s=round(time.perf_counter() - started, 2))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
+    if setup.trainer == "grpo":  # its own search: the generation batch and vLLM's share (memfit.planner.grpo_plan)
+        from memfit.planner.grpo_plan import plan_grpo
+
+        result = plan_grpo(setup, budget, allow=allow, exclude=exclude, alloc_conf=alloc_conf, max_plans=max_plans,
+                           started=started)
+        if key is not None:
+            _store(key, result)
+        return result
     n_workers = worker_count(workers)
     sims = Simulations()
     verdicts = {name: r.check(setup, spec) for name, r in REGISTRY.items()}
     axes = _candidate_axes(setup, spec, verdicts, allow=allow, exclude=exclude)
-    planned = planned_simulations(setup, axes) if n_workers > 1 else []
+    planned = planned_simulations(setup, axes) if n_workers > 1 or progress.is_listening() else []
+    # memfit.progress's total: the baseline, the partial simulations, the candidates verified at most
+    sims.expected = 1 + len(planned) + verify_top if planned else None
+    if n_workers == 1:
+        planned = []  # counted, not prefetched
     if planned:  # the baseline and every partial simulation are known now: start them all
         _warm_up(sims, planned)
     with WorkerPool(n_workers if planned else 1) as pool:
@@ -258,8 +283,10 @@ def plan(
         fits_as_is=base.plan.fits, baseline=base.plan, plans=verified.plans, chosen=chosen,
         gpu={"name": spec.name, "total_bytes": spec.total_bytes}, margin=margin, budget_bytes=budget.budget_bytes,
         miss_bytes=miss.miss_bytes, suggestions=miss.suggestions,
-        not_applicable={name: v.reason for name, v in verdicts.items() if not v.applies},
+        not_applicable={name: v.reason for name, v in verdicts.items()
+                        if not v.applies and REGISTRY[name].serves(setup.trainer)},
         elapsed_s=round(time.perf_counter() - started, 2), simulations=sims.count,
+        searched=[SearchedCandidate(c.changes, c.used_bytes, round(c.relative_step_time, 3), c.fits) for c in ranked],
     )
     if key is not None:
         _store(key, result)
