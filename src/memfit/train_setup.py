@@ -111,19 +111,19 @@ _NOT_MODELLED_ARGS = ("torch_compile", "auto_find_batch_size", "torch_empty_cach
 ENGINE_ARG_NAMES = ("deepspeed", "fsdp", "fsdp_config", "ddp_bucket_cap_mb", "accelerator_config")
 
 # -- TRL ---------------------------------------------------------------------------------------
-#: `trainer` values: transformers' Trainer, TRL's SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer, RewardTrainer
-#: and KTOTrainer.
-TRAINERS = ("trainer", "sft", "dpo", "grpo", "rloo", "reward", "kto")
+#: `trainer` values: transformers' Trainer, TRL's SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer, RewardTrainer,
+#: KTOTrainer and DistillationTrainer.
+TRAINERS = ("trainer", "sft", "dpo", "grpo", "rloo", "reward", "kto", "distill")
 #: The TRL trainers of TRAINERS: their steps are simulated by memfit.sim.trl_steps (and the modules it hands RL and
 #: preference trainers to), `memfit train --trainer` runs SFT and DPO (memfit.commands.train_trl), and their
 #: configs' names are TRL_CONFIG_NAMES.
-TRL_TRAINERS = ("sft", "dpo", "grpo", "rloo", "reward", "kto")
+TRL_TRAINERS = ("sft", "dpo", "grpo", "rloo", "reward", "kto", "distill")
 #: The trainers that generate completions in their step (GRPOTrainer and RLOOTrainer share the generation batch,
 #: `num_generations`, vLLM and `steps_per_generation`: RLOOConfig has GRPOConfig's generation names, TRL 1.16).
 GENERATING_TRAINERS = ("grpo", "rloo")
 #: The TRL config classes of TRAINERS (for messages).
 TRL_CONFIG_CLASS_NAMES = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "rloo": "RLOOConfig",
-                          "reward": "RewardConfig", "kto": "KTOConfig"}
+                          "reward": "RewardConfig", "kto": "KTOConfig", "distill": "DistillationConfig"}
 #: SFTConfig / DPOConfig fields (TRL 1.16) that TrainingArguments does not have (`dataclasses.fields(SFTConfig)`
 #: minus TRAINING_ARGS_NAMES; tests/sim/test_trl.py checks these lists against the installed TRL). Kept as text so
 #: that reading an arguments file does not import TRL. Read when `trainer` is `sft` / `dpo`, rejected otherwise.
@@ -175,6 +175,15 @@ activation_offloading beta dataset_num_proc desirable_weight disable_dropout los
 pad_to_multiple_of precompute_ref_batch_size precompute_ref_log_probs ref_model_mixup_alpha ref_model_sync_steps
 router_aux_loss_coef sync_ref_model trust_remote_code undesirable_weight
 """.split()),
+    "distill": frozenset("""
+beta cache_implementation chat_template_kwargs disable_dropout ds3_gather_for_generation generation_kwargs
+log_completions log_unique_prompts max_completion_length max_tool_calling_iterations min_p model_init_kwargs
+num_completions_to_print pad_to_multiple_of repetition_penalty shuffle_dataset teacher_model_init_kwargs
+teacher_model_name_or_path teacher_model_revision temperature top_k top_p trust_remote_code use_vllm
+vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_max_model_length vllm_mode vllm_model_impl
+vllm_server_base_url vllm_server_host vllm_server_port vllm_server_timeout vllm_structured_outputs_regex
+vllm_tensor_parallel_size
+""".split()),
 }
 #: TRL settings that change GPU memory but that memfit does not simulate: a note when set.
 _TRL_NOT_MODELLED = ("sync_ref_model", "pad_to_multiple_of",  # activation_offloading: a TrainSetup field
@@ -198,8 +207,7 @@ _GRPO_REMOVED = {
 #: vllm_mode values of GRPOConfig in TRL 1.16 (grpo_config.py `vllm_mode`).
 VLLM_MODES = ("colocate", "server")
 #: TRL trainers memfit does not simulate -> their class (ORPO, CPO and online DPO are in trl.experimental in TRL 1.16).
-_TRL_NOT_SIMULATED = {"distill": "DistillationTrainer", "distillation": "DistillationTrainer",
-                      "gkd": "trl.experimental GKDTrainer",
+_TRL_NOT_SIMULATED = {"gkd": "trl.experimental GKDTrainer",
                       "orpo": "trl.experimental ORPOTrainer", "cpo": "trl.experimental CPOTrainer",
                       "online_dpo": "trl.experimental OnlineDPOTrainer", "online-dpo": "trl.experimental OnlineDPOTrainer"}
 #: packing_strategy values of SFTConfig in TRL 1.16 (sft_config.py `packing_strategy` choices).
@@ -292,6 +300,7 @@ _ARG_TO_FIELD = {
     "gradient_checkpointing_kwargs": "gradient_checkpointing_kwargs",
     "use_liger_kernel": "use_liger_kernel",
     "liger_kernel_config": "liger_kernel_config",
+    "teacher_model_name_or_path": "teacher_model",  # DistillationConfig (TRL)
 }
 
 # -- attention, Liger kernels, activation memory ------------------------------------
@@ -512,6 +521,11 @@ class TrainSetup:
     """GRPOConfig.vllm_gpu_memory_utilization: the share of the GPU's total memory a colocated vLLM takes."""
     vllm_enable_sleep_mode: bool = False
     """GRPOConfig.vllm_enable_sleep_mode: vLLM sleeps (level 2: weights and KV cache released) outside generation."""
+    # -- distillation: DistillationConfig (TRL 1.16 distillation_config.py), simulated by memfit.sim.distill_steps --
+    teacher_model: str | None = None
+    """DistillationConfig.teacher_model_name_or_path: the teacher DistillationTrainer keeps in memory beside the
+    student (a hub id with a bundled config, or a directory with config.json); it must share the student's
+    vocabulary. Required with `trainer="distill"`."""
     compute_capability: tuple[int, int] = (8, 0)
     """Of the target GPU: decides the SDPA backend and whether bf16 is allowed."""
     notes: list[str] = field(default_factory=list)
@@ -724,10 +738,10 @@ def read_args_file(path: str | os.PathLike) -> dict[str, Any]:
 
 #: TRL config class name -> `trainer` (TRL); by name, so that TrainSetup does not import TRL.
 _TRL_CONFIG_CLASSES = {"SFTConfig": "sft", "DPOConfig": "dpo", "GRPOConfig": "grpo", "RLOOConfig": "rloo",
-                       "RewardConfig": "reward", "KTOConfig": "kto"}
+                       "RewardConfig": "reward", "KTOConfig": "kto", "DistillationConfig": "distill"}
 #: The trainers whose config's defaults `from_kwargs` applies: `gradient_checkpointing=True` and bf16 unless fp16
 #: (trl/trainer/base_config.py `_BaseConfig`, which every TRL 1.16 config subclasses).
-_BASE_CONFIG_DEFAULTS = ("grpo", "rloo", "reward", "kto")
+_BASE_CONFIG_DEFAULTS = ("grpo", "rloo", "reward", "kto", "distill")
 #: TRL config fields that are TrainSetup fields (read from an SFTConfig / DPOConfig object).
 _TRL_READ = {
     "sft": ("max_length", "packing", "packing_strategy", "padding_free", "completion_only_loss", "assistant_only_loss",
@@ -741,6 +755,7 @@ _TRL_READ = {
     "reward": ("max_length", "activation_offloading", "use_liger_kernel"),
     "kto": ("max_length", "beta", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model",
             "use_liger_kernel"),
+    "distill": ("max_completion_length", "beta", "use_vllm", "use_liger_kernel", "teacher_model_name_or_path"),
 }
 
 
@@ -1021,7 +1036,7 @@ def _check_kwargs_settings(setup: "TrainSetup") -> None:
 #: Per trainer, the defaults of TrainSetup fields left None (TRL 1.16 grpo_config.py, rloo_config.py, kto_config.py);
 #: other trainers: `fallback`.
 _TRAINER_DEFAULTS = {"num_generations": ({"grpo": 8, "rloo": 2}, 8),
-                     "beta": ({"grpo": 0.0, "rloo": 0.05, "kto": 0.1}, 0.0)}
+                     "beta": ({"grpo": 0.0, "rloo": 0.05, "kto": 0.1, "distill": 1.0}, 0.0)}
 
 
 def _trainer_defaults(setup: "TrainSetup") -> None:
@@ -1069,6 +1084,30 @@ def _check_trl(setup: "TrainSetup") -> None:
                           "pass `trainer='sft'` (`--trainer sft`)")
     _check_grpo(setup)
     _check_reward_and_kto(setup)
+    _check_distill(setup)
+
+
+def _check_distill(setup: "TrainSetup") -> None:
+    """DistillationTrainer: a teacher model, and the settings memfit simulates for it (one-line errors)."""
+    if setup.trainer != "distill":
+        if setup.teacher_model is not None:
+            raise MemfitError(f"`teacher_model` is a DistillationTrainer setting but trainer is `{setup.trainer}`; "
+                              "pass `trainer='distill'` (`--trainer distill`)")
+        return
+    if setup.teacher_model is None:
+        raise MemfitError("trainer `distill` needs the teacher DistillationTrainer keeps in memory: pass "
+                          "`teacher_model` (`--teacher-model Qwen/Qwen2.5-7B`, DistillationConfig's "
+                          "`teacher_model_name_or_path` in --args)")
+    if not isinstance(setup.teacher_model, str):
+        raise MemfitError(f"`teacher_model` must be a hub id or a directory; got `{setup.teacher_model!r}`")
+    if setup.use_vllm:
+        raise MemfitError("`use_vllm` with trainer `distill` is not modelled (memfit models vLLM for GRPO and RLOO); "
+                          "drop `use_vllm` to estimate generation with transformers")
+    _positive_int("max_completion_length", setup.max_completion_length)
+    b = setup.beta
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
+        raise MemfitError(f"`beta` must be in [0, 1] (DistillationConfig's interpolation: 0 forward KL, 1 reverse KL, "
+                          f"between them the generalized JSD); got `{b!r}`")
 
 
 def _check_reward_and_kto(setup: "TrainSetup") -> None:
@@ -1120,7 +1159,7 @@ def _check_grpo(setup: "TrainSetup") -> None:
     """GRPO / RLOO: the GRPOConfig / RLOOConfig values, and what their `__post_init__` (TRL 1.16 grpo_config.py,
     rloo_config.py: the same checks) refuses, as one-line errors."""
     if setup.trainer not in GENERATING_TRAINERS:
-        if setup.use_vllm:
+        if setup.use_vllm and setup.trainer != "distill":  # DistillationConfig has it too: memfit.train_setup refuses it
             raise MemfitError(f"`use_vllm` is a GRPOTrainer setting (RLOOTrainer's too) but trainer is `{setup.trainer}`; "
                               "pass `trainer='grpo'` (`--trainer grpo`) or `trainer='rloo'`")
         return

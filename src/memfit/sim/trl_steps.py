@@ -57,7 +57,7 @@ from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
 
 __all__ = ["liger_config", "prepare_model", "prepare_cut", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch", "activation_offloading",
-           "dpo_batch", "wants_splice", "notes"]
+           "dpo_batch", "wants_splice", "notes", "LOSS_SCALED_FOR_GA"]
 
 #: The trainers that put TRL's fused LM head on the model (RewardTrainer trains a sequence-classification head).
 _FUSED_HEAD_TRAINERS = ("sft", "dpo", "grpo", "rloo", "kto")
@@ -69,7 +69,7 @@ def wants_splice(setup: Any) -> bool:
     """Layer splicing stands the cut model for the full one; DPO's reference forward runs a second model
     whose events the splice would not tag, so DPO is simulated on the full model (GRPO's reference has a cut
     model and a tagger of its own: memfit.sim.grpo_steps)."""
-    return setup.trainer not in ("dpo", "kto")  # KTO: its reference forwards, as DPO's
+    return setup.trainer not in ("dpo", "kto", "distill")  # KTO: its reference forwards; distill: the teacher's
 
 
 def notes(setup: Any) -> list[str]:
@@ -83,8 +83,14 @@ def notes(setup: Any) -> list[str]:
     if setup.trainer == "sft" and (setup.completion_only_loss or setup.assistant_only_loss):
         out.append("completion/assistant-only loss: the fused LM head is simulated scoring every position (its CPU "
                    "path); on CUDA it scores only the tokens that count, so the head's memory is an upper bound")
-    if setup.trainer in ("grpo", "rloo") and setup.does_eval:
-        name = {"grpo": "GRPO", "rloo": "RLOO"}[setup.trainer]
+    if setup.trainer == "distill":
+        g = setup.per_device_train_batch_size * setup.gradient_accumulation_steps
+        out.append(f"DistillationTrainer keeps the teacher `{setup.teacher_model}` in memory (its weights, no gradients "
+                   f"or optimizer state) and generates {g} completions of {setup.max_completion_length} tokens every "
+                   f"{setup.gradient_accumulation_steps} micro-steps (one per prompt); its loss runs outside autocast "
+                   "(TRL's _ForwardRedirection bypasses accelerate's wrapper), in the weights' dtype")
+    if setup.trainer in ("grpo", "rloo", "distill") and setup.does_eval:
+        name = {"grpo": "GRPO", "rloo": "RLOO", "distill": "Distillation"}[setup.trainer]
         out.append(f"{name}'s evaluation (which generates too, {name}Trainer.prediction_step) is not simulated: the "
                    "estimate is of the training steps")
     if setup.trainer in ("sft", "dpo", "kto") and setup.does_eval:
@@ -138,7 +144,14 @@ def prepare_cut(*cuts: nn.Module | None) -> None:
 
 def kernels(setup: Any):
     """The context a TRL simulation runs in: TRL's log-prob kernels allocate as on CUDA."""
+    if setup.trainer == "distill":  # DistillationTrainer's chunked divergence (memfit.sim.distill_steps)
+        return trl_adapter.divergence_kernels()
     return trl_adapter.cuda_kernels() if setup.trainer in _FUSED_HEAD_TRAINERS else contextlib.nullcontext()
+
+
+#: The trainers whose `compute_loss` already scales the loss for gradient accumulation (TRL 1.16
+#: `loss_is_scaled_for_ga = True`: grpo_trainer.py, distillation_trainer.py), so Trainer does not divide it.
+LOSS_SCALED_FOR_GA = ("grpo", "distill")
 
 
 def build_reference(setup: Any, spec: Any) -> nn.Module | None:
@@ -148,6 +161,8 @@ def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     # self.ref_model = None` -- any peft method (LoRA or a `peft_config`), not only LoRA
     # grpo_trainer.py GRPOTrainer.__init__: no reference when `beta == 0.0` or when the model is a peft model
     # rloo_trainer.py RLOOTrainer.__init__: as GRPO; kto_trainer.py KTOTrainer.__init__: as DPO
+    if setup.trainer == "distill":  # DistillationTrainer: the teacher, always (memfit.sim.distill_steps)
+        return _build_teacher(setup, spec)
     if setup.trainer in ("grpo", "rloo"):
         if setup.beta == 0.0 or setup.lora_r is not None or setup.peft_config:
             return None
@@ -161,6 +176,26 @@ def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     ref.eval()  # DPOTrainer: accelerator.prepare_model(ref_model, evaluation_mode=True), dropout disabled
     trl_adapter.add_fused_lm_head(ref, trl_adapter.DPO_FUSED_OUTPUTS)  # GRPO's reference: the default outputs too
     return ref
+
+
+def _build_teacher(setup: Any, spec: Any) -> nn.Module:
+    """DistillationTrainer's teacher on the meta device: `teacher_model` as `create_model_from_path` loads it (a
+    causal LM, no gradients, eval mode), refused in one line when its vocabulary is not the student's
+    (DistillationTrainer.__init__ raises ValueError)."""
+    from memfit.models.build import build_meta_model, resolve_config
+
+    teacher_spec = resolve_config(setup.teacher_model)
+    student_vocab = spec.config.get_text_config().vocab_size
+    teacher_vocab = teacher_spec.config.get_text_config().vocab_size
+    if student_vocab != teacher_vocab:
+        raise MemfitError(f"teacher `{setup.teacher_model}` has vocab_size {teacher_vocab} but the student has "
+                          f"{student_vocab}; DistillationTrainer needs a shared vocabulary: choose a teacher of the "
+                          "student's family")
+    teacher = build_meta_model(setup.replace(model=setup.teacher_model, lora_r=None, peft_config=None,
+                                             load_in_4bit=False, load_in_8bit=False), teacher_spec)
+    teacher.requires_grad_(False)
+    teacher.eval()
+    return teacher
 
 
 def materialize_reference(runner: Any) -> None:
@@ -258,6 +293,10 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
         from memfit.sim import rloo_steps
 
         return rloo_steps.micro_loss(runner)
+    if s.trainer == "distill":  # generation, the teacher, the chunked divergence: memfit.sim.distill_steps
+        from memfit.sim import distill_steps
+
+        return distill_steps.micro_loss(runner)
     if s.trainer in ("reward", "kto"):  # memfit.sim.reward_steps, memfit.sim.kto_steps
         from memfit.sim import kto_steps, reward_steps
 

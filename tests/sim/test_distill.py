@@ -1,0 +1,137 @@
+"""TRL's DistillationTrainer (memfit.sim.distill_steps): DistillationConfig's names against the installed TRL, the
+whole step (generation, the student's and the teacher's backbones, the chunked divergence) on real CPU tensors
+against FakeTensors, the divergence kernels' CUDA allocations, and the closed form: the teacher is exactly one
+copy of its own weights, with no gradients and no optimizer state."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+
+trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
+
+import torch  # noqa: E402
+from helpers import real_and_fake  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from memfit import TrainSetup, estimate  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.sim import _trl_adapter as trl_adapter  # noqa: E402
+from memfit.sim.tracker import StorageTracker  # noqa: E402
+from memfit.train_setup import TRAINING_ARGS_NAMES, TRL_CONFIG_NAMES  # noqa: E402
+
+
+def _llama(hidden: int, layers: int, vocab: int = 256) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       max_position_embeddings=512)
+
+
+STUDENT, TEACHER = _llama(64, 2), _llama(96, 3)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("teacher")
+    TEACHER.save_pretrained(path)
+    return str(path)
+
+
+def _setup(teacher: str, **kw) -> TrainSetup:
+    base = dict(model=STUDENT, task="causal-lm", trainer="distill", teacher_model=teacher,
+                per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=16, max_completion_length=24,
+                optim="adamw_torch", attn_implementation="sdpa")
+    return TrainSetup(**{**base, **kw})
+
+
+def test_distillation_config_names_match_installed_trl():
+    from trl import DistillationConfig
+
+    assert TRL_CONFIG_NAMES["distill"] == {f.name for f in dataclasses.fields(DistillationConfig)} - TRAINING_ARGS_NAMES
+
+
+def test_distillation_config_object_is_read(tmp_path, teacher_dir):
+    from trl import DistillationConfig
+
+    args = DistillationConfig(output_dir=str(tmp_path), use_cpu=True, teacher_model_name_or_path=teacher_dir,
+                              max_completion_length=64, beta=0.5)
+    s = TrainSetup.from_training_args(args, model=STUDENT)
+    assert (s.trainer, s.teacher_model, s.max_completion_length, s.beta) == ("distill", teacher_dir, 64, 0.5)
+    assert s.gradient_checkpointing and s.precision == "bf16"  # TRL's base-config defaults
+    assert TrainSetup(model=STUDENT, task="causal-lm", trainer="distill", teacher_model=teacher_dir).beta == \
+        DistillationConfig(output_dir=str(tmp_path), use_cpu=True).beta == 1.0
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(teacher_model=None), "needs the teacher"),
+    (dict(beta=1.5), "`beta` must be in [0, 1]"),
+    (dict(use_vllm=True), "`use_vllm` with trainer `distill` is not modelled"),
+    (dict(trainer="sft"), "`teacher_model` is a DistillationTrainer setting"),
+])
+def test_bad_distillation_input_is_one_line(kw, fragment, teacher_dir):
+    with pytest.raises(MemfitError) as err:
+        _setup(teacher_dir, **kw)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_teacher_of_another_vocabulary_is_refused(tmp_path):
+    _llama(64, 2, vocab=512).save_pretrained(tmp_path)
+    with pytest.raises(MemfitError, match="shared vocabulary") as err:
+        estimate(_setup(str(tmp_path)), gpu="A100-80GB")
+    assert "\n" not in str(err.value)
+
+
+def test_divergence_kernels_allocate_what_cuda_allocates():
+    """ChunkedDivergenceFunction forward + backward under divergence_kernels: the buffers the kernels write into
+    (two `[N, 32768]` fp32 tiles each way, the `[N]` statistics, the `[N, H]` and `[vocab, H]` fp32 gradients), none
+    of the torch fallbacks' tile-sized temporaries."""
+    from trl.kernels.chunked_divergence import TOKEN_CHUNK_SIZE, VOCAB_CHUNK_SIZE
+
+    n, h, vocab = 8, 16, 64
+    tile = min(n, TOKEN_CHUNK_SIZE) * VOCAB_CHUNK_SIZE * 4
+
+    def sizes(patched: bool) -> list[int]:
+        hs = torch.randn(n, h, requires_grad=True)
+        ws = torch.randn(vocab, h, requires_grad=True)
+        ht, wt = torch.randn(n, h), torch.randn(vocab, h)
+        tr = StorageTracker()
+        with tr, (trl_adapter.divergence_kernels() if patched else contextlib.nullcontext()):
+            div, _ = trl_adapter.chunked_divergence(hs, ws, None, ht, wt, None, 1.0, 1.0, 1.0, None, 1.0, None)
+            div.sum().backward()
+        return [ev.size_bytes for ev in tr.trace() if ev.action == "alloc"]
+
+    ours = sizes(True)
+    assert ours.count(tile) == 4  # s_buf and t_buf in the forward and in the backward, nothing else of that size
+    assert n * h * 4 in ours and vocab * h * 4 in ours  # grad_hidden, grad_weight (fp32)
+    assert max(ours) == tile
+    assert sum(sizes(False)) > sum(ours)  # the CPU fallbacks allocate temporaries the CUDA kernels do not
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(), dict(beta=0.5), dict(lora_r=4)],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "default")
+def test_distillation_step_on_real_tensors_matches_fake(kw, teacher_dir):
+    """Generation, the student's and the teacher's backbones, the chunked divergence, backward and optimizer on
+    real (zero) CPU tensors and on FakeTensors: the same trace, event for event."""
+    real, fake = real_and_fake(_setup(teacher_dir, **kw))
+    assert "generation" in {ev.phase for ev in fake.trace}
+
+
+@pytest.mark.slow
+def test_teacher_is_one_copy_of_its_weights(teacher_dir):
+    """The teacher adds exactly its own weights (each tensor as the allocator rounds it), no gradients and no optimizer state: against
+    the same run with the student as its own teacher."""
+    student_dir = teacher_dir + "-student"
+    STUDENT.save_pretrained(student_dir)
+    a = estimate(_setup(teacher_dir), gpu="A100-80GB")
+    b = estimate(_setup(student_dir), gpu="A100-80GB")
+    from memfit.peaks import rounded  # the caching allocator's block size of each tensor
+
+    def copy_bytes(config):
+        return sum(rounded(p.numel() * 4) for p in LlamaForCausalLM(config).parameters())
+
+    wa, wb = a.phase_breakdowns["optimizer"], b.phase_breakdowns["optimizer"]
+    assert wa["weights"] - wb["weights"] == copy_bytes(TEACHER) - copy_bytes(STUDENT)
+    assert wa["optimizer_state"] == wb["optimizer_state"] and wa["gradients"] == wb["gradients"]
