@@ -12,7 +12,7 @@ import pytest
 trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
 import torch  # noqa: E402
-from helpers import real_and_fake  # noqa: E402
+from helpers import real_and_fake, trace_key  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from memfit import TrainSetup, estimate  # noqa: E402
@@ -170,7 +170,8 @@ def test_generation_matches_transformers_generate(kv_heads, g, p, c):
             shape["out"] = tuple(model.generate(input_ids=ids, attention_mask=mask, generation_config=gen).shape)
 
     def predicted(tr):
-        runner = types.SimpleNamespace(model=model, low=None, tracker=tr, checkpointing=None, setup=None)
+        runner = types.SimpleNamespace(model=model, fwd_model=model, cut=None, low=None, tracker=tr, checkpointing=None,
+                                       setup=None)
         grpo_steps.generation(runner, g, p, c)
 
     measured, _ = _measured(real, model)
@@ -196,6 +197,38 @@ def test_grpo_step_on_real_tensors_matches_fake(kw):
     real, fake = real_and_fake(_setup(**kw))
     phases = {ev.phase for ev in fake.trace}
     assert ("generation" in phases) != bool(kw.get("use_vllm")) and "scoring" in phases
+
+
+SPLICE_CASES = [pytest.param(dict(), id="default"),
+                pytest.param(dict(beta=0.04), id="beta-reference-copy", marks=pytest.mark.slow),
+                pytest.param(dict(beta=0.04, lora_r=4), id="beta-lora", marks=pytest.mark.slow),
+                pytest.param(dict(use_vllm=True), id="vllm", marks=pytest.mark.slow),
+                pytest.param(dict(gradient_accumulation_steps=1, steps_per_generation=2), id="steps_per_generation",
+                             marks=pytest.mark.slow),
+                pytest.param(dict(precision="bf16", gradient_checkpointing=True, beta=0.04), id="bf16-checkpointing",
+                             marks=pytest.mark.slow),
+                pytest.param(dict(num_iterations=2, max_completion_length=1), id="one-token", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kw", SPLICE_CASES)
+def test_spliced_grpo_trace_equals_full_model_trace(kw, monkeypatch):
+    """Layer splicing of every GRPO phase (memfit.sim.splice; the generation's prefill, grown cache and decode step,
+    the scoring chunks of the policy and of the reference's cut model, the training step): on an 8-layer Llama the
+    spliced trace is the full model's, event for event, as tests/sim/test_splice.py checks SFT's figures."""
+    from memfit.sim import engine
+
+    runners = []
+    plain = engine._Runner.run
+    monkeypatch.setattr(engine._Runner, "run", lambda self, **k: runners.append(self) or plain(self, **k))
+    spliced = engine.simulate(_setup(model=_llama(layers=8), **kw), splice=True)
+    assert runners[-1].cut is not None, "splicing did not happen"
+    assert (runners[-1].ref_cut is not None) == (kw.get("beta", 0) > 0 and "lora_r" not in kw)
+    full = engine.simulate(_setup(model=_llama(layers=8), **kw), splice=False)
+    assert runners[-1].cut is None
+    a, b = trace_key(spliced.trace), trace_key(full.trace)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert a == b, f"first difference at event {first}: spliced {a[first:first + 3]} full {b[first:first + 3]}"
+    assert peaks(spliced.trace).by_phase.keys() >= {"scoring", "forward", "backward"}
 
 
 def test_old_log_probs_only_when_trl_computes_them():
