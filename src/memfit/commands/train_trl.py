@@ -51,6 +51,12 @@ _TRL_FLAGS = {
     "lora_target_modules": None,
 }
 
+#: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why.
+_ESTIMATE_ONLY = {"rloo": "RLOOTrainer needs reward functions, which a data file alone does not give",
+                  "reward": "memfit train runs SFTTrainer and DPOTrainer (RewardTrainer is not wired)",
+                  "kto": "memfit train runs SFTTrainer and DPOTrainer (KTOTrainer is not wired)",
+                  "distill": "memfit train runs SFTTrainer and DPOTrainer (DistillationTrainer is not wired)"}
+
 #: SFTConfig.max_length and DPOConfig.max_length default (TRL 1.16 sft_config.py / dpo_config.py)
 TRL_DEFAULT_MAX_LENGTH = 1024
 
@@ -64,6 +70,9 @@ def check_trl_flags(args: argparse.Namespace) -> str:
     if trainer == "grpo":  # GRPO needs reward functions, which a data file alone does not give
         raise MemfitError("`memfit train --trainer grpo` is not supported: GRPOTrainer needs reward functions; run "
                           "`memfit estimate --trainer grpo` for its memory")
+    if trainer in _ESTIMATE_ONLY:  # memfit estimate simulates them; memfit train runs SFT and DPO only
+        raise MemfitError(f"`memfit train --trainer {trainer}` is not supported: {_ESTIMATE_ONLY[trainer]}; run "
+                          f"`memfit estimate --trainer {trainer}` for its memory")
     for dest, owner in _TRL_FLAGS.items():
         value = getattr(args, dest, None)
         if value is None or (value is False and trainer == "trainer"):  # `--no-...` asks for nothing here
