@@ -46,6 +46,7 @@ from memfit.sim.prepare import prepare_model
 from memfit.sim.splice import LayerTagger, SpliceRefused, cut_block, splice_events
 from memfit.sim.tracker import StorageTracker, TrackedEvent
 from memfit.sim import trl_steps
+from memfit import progress
 from memfit.trace import TraceEvent
 from memfit.train_setup import TrainSetup
 
@@ -85,15 +86,23 @@ class Simulation:
     media_inputs: dict | None = None  #: what the processor made of each image or clip (MediaInputs.summary)
 
 
-def _media_batch(setup: TrainSetup, batch: int, media: MediaInputs) -> dict[str, torch.Tensor]:
+def _media_batch(setup: TrainSetup, batch: int, media: MediaInputs, model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors an image or speech collator hands the model: the processor's outputs (memfit.models.processors)
     stacked `batch` times, and the labels. Image classification: one class id per image (DefaultDataCollator);
     speech-seq2seq: the padded token ids of the transcript, `target_length` (else `max_length`) long (the Whisper
     fine-tuning guide's DataCollatorSpeechSeq2SeqWithPadding, labels only: the model shifts them into
-    decoder_input_ids)."""
-    out = {name: torch.zeros(batch, *shape, dtype=dtype) for name, (shape, dtype) in media.tensors.items()}
+    decoder_input_ids); ctc: the transcript's characters. An `attention_mask` the extractor returns is all ones."""
+    out = {name: (torch.ones if name == "attention_mask" else torch.zeros)(batch, *shape, dtype=dtype)
+           for name, (shape, dtype) in media.tensors.items()}  # every clip of the batch its full length
     if setup.task == "image-cls":
         out["labels"] = torch.zeros(batch, dtype=torch.float32 if setup.num_labels == 1 else torch.long)
+    elif setup.task == "ctc":
+        # DataCollatorCTCWithPadding (the CTC fine-tuning blog, run_speech_recognition_ctc.py): the characters of
+        # each transcript, padded with -100; memfit's batch: every transcript the longest (`label_length`,
+        # memfit.models.processors), all of them targets (not the blank, `pad_token_id`)
+        config = model.config
+        out["labels"] = torch.full((batch, media.summary["label_length"]),
+                                   (config.pad_token_id + 1) % config.vocab_size, dtype=torch.long)
     else:
         out["labels"] = torch.zeros(batch, setup.target_length or setup.max_length, dtype=torch.long)
     return out
@@ -116,8 +125,12 @@ def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int,
                 media: MediaInputs | None = None) -> dict[str, torch.Tensor]:
     """The tensors DataCollatorWithPadding hands the model (int64, padded to `seq`); image and speech models get
     `_media_batch`'s."""
+    if media is not None and media.example is not None:  # a vision-language model: real host data
+        from memfit.sim.host_values import image_text_batch
+
+        return image_text_batch(media.example, batch)
     if media is not None:
-        return _media_batch(setup, batch, media)
+        return _media_batch(setup, batch, media, model)
     config = getattr(model, "config", None)
     params = inspect.signature(model.forward).parameters
     out = {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
@@ -174,16 +187,24 @@ class _Runner:
         self.flash_log, self.flex_log = prepared.flash_log, prepared.flex_log
         self.quant, self.quant_summary = prepared.quant, prepared.quant_summary
         self.ref_model = prepared.ref_model
+        self.ref_cut = prepared.ref_cut
         self.model = prepared.model
         self.cut, self.sizes, self.names = prepared.cut, prepared.sizes, prepared.names
         self.checkpointing = prepared.checkpointing
         self.fwd_model = self.cut if self.cut is not None else self.model
         # image / audio inputs: the model's own processor runs here, on real arrays, before any fake mode
-        self.media = media_inputs(setup, self.spec, self.model)
+        if setup.task == "image-text-to-text":  # images and text: real host data (memfit.sim.host_values)
+            from memfit.models.image_text import image_text_inputs
+
+            self.media = image_text_inputs(setup, self.spec)
+        else:
+            self.media = media_inputs(setup, self.spec, self.model)
         if self.media is not None:
             self.notes = [*self.notes, *self.media.notes]
-            _check_media_dtypes(self.model, self.media, setup)
+            if self.media.example is None:  # a vision-language model casts pixel_values to its tower's dtype itself
+                _check_media_dtypes(self.model, self.media, setup)
         self.eval_model = self.fwd_model  # the evaluation forward is spliced too
+        self.host = None  # memfit.sim.host_values.HostValues of a vision-language model (`_cuda_emulation`)
         self.liger_log: list[str] = []
         self._act_offload = None
         self.sdpa_backends: list[str] = []
@@ -223,7 +244,11 @@ class _Runner:
                             tensor.zero_()
         tr.paused = False
         q_model = quant_state_tensors(self.model) if self.quant is not None else []
-        for tensor in list(self.model.parameters()) + list(self.model.buffers()) + q_model:
+        for name, tensor in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            tr.module = name  # what the storage is (memfit.report's hover)
+            tr.register(tensor, "weights")
+        tr.module = ""
+        for tensor in q_model:
             tr.register(tensor, "weights")
         if self.cut is not None:
             q_cut = quant_state_tensors(self.cut) if self.quant is not None else []
@@ -260,9 +285,14 @@ class _Runner:
         first_event = len(tr.events)
         if self.cut is not None:
             self.tagger.reset()
+        if self.host is not None:  # a vision-language model's host data (memfit.sim.host_values)
+            self.host.active = True
         scaled_for_ga = False
         if self.setup.trainer != "trainer":  # TRL: SFT / DPO batch and loss
             loss, start = trl_steps.micro_loss(self)
+            scaled_for_ga = self.setup.trainer in trl_steps.LOSS_SCALED_FOR_GA  # TRL's loss_is_scaled_for_ga
+            # GRPO splices its generation and scoring passes as they run; what is left starts after them
+            first_event = max(first_event, getattr(self, "grpo_spliced_events", first_event))
         else:
             seq = self.setup.sequence_length
             batch = _make_batch(self.fwd_model, self.setup, self.setup.per_device_train_batch_size, seq=seq,
@@ -271,7 +301,8 @@ class _Runner:
             # Trainer (transformers 5.24 get_batch_samples / compute_loss): a model whose forward takes loss kwargs gets
             # `num_items_in_batch` (the window's label count, an int64 scalar moved to the device); ForCausalLMLoss then
             # sums and divides (fixed_cross_entropy) and training_step does not divide by the accumulation
-            if self.setup.task == "causal-lm" and "labels" in batch and _accepts_loss_kwargs(self.fwd_model):
+            if self.setup.task in ("causal-lm", "image-text-to-text") and "labels" in batch \
+                    and _accepts_loss_kwargs(self.fwd_model):
                 batch["num_items_in_batch"] = torch.zeros((), dtype=torch.long)
                 self.tracker.register(batch["num_items_in_batch"], "inputs")
                 scaled_for_ga = True
@@ -296,6 +327,8 @@ class _Runner:
         if self.setup.precision == "fp16":
             loss = loss * self.scale  # GradScaler.scale
         loss.backward()
+        if self.host is not None:
+            self.host.active = False
         for p in self.fwd_model.parameters():
             if p.grad is not None:
                 rec = tr.record_of(p.grad)
@@ -438,6 +471,8 @@ class _Runner:
             tr.tag_fn = lambda: None
         batch = _make_batch(self.eval_model, s, s.per_device_eval_batch_size, seq=s.sequence_length, media=self.media)
         self._register_batch(batch)
+        if self.host is not None:
+            self.host.active = True
         ignore = set(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
         with torch.no_grad():
             out = self._forward(batch, training=False)
@@ -446,6 +481,8 @@ class _Runner:
             preds = [v for k, v in items.items() if k not in ignore and isinstance(v, torch.Tensor)]
             labels = [batch[k] for k in ("labels", "start_positions", "end_positions") if k in batch]
             del out, items
+            if self.host is not None:
+                self.host.active = False
             # EvalLoopContainer.add / nested_concat (transformers/trainer_pt_utils.py): each step
             # concatenates the new batch to the buffer kept on the device -> a new buffer of k
             # batches while the old one of k-1 batches is still alive.
@@ -516,6 +553,15 @@ class _Runner:
         contexts.append(self.tracker)
         contexts.append(cuda_patches(compute_capability=cc, sdpa_log=self.sdpa_backends, flash_log=self.flash_log,
                                      sm_count=getattr(self.gpu, "sm_count", None)))
+        if s.task == "ctc":  # CTC speech models: their host-side reads and CUDA's ctc_loss (sim._ctc_adapter)
+            from memfit.sim._ctc_adapter import ctc_patches
+
+            contexts.append(ctc_patches([m for m in (self.model, self.cut) if m is not None]))
+        if self.media is not None and self.media.example is not None:  # host data stays real (sim.host_values)
+            from memfit.sim.host_values import HostValues
+
+            self.host = HostValues(self.tracker, fake=self.fake)
+            contexts.append(self.host)
         if (s.gradient_checkpointing_kwargs or {}).get("offload") and self.checkpointing == "huggingface":
             from memfit.sim.offload import host_offload_patch  # checkpointed inputs kept in host memory
 
@@ -551,6 +597,7 @@ class _Runner:
             warnings.simplefilter("ignore")
             for context in contexts:
                 stack.enter_context(context)
+            stack.enter_context(self.tracker.module_scope(self.fwd_model, self.model, self.ref_model))
             self._materialize()
             trl_steps.materialize_reference(self)  # TRL: DPO's reference copy
             self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
@@ -560,21 +607,25 @@ class _Runner:
                     self.optimizer_step()
                 train = False
             micro = min(s.gradient_accumulation_steps, 2) if train else 0
+            tell = _step_teller(micro, optimizer_steps if train else 0)
             first = len(self.tracker.events)
             for _ in range(micro):
+                tell()
                 self.micro_step(s.gradient_accumulation_steps)
             last = len(self.tracker.events)
             if train and optimizer_steps > 0:
+                tell()
                 self.optimizer_step()
             for _ in range(optimizer_steps - 1 if train else 0):
                 # later optimizer steps repeat the first one's micro-steps exactly (the
                 # gradients were freed by zero_grad); only the optimizer step differs
                 # (its state now exists), so it is simulated again
+                tell()
                 self.tracker.phase = "forward"
                 self.replay(first, last)
                 self.optimizer_step()
             # GRPO's evaluation generates too (GRPOTrainer.prediction_step): not simulated (trl_steps.notes says so)
-            held = self.evaluate() if s.does_eval and not optimizer_only and s.trainer != "grpo" else 0
+            held = self.evaluate() if s.does_eval and not optimizer_only and s.trainer not in ("grpo", "rloo", "distill") else 0
             trace = [e for e in self.tracker.trace() if e.category not in ("host", "paged")]
             paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
         params = {id(p): p for p in self.model.parameters()}
@@ -584,6 +635,13 @@ class _Runner:
         trainable = sum(p.numel() for p in params.values() if p.requires_grad)
         config = getattr(self.model, "config", None)
         quantization = self._quant_report(kernels)
+        if s.task == "ctc":  # the convolutions over raw audio: say so when they set the peak (sim.media_peak)
+            from memfit.models.freezing import wants_frozen_feature_encoder
+            from memfit.sim.media_peak import feature_encoder_note
+
+            note = feature_encoder_note(trace, self.model, wants_frozen_feature_encoder(s))
+            if note is not None:
+                self.notes.append(note)
         return Simulation(
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
@@ -610,6 +668,19 @@ class _Runner:
             self.notes.append("LLM.int8: the outlier columns depend on the values; memfit assumes none (their "
                               "fp16 copy `subA`, saved for backward, is usually a few columns)")
         return out
+
+
+def _step_teller(micro: int, optimizer_steps: int):
+    """memfit.progress: `tell()` before each micro-step and optimizer step of a run says which one starts now."""
+    steps = [f"micro-step {i + 1} of {micro}" for i in range(micro)]
+    steps += [f"optimizer step {i + 1} of {optimizer_steps}" for i in range(optimizer_steps)]
+    done = iter(range(len(steps)))
+
+    def tell() -> None:
+        i = next(done, len(steps) - 1)
+        progress.report(f"simulating {steps[i]}", i, len(steps), detail=True)
+
+    return tell
 
 
 def simulate(
