@@ -135,11 +135,10 @@ class _Option:
 
 
 def plan_grpo(setup: TrainSetup, budget: Budget, *, allow: tuple[str, ...], exclude: tuple[str, ...],
-              alloc_conf: str | None, max_plans: int, started: float,
+              alloc_conf: str | None, max_plans: int, started: float, parts: Any,
               max_simulations: int = MAX_SIMULATIONS) -> Any:
-    """The PlanResult of a GRPO setup on one GPU (module docstring); memfit.planner.search.plan calls it."""
-    from memfit.planner.search import PlanResult, _miss
-
+    """The PlanResult of a GRPO setup on one GPU (module docstring); memfit.planner.search.plan calls it with
+    `parts` (memfit.planner.search.GrpoParts: its Plan and PlanResult classes, `_describe` and `_miss`)."""
     bad = [a for a in allow if a not in GRPO_OPT_IN]
     if bad:
         raise MemfitError(f"`--allow {bad[0]}` is not searched for GRPO; its opt-ins are: {', '.join(GRPO_OPT_IN)}")
@@ -147,7 +146,7 @@ def plan_grpo(setup: TrainSetup, budget: Budget, *, allow: tuple[str, ...], excl
     sims = Simulations()
     base_report = sims.estimate(setup, budget, alloc_conf)
     facts = grpo_facts(setup, spec, base_report.params)
-    search = _Search(setup, budget, facts, sims, alloc_conf)
+    search = _Search(setup, budget, facts, sims, alloc_conf, parts)
     base_time = search.time(setup, base_report.params, base_report.trainable_params,
                             setup.vllm_gpu_memory_utilization if search.colocate else None)
     baseline = search.as_is(base_report, base_time)
@@ -187,9 +186,9 @@ def plan_grpo(setup: TrainSetup, budget: Budget, *, allow: tuple[str, ...], excl
         chosen = None  # nothing faster than what already fits
     searched = {k: v if k in GRPO_OPT_IN or not REGISTRY[k].opt_in else Applicability(False, "not searched for GRPO")
                 for k, v in verdicts.items()}
-    miss = _miss(baseline, plans, chosen, budget, searched, allow)
+    miss = parts.miss(baseline, plans, chosen, budget, searched, allow)
     used = {"gradient_checkpointing", "optimizer", "micro_batch", "liger", "vllm_share", *GRPO_OPT_IN}
-    return PlanResult(
+    return parts.result_cls(
         fits_as_is=baseline.fits, baseline=baseline, plans=plans, chosen=chosen,
         gpu={"name": spec.name, "total_bytes": spec.total_bytes}, margin=budget.margin,
         budget_bytes=budget.budget_bytes, miss_bytes=miss.miss_bytes, suggestions=notes + miss.suggestions,
@@ -242,8 +241,9 @@ class _Search:
     """The candidates of one GRPO setup, their shares, times and plans."""
 
     def __init__(self, setup: TrainSetup, budget: Budget, facts: GrpoFacts, sims: Simulations,
-                 alloc_conf: str | None) -> None:
+                 alloc_conf: str | None, parts: Any = None) -> None:
         self.setup, self.budget, self.facts, self.sims, self.alloc_conf = setup, budget, facts, sims, alloc_conf
+        self.parts = parts  #: memfit.planner.search.GrpoParts (building plans needs it)
         self.total = budget.spec.total_bytes
         self.colocate = setup.use_vllm and setup.vllm_mode == "colocate"
 
@@ -384,12 +384,10 @@ class _Search:
 
     def plan_of(self, o: _Option, base_time: float) -> Any:
         """The Plan of an option (GRPOConfig names in `changes`)."""
-        from memfit.planner.search import Plan, _describe
-
-        names, args, env, code = _describe(self.setup, o.changes, o.report.checkpointing)
+        names, args, env, code = self.parts.describe(self.setup, o.changes, o.report.checkpointing)
         # a remedy's `apply` says how to turn it on; the GRPO search also turns some off (checkpointing)
         args.update({k: v for k, v in o.changes.items() if k in args})
         rel = o.time_s / base_time if math.isfinite(o.time_s) and base_time > 0 else math.inf
-        return Plan(names, dict(o.changes), args, env, code, o.report.peak_allocated_bytes, o.reserved_bytes,
+        return self.parts.plan_cls(names, dict(o.changes), args, env, code, o.report.peak_allocated_bytes, o.reserved_bytes,
                     o.used_bytes, self.budget.budget_bytes - o.used_bytes, round(rel, 3) if math.isfinite(rel) else 1e9,
                     o.fits, True, o.notes + [n for n in o.report.notes if n not in self.setup.notes])

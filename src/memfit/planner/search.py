@@ -124,6 +124,16 @@ class PlanResult:
         return cls(**kw)
 
 
+class GrpoParts(NamedTuple):
+    """What memfit.planner.grpo_plan builds a GRPO PlanResult with: the result classes and the helpers here that
+    describe a change and what a plan misses by (handed to it, so that it does not import this module)."""
+
+    plan_cls: Any
+    result_cls: Any
+    describe: Any
+    miss: Any
+
+
 def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str | None):
     """Remedy names, TrainingArguments diff, env and code for a set of TrainSetup changes.
 
@@ -226,6 +236,10 @@ def plan(
     exclude = tuple(map(remedy_id, exclude))  # an earlier remedy name is accepted (memfit.remedies.ALIASES)
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
     setup = _as_setup(setup)
+    if setup.trainer == "rloo":  # RLOO's generation batch is GRPO's; the GRPO search (grpo_plan) is for GRPO only
+        raise MemfitError("`memfit plan` does not plan RLOO yet (its remedies would change the generation batch and "
+                          "what is learned, as GRPO's); run `memfit estimate --trainer rloo` for each configuration "
+                          "you consider")
     if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
         raise MemfitError("plan() needs `gpu`; `None` is not a GPU: pass gpu=\"V100-16GB\", a size like "
                           "gpu=\"24GiB\", or gpu=\"auto\"")
@@ -248,8 +262,9 @@ def plan(
     if setup.trainer == "grpo":  # its own search: the generation batch and vLLM's share (memfit.planner.grpo_plan)
         from memfit.planner.grpo_plan import plan_grpo
 
+        # grpo_plan builds its plans with this module's classes and helpers, handed over (it imports nothing here)
         result = plan_grpo(setup, budget, allow=allow, exclude=exclude, alloc_conf=alloc_conf, max_plans=max_plans,
-                           started=started)
+                           started=started, parts=GrpoParts(Plan, PlanResult, _describe, _miss))
         if key is not None:
             _store(key, result)
         return result
