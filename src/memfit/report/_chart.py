@@ -124,8 +124,9 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
   el("circle", {cx: X(peak.index), cy: Y(peak.allocated_bytes), r: 5, "class": "peak", "data-marker": "peak",
                 "data-bytes": peak.allocated_bytes, "data-index": peak.index});
   var peakWord = D.oom !== null && D.oom.index !== null ? "highest before the OOM " : "peak ";
+  // with the OOM's request drawn above it, the peak's label goes under its point (the OOM's labels are above)
   text(peakWord + fmt(peak.allocated_bytes) + " (" + phaseLabel(peak.phase, peak.step) + ")",
-       {x: X(peak.index) + (X(peak.index) > M.l + PW * 0.7 ? -8 : 8), y: Y(peak.allocated_bytes) - 8,
+       {x: X(peak.index) + (X(peak.index) > M.l + PW * 0.7 ? -8 : 8), y: Y(peak.allocated_bytes) + (REQ !== null ? 18 : -8),
         "text-anchor": X(peak.index) > M.l + PW * 0.7 ? "end" : "start", "class": "peak-label"});
 
   if (D.oom !== null && D.oom.index !== null) {
@@ -140,7 +141,7 @@ CHART_JS = r"""// memfit's memory timeline: draws the samples of the JSON script
       text("failed request " + fmt(REQ.size_bytes) + " of " + (D.labels[REQ.category] || REQ.category), {}, el("title", {}, bar));
       el("circle", {cx: xo, cy: yTop, r: 5, "class": "oom-point", "data-marker": "oom-point", "data-bytes": REQ.total_bytes});
       text("needs " + fmt(REQ.total_bytes) + ": " + fmt(REQ.allocated_bytes) + " allocated + " + fmt(REQ.size_bytes) +
-           " requested", {x: xo - 10, y: Math.max(yTop - 8, M.t + 28), "text-anchor": "end", "class": "oom-label"});
+           " requested", {x: xo - 6, y: M.t + 29, "text-anchor": "end", "class": "oom-label"});
     }
   }
 

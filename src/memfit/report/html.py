@@ -52,8 +52,8 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px}
 .hline.gpu-total{stroke:#b00020}.hline.pytorch-capacity{stroke:#e07b00}.hline.required{stroke:#6a3d9a}
 .hline-label{fill:#333;font-size:11px}
 .peak{fill:#fff;stroke:#111;stroke-width:2;pointer-events:none}
-.peak-label{font-weight:600;fill:#111}
-.oom{stroke:#b00020;stroke-width:2}.oom-label{fill:#b00020;font-weight:600}
+.peak-label{font-weight:600;fill:#111;paint-order:stroke;stroke:#fff;stroke-width:3px}
+.oom{stroke:#b00020;stroke-width:2}.oom-label{fill:#b00020;font-weight:600;paint-order:stroke;stroke:#fff;stroke-width:3px}
 .oom-request{fill:#b00020;fill-opacity:.35;stroke:#b00020;stroke-width:1.5;stroke-dasharray:4 2}
 .oom-point{fill:#b00020;stroke:#fff;stroke-width:1.5;pointer-events:none}
 #memfit-tooltip tr.request td{color:#b00020;font-weight:600}
@@ -342,7 +342,7 @@ def _chart_intro(report: "MemoryReport", tl: Timeline) -> str:
         parts.append(", on a GPU that leaves exactly the required memory to PyTorch (no GPU given)")
     else:
         parts.append(f", on the {report.gpu['name']}")
-    parts.append(". Hover to see the largest live storages.")
+    parts.append(". Hover to see the largest live tensors (size, category, module, shape, dtype).")
     if report.parallel:
         parts.append(f" Rank 0 of {report.parallel.get('world_size')}: the report holds rank 0's trace only "
                      f"(ranks differ: {report.parallel.get('ranks_differ', 'unknown')}).")
