@@ -32,6 +32,11 @@ this file:
   `step_time` metric; `grpo_micro_step` runs `Trainer.training_step` on a prepared micro-batch instead), and the
   attributes that decide whether a micro-batch can be chunked (`loss_type`, `_entropy_bonus_enabled`,
   `top_entropy_quantile`, `aux_loss_enabled`, `use_vllm`, `use_transformers_continuous_batching`, `rollout_func`).
+- RLOOTrainer / KTOTrainer (memfit.sim.rloo_steps, memfit.sim.kto_steps): their fused heads' outputs
+  (`RLOO_FUSED_OUTPUTS`, `KTO_FUSED_OUTPUTS`), `trl.trainer.utils.nanstd` (RLOO's group standard deviation).
+- DistillationTrainer (memfit.sim.distill_steps): `trl.kernels.chunked_divergence.ChunkedDivergenceFunction`
+  (`chunked_divergence`), and `divergence_kernels()`, which replaces the torch fallbacks of its Triton kernels
+  (`_stats_tile`, `_jsd_tile`, `_backward_tile`), its `_addmm_fp32` and `_project` by what the CUDA path allocates.
 - trainer attributes read by preflight: `SFTTrainer.padding_free` (bfd packing implies it),
   `SFTTrainer.completion_only_loss`, `DPOTrainer.ref_model`, `DPOTrainer.precompute_ref_logps`.
 """
