@@ -103,9 +103,10 @@ def test_refusals_are_one_line():
     from memfit.planner.parallel_plan import plan_parallel
     from memfit.planner.search import plan
 
-    with pytest.raises(MemfitError, match="plans GRPO on one GPU only") as err:
-        plan_parallel(_setup(), gpus="2xA100-80GB")
-    assert "\n" not in str(err.value)
+    for trainer in ("grpo",):
+        with pytest.raises(MemfitError, match=f"plans {trainer.upper()} on one GPU only") as err:
+            plan_parallel(_setup(trainer=trainer), gpus="2xA100-80GB")
+        assert "\n" not in str(err.value)
     with pytest.raises(MemfitError, match="`--allow truncation` is not searched for GRPO") as err:
         plan(_setup(), gpu="A100-80GB", allow=("truncation",))
     assert "\n" not in str(err.value)
@@ -198,3 +199,20 @@ def test_plan_without_vllm_keeps_the_batches_and_its_setup_fits_when_estimated_a
     assert t.effective_batch_size == s.effective_batch_size and t.grpo_sizes[1] == s.grpo_sizes[1]
     again = estimate(t, gpu="256MiB", non_pytorch_bytes=outside, capacity_bytes=r.budget_bytes - outside)
     assert again.fits is True
+
+
+@pytest.mark.slow
+def test_rloo_is_planned_as_grpo_with_rloo_config_names():
+    """RLOOConfig has GRPOConfig's generation names: the same search, the change in RLOOConfig's names."""
+    from trl import RLOOConfig
+
+    from memfit.planner.search import plan
+
+    s = _setup(trainer="rloo", use_vllm=True, vllm_gpu_memory_utilization=0.45)
+    r = plan(s, gpu="1GiB")
+    assert r.config_class == "RLOOConfig" and not r.fits_as_is and r.chosen is not None
+    p = r.plans[r.chosen]
+    assert set(p.changes) <= {f.name for f in dataclasses.fields(RLOOConfig)}
+    t = s.replace(**p.setup_changes)
+    assert t.effective_batch_size == s.effective_batch_size and t.grpo_sizes[1] == s.grpo_sizes[1]
+    assert t.vllm_gpu_memory_utilization < 0.45

@@ -1,5 +1,6 @@
 """`memfit.plan` for GRPO (`trainer="grpo"`): the fastest configuration of GRPOTrainer (TRL 1.16) that fits one GPU,
-keeping the generation batch and the completions per optimizer step exactly.
+keeping the generation batch and the completions per optimizer step exactly. RLOO (`trainer="rloo"`) is planned
+the same way: RLOOConfig has GRPOConfig's generation names (memfit.train_setup.GENERATING_TRAINERS).
 
 What is searched (memfit.remedies, each change a GRPOConfig name):
 
@@ -47,7 +48,7 @@ from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport
 from memfit.planner.memory_model import Budget, Simulations
 from memfit.remedies import REGISTRY, Applicability
-from memfit.train_setup import TrainSetup
+from memfit.train_setup import TRL_CONFIG_CLASS_NAMES, TrainSetup
 
 __all__ = ["plan_grpo", "GRPO_OPT_IN", "MAX_SIMULATIONS", "share_for", "GrpoFacts", "grpo_facts",
            "held_when_vllm_wakes", "grpo_micro_batches"]
@@ -196,7 +197,8 @@ def plan_grpo(setup: TrainSetup, budget: Budget, *, allow: tuple[str, ...], excl
         not_applicable={k: v.reason for k, v in verdicts.items()
                         if k in used and not v.applies and not (k == "gradient_checkpointing"
                                                                 and setup.gradient_checkpointing)},
-        elapsed_s=round(time.perf_counter() - started, 2), simulations=sims.count, config_class="GRPOConfig",
+        elapsed_s=round(time.perf_counter() - started, 2), simulations=sims.count,
+        config_class=TRL_CONFIG_CLASS_NAMES[setup.trainer],
     )
 
 

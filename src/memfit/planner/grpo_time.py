@@ -107,7 +107,8 @@ def grpo_step_time(setup: Any, spec: GpuSpec, timer: Any, params: int, trainable
     train = setup.replace(max_length=total_tokens, example_lengths=None)
     training_s = timer.seconds(train, params, trainable_params, paged_traffic=paged_traffic)
     per_step = setup.gradient_accumulation_steps / (steps * setup.num_iterations)
-    passes = int(needs_old_log_probs(setup)) + int(setup.beta != 0.0)
+    # RLOOTrainer always scores the old log-probs (memfit.sim.rloo_steps)
+    passes = int(setup.trainer == "rloo" or needs_old_log_probs(setup)) + int(setup.beta != 0.0)
     b = setup.per_device_train_batch_size
     scoring_s = passes * _forward_s(params, timer.n_layer, timer.d_model, total_tokens, g * total_tokens,
                                     b * total_tokens, spec, setup.precision)

@@ -48,7 +48,7 @@ from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_mo
 from memfit.planner.ranking import Candidate, StepTimer, rank
 from memfit.planner.throughput import paged_traffic_bytes
 from memfit.planner.workers import WorkerPool, worker_count
-from memfit.train_setup import TrainSetup
+from memfit.train_setup import GENERATING_TRAINERS, TrainSetup
 
 __all__ = ["Plan", "PlanResult", "SearchedCandidate", "plan", "DEFAULT_MARGIN"]
 
@@ -236,10 +236,6 @@ def plan(
     exclude = tuple(map(remedy_id, exclude))  # an earlier remedy name is accepted (memfit.remedies.ALIASES)
     allow = _check_options(margin=margin, allow=allow, exclude=exclude)
     setup = _as_setup(setup)
-    if setup.trainer == "rloo":  # RLOO's generation batch is GRPO's; the GRPO search (grpo_plan) is for GRPO only
-        raise MemfitError("`memfit plan` does not plan RLOO yet (its remedies would change the generation batch and "
-                          "what is learned, as GRPO's); run `memfit estimate --trainer rloo` for each configuration "
-                          "you consider")
     if gpu is None:  # a GPU is what the plan is for (a MemfitError, not a TypeError on the missing keyword)
         raise MemfitError("plan() needs `gpu`; `None` is not a GPU: pass gpu=\"V100-16GB\", a size like "
                           "gpu=\"24GiB\", or gpu=\"auto\"")
@@ -259,7 +255,7 @@ def plan(
             if hit is not None:
                 return dataclasses.replace(hit, cached=True, elapsed_s=round(time.perf_counter() - started, 2))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
-    if setup.trainer == "grpo":  # its own search: the generation batch and vLLM's share (memfit.planner.grpo_plan)
+    if setup.trainer in GENERATING_TRAINERS:  # GRPO, RLOO: the generation batch and vLLM's share (grpo_plan)
         from memfit.planner.grpo_plan import plan_grpo
 
         # grpo_plan builds its plans with this module's classes and helpers, handed over (it imports nothing here)

@@ -6,11 +6,12 @@ normalised over smaller groups (TRL grpo_trainer.py: the rewards' mean and std p
 """
 
 from memfit.remedies.base import Applicability, Remedy
+from memfit.train_setup import GENERATING_TRAINERS
 
 
 def _check(setup, gpu):
-    if setup.trainer != "grpo":
-        return Applicability(False, "GRPO only")
+    if setup.trainer not in GENERATING_TRAINERS:
+        return Applicability(False, "GRPO and RLOO only")
     if setup.num_generations // 2 < 2 or setup.num_generations % 2:
         return Applicability(False, f"num_generations `{setup.num_generations}` cannot be halved to 2 or more")
     return Applicability(True, "half the completions per prompt: half the generation batch")
@@ -28,5 +29,5 @@ REMEDY = Remedy(
     name="fewer_generations", title="fewer completions per prompt", opt_in=True,
     saves="the generation batch: KV cache, scoring buffers, completions per optimizer step",
     costs="a different objective: advantages over smaller groups, fewer completions per step",
-    check=_check, variants=_variants, apply=_apply, fields=("num_generations",), trainers=("grpo",),
+    check=_check, variants=_variants, apply=_apply, fields=("num_generations",), trainers=GENERATING_TRAINERS,
 )

@@ -6,11 +6,12 @@ the objective loses its KL penalty (GRPOConfig's default, `beta=0.0`, in TRL 1.1
 """
 
 from memfit.remedies.base import Applicability, Remedy
+from memfit.train_setup import GENERATING_TRAINERS
 
 
 def _check(setup, gpu):
-    if setup.trainer != "grpo":
-        return Applicability(False, "GRPO only")
+    if setup.trainer not in GENERATING_TRAINERS:
+        return Applicability(False, "GRPO and RLOO only")
     if setup.beta == 0:
         return Applicability(False, "beta is 0 already: no reference model")
     return Applicability(True, "beta > 0 keeps a reference model and scores with it")
@@ -28,5 +29,5 @@ REMEDY = Remedy(
     name="no_reference", title="no reference model (beta=0)", opt_in=True,
     saves="the reference copy of the weights (without peft) and its scoring pass",
     costs="a different objective: no KL penalty towards the reference",
-    check=_check, variants=_variants, apply=_apply, fields=("beta",), trainers=("grpo",),
+    check=_check, variants=_variants, apply=_apply, fields=("beta",), trainers=GENERATING_TRAINERS,
 )

@@ -5,13 +5,14 @@ that would run longer are cut (TRL masks them with `mask_truncated_completions`,
 """
 
 from memfit.remedies.base import Applicability, Remedy
+from memfit.train_setup import GENERATING_TRAINERS
 
 _SHORTEST = 64  #: completions are not planned shorter than this (tokens)
 
 
 def _check(setup, gpu):
-    if setup.trainer != "grpo":
-        return Applicability(False, "GRPO only")
+    if setup.trainer not in GENERATING_TRAINERS:
+        return Applicability(False, "GRPO and RLOO only")
     if setup.max_completion_length // 2 < _SHORTEST:
         return Applicability(False, f"completions are already short ({setup.max_completion_length} tokens)")
     return Applicability(True, "KV cache, log-probs and activations grow with the completion")
@@ -28,5 +29,5 @@ def _apply(changes, setup, **_):
 REMEDY = Remedy(
     name="shorter_completions", title="shorter completions", opt_in=True,
     saves="KV cache, log-probs and activations of the completions", costs="longer completions are cut",
-    check=_check, variants=_variants, apply=_apply, fields=("max_completion_length",), trainers=("grpo",),
+    check=_check, variants=_variants, apply=_apply, fields=("max_completion_length",), trainers=GENERATING_TRAINERS,
 )

@@ -11,11 +11,12 @@ variant: `variants` offers sleep mode, the planner sizes the share of each candi
 """
 
 from memfit.remedies.base import Applicability, Remedy
+from memfit.train_setup import GENERATING_TRAINERS
 
 
 def _check(setup, gpu):
-    if setup.trainer != "grpo" or not setup.use_vllm:
-        return Applicability(False, "only GRPO generating with vLLM has a vLLM share")
+    if setup.trainer not in GENERATING_TRAINERS or not setup.use_vllm:
+        return Applicability(False, "only GRPO / RLOO generating with vLLM have a vLLM share")
     if setup.vllm_mode != "colocate":
         return Applicability(False, "vLLM runs on other GPUs (server mode): no share of the training GPU")
     return Applicability(True, "a colocated vLLM holds a fixed share of the card; the plan sizes it")
@@ -41,5 +42,5 @@ REMEDY = Remedy(
     costs="a smaller share decodes fewer completions at once (slower generation); sleep mode wakes vLLM before "
           "every generation",
     check=_check, variants=_variants, apply=_apply,
-    fields=("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"), trainers=("grpo",),
+    fields=("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"), trainers=GENERATING_TRAINERS,
 )
