@@ -133,6 +133,9 @@ def test_colocated_share_is_sized_and_leaves_the_step_fitting():
     p = r.plans[r.chosen]
     assert p.fits and p.verified and "vllm_share" in p.remedies
     assert set(p.changes) <= _grpo_config_names()  # the change is GRPOConfig's names
+    from memfit.report.plan_view import render_plan_html
+
+    assert "GRPOConfig(..., " in render_plan_html(r)  # the plan page names the config too
     t = s.replace(**p.setup_changes)
     assert t.effective_batch_size == s.effective_batch_size and t.grpo_sizes[1] == s.grpo_sizes[1]
     share = t.vllm_gpu_memory_utilization

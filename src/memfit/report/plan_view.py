@@ -95,8 +95,9 @@ def change_text(result: Any) -> str | None:
         return "\n".join(lines + list(L.code) + list(L.commands))
     p = result.plans[result.chosen]
     lines = [f"export {k}={v}" for k, v in p.env.items()]
-    if p.changes:
-        lines.append("TrainingArguments(..., " + ", ".join(f"{k}={v!r}" for k, v in p.changes.items()) + ")")
+    if p.changes:  # GRPO / RLOO plans change GRPOConfig / RLOOConfig (PlanResult.config_class)
+        config = getattr(result, "config_class", "TrainingArguments")
+        lines.append(f"{config}(..., " + ", ".join(f"{k}={v!r}" for k, v in p.changes.items()) + ")")
     return "\n".join(lines + list(p.code))
 
 
