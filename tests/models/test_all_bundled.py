@@ -18,7 +18,7 @@ _EXPECTED = {
     "olmo2": "causal-lm", "olmoe": "causal-lm", "mixtral": "causal-lm", "gpt_oss": "causal-lm",
     "deepseek_v2": "causal-lm", "smollm3": "causal-lm", "modernbert": "seq-cls",
     # image and speech models: their inputs made by their own processors
-    "vit": "image-cls", "whisper": "speech-seq2seq",
+    "vit": "image-cls", "whisper": "speech-seq2seq", "wav2vec2": "ctc", "hubert": "ctc",
 }
 
 #: Large bundled configs whose estimate takes 5-17 s each on the shared 2-core machine (measured with
@@ -31,6 +31,7 @@ _SLOW = {
     "openai/gpt-oss-20b", "allenai/OLMo-2-1124-7B", "answerdotai/ModernBERT-large", "mistralai/Mixtral-8x7B-Instruct-v0.1",
     "deepseek-ai/DeepSeek-V2-Lite", "HuggingFaceTB/SmolLM3-3B", "google/gemma-2-2b",
     "openai/whisper-large-v3", "openai/whisper-large-v3-turbo",
+    "facebook/wav2vec2-large-960h-lv60-self", "facebook/hubert-large-ls960-ft",
 }
 
 

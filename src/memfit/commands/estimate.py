@@ -107,7 +107,8 @@ def build_setup(args: argparse.Namespace):
             raise MemfitError(f"`--args {args.args_file}` names no model: pass {flag} as well, or put "
                               f"\"model\": \"<hub id or directory>\" in the file")
         fields["notes"] = notes
-        if use_cache and "task" not in fields and data.get("task") is None:
+        if use_cache and "task" not in fields and data.get("task") is None \
+                and "reward" not in (fields.get("trainer"), data.get("trainer")):  # reward: TrainSetup picks seq-cls
             _cached_task(args.model if args.model is not None else data.get("model"), fields)
         return TrainSetup.from_kwargs(args.model, training_args=data, args_source=f"`{args.args_file}`",
                                       **fields), gpu, False
@@ -119,7 +120,7 @@ def build_setup(args: argparse.Namespace):
         model = seed.pop("model")
         seed.update(fields)
         return TrainSetup.from_kwargs(model, training_args=training_args, **seed), gpu, True
-    if use_cache and "task" not in fields:
+    if use_cache and "task" not in fields and fields.get("trainer") != "reward":  # reward: TrainSetup picks seq-cls
         _cached_task(args.model, fields)
     return TrainSetup.from_kwargs(args.model, **fields), gpu, False
 
@@ -186,7 +187,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     from memfit.commands._progress import progress
 
     what = f"simulating rank 0 of {parallel.world_size} ({parallel.strategy})" if parallel is not None else ""
-    with progress(f"{setup.model}: {what}", json_output=args.json, enabled=parallel is not None):  # multi-GPU: long
+    with progress(f"{setup.model}: {what}", json_output=args.json, enabled=parallel is not None,  # multi-GPU: long
+                  details=True):
         report = estimate(setup, gpu=gpu, alloc_conf=args.alloc_conf, parallel=parallel,
                           cache=not args.no_cache and args.snapshot is None and not views)  # these need the trace
     if args.snapshot is not None:
@@ -296,20 +298,26 @@ def _example_text(report) -> str:
     s, media = report.setup, getattr(report, "media_inputs", None)
     if not media:
         return f"{s['sequence_length']} tokens"
+    if media.get("kind") == "image-text":  # a vision-language model: the sequence its processor made
+        n = media["images_per_example"]
+        return (f"{media['sequence_length']} tokens ({n} {media['image_size']} image{'s' if n > 1 else ''} -> "
+                f"{media['image_tokens_per_image']} image tokens each + {media['text_tokens']} text)")
     if media.get("kind") == "image":
         shape = "x".join(map(str, media["inputs"].get("pixel_values", [])))
         return f"{media['image_size']} image -> pixel_values {shape}"
     positions = f", {media['encoder_positions']} encoder positions" if "encoder_positions" in media else ""
     labels = f" + {s['target_length'] or s['max_length']} label tokens" if report.task == "speech-seq2seq" else ""
+    if "label_length" in media:  # ctc: the transcript's characters
+        labels = f" + {media['label_length']} label characters"
     return f"{media['audio_seconds']:g} s clip{positions}{labels}"
 
 
 def rl_lines(report) -> list[str]:
-    """GRPO: the generation batch, the KV cache of generate, the reference copy, vLLM's share."""
+    """GRPO / RLOO: the generation batch, the KV cache of generate, the reference copy, vLLM's share."""
     rl = getattr(report, "rl", None)
     if not rl:
         return []
-    out = [f"GRPO: {rl['generation_batch_size']} completions generated at once ({rl['num_generations']} per prompt), "
+    out = [f"{str(rl.get('trainer', 'grpo')).upper()}: {rl['generation_batch_size']} completions generated at once ({rl['num_generations']} per prompt), "
            f"{rl['steps_per_generation']} micro-steps per generation, prompts {rl['prompt_tokens']} + completions "
            f"{rl['completion_tokens']} tokens; reference copy of the weights: {'yes' if rl['reference_copy'] else 'no'}"
            f"; old log-probs kept: {'yes' if rl['old_log_probs'] else 'no'}"]
@@ -359,7 +367,9 @@ def render(report, *, is_seed: bool = False) -> None:
     phases.add_column("allocated", justify="right")
     phases.add_column("reserved", justify="right")
     rl = getattr(report, "rl", None)
-    shown = ("generation", "scoring") if rl is not None else ()  # GRPO: before the training micro-steps
+    shown = ("generation", "scoring") if rl is not None else ()  # GRPO / RLOO: before the training micro-steps
+    if rl is None and report.phases.get("generation"):  # distillation generates, and scores nothing
+        shown = ("generation",)
     for phase in (*shown, "forward", "backward", "optimizer", "eval"):
         if phase == "generation" and "generation" not in report.phases:  # vLLM generates
             phases.add_row(phase, "in vLLM's share", "-")

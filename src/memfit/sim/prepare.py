@@ -42,7 +42,8 @@ class PreparedModel:
     flex_log: list[str] | None = None  #: emulated flex-attention kernels that ran; None: not flex attention
     quant: Any = None  #: memfit.models.quantization.QuantSpec, or None when the weights are not quantized
     quant_summary: dict | None = None  #: memfit.models.quantization.quantization_summary
-    ref_model: nn.Module | None = None  #: DPO's reference copy (memfit.sim.trl_steps.build_reference)
+    ref_model: nn.Module | None = None  #: DPO's / GRPO's reference copy (memfit.sim.trl_steps.build_reference)
+    ref_cut: nn.Module | None = None  #: the reference's cut model (with `cut`, when it has a reference copy)
     splice: bool = True  #: whether the cut model may stand for the full one
     cut: nn.Module | None = None  #: the cut model (memfit.sim.splice.truncate_layers), or None
     sizes: dict = field(default_factory=dict)  #: per repeated stack, its full number of blocks (with `cut`)
@@ -169,7 +170,8 @@ def summarize_quantization(p: PreparedModel, setup: TrainSetup) -> None:
 
 
 def freeze(p: PreparedModel, setup: TrainSetup) -> None:
-    """`freeze_embeddings` and `freeze_layers`: frozen and trained blocks differ, so no block stands for the others."""
+    """`freeze_embeddings` and `freeze_layers` (frozen and trained blocks differ, so no block stands for the others),
+    and the parts of image and speech models (memfit.models.freezing)."""
     model = p.model
     if setup.freeze_embeddings:
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -185,6 +187,9 @@ def freeze(p: PreparedModel, setup: TrainSetup) -> None:
         for block in list(stacks[0][1])[: setup.freeze_layers]:
             block.requires_grad_(False)
         p.splice = False
+    from memfit.models.freezing import freeze_parts  # a speech model's feature encoder, a vision tower, ...
+
+    p.notes += freeze_parts(model, setup)
 
 
 def cut_repeated_blocks(p: PreparedModel, setup: TrainSetup) -> None:
@@ -199,8 +204,13 @@ def cut_repeated_blocks(p: PreparedModel, setup: TrainSetup) -> None:
     try:
         with meta_safe_deepcopy() if p.quant is not None else contextlib.nullcontext():
             p.cut, p.sizes, p.names = truncate_layers(p.model)
+            if p.ref_model is not None:  # GRPO's reference forward is spliced too (memfit.sim.grpo_steps)
+                p.ref_cut, ref_sizes, ref_names = truncate_layers(p.ref_model)
+                if (ref_sizes, ref_names) != (p.sizes, p.names):
+                    raise SpliceRefused("the reference's repeated stacks are not the policy's")
+        trl_steps.prepare_cut(p.cut, p.ref_cut)
     except SpliceRefused:
-        p.cut = None
+        p.cut = p.ref_cut = None
 
 
 def turn_on_checkpointing(p: PreparedModel, setup: TrainSetup) -> None:
