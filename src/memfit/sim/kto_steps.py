@@ -146,7 +146,7 @@ def _loss(runner: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     """The loss of one KTO micro-step (forward phase), and the index of the first record after the batch."""
-    from memfit.sim.trl_steps import activation_offloading
+    from memfit.sim.offload import runner_activation_offloading as activation_offloading
 
     batch = kto_batch(runner.setup)
     for t in batch.values():

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["host_saved_tensors", "host_offload_patch", "trl_activation_offloading"]
+__all__ = ["host_saved_tensors", "host_offload_patch", "trl_activation_offloading", "runner_activation_offloading"]
 
 #: trl get_act_offloading_ctx_manager(min_offload_size=1024): smaller tensors stay on the device.
 TRL_MIN_OFFLOAD_BYTES = 1024
@@ -115,3 +115,14 @@ def trl_activation_offloading(model: nn.Module, tracker: Any):
         return bool(state["in_head"]) or isinstance(t, nn.Parameter) or (rec is not None and rec.category == "weights")
 
     return lambda: host_saved_tensors(tracker, min_bytes=TRL_MIN_OFFLOAD_BYTES, skip=skip)
+
+
+def runner_activation_offloading(runner: Any):
+    """TRL's `activation_offloading=True` context of a simulated run (`runner`: memfit.sim.engine's), built once
+    on its forward model (`trl_activation_offloading`); a null context when the setting is off. SFTTrainer,
+    DPOTrainer, RewardTrainer and KTOTrainer (TRL 1.16) run `training_step` inside it."""
+    if not runner.setup.activation_offloading:
+        return contextlib.nullcontext()
+    if getattr(runner, "_act_offload", None) is None:
+        runner._act_offload = trl_activation_offloading(runner.fwd_model, runner.tracker)
+    return runner._act_offload()

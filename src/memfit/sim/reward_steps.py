@@ -38,7 +38,7 @@ def reward_batch(setup: Any) -> dict[str, torch.Tensor]:
 def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     """RewardTrainer.compute_loss of one micro-batch (forward phase), and the index of the first record after the
     batch."""
-    from memfit.sim.trl_steps import activation_offloading
+    from memfit.sim.offload import runner_activation_offloading as activation_offloading
 
     tensors = reward_batch(runner.setup)
     for t in tensors.values():
