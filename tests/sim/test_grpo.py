@@ -116,7 +116,7 @@ def test_bad_grpo_input_is_one_line(kw, fragment):
 
 
 @pytest.mark.parametrize("trainer, name", [("gkd", "GKDTrainer"), ("orpo", "ORPOTrainer"), ("cpo", "CPOTrainer"),
-                                           ("online_dpo", "OnlineDPOTrainer"), ("distill", "DistillationTrainer")])
+                                           ("online_dpo", "OnlineDPOTrainer")])
 def test_other_rl_trainers_are_named_not_supported(trainer, name):
     with pytest.raises(MemfitError) as err:
         TrainSetup(model=LLAMA, trainer=trainer)
@@ -292,9 +292,3 @@ def test_vllm_share_too_small_for_the_weights_does_not_fit():
     assert r.fits is False and any("vLLM fails at start-up" in n for n in r.notes)
 
 
-def test_plan_refuses_grpo():
-    from memfit import plan
-
-    with pytest.raises(MemfitError, match="does not plan GRPO yet") as err:
-        plan(_setup(), gpu="A100-80GB")
-    assert "\n" not in str(err.value)
