@@ -18,7 +18,7 @@ _EXPECTED = {
     "olmo2": "causal-lm", "olmoe": "causal-lm", "mixtral": "causal-lm", "gpt_oss": "causal-lm",
     "deepseek_v2": "causal-lm", "smollm3": "causal-lm", "modernbert": "seq-cls",
     # image and speech models: their inputs made by their own processors
-    "vit": "image-cls", "whisper": "speech-seq2seq", "wav2vec2": "ctc", "hubert": "ctc",
+    "vit": "image-cls", "whisper": "speech-seq2seq", "wav2vec2": "ctc", "hubert": "ctc", "qwen2_5_vl": "image-text-to-text",
 }
 
 #: Large bundled configs whose estimate takes 5-17 s each on the shared 2-core machine (measured with
