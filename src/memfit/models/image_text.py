@@ -42,6 +42,9 @@ class ImageTextFamily:
     """Special token -> the config attribute holding its id (the tokens the processor reads or writes)."""
     image_token_attr: str
     """The config attribute of the id of the tokens the image features replace (counted in `input_ids`)."""
+    attributes: dict[str, str] | None = None
+    """Tokenizer attributes the processor reads (Gemma 3's `tokenizer.boi_token`): name -> one of `tokens`; each
+    also gets `<name>_id`."""
 
 
 FAMILIES: dict[str, ImageTextFamily] = {
@@ -67,16 +70,27 @@ def _config_id(config: Any, attr: str) -> int:
                       "image tokens")
 
 
-def _bundled_processor_settings(spec: Any) -> dict[str, Any]:
-    """The processor's own settings (`processor_config.json`: Gemma 3's `image_seq_length`, ...), bundled in the
-    `_memfit` record of the model's preprocessor config as `processor_config`."""
+def _processor_settings(spec: Any) -> dict[str, Any]:
+    """The processor's own settings (`processor_config.json`: Gemma 3's `image_seq_length`, LLaVA's `patch_size`):
+    bundled in the `_memfit` record of the model's preprocessor config as `processor_config`, or a local model
+    directory's own file; {} (the processor class's defaults) when there is none."""
+    import json
+    import os
+
     from memfit.models.catalog import find_bundled
     from memfit.models.processors import bundled_processor_record
 
-    if spec.source != "bundled":
-        return {}
-    record = bundled_processor_record(find_bundled(spec.name) or spec.name) or {}
-    return dict(record.get("processor_config") or {})
+    if spec.source == "bundled":
+        record = bundled_processor_record(find_bundled(spec.name) or spec.name) or {}
+        return dict(record.get("processor_config") or {})
+    if spec.source == "local":
+        folder = os.path.dirname(spec.name) if spec.name.endswith(".json") else spec.name
+        path = os.path.join(folder, "processor_config.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            return {k: v for k, v in data.items() if k not in ("processor_class", "auto_map")}
+    return {}
 
 
 def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
@@ -106,10 +120,13 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         width, height = setup.image_wh
     n = setup.images_per_example
     tokens = {token: _config_id(config, attr) for token, attr in family.tokens.items()}
-    tokenizer = stub_tokenizer(tokens)
+    attributes = {}
+    for name, token in (family.attributes or {}).items():
+        attributes[name], attributes[f"{name}_id"] = token, tokens[token]
+    tokenizer = stub_tokenizer(tokens, attributes)
     with quiet_transformers():
         processor = processor_class(getattr(transformers, family.processor))(
-            image_processor=image_processor, tokenizer=tokenizer, **_bundled_processor_settings(spec))
+            image_processor=image_processor, tokenizer=tokenizer, **_processor_settings(spec))
         text = family.placeholder * n + " " + " ".join([TEXT_WORD] * setup.max_length)
         image = np.zeros((height, width, 3), dtype=np.uint8)  # HWC, as a decoded PIL image becomes an array
         try:
