@@ -191,23 +191,33 @@ class GrpoTrainingStep(ChunkedTrainingStep):
                 raise torch.OutOfMemoryError(
                     f"memfit: out of memory in GRPO generation at optimizer step {self.trainer.state.global_step}; "
                     f"not split ({why}). Last error: {cause}")
-            rng = _rng_state()
-            while True:
-                self.meter.reset()
-                try:
-                    out = self._generate_in_parts(original, prompt_ids, num_generations, args, kwargs)
-                    self.meter.record(GENERATION)
-                    return out
-                except Exception as exc:  # noqa: BLE001 - only OOMs are handled
-                    if not is_oom_error(exc):
-                        raise
-                    cause, tried = oom_cause(exc)
-                    exc = None  # drop the traceback (it holds the KV cache)
-                free_memory()
-                self._split_generation(len(prompt_ids), cause, tried)
-                _set_rng_state(rng)  # the retry draws as a run generating in this many calls from the start
+            # the retry draws as a run generating in this many calls from the start
+            return self._until_it_fits(
+                GENERATION, lambda: self._generate_in_parts(original, prompt_ids, num_generations, args, kwargs),
+                lambda cause, tried: self._split_generation(len(prompt_ids), cause, tried))
 
         return generate
+
+    def _until_it_fits(self, phase: str, attempt: Callable[[], Any],
+                       shrink: Callable[[str, int | None], None]) -> Any:
+        """`attempt()` until it runs without an OOM, calling `shrink(cause, requested_bytes)` after each one (it
+        raises when nothing is left to shrink); each retry starts from the random state of the first attempt, and
+        the meter records `phase`'s peak of the attempt that ran."""
+        rng = _rng_state()
+        while True:
+            self.meter.reset()
+            try:
+                out = attempt()
+                self.meter.record(phase)
+                return out
+            except Exception as exc:  # noqa: BLE001 - only OOMs are handled
+                if not is_oom_error(exc):
+                    raise
+                cause, tried = oom_cause(exc)
+                exc = None  # drop the traceback (it holds the failed attempt's tensors)
+            free_memory()
+            shrink(cause, tried)
+            _set_rng_state(rng)
 
     def _generate_in_parts(self, original, prompt_ids, num_generations, args, kwargs):
         completion_ids: list[Any] = []
@@ -241,24 +251,14 @@ class GrpoTrainingStep(ChunkedTrainingStep):
         def score(model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
             if torch.is_grad_enabled():  # the loss's own forward: ChunkedTrainingStep's chunks
                 return original(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs)
-            rng = _rng_state()
-            while True:
-                rows = batch_size or input_ids.size(0)
-                if self.scoring_batch_size is not None:
-                    rows = min(rows, self.scoring_batch_size)
-                self.meter.reset()
-                try:
-                    out = original(model, input_ids, attention_mask, logits_to_keep, batch_size=rows, **kwargs)
-                    self.meter.record(SCORING)
-                    return out
-                except Exception as exc:  # noqa: BLE001 - only OOMs are handled
-                    if not is_oom_error(exc):
-                        raise
-                    cause, tried = oom_cause(exc)
-                    exc = None
-                free_memory()
-                self._halve_scoring(rows, cause, tried)
-                _set_rng_state(rng)
+            def rows() -> int:
+                n = batch_size or input_ids.size(0)
+                return n if self.scoring_batch_size is None else min(n, self.scoring_batch_size)
+
+            return self._until_it_fits(
+                SCORING, lambda: original(model, input_ids, attention_mask, logits_to_keep, batch_size=rows(),
+                                          **kwargs),
+                lambda cause, tried: self._halve_scoring(rows(), cause, tried))
 
         return score
 

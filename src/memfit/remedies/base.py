@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Remedy", "Applicability", "TrainerAdapter"]
+__all__ = ["Remedy", "Applicability", "TrainerAdapter", "apply_fields"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +59,9 @@ class Remedy:
     def serves(self, trainer: str) -> bool:
         """Whether this remedy is one for `trainer`'s runs (`trainers` empty: every trainer's)."""
         return not self.trainers or trainer in self.trainers
+
+
+def apply_fields(changes: dict[str, Any], setup: Any, **_: Any) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """`Remedy.apply` of a remedy whose variant is only TrainingArguments / config fields: the change is the
+    variant itself, with no environment variable and no code line."""
+    return dict(changes), {}, []

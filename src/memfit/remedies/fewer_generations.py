@@ -5,7 +5,7 @@ cache, the scoring buffers and the training micro-steps. It changes GRPO's objec
 normalised over smaller groups (TRL grpo_trainer.py: the rewards' mean and std per group of `num_generations`).
 """
 
-from memfit.remedies.base import Applicability, Remedy
+from memfit.remedies.base import Applicability, Remedy, apply_fields
 from memfit.train_setup import GENERATING_TRAINERS
 
 
@@ -21,13 +21,9 @@ def _variants(setup, gpu):
     return [{"num_generations": setup.num_generations // 2}] if _check(setup, gpu).applies else []
 
 
-def _apply(changes, setup, **_):
-    return dict(changes), {}, []
-
-
 REMEDY = Remedy(
     name="fewer_generations", title="fewer completions per prompt", opt_in=True,
     saves="the generation batch: KV cache, scoring buffers, completions per optimizer step",
     costs="a different objective: advantages over smaller groups, fewer completions per step",
-    check=_check, variants=_variants, apply=_apply, fields=("num_generations",), trainers=GENERATING_TRAINERS,
+    check=_check, variants=_variants, apply=apply_fields, fields=("num_generations",), trainers=GENERATING_TRAINERS,
 )

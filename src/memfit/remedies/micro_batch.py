@@ -5,7 +5,7 @@ set how often the optimizer steps). A smaller micro-batch with more accumulation
 activations at some speed; a larger one, when memory is left over, is faster.
 """
 
-from memfit.remedies.base import Applicability, Remedy
+from memfit.remedies.base import Applicability, Remedy, apply_fields
 
 
 def _divisors(n):
@@ -26,10 +26,6 @@ def _variants(setup, gpu):
     ]
 
 
-def _apply(changes, setup, **_):
-    return dict(changes), {}, []
-
-
 def _apply_to_trainer(trainer, changes, log, adapter):
     applied = {}
     for key, value in changes.items():
@@ -48,7 +44,7 @@ def _apply_to_trainer(trainer, changes, log, adapter):
 REMEDY = Remedy(
     name="micro_batch", title="micro-batch x accumulation",
     saves="activations, in proportion to the micro-batch", costs="smaller micro-batches use the GPU less well",
-    check=_check, variants=_variants, apply=_apply,
+    check=_check, variants=_variants, apply=apply_fields,
     # GRPO: the generation batch is kept by steps_per_generation (or generation_batch_size) changing with the
     # micro-batch (memfit.planner.grpo_plan)
     fields=("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",

@@ -5,7 +5,7 @@ disabled instead: no copy), and scores every generation batch with it for the KL
 the objective loses its KL penalty (GRPOConfig's default, `beta=0.0`, in TRL 1.16).
 """
 
-from memfit.remedies.base import Applicability, Remedy
+from memfit.remedies.base import Applicability, Remedy, apply_fields
 from memfit.train_setup import GENERATING_TRAINERS
 
 
@@ -21,13 +21,9 @@ def _variants(setup, gpu):
     return [{"beta": 0.0}] if _check(setup, gpu).applies else []
 
 
-def _apply(changes, setup, **_):
-    return dict(changes), {}, []
-
-
 REMEDY = Remedy(
     name="no_reference", title="no reference model (beta=0)", opt_in=True,
     saves="the reference copy of the weights (without peft) and its scoring pass",
     costs="a different objective: no KL penalty towards the reference",
-    check=_check, variants=_variants, apply=_apply, fields=("beta",), trainers=GENERATING_TRAINERS,
+    check=_check, variants=_variants, apply=apply_fields, fields=("beta",), trainers=GENERATING_TRAINERS,
 )

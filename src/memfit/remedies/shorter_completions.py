@@ -4,7 +4,7 @@ The KV cache, the scoring log-probs and every training micro-step shrink with th
 that would run longer are cut (TRL masks them with `mask_truncated_completions`, or scores them truncated).
 """
 
-from memfit.remedies.base import Applicability, Remedy
+from memfit.remedies.base import Applicability, Remedy, apply_fields
 from memfit.train_setup import GENERATING_TRAINERS
 
 _SHORTEST = 64  #: completions are not planned shorter than this (tokens)
@@ -22,12 +22,8 @@ def _variants(setup, gpu):
     return [{"max_completion_length": setup.max_completion_length // 2}] if _check(setup, gpu).applies else []
 
 
-def _apply(changes, setup, **_):
-    return dict(changes), {}, []
-
-
 REMEDY = Remedy(
     name="shorter_completions", title="shorter completions", opt_in=True,
     saves="KV cache, log-probs and activations of the completions", costs="longer completions are cut",
-    check=_check, variants=_variants, apply=_apply, fields=("max_completion_length",), trainers=GENERATING_TRAINERS,
+    check=_check, variants=_variants, apply=apply_fields, fields=("max_completion_length",), trainers=GENERATING_TRAINERS,
 )

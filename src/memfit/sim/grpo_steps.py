@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -392,9 +393,13 @@ def _loss(runner: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
+def micro_loss(runner: Any, score: Callable[..., dict] | None = None,
+               loss: Callable[[Any, dict], torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """The loss of one GRPO micro-step (generating and scoring first when the buffer is due), and the index of
-    the first record after the generation batch (what the forward allocates from there on)."""
+    the first record after the generation batch (what the forward allocates from there on). `score` and `loss`
+    replace GRPO's own for a trainer with GRPOTrainer's buffer and other rewards or loss (RLOO)."""
+    score = score or _score
+    loss = loss or _loss
     s = runner.setup
     tr = runner.tracker
     steps, gen = s.grpo_sizes
@@ -406,7 +411,7 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
             tr.phase = GENERATION
             generation(runner, gen, p, c)
         tr.phase = SCORING
-        batch = _score(runner, gen, p, c)
+        batch = score(runner, gen, p, c)
         batch = trl_adapter.shuffle_sequence_dict(batch)
         runner._grpo_buffer = trl_adapter.split_tensor_dict(batch, steps)
         del batch
@@ -415,5 +420,4 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     runner._grpo_step = step + 1
     inputs = runner._grpo_buffer[step % steps]
     start = len(tr.records)
-    loss = _loss(runner, inputs)
-    return loss, start
+    return loss(runner, inputs), start

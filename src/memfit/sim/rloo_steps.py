@@ -34,7 +34,6 @@ import torch
 
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim import grpo_steps
-from memfit.trace import FORWARD, GENERATION, SCORING
 
 __all__ = ["micro_loss", "score", "loss"]
 
@@ -119,26 +118,6 @@ def loss(runner: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
-    """The loss of one RLOO micro-step (generating and scoring first when the buffer is due), and the index of the
-    first record after the generation batch; the buffer as GRPOTrainer's (`RLOOTrainer._prepare_inputs`)."""
-    s = runner.setup
-    tr = runner.tracker
-    steps, gen = s.grpo_sizes
-    step = getattr(runner, "_grpo_step", 0)
-    if step % (steps * s.num_iterations) == 0 or getattr(runner, "_grpo_buffer", None) is None:
-        p, c = s.sequence_length, s.max_completion_length
-        runner.grpo_spliced_events = len(tr.events)  # what the passes below splice starts here
-        if not s.use_vllm:
-            tr.phase = GENERATION
-            grpo_steps.generation(runner, gen, p, c)
-        tr.phase = SCORING
-        batch = score(runner, gen, p, c)
-        batch = trl_adapter.shuffle_sequence_dict(batch)
-        runner._grpo_buffer = trl_adapter.split_tensor_dict(batch, steps)
-        del batch
-        grpo_steps._splice(runner)  # the engine splices the training forward and backward from here on
-        tr.phase = FORWARD
-    runner._grpo_step = step + 1
-    inputs = runner._grpo_buffer[step % steps]
-    start = len(tr.records)
-    return loss(runner, inputs), start
+    """The loss of one RLOO micro-step: GRPOTrainer's buffer (`RLOOTrainer._prepare_inputs`) filled by RLOO's
+    scoring, and RLOO's loss."""
+    return grpo_steps.micro_loss(runner, score=score, loss=loss)
