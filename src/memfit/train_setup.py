@@ -1048,6 +1048,8 @@ def _trainer_defaults(setup: "TrainSetup") -> None:
 
 def _check_trl(setup: "TrainSetup") -> None:
     """TRL: the TRL fields' values, and the combinations TRL 1.16 itself refuses or changes."""
+    if not isinstance(setup.trainer, str):
+        raise MemfitError(f"trainer must be one of {', '.join(TRAINERS)}; got `{setup.trainer!r}`")
     if setup.trainer in _TRL_NOT_SIMULATED:
         raise MemfitError(f"trainer `{setup.trainer}` ({_TRL_NOT_SIMULATED[setup.trainer]}) is not supported by memfit; "
                           f"it simulates {', '.join(TRAINERS)}")
@@ -1060,8 +1062,10 @@ def _check_trl(setup: "TrainSetup") -> None:
             raise MemfitError(f"`{name}` must be true or false; got `{getattr(setup, name)!r}`")
     if setup.completion_only_loss is not None and not isinstance(setup.completion_only_loss, bool):
         raise MemfitError(f"`completion_only_loss` must be true, false or null; got `{setup.completion_only_loss!r}`")
-    strategy = {"bfd-requeue": "bfd_split"}.get(setup.packing_strategy, setup.packing_strategy)  # sft_config.py rename
-    if strategy not in PACKING_STRATEGIES:
+    strategy = setup.packing_strategy
+    if isinstance(strategy, str):
+        strategy = {"bfd-requeue": "bfd_split"}.get(strategy, strategy)  # sft_config.py rename
+    if not isinstance(strategy, str) or strategy not in PACKING_STRATEGIES:
         raise MemfitError(f"packing_strategy `{setup.packing_strategy}` is not one of {', '.join(PACKING_STRATEGIES)} "
                           "(SFTConfig, TRL 1.16)")
     setup.packing_strategy = strategy

@@ -117,3 +117,14 @@ def test_train_args_files_with_arbitrary_values(data, tmp_path, capsys, monkeypa
     path.write_text(json.dumps(data), encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     _check(["train", "--args", str(path)], capsys)
+
+
+@pytest.mark.parametrize("value", [[], {"a": 1}])
+def test_every_args_name_with_a_list_or_an_object(value, tiny_bert_dir, tmp_path, capsys, stop_at_simulation):
+    """Every TrainSetup field and legacy name given a JSON list or object (the values no field takes but
+    `peft_config` / `lora_target_modules`): accepted, or one line, never a traceback (a dict lookup of an
+    unhashable value was one)."""
+    path = tmp_path / "args.json"
+    for name in sorted({f.name for f in dataclasses.fields(TrainSetup)} | set(LEGACY_ARG_NAMES)):
+        path.write_text(json.dumps({name: value}), encoding="utf-8")
+        _check(["estimate", tiny_bert_dir, "--args", str(path), "--gpu", "T4"], capsys)
