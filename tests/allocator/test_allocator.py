@@ -364,3 +364,48 @@ def test_garbage_collection_needs_a_memory_fraction():
     # the fraction is also a hard cap: 30 + 30 live > 50 MiB allowed -> OOM
     r = replay([A(1, 30 * MiB), A(2, 30 * MiB)], allowed_bytes=50 * MiB)
     assert r.oom is not None and r.oom.capacity_bytes == 50 * MiB
+
+
+def _reserved_step_by_step(trace, conf, capacity_bytes):
+    """memory_reserved() after each event, the model driven one call at a time (the reference for `reserved_after`)."""
+    m = AllocatorModel(conf, Driver(capacity_bytes))
+    blocks, out = {}, []
+    for ev in trace:
+        if ev.action == "alloc" and ev.size_bytes:
+            b, _ = m.malloc(ev.size_bytes)
+            if b is None:
+                out.append(m.reserved)
+                return out
+            blocks[ev.id] = b
+        elif ev.action == "free" and ev.id in blocks:
+            m.free(blocks.pop(ev.id))
+        elif ev.action == "empty_cache":
+            m.release_cached_blocks()
+        out.append(m.reserved)
+    return out
+
+
+@pytest.mark.parametrize("conf", [AllocConf(), AllocConf(expandable_segments=True),
+                                  AllocConf(max_split_size_bytes=64 * MiB)])
+@pytest.mark.parametrize("capacity", [None, 1024 * MiB])
+def test_reserved_after_is_memory_reserved_after_each_event(conf, capacity):
+    """`replay(reserved_after=...)`: one value per event replayed (zero-byte requests and frees included), the last
+    one at an OOM the cache as the failed request leaves it; the replay's report is the same with or without it."""
+    rng = random.Random(1)
+    trace, live, nid = [], [], 0
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            trace.append(F(live.pop(rng.randrange(len(live)))))
+        elif rng.random() < 0.01:
+            trace.append(EMPTY)
+        else:
+            nid += 1
+            trace.append(A(nid, rng.choice([0, 100, 4 * KiB, 700 * KiB, 3 * MiB, 12 * MiB, 25 * MiB, 90 * MiB])))
+            live.append(nid)
+    series: list[int] = []
+    with_series = replay(trace, conf=conf, capacity_bytes=capacity, reserved_after=series)
+    assert with_series == replay(trace, conf=conf, capacity_bytes=capacity)
+    assert series == _reserved_step_by_step(trace, conf, capacity)
+    assert len(series) == with_series.num_events
+    assert (with_series.oom is not None) == (capacity is not None and len(series) < len(trace))
+    assert max(series) == with_series.peak_reserved_bytes

@@ -253,6 +253,31 @@ def test_the_page_replays_the_trace_with_other_allocator_settings(t4_report, oom
         assert ("runs out of memory" in rows[0]) == (tl.oom_index is not None)
 
 
+def test_the_what_ifs_are_the_figures_of_their_own_replays(t4_report, oom_report, report, tmp_path):
+    """Every row of the what-if table, the run's own one included (it reuses the timeline's replay), shows what
+    `memfit.allocator.caching.replay` of the trace with that setting gives: peak reserved, fragmentation, cudaMalloc
+    calls, the verdict."""
+    from memfit.allocator.caching import replay
+    from memfit.allocator.conf import parse_alloc_conf
+    from memfit.units import format_bytes
+
+    for r in (t4_report, oom_report, report):
+        capacity = r.capacity_bytes if r.capacity_bytes is not None else r.required_bytes
+        tl = report_timeline(r)
+        assert tl.replay == replay(r.trace, conf=r.replay_conf, capacity_bytes=capacity)
+        text = open(write_views(r, html_path=tmp_path / "w.html")[0], encoding="utf-8").read()
+        table = text.split('id="memfit-what-ifs">')[1].split("</table>")[0]
+        cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in table.split("<tr>")[2:]]
+        for row, conf in zip(cells, [r.replay_conf] + [parse_alloc_conf(t) for t in ("expandable_segments:True",
+                                                                                      "max_split_size_mb:128")],
+                             strict=True):
+            a = replay(r.trace, conf=conf, capacity_bytes=capacity)
+            verdict = "completes" if a.oom is None else "runs out of memory in " + a.oom.phase
+            assert row[1:4] == [format_bytes(a.peak_reserved_bytes), format_bytes(a.fragmentation_at_peak_bytes),
+                                str(a.num_cudamalloc)]
+            assert re.sub(r"<[^>]+>", "", row[4]) == verdict
+
+
 def test_the_html_of_an_oom_carries_the_message(oom_report, tmp_path):
     path = write_views(oom_report, html_path=tmp_path / "oom.html")[0]
     text = open(path, encoding="utf-8").read()

@@ -250,13 +250,13 @@ class _Pool:
 
     def insert(self, b: Block) -> None:  # insert_into_blocks
         b.gc_base = self.gc_calls
-        key = _key(b)
+        key = (b.stream << 128) | (b.size << 64) | b.ptr  # _key, inline: the replay's most frequent call
         insort(self.keys, key)
         self.blocks[key] = b
         self.free_at[b.ptr] = b
 
     def remove(self, b: Block) -> None:
-        key = _key(b)
+        key = (b.stream << 128) | (b.size << 64) | b.ptr  # _key
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
         if self.free_at.get(b.ptr) is b:
@@ -312,6 +312,9 @@ class AllocatorModel:
         cap = self.driver.capacity
         self.va_bytes = va_bytes or (cap + cap // 8 if cap else _DEFAULT_VA_BYTES)
         self.on_event = on_event
+        #: requested bytes -> (round_size, its pool, get_allocation_size): pure functions of the size and the
+        #: (fixed) settings, and a trace repeats few sizes many times
+        self._sizes: dict[int, tuple[int, _Pool, int]] = {}
 
     def _log(self, action: str, ptr: int, size: int, stream: int) -> None:
         if self.on_event is not None:
@@ -323,9 +326,11 @@ class AllocatorModel:
     # -- malloc -----------------------------------------------------------------
     def malloc(self, orig: int, stream: int = 0) -> tuple[Block | None, int]:
         """`malloc`: the block for `orig` requested bytes on `stream` (None: OOM) and the segment size."""
-        size = round_size(orig, self.conf)
-        pool = self.pool_for(size)
-        alloc_size = get_allocation_size(size)
+        sized = self._sizes.get(orig)
+        if sized is None:
+            size = round_size(orig, self.conf)
+            sized = self._sizes[orig] = (size, self.pool_for(size), get_allocation_size(size))
+        size, pool, alloc_size = sized
         block = self.get_free_block(pool, stream, size)
         if block is None:
             if self.gc_on:
@@ -380,8 +385,10 @@ class AllocatorModel:
         i = self.find_free_block(pool, stream, size)
         if i is None:
             return None
-        b = pool.blocks[pool.keys[i]]
-        pool.remove(b)
+        key = pool.keys.pop(i)  # pool.remove(b), its key's index known
+        b = pool.blocks.pop(key)
+        if pool.free_at.get(b.ptr) is b:
+            del pool.free_at[b.ptr]
         return b
 
     def should_split(self, b: Block, size: int) -> bool:
@@ -405,7 +412,8 @@ class AllocatorModel:
         b.requested = orig
         self.allocated += b.size
         self.live[b.ptr] = b
-        self._log("alloc", b.ptr, orig, b.stream)
+        if self.on_event is not None:
+            self.on_event("alloc", b.ptr, orig, b.stream)
         return b
 
     def alloc_block(self, pool: _Pool, stream: int, size: int, alloc_size: int, retry: bool = False) -> Block | None:
@@ -584,8 +592,12 @@ class AllocatorModel:
         if self.on_event is not None:
             self.on_event("free_requested", b.ptr, b.requested, b.stream)
             self.on_event("free_completed", b.ptr, b.requested, b.stream)
-        self.try_merge(b, b.prev)
-        self.try_merge(b, b.next)
+        # try_merge's own first test, inline: most neighbours are allocated or absent
+        p, n = b.prev, b.next
+        if p is not None and not p.allocated and not p.pending:
+            self.try_merge(b, p)
+        if n is not None and not n.allocated and not n.pending:
+            self.try_merge(b, n)
         b.pool.insert(b)
 
     def release_block(self, b: Block) -> None:
@@ -891,6 +903,7 @@ def replay(
     conf: AllocConf = AllocConf(),
     capacity_bytes: int | None = None,
     allowed_bytes: int | None = None,
+    reserved_after: list[int] | None = None,
 ) -> AllocatorReport:
     """Replay a trace through the caching-allocator model.
 
@@ -898,6 +911,9 @@ def replay(
     CUDA context and other non-PyTorch memory); None means unlimited. `allowed_bytes`:
     the cap from `torch.cuda.set_per_process_memory_fraction` (also what enables
     `garbage_collection_threshold`, as in PyTorch). The replay stops at the first OOM.
+    `reserved_after`: a list that gets `memory_reserved()` after each event replayed, and after
+    the failing request of an OOM the cache as the failure leaves it (memfit.report.timeline's
+    reserved line comes from the very replay its report does).
     """
     m = AllocatorModel(conf, Driver(capacity_bytes), allowed_bytes=allowed_bytes)
     live: dict[int, Block] = {}
@@ -914,12 +930,16 @@ def replay(
                 raise MemfitError(f"trace allocates id `{ev.id}` twice; every alloc needs a fresh id")
             if ev.size_bytes == 0:  # CUDACachingAllocator::allocate skips malloc for 0 bytes
                 zero_ids.add(ev.id)
+                if reserved_after is not None:
+                    reserved_after.append(m.reserved)
                 continue
             block, alloc_size = m.malloc(ev.size_bytes)
             if block is None:
                 cap = capacity_bytes if capacity_bytes is not None else (allowed_bytes or 0)
                 oom = OomEvent(n - 1, ev.phase, ev.category, ev.module, ev.size_bytes, alloc_size,
                                m.allocated, m.reserved, cap, max(cap - m.reserved, 0))
+                if reserved_after is not None:
+                    reserved_after.append(m.reserved)
                 break
             live[ev.id] = block
             a, r = m.allocated, m.reserved
@@ -936,6 +956,8 @@ def replay(
             if b is None:
                 if ev.id in zero_ids:
                     zero_ids.discard(ev.id)
+                    if reserved_after is not None:
+                        reserved_after.append(m.reserved)
                     continue
                 raise MemfitError(f"trace frees id `{ev.id}` that is not allocated; free each alloc once")
             m.free(b)
@@ -943,8 +965,11 @@ def replay(
             m.release_cached_blocks()
         else:
             raise MemfitError(f"trace action `{action}` is unknown; use `alloc`, `free` or `empty_cache`")
-        if by_phase_res.get(ev.phase, -1) < m.reserved:
-            by_phase_res[ev.phase] = m.reserved
+        r = m.reserved
+        if by_phase_res.get(ev.phase, -1) < r:
+            by_phase_res[ev.phase] = r
+        if reserved_after is not None:
+            reserved_after.append(r)
     return AllocatorReport(
         peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
         reserved_at_peak_allocated_bytes=res_at_peak_alloc,

@@ -243,9 +243,10 @@ def _device(report: "MemoryReport") -> str:
 WHAT_IF_SETTINGS = ("expandable_segments:True", "max_split_size_mb:128")
 
 
-def _what_ifs(report: "MemoryReport") -> str:
+def _what_ifs(report: "MemoryReport", tl: Timeline | None = None) -> str:
     """The run's trace replayed with other PYTORCH_CUDA_ALLOC_CONF settings (memfit.allocator.caching.replay, the
-    capacity of the estimate's own replay): peak reserved, fragmentation and whether it completes."""
+    capacity of the estimate's own replay): peak reserved, fragmentation and whether it completes. The run's own
+    row is the replay of the timeline `tl` when it is that very replay (same settings and capacity)."""
     if not report.trace:
         return ""
     from memfit.allocator.caching import replay
@@ -264,7 +265,11 @@ def _what_ifs(report: "MemoryReport") -> str:
             continue
         if text is not None and conf.backend == "cudaMallocAsync":
             continue
-        r = replay(report.trace, conf=conf, capacity_bytes=capacity)
+        if (text is None and tl is not None and tl.replay is not None and tl.conf == conf
+                and tl.replay_capacity_bytes == capacity and tl.num_events == tl.replay.num_events):
+            r = tl.replay
+        else:
+            r = replay(report.trace, conf=conf, capacity_bytes=capacity)
         verdict = ("runs out of memory in " + r.oom.phase) if r.oom is not None else "completes"
         rows.append([_e(settings or "(defaults)") + (" <i>(this run)</i>" if text is None else ""),
                      _e(format_bytes(r.peak_reserved_bytes)), _e(format_bytes(r.fragmentation_at_peak_bytes)),
@@ -362,7 +367,7 @@ def _body(report: "MemoryReport", tl: Timeline) -> str:
             '<div id="memfit-chart-wrap"><svg id="memfit-chart" role="img" aria-label="memory timeline"></svg>'
             '<div id="memfit-tooltip"></div></div>'
             f'{_legend(tl)}<p id="memfit-off-scale" class=sub></p>'
-            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}{_ranks(report)}{_what_ifs(report)}"
+            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}{_ranks(report)}{_what_ifs(report, tl)}"
             f"{_notes(report, tl)}"
             f'<script id="memfit-data" type="application/json">{_json_script(timeline_data(report, tl))}</script>'
             f"<script>{CHART_JS}</script>")

@@ -4,7 +4,7 @@ at sampled moments of the simulated run.
 A view of what `memfit.estimate` computed, not a new model: allocated bytes are the trace's live
 storages counted as `memfit.peaks` counts them (each rounded to 512, `inputs` with activations), so
 the timeline's highest point is `MemoryReport.peak_allocated_bytes`; reserved bytes come from the
-caching-allocator model (`memfit.allocator.caching.AllocatorModel`) replaying the same trace with
+caching-allocator model (`memfit.allocator.caching.replay`, one replay) replaying the same trace with
 the settings and capacity of the estimate's own replay (the GPU's memory left to PyTorch, or
 without a GPU `required_bytes`), so their highest point is `peak_reserved_bytes` and a run that
 runs out of memory stops where the estimate says it does.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memfit.allocator.caching import AllocatorModel, Block, Driver
+from memfit.allocator.caching import AllocatorReport, replay
 from memfit.allocator.conf import AllocConf, parse_alloc_conf
 from memfit.errors import MemfitError
 from memfit.peaks import _FOLD, BREAKDOWN_KEYS, rounded
@@ -100,6 +100,10 @@ class Timeline:
     oom_request: LiveTensor | None = None
     """The request that fails at `oom_index` (its size rounded as memory_allocated() would count it), never
     allocated: the OOM point of a chart is the last sample's allocated bytes plus this."""
+    conf: AllocConf | None = None  #: the allocator settings of the replay the reserved line comes from
+    replay: AllocatorReport | None = None
+    """That replay's own figures (memfit.allocator.caching.replay of the trace with `conf` at
+    `replay_capacity_bytes`): the page's allocator what-ifs show them as the run's row without replaying again."""
 
 
 _TRAIN = ("forward", "backward", "optimizer")
@@ -127,40 +131,30 @@ def _spans(trace: Sequence[TraceEvent], n: int) -> list[PhaseSpan]:
 
 
 def _replay(trace: Sequence[TraceEvent], conf: AllocConf, capacity_bytes: int | None
-            ) -> tuple[list[int], list[int], int | None]:
-    """Allocated (as memfit.peaks counts it) and reserved (the allocator model) after each event,
-    as `memfit.allocator.caching.replay` replays the trace, up to and including the failing request, if
-    any (its index is the third value; at it, the state when the request fails)."""
-    m = AllocatorModel(conf, Driver(capacity_bytes))
-    blocks: dict[int, Block] = {}
+            ) -> tuple[list[int], list[int], int | None, AllocatorReport]:
+    """Allocated (as memfit.peaks counts it) and reserved (the allocator model) after each event, as
+    `memfit.allocator.caching.replay` replays the trace, up to and including the failing request, if any (its
+    index is the third value; at it, the state when the request fails), and that replay's report."""
+    reserved: list[int] = []
+    rep = replay(trace, conf=conf, capacity_bytes=capacity_bytes, reserved_after=reserved)
+    n = len(reserved)
+    oom_index = rep.oom.event_index if rep.oom is not None else None
     sizes: dict[int, int] = {}
     total = 0
     allocated: list[int] = []
-    reserved: list[int] = []
-    for i, ev in enumerate(trace):
-        if ev.action == "alloc":
-            if ev.size_bytes > 0:  # CUDACachingAllocator::allocate skips malloc for 0 bytes
-                block, _ = m.malloc(ev.size_bytes)
-                if block is None:  # the moment of the OOM: the request not granted, the cache after free-and-retry
-                    allocated.append(total)
-                    reserved.append(m.reserved)
-                    return allocated, reserved, i
-                blocks[ev.id] = block
-            size = rounded(ev.size_bytes)
-            sizes[ev.id] = size
-            total += size
-        elif ev.action == "free":
-            b = blocks.pop(ev.id, None)
-            if b is not None:
-                m.free(b)
+    append = allocated.append
+    for i in range(n):
+        ev = trace[i]
+        action = ev.action
+        if action == "alloc":
+            if i != oom_index:  # the failing request: never allocated
+                size = rounded(ev.size_bytes)
+                sizes[ev.id] = size
+                total += size
+        elif action == "free":
             total -= sizes.pop(ev.id, 0)
-        elif ev.action == "empty_cache":
-            m.release_cached_blocks()
-        else:
-            raise MemfitError(f"trace action `{ev.action}` is unknown; use `alloc`, `free` or `empty_cache`")
-        allocated.append(total)
-        reserved.append(m.reserved)
-    return allocated, reserved, None
+        append(total)
+    return allocated, reserved, oom_index, rep
 
 
 def _argmax(values: list[int], lo: int, hi: int) -> int:
@@ -220,7 +214,7 @@ def timeline(
     """
     if max_samples < 16:
         raise MemfitError(f"max_samples `{max_samples}` is too few to draw a timeline; give at least 16")
-    allocated, reserved, oom_index = _replay(trace, conf, capacity_bytes)
+    allocated, reserved, oom_index, rep = _replay(trace, conf, capacity_bytes)
     n = len(allocated)
     if n == 0:
         raise MemfitError("the trace is empty: nothing to draw")
@@ -237,37 +231,48 @@ def timeline(
     categories = tuple(c for c in CATEGORY_ORDER if c in seen) + tuple(c for c in seen if c not in CATEGORY_ORDER)
 
     by_cat = dict.fromkeys(categories, 0)
-    live: dict[int, LiveTensor] = {}
+    live: dict[int, tuple[int, str, TraceEvent]] = {}  # id -> (rounded size, category, its alloc event)
+    made: dict[int, LiveTensor] = {}  # the LiveTensor of each storage a sample lists, made once
     order: list[tuple[int, int]] = []  # (size, -id) of the live storages, ascending: the largest at the end
     span_at = 0
     samples: list[Sample] = []
     want = iter(points)
     next_point = next(want, None)
+    fold = _FOLD
     for i in range(n):
         ev = trace[i]
+        action = ev.action
         if i == oom_index:
             pass  # the failing request: never allocated
-        elif ev.action == "alloc":
-            t = _live_tensor(ev)
-            live[ev.id] = t
-            by_cat[t.category] += t.size_bytes
-            bisect.insort(order, (t.size_bytes, -t.id))
-        elif ev.action == "free":
-            t = live.pop(ev.id, None)
-            if t is not None:
-                by_cat[t.category] -= t.size_bytes
-                del order[bisect.bisect_left(order, (t.size_bytes, -t.id))]
+        elif action == "alloc":
+            size = rounded(ev.size_bytes)
+            category = fold.get(ev.category, ev.category)
+            live[ev.id] = (size, category, ev)
+            by_cat[category] += size
+            bisect.insort(order, (size, -ev.id))
+        elif action == "free":
+            x = live.pop(ev.id, None)
+            if x is not None:
+                by_cat[x[1]] -= x[0]
+                del order[bisect.bisect_left(order, (x[0], -ev.id))]
+                made.pop(ev.id, None)  # an id may come back for a later storage
         if i != next_point:
             continue
         while spans[span_at].end < i:
             span_at += 1
-        top = tuple(live[-key[1]] for key in order[-1:-top_n - 1:-1]) if top_n > 0 else ()
+        top = []
+        for key in order[-1:-top_n - 1:-1] if top_n > 0 else ():
+            t = made.get(-key[1])
+            if t is None:
+                t = made[-key[1]] = _live_tensor(live[-key[1]][2])
+            top.append(t)
         samples.append(Sample(i, spans[span_at].phase, spans[span_at].step, allocated[i], reserved[i],
-                              dict(by_cat), top))
+                              dict(by_cat), tuple(top)))
         next_point = next(want, None)
     request = None if oom_index is None else _live_tensor(trace[oom_index])
     return Timeline(samples, spans, categories, n, peak_index,
-                    allocated[peak_index], reserved[peak_reserved_index], capacity_bytes, oom_index, request)
+                    allocated[peak_index], reserved[peak_reserved_index], capacity_bytes, oom_index, request,
+                    conf, rep)
 
 
 def report_timeline(report: "MemoryReport", *, max_samples: int | None = None, top_n: int = DEFAULT_TOP_N
