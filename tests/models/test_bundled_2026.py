@@ -79,7 +79,8 @@ def test_aliases_point_at_bundled_configs_and_shadow_none():
         assert find_bundled(alias.rsplit("/", 1)[-1].lower()) == target  # the bare name too
         assert find_bundled(alias.replace("/", "--")) == target
     assert find_bundled("llama-3.3-70b-instruct") == "meta-llama/Llama-3.1-70B"
-    assert load_bundled_config("google/gemma-3-4b-it").model_type == "gemma3_text"
+    assert load_bundled_config("google/gemma-3-27b-it").model_type == "gemma3_text"
+    assert load_bundled_config("google/gemma-3-4b-it").model_type == "gemma3"  # bundled: the multimodal model
     assert find_bundled("someone/Llama-3.1-8B-Instruct") is None  # another organisation is another model
 
 

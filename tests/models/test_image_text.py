@@ -4,7 +4,9 @@ The image-token counts are compared with what the installed transformers' image 
 synthetic image, computed here at test time from its own output (`image_grid_thw`, divided by the merge of
 `merge_size` x `merge_size` patches into one token as Qwen2_5_VLProcessor does), never a table; and with the
 count the issue quotes from the shipped processor settings (a 1024x1024 image is about 1,370 tokens for
-Qwen2.5-VL).
+Qwen2.5-VL, 256 for Gemma 3). Gemma 3's count is the installed Gemma3ImageProcessor's crops of the image
+(`pixel_values` rows: one with pan-and-scan off) times the `<image_soft_token>`s the installed Gemma3Processor
+writes for one `<start_of_image>` (its `full_image_sequence`, from processor_config.json's image_seq_length).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from memfit.train_setup import TrainSetup
 #: The sizes the image tests run: square images and a 1920x1080 video frame.
 SIZES = ["224x224", "448x448", "672x672", "1024x1024", "1344x1344", "1920x1080"]
 QWEN = ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
+GEMMA = ("google/gemma-3-4b-it", "google/gemma-3-12b-it")
 
 
 @pytest.fixture(autouse=True)
@@ -47,10 +50,10 @@ def _installed_qwen_grid(hub_id: str, width: int, height: int):
     return out["image_grid_thw"], processor.merge_size
 
 
-@pytest.mark.parametrize("hub_id", QWEN)
+@pytest.mark.parametrize("hub_id", QWEN + GEMMA)
 def test_default_task_is_image_text_to_text(hub_id):
     task, why = default_task(hub_id)
-    assert task == "image-text-to-text" and "Qwen2_5_VLForConditionalGeneration" in why
+    assert task == "image-text-to-text" and "ForConditionalGeneration" in why
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -138,3 +141,45 @@ def test_estimate_json_has_the_image_tokens(capsys):
     grid, merge = _installed_qwen_grid(QWEN[1], 448, 448)
     assert media["image_tokens_per_image"] == int(grid.prod()) // merge**2
     assert report["task"] == "image-text-to-text"
+
+
+def _installed_gemma(hub_id: str, width: int, height: int):
+    """(pixel_values, the `<image_soft_token>`s per `<start_of_image>`) of one black image from the installed
+    transformers' Gemma 3 image processor and processor (the processor built on a tokenizer naming the tokens)."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
+    from memfit.models._processor_adapter import processor_class, stub_tokenizer
+    from memfit.models.processors import bundled_processor_record
+
+    data = load_bundled_processor(hub_id)
+    image_processor = get_image_processor_class_from_name(data["image_processor_type"])(**data)
+    pixels = image_processor(images=[np.zeros((height, width, 3), dtype=np.uint8)], return_tensors="pt")
+    tokenizer = stub_tokenizer({"<start_of_image>": 255999, "<end_of_image>": 256000, "<image_soft_token>": 262144},
+                               {"boi_token": "<start_of_image>", "boi_token_id": 255999, "eoi_token": "<end_of_image>",
+                                "image_token": "<image_soft_token>", "image_token_id": 262144})
+    processor = processor_class(transformers.Gemma3Processor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                              **bundled_processor_record(hub_id)["processor_config"])
+    return pixels["pixel_values"], processor.full_image_sequence.count("<image_soft_token>")
+
+
+@pytest.mark.parametrize("hub_id", GEMMA)
+@pytest.mark.parametrize("size", SIZES)
+def test_gemma_image_tokens_are_what_the_installed_processor_returns(hub_id, size):
+    width, height = map(int, size.split("x"))
+    pixels, per_crop = _installed_gemma(hub_id, width, height)
+    expected = pixels.shape[0] * per_crop
+    example, summary, notes = _example(model=hub_id, image_size=size, max_length=32)
+    assert summary["image_tokens_per_image"] == expected == 256  # the count the issue quotes
+    assert int((example["input_ids"] == 262144).sum()) == expected  # <image_soft_token>, image_token_index
+    assert tuple(example["pixel_values"].shape) == tuple(pixels.shape) == (1, 3, 896, 896)
+    assert int(example["token_type_ids"].sum()) == expected  # the image positions the mask attends both ways
+    # the sequence: the image tokens, the 32 text words, and `\n\n<start_of_image>` ... `<end_of_image>\n\n`
+    assert summary["sequence_length"] == example["input_ids"].shape[1] == expected + 32 + 4
+    assert f"becomes {expected} image tokens" in notes[-1]
+
+
+def test_gemma_images_per_example_repeat_the_image_sequence():
+    _, s1, _ = _example(model=GEMMA[0], image_size="448x448", max_length=8)
+    two, s2, _ = _example(model=GEMMA[0], image_size="448x448", max_length=8, images_per_example=2)
+    assert s2["image_tokens"] == 2 * s1["image_tokens"] and two["pixel_values"].shape[0] == 2

@@ -37,14 +37,18 @@ def _width(config) -> int:
 
 def _shrunk(hub_id: str, layers: int = 1, *, vocab: bool = True):
     config = load_bundled_config(hub_id)
-    for key in _LAYER_KEYS:
-        if isinstance(getattr(config, key, None), int):
-            setattr(config, key, layers)
+    # a vision-language config (Gemma 3's) keeps its stacks in sub-configs: each is shrunk as the top one
+    subs = [getattr(config, k) for k in ("text_config", "vision_config") if hasattr(config, k)]
+    for part in [config, *subs]:
+        for key in _LAYER_KEYS:
+            if isinstance(getattr(part, key, None), int):
+                setattr(part, key, layers)
     if vocab:  # token ids only index the vocabulary; they change no parameter
-        for key, value in config.to_dict().items():
-            if key.endswith("_token_id") and value is not None:
-                setattr(config, key, [1] if isinstance(value, list) else 1)
-        config.vocab_size = 256
+        for part in [config, *subs[:1]]:
+            for key, value in part.to_dict().items():
+                if key.endswith("_token_id") and value is not None:
+                    setattr(part, key, [1] if isinstance(value, list) else 1)
+            part.vocab_size = 256
     return config
 
 

@@ -23,20 +23,24 @@ __all__ = ["stub_tokenizer", "processor_class"]
 TEXT_WORD = "a"
 
 
-def stub_tokenizer(special_tokens: dict[str, int], attributes: dict[str, Any] | None = None) -> Any:
+def stub_tokenizer(special_tokens: dict[str, int], attributes: dict[str, Any] | None = None,
+                   literals: tuple[str, ...] = ()) -> Any:
     """A fast tokenizer whose vocabulary is `special_tokens` (token -> id, matched whole, never split), the word
-    `TEXT_WORD` and an unknown token; `attributes` are set on it (Gemma 3's processor reads
-    `tokenizer.boi_token`, `tokenizer.image_token`, ...)."""
+    `TEXT_WORD`, an unknown token and `literals` (strings the real tokenizer makes one token of, such as Gemma's
+    `\n\n`; each matched whole with a free id, never split away as whitespace); `attributes` are set on it
+    (Gemma 3's processor reads `tokenizer.boi_token`, `tokenizer.image_token`, ...)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     used = set(special_tokens.values())
     free = iter(i for i in range(10**9) if i not in used)
     unk, word = next(free), next(free)
-    vocab = {"[UNK]": unk, TEXT_WORD: word, **special_tokens}
+    vocab = {"[UNK]": unk, TEXT_WORD: word, **special_tokens, **{text: next(free) for text in literals}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, single_word=False, lstrip=False, rstrip=False)
+                    for t in literals])
     out = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
     for name, value in (attributes or {}).items():
         setattr(out, name, value)

@@ -66,8 +66,6 @@ ALIASES: dict[str, str] = {
     "google/gemma-2-9b-it": "google/gemma-2-9b",
     "google/gemma-2-27b-it": "google/gemma-2-27b",
     "google/gemma-3-1b-it": "google/gemma-3-1b-pt",
-    "google/gemma-3-4b-it": "google/gemma-3-4b-pt",
-    "google/gemma-3-12b-it": "google/gemma-3-12b-pt",
     "google/gemma-3-27b-it": "google/gemma-3-27b-pt",
     "HuggingFaceTB/SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M",
     # base / instruct twins of the same architecture (the model cards; only

@@ -45,6 +45,10 @@ class ImageTextFamily:
     attributes: dict[str, str] | None = None
     """Tokenizer attributes the processor reads (Gemma 3's `tokenizer.boi_token`): name -> one of `tokens`; each
     also gets `<name>_id`."""
+    literals: tuple[str, ...] = ()
+    """Text the processor writes around the image tokens that the model's tokenizer makes one token of (Gemma 3's
+    `\n\n`: one token, 108, of its 262,144-token vocabulary, whose ids 107 onwards are runs of newlines); the stub
+    tokenizer gives each an id of its own, so the sequence has the length the real tokenizer gives it."""
 
 
 FAMILIES: dict[str, ImageTextFamily] = {
@@ -57,6 +61,20 @@ FAMILIES: dict[str, ImageTextFamily] = {
         tokens={"<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id",
                 "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"},
         image_token_attr="image_token_id",
+    ),
+    # Gemma 3's chat template writes `<start_of_image>` for each image of a user turn; Gemma3Processor replaces it
+    # with `\n\n<start_of_image>` + `<image_soft_token>` x image_seq_length (processor_config.json: 256) +
+    # `<end_of_image>\n\n` (processing_gemma3.py `full_image_sequence`), reading the tokens from the tokenizer's
+    # boi_token / image_token / eoi_token; each image is resized to 896x896 (Gemma3ImageProcessor, pan-and-scan
+    # off unless `do_pan_and_scan`).
+    "gemma3": ImageTextFamily(
+        processor="Gemma3Processor",
+        placeholder="<start_of_image>",
+        tokens={"<start_of_image>": "boi_token_index", "<end_of_image>": "eoi_token_index",
+                "<image_soft_token>": "image_token_index"},
+        image_token_attr="image_token_index",
+        attributes={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+        literals=("\n\n",),
     ),
 }
 
@@ -123,7 +141,7 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     attributes = {}
     for name, token in (family.attributes or {}).items():
         attributes[name], attributes[f"{name}_id"] = token, tokens[token]
-    tokenizer = stub_tokenizer(tokens, attributes)
+    tokenizer = stub_tokenizer(tokens, attributes, literals=family.literals)
     with quiet_transformers():
         processor = processor_class(getattr(transformers, family.processor))(
             image_processor=image_processor, tokenizer=tokenizer, **_processor_settings(spec))
