@@ -49,11 +49,24 @@ def stub_tokenizer(special_tokens: dict[str, int], attributes: dict[str, Any] | 
 
 def processor_class(base: type) -> type:
     """`base` (a ProcessorMixin subclass) whose constructor takes an absent (None) sub-processor without looking
-    up its class."""
+    up its class, and takes None for a sub-processor its signature requires but memfit does not pass
+    (SmolVLMProcessor's positional `video_processor`)."""
+    import functools
+    import inspect
+
+    required = [name for name, p in inspect.signature(base.__init__).parameters.items()
+                if name.endswith("_processor") and p.default is inspect.Parameter.empty]
 
     def check_argument_for_proper_class(self, argument_name, argument):
         if argument is None:
             return None
         return base.check_argument_for_proper_class(self, argument_name, argument)
 
-    return type(base.__name__, (base,), {"check_argument_for_proper_class": check_argument_for_proper_class})
+    @functools.wraps(base.__init__)  # ProcessorMixin.get_attributes reads the sub-processors off this signature
+    def __init__(self, *args, **kwargs):
+        for name in required[len(args):]:
+            kwargs.setdefault(name, None)
+        base.__init__(self, *args, **kwargs)
+
+    return type(base.__name__, (base,), {"check_argument_for_proper_class": check_argument_for_proper_class,
+                                         "__init__": __init__})

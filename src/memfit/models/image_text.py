@@ -62,6 +62,29 @@ FAMILIES: dict[str, ImageTextFamily] = {
                 "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"},
         image_token_attr="image_token_id",
     ),
+    # LLaVA 1.5's chat template (llava-hf chat_template.json): `USER: <image>\n... ASSISTANT:`; LlavaProcessor
+    # repeats `<image>` (patch rows x patch columns of the cropped pixel_values) + num_additional_image_tokens
+    # times, one fewer for vision_feature_select_strategy "default" (processing_llava.py `replace_image_token`)
+    "llava": ImageTextFamily(
+        processor="LlavaProcessor",
+        placeholder="<image>",
+        tokens={"<image>": "image_token_id"},
+        image_token_attr="image_token_id",
+    ),
+    # SmolVLM2's chat template writes `<image>` for each image of a user turn; SmolVLMProcessor replaces it with
+    # one `<fake_token_around_image><row_r_col_c>` + `<image>` x image_seq_len (processor_config.json) per tile of
+    # SmolVLMImageProcessor's split (rows x cols of max_image_size, a "\n" after each row), then
+    # `\n<fake_token_around_image><global-img>` + `<image>` x image_seq_len + `<fake_token_around_image>` for the
+    # whole image (processing_smolvlm.py `_prompt_split_image`); the markers are the tokenizer's added tokens
+    # (added_tokens.json), one token each, and so is each "\n" here (the stub does not merge newlines)
+    "smolvlm": ImageTextFamily(
+        processor="SmolVLMProcessor",
+        placeholder="<image>",
+        tokens={"<image>": "image_token_id"},
+        image_token_attr="image_token_id",
+        literals=("<fake_token_around_image>", "<global-img>", "\n",
+                  *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))),
+    ),
     # Gemma 3's chat template writes `<start_of_image>` for each image of a user turn; Gemma3Processor replaces it
     # with `\n\n<start_of_image>` + `<image_soft_token>` x image_seq_length (processor_config.json: 256) +
     # `<end_of_image>\n\n` (processing_gemma3.py `full_image_sequence`), reading the tokens from the tokenizer's
@@ -143,8 +166,12 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         attributes[name], attributes[f"{name}_id"] = token, tokens[token]
     tokenizer = stub_tokenizer(tokens, attributes, literals=family.literals)
     with quiet_transformers():
-        processor = processor_class(getattr(transformers, family.processor))(
-            image_processor=image_processor, tokenizer=tokenizer, **_processor_settings(spec))
+        try:
+            processor = processor_class(getattr(transformers, family.processor))(
+                image_processor=image_processor, tokenizer=tokenizer, **_processor_settings(spec))
+        except ImportError as err:  # SmolVLMProcessor without num2words
+            raise MemfitError(f"{family.processor} cannot be built: {str(err).splitlines()[0][:200]} (or "
+                              "`pip install 'memfit[vision]'`)") from err
         text = family.placeholder * n + " " + " ".join([TEXT_WORD] * setup.max_length)
         image = np.zeros((height, width, 3), dtype=np.uint8)  # HWC, as a decoded PIL image becomes an array
         try:

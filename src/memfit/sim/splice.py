@@ -78,7 +78,19 @@ def _uniform(model: nn.Module, name: str) -> bool:
     that stack is simulated whole (the others are still cut)."""
     parent_name = name.rpartition(".")[0]
     parent = model.get_submodule(parent_name) if parent_name else model
-    return not getattr(getattr(parent, "config", None), "fullatt_block_indexes", None)
+    if getattr(getattr(parent, "config", None), "fullatt_block_indexes", None):
+        return False
+    return not _features_by_index(model, name)
+
+
+def _features_by_index(model: nn.Module, name: str) -> bool:
+    """Whether the model takes its image features from hidden states of the stack `name` chosen by index: LLaVA's
+    `vision_feature_layer` (-2: the input of the last block) selects from the vision tower's hidden states, and
+    transformers resolves the index against `config.num_hidden_layers` (utils/output_capturing.py
+    `resolve_hidden_states_indices`), the full depth, so in a cut tower it selects a hidden state never captured.
+    Such a tower is simulated whole."""
+    return getattr(getattr(model, "config", None), "vision_feature_layer", None) is not None \
+        and ".vision_tower." in f".{name}."
 
 
 class LayerTagger:

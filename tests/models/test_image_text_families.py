@@ -1,0 +1,125 @@
+"""memfit.models.image_text for LLaVA 1.5 and SmolVLM2: each image's token count is what the installed transformers'
+processor makes of it.
+
+The expected counts are computed here at test time from the installed image processor's own output for the same
+synthetic image, never a table: LLaVA 1.5's CLIPImageProcessor resizes and crops every image to 336x336, one
+token per 14-pixel patch (the CLS position the vision tower adds is dropped by vision_feature_select_strategy
+"default"); SmolVLM2's SmolVLMImageProcessor splits the image into `rows` x `cols` tiles of 512 px plus the whole
+image, each tile `image_seq_len` tokens, so the count depends on the image's size and shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memfit.models.build import default_task, resolve_config
+from memfit.models.catalog import load_bundled_config
+from memfit.models.image_text import image_text_example
+from memfit.models.processors import bundled_processor_record, load_bundled_processor
+from memfit.models.resolve import resolve
+from memfit.train_setup import TrainSetup
+
+#: The sizes the image tests run: square images and a 1920x1080 video frame.
+SIZES = ["224x224", "448x448", "672x672", "1024x1024", "1344x1344", "1920x1080"]
+LLAVA = "llava-hf/llava-1.5-7b-hf"
+SMOLVLM = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _example(**fields):
+    setup = resolve(TrainSetup(**fields))
+    return image_text_example(setup, resolve_config(setup.model))
+
+
+def _installed(hub_id: str, width: int, height: int, **kwargs):
+    """The installed transformers' image processor (the bundled settings) run on one black image."""
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
+    data = load_bundled_processor(hub_id)
+    processor = get_image_processor_class_from_name(data["image_processor_type"])(**data)
+    return processor(images=[np.zeros((height, width, 3), dtype=np.uint8)], return_tensors="pt", **kwargs)
+
+
+@pytest.mark.parametrize(("hub_id", "cls"), [(LLAVA, "LlavaForConditionalGeneration"),
+                                             (SMOLVLM, "SmolVLMForConditionalGeneration")])
+def test_default_task_is_image_text_to_text(hub_id, cls):
+    task, why = default_task(hub_id)
+    assert task == "image-text-to-text" and cls in why
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_llava_image_tokens_are_what_the_installed_processor_returns(size):
+    width, height = map(int, size.split("x"))
+    pixels = _installed(LLAVA, width, height)["pixel_values"]
+    patch = bundled_processor_record(LLAVA)["processor_config"]["patch_size"]
+    expected = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+    example, summary, notes = _example(model=LLAVA, image_size=size, max_length=32)
+    assert summary["image_tokens_per_image"] == expected
+    assert int((example["input_ids"] == 32000).sum()) == expected  # <image>, the config's image_token_index
+    assert tuple(example["pixel_values"].shape) == tuple(pixels.shape)
+    assert summary["sequence_length"] == expected + 32  # the image tokens and the 32 text words
+    assert f"becomes {expected} image tokens" in notes[-1]
+
+
+def test_llava_tokens_are_the_features_its_vision_tower_makes():
+    """576 at any size: CLIP ViT-L/14 at 336 px has 24 x 24 patches (config.vision_config), the features the model
+    puts in place of the image tokens (it raises when the counts differ)."""
+    vision = load_bundled_config(LLAVA).vision_config
+    for size in ("224x224", "1920x1080"):
+        _, summary, _ = _example(model=LLAVA, image_size=size, max_length=8)
+        assert summary["image_tokens_per_image"] == (vision.image_size // vision.patch_size) ** 2 == 576
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_smolvlm_image_tokens_are_what_the_installed_processor_returns(size):
+    width, height = map(int, size.split("x"))
+    out = _installed(SMOLVLM, width, height, return_row_col_info=True)
+    rows, cols = out["rows"][0][0], out["cols"][0][0]
+    tiles = rows * cols + 1 if rows else 1  # the split tiles and the whole image
+    assert out["pixel_values"].shape[1] == tiles
+    per_tile = bundled_processor_record(SMOLVLM)["processor_config"]["image_seq_len"]
+    example, summary, notes = _example(model=SMOLVLM, image_size=size, max_length=32)
+    assert summary["image_tokens_per_image"] == tiles * per_tile
+    assert int((example["input_ids"] == 49190).sum()) == tiles * per_tile  # <image>, the config's image_token_id
+    assert tuple(example["pixel_values"].shape) == tuple(out["pixel_values"].shape)
+    assert f"becomes {tiles * per_tile} image tokens" in notes[-1]
+
+
+def test_smolvlm_tokens_are_the_features_of_a_tile():
+    """image_seq_len is what the model's connector makes of one 512-px tile: (512 / 16)^2 patches, pixel-shuffled
+    by scale_factor 4 in each direction (SmolVLMConnector)."""
+    config = load_bundled_config(SMOLVLM)
+    vision = config.vision_config
+    per_tile = bundled_processor_record(SMOLVLM)["processor_config"]["image_seq_len"]
+    assert per_tile == (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
+
+
+def test_smolvlm_counts_depend_on_the_image_shape():
+    _, square, _ = _example(model=SMOLVLM, image_size="1024x1024", max_length=8)
+    _, frame, _ = _example(model=SMOLVLM, image_size="1920x1080", max_length=8)
+    _, strip, _ = _example(model=SMOLVLM, image_size="2048x256", max_length=8)
+    assert square["image_tokens_per_image"] > frame["image_tokens_per_image"] > strip["image_tokens_per_image"]
+
+
+def test_smolvlm_images_per_example_repeat_the_tiles():
+    one, s1, _ = _example(model=SMOLVLM, image_size="1920x1080", max_length=8)
+    two, s2, _ = _example(model=SMOLVLM, image_size="1920x1080", max_length=8, images_per_example=2)
+    assert s2["image_tokens"] == 2 * s1["image_tokens"]
+    assert two["pixel_values"].shape[1] == 2 * one["pixel_values"].shape[1]
+
+
+def test_smolvlm_without_num2words_is_one_line(monkeypatch):
+    """SmolVLMProcessor refuses to be built without num2words; the error names the package and memfit's extra."""
+    from transformers.models.smolvlm import processing_smolvlm
+
+    from memfit.errors import MemfitError
+
+    monkeypatch.setattr(processing_smolvlm, "num2words", None)
+    with pytest.raises(MemfitError, match=r"SmolVLMProcessor cannot be built: .*num2words.*memfit\[vision\]") as err:
+        _example(model=SMOLVLM, image_size="448x448", max_length=8)
+    assert "\n" not in str(err.value)

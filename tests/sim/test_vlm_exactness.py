@@ -1,0 +1,138 @@
+"""LLaVA 1.5 and SmolVLM2: the step on FakeTensors, with the processor's real host data (memfit.sim.host_values),
+allocates what the same step on real CPU tensors does, event for event.
+
+Each tiny model (two language blocks of width 64, two vision blocks of width 32) is saved with its image processor
+settings and its processor_config.json to a directory, as a user's checkpoint is, and simulated twice
+(tests/helpers.real_and_fake): `fake=False` on real zero-filled CPU tensors, `fake=True` on FakeTensors. Both runs
+get the same real `input_ids`, `attention_mask` and `pixel_values` (SmolVLM2: also `pixel_attention_mask`) from the
+model's own processor class. LLaVA's CLIP tower sees every image at its one input size; SmolVLM2 reads its inputs
+on the host (the padding tiles it drops, the patch mask and the per-tile position ids it builds from
+`pixel_attention_mask`), and its tiles follow the image's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import transformers
+from helpers import real_and_fake
+
+from memfit.peaks import peaks
+from memfit.sim.engine import simulate
+from memfit.train_setup import TrainSetup
+
+_TEXT = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, vocab_size=200, max_position_embeddings=1024, bos_token_id=0, eos_token_id=0,
+             pad_token_id=2)
+
+
+def _llava(folder):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    # a 28-px CLIP tower of 14-px patches: 2 x 2 patches and a CLS position; "default" drops the CLS: 4 tokens
+    transformers.LlavaConfig(
+        text_config=_TEXT,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        image_token_index=150, pad_token_id=151, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        architectures=["LlavaForConditionalGeneration"]).save_pretrained(folder)
+    CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(folder)
+    return {"image_token": "<image>", "num_additional_image_tokens": 1, "patch_size": 14,
+            "processor_class": "LlavaProcessor", "vision_feature_select_strategy": "default"}
+
+
+def _smolvlm(folder):
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    # 32-px tiles of 8-px patches, pixel-shuffled 2 x 2: 4 tokens a tile; an image is resized to a longest edge of
+    # 64 and split into tiles of 32 (a 100x80 image: 2 x 2 tiles and the whole image)
+    transformers.SmolVLMConfig(
+        text_config=_TEXT,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        scale_factor=2, image_token_id=150, architectures=["SmolVLMForConditionalGeneration"]).save_pretrained(folder)
+    SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(folder)
+    return {"image_seq_len": 4, "processor_class": "SmolVLMProcessor"}
+
+
+MODELS = {"llava": _llava, "smolvlm": _smolvlm}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    out = {}
+    for name, make in MODELS.items():
+        folder = tmp_path_factory.mktemp(name)
+        with open(os.path.join(folder, "processor_config.json"), "w", encoding="utf-8") as f:
+            json.dump(make(folder), f)
+        simulate(TrainSetup(model=str(folder), image_size="100x80", max_length=8, per_device_train_batch_size=1),
+                 fake=False, splice=False)  # first-run effects (lazily built tables) out of the compared runs
+        out[name] = str(folder)
+    return out
+
+
+_SLOW = [pytest.mark.slow]
+CASES = [
+    ("llava", dict(), []),
+    ("llava", dict(lora_r=4, trainer="sft", precision="bf16"), []),
+    ("llava", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
+    ("llava", dict(images_per_example=2, precision="bf16", attn_implementation="flash_attention_2",
+                   compute_capability=(8, 0)), _SLOW),
+    ("smolvlm", dict(), []),
+    ("smolvlm", dict(lora_r=4, trainer="sft", precision="bf16"), []),
+    ("smolvlm", dict(precision="fp16", gradient_accumulation_steps=2, image_size="300x60"), _SLOW),
+    ("smolvlm", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
+    ("smolvlm", dict(images_per_example=2, precision="bf16", attn_implementation="flash_attention_2",
+                     compute_capability=(8, 0)), _SLOW),
+]
+
+
+@pytest.mark.parametrize(("name", "fields"), [pytest.param(n, f, marks=m, id=f"{n}-{i}")
+                                              for i, (n, f, m) in enumerate(CASES)])
+def test_fake_trace_equals_real_cpu_run(model_dirs, name, fields):
+    setup = TrainSetup(model=model_dirs[name], **{"image_size": "100x80", "max_length": 16,
+                                                  "per_device_train_batch_size": 2, **fields})
+    real, fake = real_and_fake(setup, real_masks_like_fake=False)
+    assert real.media_inputs == fake.media_inputs
+    assert fake.media_inputs["image_tokens_per_image"] > 0
+    assert peaks(real.trace) == peaks(fake.trace)
+
+
+def test_smolvlm_tiles_follow_the_image_shape(model_dirs):
+    """A 300x60 strip is resized to 64x13 and split into 2 x 1 tiles and the whole image: 3 tiles, not 5."""
+    from memfit.sim.engine import simulate as run
+
+    wide = run(TrainSetup(model=model_dirs["smolvlm"], image_size="300x60", max_length=8,
+                          per_device_train_batch_size=1), fake=True, splice=False)
+    square = run(TrainSetup(model=model_dirs["smolvlm"], image_size="100x80", max_length=8,
+                            per_device_train_batch_size=1), fake=True, splice=False)
+    assert wide.media_inputs["inputs"]["pixel_values"][1] < square.media_inputs["inputs"]["pixel_values"][1]
+    assert wide.media_inputs["image_tokens_per_image"] < square.media_inputs["image_tokens_per_image"]
+
+
+@pytest.mark.slow
+def test_splice_keeps_the_llava_vision_tower_whole(tmp_path):
+    """Eight language blocks are cut to five and spliced; LLaVA's CLIP tower, whose second-to-last hidden state
+    (vision_feature_layer -2, an index against the full depth) feeds the projector, is simulated whole: the
+    spliced trace equals the full one."""
+    from helpers import trace_key
+
+    config = transformers.AutoConfig.for_model("llava", text_config={**_TEXT, "num_hidden_layers": 8},
+                                               vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                                                                  intermediate_size=64, num_hidden_layers=8,
+                                                                  num_attention_heads=2, image_size=28, patch_size=14,
+                                                                  projection_dim=32),
+                                               image_token_index=150, pad_token_id=151, vision_feature_layer=-2,
+                                               vision_feature_select_strategy="default",
+                                               architectures=["LlavaForConditionalGeneration"])
+    settings = _llava(tmp_path)  # the processor settings; the config is replaced by the 8-block one
+    config.save_pretrained(tmp_path)
+    with open(os.path.join(tmp_path, "processor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(settings, f)
+    setup = TrainSetup(model=str(tmp_path), image_size="100x80", max_length=16, per_device_train_batch_size=2,
+                       precision="bf16")
+    full = simulate(setup, splice=False)
+    spliced = simulate(setup, splice=True)
+    assert trace_key(spliced.trace) == trace_key(full.trace)
