@@ -56,3 +56,65 @@ def test_the_plan_is_the_same_with_and_without_the_reuse(bert8_dir, monkeypatch)
     for out in (reused, simulated):
         out.pop("elapsed_s"), out.pop("simulations")
     assert reused == simulated
+
+
+def _without_elapsed(report_json):
+    return {k: v for k, v in report_json.items() if k != "elapsed_s"}
+
+
+def test_zero_stages_of_one_setup_share_one_simulation_with_the_same_reports(tiny_bert_dir, monkeypatch):
+    """ZeRO-1, ZeRO-2 and ZeRO-3 (with and without offload) of one setup simulate the same program: within
+    memfit.parallel.rank.shared_simulations it runs once, and each rank-0 report equals the one simulated alone."""
+    from memfit.estimator import estimate
+    from memfit.parallel import rank
+    from memfit.planner.launch import VARIANTS, parallel_setup_for
+    from memfit.sim import engine
+
+    setup = TrainSetup(model=tiny_bert_dir, max_length=16, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                       eval_strategy="no", precision="fp16", compute_capability=(7, 5))
+    pars = [parallel_setup_for(v, world_size=4, nodes=1, hidden_size=64, precision="fp16")
+            for v in VARIANTS if v.key in ("zero1", "zero2", "zero3_offload_all")]
+    alone = [_without_elapsed(estimate(setup, gpu="T4", parallel=p).to_json()) for p in pars]
+    calls = []
+    real = engine.simulate
+    monkeypatch.setattr(engine, "simulate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with rank.shared_simulations():
+        shared = [_without_elapsed(estimate(setup, gpu="T4", parallel=p).to_json()) for p in pars]
+        estimate(setup.replace(per_device_train_batch_size=1, gradient_accumulation_steps=4), gpu="T4",
+                 parallel=pars[0])  # another micro-batch: another program
+    assert len(pars) == 3 and len(calls) == 2
+    assert shared == alone
+    with rank.shared_simulations():  # a new scope simulates again
+        estimate(setup, gpu="T4", parallel=pars[0])
+    assert len(calls) == 3
+
+
+@pytest.mark.slow
+def test_the_parallel_plan_is_the_same_with_and_without_shared_simulations(tmp_path_factory, monkeypatch):
+    """A multi-GPU plan whose states do not fit one GPU (82.7M parameters, as tests/planner/test_plan_parallel.py),
+    where ZeRO-1 fails and ZeRO-2 fits at the same micro-batch: the same result with one simulation fewer."""
+    import contextlib
+
+    from conftest import save_bert_config
+    from memfit.parallel import rank
+    from memfit.planner.parallel_plan import plan_parallel
+    from memfit.sim import engine
+
+    model = save_bert_config(tmp_path_factory, "bert1024", hidden_size=1024, num_hidden_layers=4,
+                             num_attention_heads=16, intermediate_size=4096, vocab_size=30000)
+    setup = TrainSetup(model=model, max_length=64, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                       eval_strategy="no")
+    calls = []
+    real = engine.simulate
+    monkeypatch.setattr(engine, "simulate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    # ZeRO-1 does not fit at micro-batch 8; in this process (workers=1), where the simulations are counted
+    kw = dict(gpus="4x1400MiB", strategies=("zero1", "zero2", "zero3"), workers=1)
+    shared = plan_parallel(setup, **kw).to_json()
+    shared_calls = len(calls)
+    monkeypatch.setattr(rank, "shared_simulations", contextlib.nullcontext)
+    alone = plan_parallel(setup, **kw).to_json()
+    assert shared.pop("elapsed_s") >= 0 and alone.pop("elapsed_s") >= 0
+    assert shared == alone and shared["chosen"] is not None
+    variants = [(c["variant"], c["per_device_train_batch_size"]) for c in shared["candidates"]]
+    assert ("zero1", 8) in variants and ("zero2", 8) in variants, variants
+    assert shared_calls == len(calls) - shared_calls - 1, (shared_calls, len(calls) - shared_calls)

@@ -15,24 +15,69 @@
   casts the module: `_configure_distributed_model`), keeping its activations, inputs, temporaries and
   evaluation outputs; weights, gradients, optimizer state and the optimizer phase are replaced by
   memfit.parallel.zero's per-rank buffers.
+
+Within `shared_simulations()` (the multi-GPU planner's search) the single-GPU simulation a DDP or ZeRO rank starts
+from is run once per program (memfit.sim.program) and GPU: ZeRO-1, ZeRO-2, ZeRO-3 and their offload variants at the same
+micro-batch, checkpointing and kernels simulate the very same program (the model in DeepSpeed's dtype) and differ
+only in the buffers added to its trace and in what the allocator replay sees.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from memfit.models.resolve import resolve
 from memfit.parallel.nccl import hybrid_group_nccl_bytes, nccl_buffer_bytes
 from memfit.parallel.setup import ParallelSetup
 from memfit.parallel.zero import ParamInventory, ZeroBuffer, deepspeed_model_states_bytes, zero_buffers
+from memfit.sim.program import same_program
 from memfit.trace import TraceEvent
 from memfit.train_setup import TrainSetup
 
 if TYPE_CHECKING:
     from memfit.gpus.catalog import GpuSpec
 
-__all__ = ["RankResult", "simulate_rank", "param_inventory", "quant_state_bytes", "ddp_bucket_bytes"]
+__all__ = ["RankResult", "simulate_rank", "param_inventory", "quant_state_bytes", "ddp_bucket_bytes",
+           "shared_simulations"]
+
+#: the open `shared_simulations` scope's simulations: (setup, GPU, Simulation), compared by equality
+_SHARED: list[tuple[TrainSetup, Any, Any]] | None = None
+
+
+@contextlib.contextmanager
+def shared_simulations() -> Iterator[None]:
+    """Within this scope a DDP or ZeRO rank's single-GPU simulation of an equal setup on an equal GPU is reused
+    (module docstring); the results do not change (a `Simulation` is handed out as a copy, its trace a new list of
+    the same frozen events). Leaving the outermost scope drops the simulations."""
+    global _SHARED
+    outer = _SHARED is None
+    if outer:
+        _SHARED = []
+    try:
+        yield
+    finally:
+        if outer:
+            _SHARED = None
+
+
+def _simulated(setup: TrainSetup, gpu: Any):
+    """memfit.sim.engine.simulate(setup, gpu=gpu), once per program (memfit.sim.program.same_program) and GPU
+    within `shared_simulations`."""
+    from memfit.sim.engine import simulate
+
+    if _SHARED is None:
+        return simulate(setup, gpu=gpu)
+    sim = next((x for s, g, x in _SHARED if g == gpu and same_program(s, setup)), None)
+    if sim is None:
+        sim = simulate(setup, gpu=gpu)
+        _SHARED.append((setup, gpu, sim))
+    return dataclasses.replace(sim, trace=list(sim.trace), notes=list(sim.notes), sdpa_backends=list(sim.sdpa_backends),
+                               attn_kernels=list(sim.attn_kernels), quantization=copy.deepcopy(sim.quantization),
+                               media_inputs=copy.deepcopy(sim.media_inputs))
 
 
 @dataclass
@@ -48,6 +93,9 @@ class RankResult:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """Ranks whose memory differs (ZeRO-2): each distinct layout with its ranks and its trace's peak allocated bytes
     (before the allocator); rank 0's first. Empty when every rank holds the same."""
+    rank_traces: dict[int, list[TraceEvent]] = field(default_factory=dict)
+    """The trace of each group of `ranks` other than rank 0's (rank 0's is `sim.trace`), by the group's first
+    rank."""
 
 
 def _meta_model(setup: TrainSetup):
@@ -244,7 +292,8 @@ def _zero2_layouts(model, world_size: int):
 
 
 def _per_rank_zero2(sim_trace, buffers, layouts, b: int):
-    """(rank 0's trace and buffers, the distinct layouts with their ranks and trace peaks)."""
+    """(rank 0's trace and buffers, the distinct layouts with their ranks and trace peaks, the other layouts'
+    traces by their first rank)."""
     from dataclasses import replace as _replace
 
     from memfit.peaks import peaks
@@ -252,7 +301,7 @@ def _per_rank_zero2(sim_trace, buffers, layouts, b: int):
     distinct: dict[int, list[int]] = {}
     for lay in layouts:
         distinct.setdefault(lay.grads_in_partition_numel, []).append(lay.rank)
-    out, rank0 = [], None
+    out, rank0, others = [], None, {}
     for numel, ranks in distinct.items():
         bufs = [_replace(x, size_bytes=b * numel) if x.name == "grads_in_partition" else x for x in buffers]
         trace = _zero_trace(sim_trace, bufs)
@@ -260,15 +309,15 @@ def _per_rank_zero2(sim_trace, buffers, layouts, b: int):
                     "grads_in_partition_bytes": b * numel})
         if 0 in ranks:
             rank0 = (trace, bufs)
+        else:
+            others[ranks[0]] = trace
     out.sort(key=lambda d: d["ranks"][0])
-    return rank0[0], rank0[1], out
+    return rank0[0], rank0[1], out, others
 
 
 def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | None = None) -> RankResult:
     """Rank 0's trace under `parallel` and what it holds beyond it (module docstring); `gpu`: the target
     GPU's GpuSpec, as memfit.sim.engine.simulate takes it."""
-    from memfit.sim.engine import simulate
-
     setup = resolve(setup)
     nccl = nccl_buffer_bytes(parallel.world_size, parallel.nodes)
     hybrid = parallel.strategy == "fsdp" and parallel.hybrid_shard
@@ -289,7 +338,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
     if parallel.strategy == "ddp":
         model = _meta_model(setup)
         buckets = ddp_bucket_bytes(model, parallel.bucket_cap_mb)
-        sim = simulate(setup, gpu=gpu)
+        sim = _simulated(setup, gpu)
         sim.trace = _ddp_trace(sim.trace, buckets, parallel.gradient_as_bucket_view)
         notes.append(f"DDP: {len(buckets)} gradient buckets of {sum(buckets) / 2**20:.1f} MiB in all"
                      + (" (gradient_as_bucket_view: the gradients are views of them)"
@@ -305,13 +354,14 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
         buffers.append(ZeroBuffer("bitsandbytes quantization states (whole on every rank)", quant_state_bytes(model),
                                   "gpu", "setup", "weights", "bitsandbytes Linear4bit.quant_state / Int8Params.SCB: "
                                   "layer attributes, neither partitioned nor cast by DeepSpeed"))
-    sim = simulate(base, gpu=gpu)
+    sim = _simulated(base, gpu)
     ranks: list[dict[str, Any]] = []
+    rank_traces: dict[int, list[TraceEvent]] = {}
     if z.stage == 2 and z.contiguous_gradients and not z.offload_optimizer and parallel.world_size > 1:
         # each rank's grads_in_partition has its own size and creation point
         layouts = _zero2_layouts(model, parallel.world_size)
         b = {"fp16": 2, "bf16": 2, "fp32": 4}[z.dtype]
-        sim.trace, buffers, ranks = _per_rank_zero2(sim.trace, buffers, layouts, b)
+        sim.trace, buffers, ranks, rank_traces = _per_rank_zero2(sim.trace, buffers, layouts, b)
         if len(ranks) > 1:
             worst = max(ranks, key=lambda d: d["peak_allocated_bytes"])
             notes.append(f"ZeRO-2 ranks differ (each rank's gradient partition buffer holds the whole parameters its "
@@ -319,7 +369,7 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
                          f"{ranks[0]['peak_allocated_bytes'] / 2**20:.1f} MiB allocated, rank {worst['ranks'][0]} "
                          f"(the worst) at {worst['peak_allocated_bytes'] / 2**20:.1f} MiB")
         else:
-            ranks = []
+            ranks, rank_traces = [], {}
     else:
         sim.trace = _zero_trace(sim.trace, buffers)
     cpu, gpu = deepspeed_model_states_bytes(z.stage, inv, gpus_per_node=parallel.gpus_per_node, nodes=parallel.nodes,
@@ -338,4 +388,5 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
     return RankResult(sim, host_bytes=host, nccl_bytes=nccl,
                       buffers=[{"name": b.name, "bytes": b.size_bytes, "device": b.device, "lifetime": b.lifetime,
                                 "rule": b.rule} for b in buffers],
-                      deepspeed_model_states={"cpu_bytes": cpu, "gpu_bytes": gpu}, notes=notes, ranks=ranks)
+                      deepspeed_model_states={"cpu_bytes": cpu, "gpu_bytes": gpu}, notes=notes, ranks=ranks,
+                      rank_traces=rank_traces)

@@ -29,6 +29,7 @@ from memfit.errors import MemfitError
 from memfit.estimator import MemoryReport, estimate
 from memfit.gpus.catalog import GpuSpec
 from memfit.peaks import peaks
+from memfit.sim.program import same_program
 from memfit.trace import TRAIN_PHASES
 from memfit.train_setup import TrainSetup
 
@@ -119,6 +120,8 @@ class Simulations:
     #: submitted ahead: (kind, setup, kwargs or (budget, alloc_conf), handle with .get())
     pending: list[tuple[str, TrainSetup, Any, Any]] = dataclasses.field(default_factory=list)
     ran_here: int = 0  #: simulations run in this process (not prefetched)
+    #: the partial simulations answered so far: (setup, kwargs, result); an equal request is answered from them
+    answered: list[tuple[TrainSetup, dict[str, Any], PhasePeaks]] = dataclasses.field(default_factory=list)
     #: how many simulations the search runs at most (memfit.progress's total); None: not counted
     expected: int | None = None
 
@@ -129,18 +132,23 @@ class Simulations:
         train = kwargs.get("train", True)
         setup = setup.replace(eval_strategy=setup.eval_strategy if not train else "no")
         if self.record_for is not None:
-            if not _reuse_candidate(setup, kwargs, self.record_for):
+            if not _reuse_candidate(setup, kwargs, self.record_for) and \
+                    not any(a == kwargs and same_program(s, setup) for s, a in self.requests):
                 self.requests.append((setup, kwargs))
             return PhasePeaks({}, {}, _Counts(0, 0))
         reused = self._reused(setup, kwargs)
         if reused is not None:
             return reused
+        done = next((r for s, a, r in self.answered if a == kwargs and same_program(s, setup)), None)
+        if done is not None:  # the same program simulated for another combination (`same_program`)
+            return done
         self._tell(setup, kwargs)
         result = self._take("phase_peaks", setup, kwargs)
         if result is None:
             self.ran_here += 1
             result = _phase_peaks_of(setup, kwargs)
         self.count += 1
+        self.answered.append((setup, kwargs, result))
         return result
 
     def prefetch(self, pool: Any, kind: str, setup: TrainSetup, args: Any) -> None:
