@@ -63,7 +63,7 @@ class OomPrediction:
 
 
 #: MemoryReport fields kept out of `to_json` (and the cache): the trace and what replays it.
-_NOT_IN_JSON = frozenset({"trace", "replay_conf"})
+_NOT_IN_JSON = frozenset({"trace", "replay_conf", "rank_traces"})
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,10 @@ class MemoryReport:
     replay_conf: AllocConf | None = field(default=None, repr=False, compare=False)
     """The allocator settings of the replay the reserved figures come from (the views in memfit.report replay
     `trace` with them); None, as `trace` is empty, in a report read from the cache. Not in the JSON."""
+    rank_traces: dict[int, list[TraceEvent]] = field(repr=False, compare=False, default_factory=dict)
+    """Multi-GPU runs whose ranks differ (`parallel['ranks']`, ZeRO-2): the trace of each group of ranks other
+    than rank 0's, by the group's first rank (`trace` is rank 0's), for the views' per-rank timelines. Not in the
+    JSON."""
 
     def __repr__(self) -> str:
         from memfit.units import format_bytes
@@ -382,7 +386,11 @@ def estimate(
     trace = sim.trace
     workspace = cublas_workspace_bytes(spec) if spec is not None else 0
     trace = _with_workspaces(trace, workspace)
+    rank_traces = {} if rank is None else {r: _with_workspaces(t, workspace) for r, t in rank.rank_traces.items()}
     tp = peaks(trace)
+    for group in rank.ranks if rank is not None else ():  # each group's peak as `peak_allocated_bytes` counts it
+        group["peak_allocated_bytes"] = (tp.overall.bytes if 0 in group["ranks"]
+                                         else peaks(rank_traces[group["ranks"][0]]).overall.bytes)
     if non_pytorch_bytes is None and isinstance(gpu, str) and gpu.strip().lower() == "auto":
         from memfit.gpus.outside_pytorch import measure_non_pytorch_bytes
 
@@ -470,7 +478,7 @@ def estimate(
         alloc_conf=_conf_text(conf), notes=notes, setup=_setup_json(setup),
         elapsed_s=round(time.perf_counter() - started, 3), capacity_bytes=capacity, required_bytes=required,
         shortfall_bytes=shortfall, uncapped_peak_reserved_bytes=bounded.uncapped.peak_reserved_bytes,
-        steady_state=bounded.steady, trace=trace, replay_conf=conf,
+        steady_state=bounded.steady, trace=trace, replay_conf=conf, rank_traces=rank_traces,
         reserved_at_peak_allocated_bytes=alloc.reserved_at_peak_allocated_bytes,
         quantization=quantization, paged_bytes=sim.paged_bytes, media_inputs=sim.media_inputs,
         attn_implementation=sim.attn_implementation, emulated_kernels=list(sim.attn_kernels),
@@ -601,21 +609,27 @@ def _quantization_report(summary: dict[str, Any] | None, trace: list[TraceEvent]
 
 def _parallel_json(parallel, rank, device_used_bytes: int) -> dict[str, Any]:
     """The multi-GPU part of the report."""
+    fsdp1_views = parallel.strategy == "fsdp" and parallel.fsdp_version == 1 and parallel.use_orig_params
     if rank.ranks:  # ZeRO-2: the ranks' gradient partitions differ (memfit.parallel.rank._per_rank_zero2)
         worst = max(rank.ranks, key=lambda d: d["peak_allocated_bytes"])
         differ = (f"yes: ZeRO-2's gradient partition buffer holds the whole parameters each rank's partition cuts; "
                   f"rank 0 peaks at {rank.ranks[0]['peak_allocated_bytes']} B allocated, rank {worst['ranks'][0]} "
                   f"(the worst) at {worst['peak_allocated_bytes']} B (see `ranks`)")
-    elif parallel.strategy == "fsdp" and parallel.fsdp_version == 1 and parallel.use_orig_params:
+    elif fsdp1_views:
         differ = ("slightly: FSDP1 with use_orig_params keeps optimizer state per original-parameter view, and each "
                   "rank's shard cuts the parameters differently (measured: 0.5% between 2 ranks)")
+    elif parallel.strategy == "ddp":
+        differ = ("no: DDP keeps a whole replica on every rank (weights, gradients, buckets, optimizer state) and "
+                  "every rank runs the same shapes")
     else:
         differ = "no: every rank holds the same shard sizes (the last rank's padding aside)"
+    alike = not rank.ranks and not fsdp1_views  # every rank holds what rank 0's trace holds
     out = {
         **parallel.to_json(), "rank": 0, "host_bytes_per_rank": rank.host_bytes,
         "host_bytes_per_node": rank.host_bytes * parallel.gpus_per_node, "nccl_bytes": rank.nccl_bytes,
         "nvidia_smi_per_gpu_bytes": device_used_bytes, "buffers": rank.buffers,
         "deepspeed_model_states": rank.deepspeed_model_states, "ranks_differ": differ, "ranks": rank.ranks,
+        "ranks_alike": alike,
     }
     if parallel.strategy == "fsdp":  # per node vs per rank under hybrid sharding
         out["shard_group_size"] = parallel.shard_size

@@ -354,15 +354,26 @@ def test_a_multi_gpu_report_is_drawn_for_rank_0(tiny_bert_dir, tmp_path):
     assert (data["rank"], data["world_size"]) == (0, 2) and "Rank 0 of 2" in text
 
 
-def test_ranks_that_differ_are_listed_per_rank(tiny_bert_dir, tmp_path):
-    """ZeRO-2: each rank's gradient partition buffer differs (memfit.parallel.rank); the page lists every group of
-    ranks with its own peak, as the report's `parallel.ranks` has them."""
+def _rank_data(text: str) -> list[dict]:
+    """The JSON of each other group of ranks' timeline on the page."""
+    return [json.loads(m) for m in re.findall(r'<script type="application/json" class="memfit-rank-data">(.*?)</script>',
+                                              text)]
+
+
+@pytest.fixture(scope="module")
+def zero2_report(tiny_bert_dir):
     from memfit.parallel import ParallelSetup
 
-    r = estimate(TrainSetup(model=tiny_bert_dir, max_length=16), gpu="T4",
-                 parallel=ParallelSetup(world_size=3, strategy="zero2"))
+    return estimate(TrainSetup(model=tiny_bert_dir, max_length=16), gpu="T4",
+                    parallel=ParallelSetup(world_size=3, strategy="zero2"))
+
+
+def test_ranks_that_differ_are_listed_per_rank(zero2_report, tmp_path):
+    """ZeRO-2: each rank's gradient partition buffer differs (memfit.parallel.rank); the page lists every group of
+    ranks with its own peak, as the report's `parallel.ranks` has them."""
+    r = zero2_report
     text = open(r.to_html(tmp_path / "z2.html"), encoding="utf-8").read()
-    assert "<h2>Per rank</h2>" in text and html.escape(r.parallel["ranks_differ"]) in text
+    assert '<h2 id="memfit-per-rank">Per rank</h2>' in text and html.escape(r.parallel["ranks_differ"]) in text
     from memfit.units import format_bytes
 
     ranks = r.parallel["ranks"]
@@ -370,3 +381,44 @@ def test_ranks_that_differ_are_listed_per_rank(tiny_bert_dir, tmp_path):
     table = text.split('id="memfit-ranks">')[1].split("</table>")[0]
     assert table.count("<tr>") == 1 + len(ranks)
     assert all(format_bytes(d["peak_allocated_bytes"]) in table for d in ranks)
+
+
+def test_each_group_of_ranks_that_differ_has_its_own_timeline(zero2_report, tmp_path):
+    """ZeRO-2 over 3 ranks: the page carries one timeline per distinct group of ranks, rank 0's (the main one) and
+    one of each other group's own trace (`MemoryReport.rank_traces`), each peaking at its group's peak and holding
+    its own gradient partition buffer."""
+    from memfit.peaks import peaks
+
+    r = zero2_report
+    assert sorted(r.rank_traces) == [1, 2] and r.parallel["ranks_alike"] is False
+    text = open(r.to_html(tmp_path / "z2.html"), encoding="utf-8").read()
+    _, main = _check_page(text, r)
+    others = _rank_data(text)
+    groups = {tuple(d["ranks"]): d for d in r.parallel["ranks"]}
+    assert sorted(tuple(d["ranks"]) for d in [main, *others]) == sorted(groups)
+    assert text.count("<div data-rank-timeline") == len(others) == len(groups) - 1
+    assert main["ranks"] == [0] and main["peak_allocated_bytes"] == r.peak_allocated_bytes
+    for d in others:
+        trace = r.rank_traces[d["ranks"][0]]
+        assert d["peak_allocated_bytes"] == peaks(trace).overall.bytes == groups[tuple(d["ranks"])][
+            "peak_allocated_bytes"] == max(s["allocated_bytes"] for s in d["samples"])
+        assert d["num_events"] == len(trace) and d["categories"] == main["categories"]
+        assert {ln["id"] for ln in d["lines"]} == {"gpu-total", "pytorch-capacity"}  # `required` is rank 0's
+        partition = [e.size_bytes for e in trace if e.module == "DeepSpeed grads_in_partition" and e.action == "alloc"]
+        assert partition and set(partition) == {groups[tuple(d["ranks"])]["grads_in_partition_bytes"]}  # once a step
+    assert len({d["peak_allocated_bytes"] for d in [main, *others]}) == 3  # the three partitions differ
+
+
+def test_ranks_that_are_alike_share_the_timeline_and_say_why(tiny_bert_dir, tmp_path):
+    """FSDP2 over 4 ranks: every rank holds the same, so the one timeline stands for all four (its data's `ranks`)
+    and the page says why; no other timeline."""
+    from memfit.parallel import ParallelSetup
+
+    r = estimate(TrainSetup(model=tiny_bert_dir, max_length=16), gpu="T4",
+                 parallel=ParallelSetup(world_size=4, strategy="fsdp"))
+    assert r.parallel["fsdp_version"] == 2 and r.parallel["ranks_alike"] is True and r.rank_traces == {}
+    text = open(r.to_html(tmp_path / "fsdp.html"), encoding="utf-8").read()
+    _, data = _check_page(text, r)
+    assert data["ranks"] == [0, 1, 2, 3] and _rank_data(text) == [] and "<div data-rank-timeline" not in text
+    section = text.split('id="memfit-per-rank">')[1].split("<h2")[0]
+    assert html.escape(r.parallel["ranks_differ"]) in section and "each of the 4 ranks' own" in section

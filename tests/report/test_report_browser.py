@@ -148,6 +148,41 @@ def _seed():
         "gpu": SEED_CASE["gpu"]}
 
 
+def test_each_group_of_ranks_that_differ_is_drawn_and_hovered(driver, tiny_bert_dir, tmp_path):
+    """ZeRO-2 over 3 ranks: besides rank 0's timeline, each other group of ranks has its own chart, drawn from its
+    own data: a series per category, its own peak, and hovering it lists that rank's tensors in its own tooltip."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    from memfit.parallel import ParallelSetup
+
+    r = estimate(TrainSetup(model=tiny_bert_dir, max_length=16), gpu="T4",
+                 parallel=ParallelSetup(world_size=3, strategy="zero2"))
+    path = tmp_path / "zero2.html"
+    r.to_html(path)
+    _load(driver, path)
+    boxes = driver.find_elements(By.CSS_SELECTOR, "[data-rank-timeline]")
+    assert sorted(b.get_attribute("data-ranks") for b in boxes) == ["1", "2"]
+    peaks = {}
+    for box in boxes:
+        data = json.loads(box.find_element(By.CSS_SELECTOR, "script.memfit-rank-data").get_attribute("textContent"))
+        series = box.find_elements(By.CSS_SELECTOR, "path[data-category]")
+        assert sorted(s.get_attribute("data-category") for s in series) == sorted(data["categories"])
+        svg = box.find_element(By.CSS_SELECTOR, "svg")
+        assert int(svg.get_attribute("data-peak-allocated-bytes")) == data["peak_allocated_bytes"]
+        peak = box.find_element(By.CSS_SELECTOR, "[data-marker=peak]")
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", peak)
+        ActionChains(driver).move_to_element(peak).perform()
+        tip = box.find_element(By.CSS_SELECTOR, ".tooltip")
+        assert tip.is_displayed() and int(tip.get_attribute("data-allocated-bytes")) == data["peak_allocated_bytes"]
+        assert tip.find_elements(By.CSS_SELECTOR, "tr.tensor")
+        assert not driver.find_element(By.ID, "memfit-tooltip").is_displayed()  # rank 0's stays hidden
+        peaks[box.get_attribute("data-ranks")] = data["peak_allocated_bytes"]
+    main = int(driver.find_element(By.ID, "memfit-chart").get_attribute("data-peak-allocated-bytes"))
+    assert main == r.peak_allocated_bytes and len({main, *peaks.values()}) == 3
+    _screenshot(driver, tmp_path, "estimate-zero2.png")
+
+
 def _qlora():
     return TrainSetup(model="meta-llama/Llama-3.2-1B", task="causal-lm", max_length=512, per_device_train_batch_size=2,
                       load_in_4bit=True, lora_r=16, precision="fp16", gradient_checkpointing=True), {"gpu": "T4"}

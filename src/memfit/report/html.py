@@ -13,7 +13,10 @@ Stable hooks for tests and tools: `path[data-category=<category>]` (one per cate
 `path[data-series=reserved]`, `line[data-line=gpu-total|pytorch-capacity|required]`,
 `#memfit-what-ifs` (one row per setting), `[data-marker=peak]` (its `data-bytes`), `[data-marker=oom]`, `[data-marker=oom-request]` (the failing request on
 top of what was allocated: `data-bytes` their sum, `data-request-bytes`), `#memfit-tooltip` (rows `tr.tensor`, and
-at the OOM `tr.request`).
+at the OOM `tr.request`). The main timeline is rank 0's (its data's `ranks`: the ranks it stands for); a multi-GPU
+run whose ranks differ (ZeRO-2's gradient partitions) has one more timeline per other group of ranks, drawn by the
+same script: `[data-rank-timeline]` boxes (`data-ranks`) in `#memfit-per-rank`, each with its own svg, tooltip and
+`script.memfit-rank-data` JSON.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 from memfit.errors import MemfitError
 from memfit.report._chart import CHART_JS
 from memfit.report.style import PHASE_COLORS, category_color, category_label
-from memfit.report.timeline import Timeline, report_timeline
+from memfit.report.timeline import DEFAULT_MAX_SAMPLES, Timeline, report_timeline, timeline
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.estimator import MemoryReport
 
-__all__ = ["render_html", "timeline_data", "notebook_html", "page", "DATA_SCHEMA"]
+__all__ = ["render_html", "timeline_data", "timeline_ranks", "rank_timelines", "notebook_html", "page", "DATA_SCHEMA"]
 
 DATA_SCHEMA = "memfit.report.timeline/1"
 
@@ -43,8 +46,8 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px}
 .card{border:1px solid #ddd;border-radius:6px;padding:8px 12px;min-width:150px}
 .card b{display:block;font-size:17px}.card span{color:#666;font-size:12px}
 .bad{color:#b00020}.good{color:#1b7f3b}
-#memfit-chart-wrap{position:relative}
-#memfit-chart{width:100%;height:auto;display:block;font-size:11px}
+#memfit-chart-wrap,.chart-wrap{position:relative}
+#memfit-chart,.chart{width:100%;height:auto;display:block;font-size:11px}
 .grid{stroke:#e3e3e3}.frame{stroke:#888}
 .band-label{fill:#555;font-size:11px}
 .reserved{fill:none;stroke:#111;stroke-width:1.6}
@@ -56,12 +59,13 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px}
 .oom{stroke:#b00020;stroke-width:2}.oom-label{fill:#b00020;font-weight:600;paint-order:stroke;stroke:#fff;stroke-width:3px}
 .oom-request{fill:#b00020;fill-opacity:.35;stroke:#b00020;stroke-width:1.5;stroke-dasharray:4 2}
 .oom-point{fill:#b00020;stroke:#fff;stroke-width:1.5;pointer-events:none}
-#memfit-tooltip tr.request td{color:#b00020;font-weight:600}
+#memfit-tooltip tr.request td,.tooltip tr.request td{color:#b00020;font-weight:600}
 .cursor{stroke:#333;stroke-dasharray:2 2;pointer-events:none}.cursor-dot{fill:#111;pointer-events:none}
-#memfit-tooltip{position:absolute;display:none;background:#fff;border:1px solid #999;border-radius:4px;
+#memfit-tooltip,.tooltip{position:absolute;display:none;background:#fff;border:1px solid #999;border-radius:4px;
 box-shadow:0 2px 8px rgba(0,0,0,.2);padding:6px 8px;font-size:12px;pointer-events:none;max-width:640px;z-index:2}
-#memfit-tooltip table{border-collapse:collapse;margin-top:4px}
-#memfit-tooltip td,#memfit-tooltip th{padding:1px 6px;text-align:left;white-space:nowrap}
+#memfit-tooltip table,.tooltip table{border-collapse:collapse;margin-top:4px}
+#memfit-tooltip td,#memfit-tooltip th,.tooltip td,.tooltip th{padding:1px 6px;text-align:left;white-space:nowrap}
+h3{font-size:14px;margin:20px 0 6px}
 .tt-head{font-weight:600}
 .legend{display:flex;flex-wrap:wrap;gap:14px;margin:6px 0 0 80px;font-size:13px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:5px;vertical-align:-1px}
@@ -79,21 +83,37 @@ def _json_script(data: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def _lines(report: "MemoryReport") -> list[dict[str, Any]]:
+def _lines(report: "MemoryReport", *, required: bool = True) -> list[dict[str, Any]]:
     out = []
     if report.gpu is not None:
         out.append({"id": "gpu-total", "label": f"GPU memory ({report.gpu['name']})",
                     "bytes": report.gpu["total_bytes"]})
         if report.capacity_bytes is not None:
             out.append({"id": "pytorch-capacity", "label": "what PyTorch can use", "bytes": report.capacity_bytes})
-    if report.required_bytes is not None:
+    if required and report.required_bytes is not None:
         out.append({"id": "required", "label": "required (smallest memory PyTorch needs)",
                     "bytes": report.required_bytes})
     return out
 
 
-def timeline_data(report: "MemoryReport", tl: Timeline) -> dict[str, Any]:
-    """What the page's script draws (the `memfit-data` JSON)."""
+def timeline_ranks(report: "MemoryReport") -> list[int]:
+    """The ranks the report's own timeline (rank 0's trace) stands for: every rank where they hold the same
+    (memfit.estimator: `parallel.ranks_alike`), rank 0's group where ZeRO-2's gradient partitions differ, rank 0
+    alone otherwise."""
+    p = report.parallel
+    if not p:
+        return [0]
+    for group in p.get("ranks") or []:
+        if 0 in group["ranks"]:
+            return list(group["ranks"])
+    return list(range(p.get("world_size", 1))) if p.get("ranks_alike") else [0]
+
+
+def timeline_data(report: "MemoryReport", tl: Timeline, ranks: list[int] | None = None) -> dict[str, Any]:
+    """What the page's script draws (the `memfit-data` JSON). `ranks`: the group of ranks of a timeline of another
+    trace than the report's own (`MemoryReport.rank_traces`): its peaks are its own, the OOM only where its replay
+    runs out (the report's message is rank 0's) and no `required` line (the report's is rank 0's)."""
+    own = ranks is None
     tensors: dict[str, dict[str, Any]] = {}
     samples = []
     for s in tl.samples:
@@ -107,8 +127,8 @@ def timeline_data(report: "MemoryReport", tl: Timeline) -> dict[str, Any]:
                         "by_category": {c: b for c, b in s.by_category.items() if b},
                         "top": [t.id for t in s.top]})
     oom = None
-    if report.oom is not None or tl.oom_index is not None:
-        o = report.oom
+    if (own and report.oom is not None) or tl.oom_index is not None:
+        o = report.oom if own else None
         oom = {"index": tl.oom_index, "phase": o.phase if o else tl.spans[-1].phase,
                "step": o.step if o else tl.spans[-1].step, "message": o.message if o else None, "request": None}
         r = tl.oom_request
@@ -123,10 +143,11 @@ def timeline_data(report: "MemoryReport", tl: Timeline) -> dict[str, Any]:
     return {
         "schema": DATA_SCHEMA,
         "model": report.model,
-        "rank": parallel.get("rank", 0),
+        "rank": parallel.get("rank", 0) if own else ranks[0],
+        "ranks": timeline_ranks(report) if own else list(ranks),
         "world_size": parallel.get("world_size", 1),
-        "peak_allocated_bytes": report.peak_allocated_bytes,
-        "peak_reserved_bytes": report.peak_reserved_bytes,
+        "peak_allocated_bytes": report.peak_allocated_bytes if own else tl.peak_allocated_bytes,
+        "peak_reserved_bytes": report.peak_reserved_bytes if own else tl.peak_reserved_bytes,
         "peak_index": tl.peak_index,
         "num_events": tl.num_events,
         "replay_capacity_bytes": tl.replay_capacity_bytes,
@@ -134,7 +155,7 @@ def timeline_data(report: "MemoryReport", tl: Timeline) -> dict[str, Any]:
         "colors": {c: category_color(c, i) for i, c in enumerate(tl.categories)},
         "labels": {c: category_label(c) for c in tl.categories},
         "phase_colors": PHASE_COLORS,
-        "lines": _lines(report),
+        "lines": _lines(report, required=own),
         "spans": [{"phase": sp.phase, "step": sp.step, "start": sp.start, "end": sp.end} for sp in tl.spans],
         "oom": oom,
         "samples": samples,
@@ -282,19 +303,68 @@ def _what_ifs(report: "MemoryReport", tl: Timeline | None = None) -> str:
                       "the simulated steps"], rows, {1, 2, 3}).replace('<table class="t">', '<table class="t" id="memfit-what-ifs">'))
 
 
-def _ranks(report: "MemoryReport") -> str:
-    """Multi-GPU: what each rank holds. The timeline is rank 0's; ranks whose memory differs (ZeRO-2's gradient
-    partitions, memfit.parallel.rank) are listed with their peak, else the page says why they are alike."""
+def rank_timelines(report: "MemoryReport") -> list[tuple[list[int], Timeline]]:
+    """The timeline of each other group of ranks whose memory differs from rank 0's (`MemoryReport.rank_traces`,
+    ZeRO-2's gradient partitions), with its ranks: its trace replayed with the report's allocator settings on the
+    same GPU (what PyTorch can use there; without a GPU, without a limit: the required memory is rank 0's)."""
+    p = report.parallel or {}
+    groups = [g for g in p.get("ranks") or [] if 0 not in g["ranks"] and report.rank_traces.get(g["ranks"][0])]
+    if not groups:
+        return []
+    from memfit.allocator.conf import parse_alloc_conf
+
+    conf = report.replay_conf if report.replay_conf is not None else parse_alloc_conf(report.alloc_conf)
+    # the samples of all these timelines together stay near one timeline's (the page stays a few MB)
+    samples = max(500, DEFAULT_MAX_SAMPLES // len(groups))
+    return [(list(g["ranks"]), timeline(report.rank_traces[g["ranks"][0]], conf=conf,
+                                        capacity_bytes=report.capacity_bytes, max_samples=samples))
+            for g in groups]
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _rank_timeline(report: "MemoryReport", ranks: list[int], tl: Timeline) -> str:
+    where = (f"on the {report.gpu['name']}, within what PyTorch can use there" if report.gpu is not None
+             else "without a memory limit (no GPU given; the required memory above is rank 0's)")
+    if tl.oom_index is not None:
+        where += f"; it runs out of memory at trace event {tl.oom_index}"
+    label = _ranks_text(ranks)
+    return (f'<h3>{_e(label[0].upper() + label[1:])}</h3>'
+            f'<div data-rank-timeline data-ranks="{_e(",".join(map(str, ranks)))}">'
+            f"<p class=sub>Peak allocated {_e(format_bytes(tl.peak_allocated_bytes))}, "
+            f"peak reserved {_e(format_bytes(tl.peak_reserved_bytes))}, its own trace replayed {_e(where)}.</p>"
+            f'<div class="chart-wrap"><svg class="chart" role="img" aria-label="memory timeline of {_e(label)}"></svg>'
+            f'<div class="tooltip"></div></div>{_legend(tl)}<p class="sub off-scale"></p>'
+            f'<script type="application/json" class="memfit-rank-data">{_json_script(timeline_data(report, tl, ranks))}'
+            "</script></div>")
+
+
+def _ranks(report: "MemoryReport", rank_tls: list[tuple[list[int], Timeline]] = ()) -> str:
+    """Multi-GPU: what each rank holds. The main timeline is rank 0's; where ranks differ (ZeRO-2's gradient
+    partitions, memfit.parallel.rank) each group is listed with its peak and drawn with its own timeline, where they
+    are alike the page says why and that the main timeline is every rank's."""
     p = report.parallel
     if not p:
         return ""
     ranks = p.get("ranks") or []
-    out = f"<h2>Per rank</h2><p class=sub>{_e(p.get('ranks_differ', ''))}</p>"
+    out = f'<h2 id="memfit-per-rank">Per rank</h2><p class=sub>{_e(p.get("ranks_differ", ""))}</p>'
+    world = p.get("world_size", 1)
+    if not ranks and p.get("ranks_alike"):
+        out += f"<p>The timeline above is each of the {_e(world)} ranks' own: they hold the same memory.</p>"
+    elif not ranks:
+        out += "<p>The timeline above is rank 0's; the other ranks are not simulated one by one.</p>"
     if ranks:
         rows = [[_e(", ".join(map(str, d["ranks"]))), _e(format_bytes(d["peak_allocated_bytes"])),
                  _e(format_bytes(d.get("grads_in_partition_bytes", 0)))] for d in ranks]
         out += _table(["ranks", "peak allocated", "gradient partition buffer"], rows).replace(
             '<table class="t">', '<table class="t" id="memfit-ranks">')
+        own = timeline_ranks(report)
+        out += (f"<p>The timeline above is {_e(_ranks_text(own))}'s"
+                + (", and each other group of ranks has its own below: the same chart of its own trace."
+                   if rank_tls else ".") + "</p>")
+        out += "".join(_rank_timeline(report, g, tl) for g, tl in rank_tls)
     return out
 
 
@@ -349,8 +419,8 @@ def _chart_intro(report: "MemoryReport", tl: Timeline) -> str:
         parts.append(f", on the {report.gpu['name']}")
     parts.append(". Hover to see the largest live tensors (size, category, module, shape, dtype).")
     if report.parallel:
-        parts.append(f" Rank 0 of {report.parallel.get('world_size')}: the report holds rank 0's trace only "
-                     f"(ranks differ: {report.parallel.get('ranks_differ', 'unknown')}).")
+        parts.append(f" Rank 0 of {report.parallel.get('world_size')} (ranks differ: "
+                     f"{report.parallel.get('ranks_differ', 'unknown')}; see Per rank below).")
     return "<p class=sub>" + _e("".join(parts)) + "</p>"
 
 
@@ -367,7 +437,7 @@ def _body(report: "MemoryReport", tl: Timeline) -> str:
             '<div id="memfit-chart-wrap"><svg id="memfit-chart" role="img" aria-label="memory timeline"></svg>'
             '<div id="memfit-tooltip"></div></div>'
             f'{_legend(tl)}<p id="memfit-off-scale" class=sub></p>'
-            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}{_ranks(report)}{_what_ifs(report, tl)}"
+            f"{_oom(report, tl)}{_breakdown(report, tl)}{_phases(report)}{_device(report)}{_ranks(report, rank_timelines(report))}{_what_ifs(report, tl)}"
             f"{_notes(report, tl)}"
             f'<script id="memfit-data" type="application/json">{_json_script(timeline_data(report, tl))}</script>'
             f"<script>{CHART_JS}</script>")
