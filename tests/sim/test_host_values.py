@@ -101,3 +101,61 @@ def test_splice_keeps_the_windowed_vision_stack_whole(tmp_path):
     full = simulate(setup, splice=False)
     spliced = simulate(setup, splice=True)
     assert trace_key(spliced.trace) == trace_key(full.trace)
+
+
+# -- Gemma 3: a SigLIP tower, a pooling projector, image tokens attending each other both ways -----------------
+
+
+def _gemma3():
+    """A tiny Gemma3ForConditionalGeneration: two language blocks of width 64 (one sliding, one full attention),
+    two SigLIP blocks of width 32 on 56 x 56 images (4 x 4 patches of 14 px, pooled 2 x 2 into 4 image tokens),
+    and its image processor resizing to 56 x 56."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    config = transformers.Gemma3Config(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=300, max_position_embeddings=4096,
+                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=32),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=56, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=4, boi_token_index=250, eoi_token_index=251, image_token_index=262,
+        architectures=["Gemma3ForConditionalGeneration"])
+    return config, Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    import json
+
+    folder = tmp_path_factory.mktemp("gemma3")
+    config, processor = _gemma3()
+    config.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    # the processor's own settings, as the hub's processor_config.json holds them (256 there: mm_tokens_per_image)
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 4,
+                                                              "processor_class": "Gemma3Processor"}))
+    simulate(TrainSetup(model=str(folder), image_size="100x80", max_length=8, per_device_train_batch_size=1),
+             fake=False, splice=False)
+    return str(folder)
+
+
+GEMMA_CASES = [
+    (dict(), []),
+    (dict(lora_r=4, trainer="sft", precision="bf16"), []),
+    (dict(precision="bf16", gradient_checkpointing=True, images_per_example=2), _SLOW),
+]
+
+
+@pytest.mark.parametrize("fields", [pytest.param(f, marks=m, id=str(i)) for i, (f, m) in enumerate(GEMMA_CASES)])
+def test_gemma3_fake_trace_equals_real_cpu_run(gemma_dir, fields):
+    """Includes the tower's backward through its post_layernorm, whose gradient the projector's transpose leaves
+    transposed: the fake input gradient is laid out contiguous as the CUDA and CPU kernels lay it out
+    (memfit.sim.layouts), so the fc2 `ViewBackward0` below it copies nothing, as on the real run."""
+    setup = TrainSetup(model=gemma_dir, **{"image_size": "100x80", "max_length": 16, "per_device_train_batch_size": 2,
+                                           **fields})
+    real, fake = real_and_fake(setup, real_masks_like_fake=False)
+    assert real.media_inputs == fake.media_inputs
+    # the processor's count: image_seq_length <image_soft_token>s per image
+    assert fake.media_inputs["image_tokens_per_image"] == 4
+    assert peaks(real.trace) == peaks(fake.trace)

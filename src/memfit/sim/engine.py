@@ -549,7 +549,10 @@ class _Runner:
                                             trl_steps.liger_config(s), num_sms=num_sms(self.gpu),
                                             compute_capability=cc, log=self.liger_log))
         if self.fake:
+            from memfit.sim.layouts import CudaLayouts
+
             contexts.append(adapter.new_fake_mode())
+            contexts.append(CudaLayouts())  # outputs laid out as CUDA's kernels lay them out (sim.layouts)
         contexts.append(self.tracker)
         contexts.append(cuda_patches(compute_capability=cc, sdpa_log=self.sdpa_backends, flash_log=self.flash_log,
                                      sm_count=getattr(self.gpu, "sm_count", None)))
