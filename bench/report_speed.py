@@ -10,7 +10,8 @@
    the estimate (`html_over_estimate`) also pays the garbage collector's first full pass over what the
    estimate left (its objects and the torch / transformers modules: the page's allocations trigger it; a
    process that writes no page pays it later, at the next full collection or at exit); the page's own work
-   is timed again after an untimed `gc.collect()` (`html_own_over_estimate`).
+   is timed again after an untimed `gc.collect()` (`html_own_over_estimate`). On a loaded machine the wall
+   times swing with the other work; the CPU time of this process (`html_cpu_over_estimate`) swings less.
 2. `memfit ui`: the server started as a user starts it (`python -m memfit ui`), and the seconds until its first
    page answers, from the process's start (Gradio's import included) and from the moment it says it listens.
    Target: under 2 s once it listens. Skipped without gradio.
@@ -47,14 +48,14 @@ def html_ratio(page_path: str | None = None) -> tuple[float, float]:
     seed = {k: v for k, v in SEED_CASE.items() if k not in ("model", "gpu", "training_args")}
     setup = TrainSetup.from_kwargs(SEED_CASE["model"], training_args=SEED_CASE["training_args"], **seed)
     estimate(setup, gpu=SEED_CASE["gpu"], cache=False)  # the first run of a process pays the imports
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     report = estimate(setup, gpu=SEED_CASE["gpu"], cache=False)
-    estimate_s = time.perf_counter() - t
+    estimate_s, estimate_cpu_s = time.perf_counter() - t, time.process_time() - c
     with tempfile.TemporaryDirectory() as d:
         page = Path(page_path or Path(d) / "seed.html")
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         (path,) = write_views(report, html_path=page)
-        html_s = time.perf_counter() - t
+        html_s, html_cpu_s = time.perf_counter() - t, time.process_time() - c
         size = os.path.getsize(path)
         gc.collect()  # what the estimate left for the collector, collected untimed
         t = time.perf_counter()
@@ -63,6 +64,8 @@ def html_ratio(page_path: str | None = None) -> tuple[float, float]:
     ratio, own = html_s / estimate_s, own_s / estimate_s
     print(f"seed estimate: {estimate_s:.2f} s; its HTML page: {html_s:.3f} s ({size / 2**20:.2f} MiB, "
           f"{len(report.trace)} trace events); again after a full collection: {own_s:.3f} s")
+    print(f"CPU time of this process: the estimate {estimate_cpu_s:.2f} s, the page {html_cpu_s:.3f} s")
+    print(f"html_cpu_over_estimate={html_cpu_s / estimate_cpu_s:.3f}")
     print(f"html_own_over_estimate={own:.3f}")
     print(f"html_over_estimate={ratio:.3f}")
     return ratio, own
@@ -115,6 +118,7 @@ def against(rev: str, rounds: int) -> float:
         subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive.stdout, check=True)
         ratios: dict[str, list[float]] = {rev: [], "this tree": []}
         owns: dict[str, list[float]] = {rev: [], "this tree": []}
+        cpus: dict[str, list[float]] = {rev: [], "this tree": []}
         pages: dict[str, bytes] = {}
         for k in range(rounds):
             for name, src in ((rev, old_tree / "src"), ("this tree", root / "src")):
@@ -128,12 +132,15 @@ def against(rev: str, rounds: int) -> float:
                     raise SystemExit(f"the measurement with memfit from {name} failed:\n{out}{proc.stderr[-3000:]}")
                 ratios[name].append(float(found[1]))
                 owns[name].append(float(re.search(r"html_own_over_estimate=([0-9.]+)", out)[1]))
-                print(f"round {k + 1}, {name}: {out.strip().splitlines()[-3]}; html_over_estimate={ratios[name][-1]:.3f}"
-                      f", html_own_over_estimate={owns[name][-1]:.3f}")
+                cpus[name].append(float(re.search(r"html_cpu_over_estimate=([0-9.]+)", out)[1]))
+                print(f"round {k + 1}, {name}: {out.strip().splitlines()[-5]}; html_over_estimate={ratios[name][-1]:.3f}"
+                      f", html_own_over_estimate={owns[name][-1]:.3f}, html_cpu_over_estimate={cpus[name][-1]:.3f}")
                 pages.setdefault(name, page.read_bytes())
     same = pages[rev] == pages["this tree"]
     old, new = statistics.median(ratios[rev]), statistics.median(ratios["this tree"])
     print(f"the two pages are {'identical' if same else 'DIFFERENT'} ({len(pages[rev])} and {len(pages['this tree'])} B)")
+    print(f"html_cpu_over_estimate {rev}={statistics.median(cpus[rev]):.3f} "
+          f"this_tree={statistics.median(cpus['this tree']):.3f} (medians of {rounds} rounds)")
     print(f"html_own_over_estimate {rev}={statistics.median(owns[rev]):.3f} "
           f"this_tree={statistics.median(owns['this tree']):.3f} (medians of {rounds} rounds)")
     print(f"html_over_estimate {rev}={old:.3f} this_tree={new:.3f} (medians of {rounds} rounds)")
