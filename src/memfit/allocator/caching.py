@@ -923,25 +923,28 @@ def replay(
     by_phase_alloc: dict[str, int] = {}
     oom: OomEvent | None = None
     n = 0
+    malloc, free, live_pop = m.malloc, m.free, live.pop  # bound once: the loop runs once per event
+    series = reserved_after.append if reserved_after is not None else None
     for n, ev in enumerate(events, 1):
         action = ev.action
         if action == "alloc":
-            if ev.id in live or ev.id in zero_ids:
-                raise MemfitError(f"trace allocates id `{ev.id}` twice; every alloc needs a fresh id")
+            eid = ev.id
+            if eid in live or (zero_ids and eid in zero_ids):
+                raise MemfitError(f"trace allocates id `{eid}` twice; every alloc needs a fresh id")
             if ev.size_bytes == 0:  # CUDACachingAllocator::allocate skips malloc for 0 bytes
-                zero_ids.add(ev.id)
-                if reserved_after is not None:
-                    reserved_after.append(m.reserved)
+                zero_ids.add(eid)
+                if series is not None:
+                    series(m.reserved)
                 continue
-            block, alloc_size = m.malloc(ev.size_bytes)
+            block, alloc_size = malloc(ev.size_bytes)
             if block is None:
                 cap = capacity_bytes if capacity_bytes is not None else (allowed_bytes or 0)
                 oom = OomEvent(n - 1, ev.phase, ev.category, ev.module, ev.size_bytes, alloc_size,
                                m.allocated, m.reserved, cap, max(cap - m.reserved, 0))
-                if reserved_after is not None:
-                    reserved_after.append(m.reserved)
+                if series is not None:
+                    series(m.reserved)
                 break
-            live[ev.id] = block
+            live[eid] = block
             a, r = m.allocated, m.reserved
             if a > peak_alloc:
                 peak_alloc, res_at_peak_alloc = a, r
@@ -952,24 +955,25 @@ def replay(
             if by_phase_alloc.get(ev.phase, -1) < a:
                 by_phase_alloc[ev.phase] = a
         elif action == "free":
-            b = live.pop(ev.id, None)
+            b = live_pop(ev.id, None)
             if b is None:
                 if ev.id in zero_ids:
                     zero_ids.discard(ev.id)
-                    if reserved_after is not None:
-                        reserved_after.append(m.reserved)
+                    if series is not None:
+                        series(m.reserved)
                     continue
                 raise MemfitError(f"trace frees id `{ev.id}` that is not allocated; free each alloc once")
-            m.free(b)
+            free(b)
+            r = m.reserved
         elif action == "empty_cache":
             m.release_cached_blocks()
+            r = m.reserved
         else:
             raise MemfitError(f"trace action `{action}` is unknown; use `alloc`, `free` or `empty_cache`")
-        r = m.reserved
         if by_phase_res.get(ev.phase, -1) < r:
             by_phase_res[ev.phase] = r
-        if reserved_after is not None:
-            reserved_after.append(r)
+        if series is not None:
+            series(r)
     return AllocatorReport(
         peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
         reserved_at_peak_allocated_bytes=res_at_peak_alloc,
