@@ -123,3 +123,29 @@ def test_smolvlm_without_num2words_is_one_line(monkeypatch):
     with pytest.raises(MemfitError, match=r"SmolVLMProcessor cannot be built: .*num2words.*memfit\[vision\]") as err:
         _example(model=SMOLVLM, image_size="448x448", max_length=8)
     assert "\n" not in str(err.value)
+
+
+MLLAMA = "meta-llama/Llama-3.2-11B-Vision-Instruct"
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_mllama_tiles_are_what_the_installed_processor_returns(size):
+    """Llama 3.2 Vision: one `<|image|>` token an image, cross-attended to the tiles MllamaImageProcessor cuts it
+    into (at most max_image_tiles of 560 px, as its aspect ratio fits), every image padded to max_image_tiles."""
+    width, height = map(int, size.split("x"))
+    out = _installed(MLLAMA, width, height)
+    tiles = out["num_tiles"][0][0] if "num_tiles" in out else int(out["aspect_ratio_mask"].sum())
+    example, summary, notes = _example(model=MLLAMA, image_size=size, max_length=32)
+    assert summary["image_tiles"] == [tiles]
+    assert int((example["input_ids"] == 128256).sum()) == summary["image_tokens_per_image"] == 1  # <|image|>
+    assert tuple(example["pixel_values"].shape) == tuple(out["pixel_values"].shape)
+    assert example["aspect_ratio_ids"].tolist() == out["aspect_ratio_ids"].tolist()
+    assert tuple(example["cross_attention_mask"].shape) == (1, summary["sequence_length"], 1,
+                                                            out["pixel_values"].shape[2])
+    assert f"is {tiles} tile" in notes[-1] or f"is {tiles} tile" in notes[-2]
+
+
+def test_mllama_tiles_follow_the_aspect_ratio():
+    _, small, _ = _example(model=MLLAMA, image_size="224x224", max_length=8)
+    _, square, _ = _example(model=MLLAMA, image_size="1024x1024", max_length=8)
+    assert small["image_tiles"] == [1] and square["image_tiles"] == [4]

@@ -1,4 +1,4 @@
-"""LLaVA 1.5 and SmolVLM2: the step on FakeTensors, with the processor's real host data (memfit.sim.host_values),
+"""LLaVA 1.5, SmolVLM2 and Llama 3.2 Vision (mllama): the step on FakeTensors, with the processor's real host data (memfit.sim.host_values),
 allocates what the same step on real CPU tensors does, event for event.
 
 Each tiny model (two language blocks of width 64, two vision blocks of width 32) is saved with its image processor
@@ -7,7 +7,9 @@ settings and its processor_config.json to a directory, as a user's checkpoint is
 get the same real `input_ids`, `attention_mask` and `pixel_values` (SmolVLM2: also `pixel_attention_mask`) from the
 model's own processor class. LLaVA's CLIP tower sees every image at its one input size; SmolVLM2 reads its inputs
 on the host (the padding tiles it drops, the patch mask and the per-tile position ids it builds from
-`pixel_attention_mask`), and its tiles follow the image's shape.
+`pixel_attention_mask`), and its tiles follow the image's shape. mllama's language model cross-attends to the
+tiles through `cross_attention_mask`, which it reads with the `aspect_ratio_ids` / `aspect_ratio_mask` of each
+image.
 """
 
 from __future__ import annotations
@@ -57,7 +59,23 @@ def _smolvlm(folder):
     return {"image_seq_len": 4, "processor_class": "SmolVLMProcessor"}
 
 
-MODELS = {"llava": _llava, "smolvlm": _smolvlm}
+def _mllama(folder):
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    # 28-px tiles of 14-px patches (4 patches and a CLS position), up to 4 tiles an image; a self-attention block,
+    # a cross-attention block, two more self-attention blocks
+    transformers.MllamaConfig(
+        text_config={**_TEXT, "model_type": "mllama_text_model", "num_hidden_layers": 4, "cross_attention_layers": [1]},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                           attention_heads=2, image_size=28, patch_size=14, intermediate_layers_indices=[0],
+                           vision_output_dim=64, max_num_tiles=4,
+                           supported_aspect_ratios=[[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]]),
+        image_token_index=150, architectures=["MllamaForConditionalGeneration"]).save_pretrained(folder)
+    MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=4).save_pretrained(folder)
+    return {"processor_class": "MllamaProcessor"}
+
+
+MODELS = {"llava": _llava, "smolvlm": _smolvlm, "mllama": _mllama}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +104,11 @@ CASES = [
     ("smolvlm", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
     ("smolvlm", dict(images_per_example=2, precision="bf16", attn_implementation="flash_attention_2",
                      compute_capability=(8, 0)), _SLOW),
+    ("mllama", dict(), []),
+    ("mllama", dict(lora_r=4, trainer="sft", precision="bf16"), []),
+    ("mllama", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
+    ("mllama", dict(images_per_example=2, precision="fp16", gradient_accumulation_steps=2, image_size="300x60"),
+     _SLOW),
 ]
 
 
@@ -128,6 +151,27 @@ def test_splice_keeps_the_llava_vision_tower_whole(tmp_path):
                                                vision_feature_select_strategy="default",
                                                architectures=["LlavaForConditionalGeneration"])
     settings = _llava(tmp_path)  # the processor settings; the config is replaced by the 8-block one
+    config.save_pretrained(tmp_path)
+    with open(os.path.join(tmp_path, "processor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(settings, f)
+    setup = TrainSetup(model=str(tmp_path), image_size="100x80", max_length=16, per_device_train_batch_size=2,
+                       precision="bf16")
+    full = simulate(setup, splice=False)
+    spliced = simulate(setup, splice=True)
+    assert trace_key(spliced.trace) == trace_key(full.trace)
+
+
+@pytest.mark.slow
+def test_splice_keeps_the_mllama_vision_encoder_whole(tmp_path):
+    """An 8-block mllama vision encoder whose hidden states 3 and 7 (intermediate_layers_indices) feed the
+    projector is simulated whole: the spliced trace equals the full one."""
+    from helpers import trace_key
+
+    settings = _mllama(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    config.vision_config.num_hidden_layers = 8
+    config.vision_config.intermediate_layers_indices = [3, 7]
+    config.vision_config.vision_output_dim = 32 * 3  # the last hidden state and the two selected
     config.save_pretrained(tmp_path)
     with open(os.path.join(tmp_path, "processor_config.json"), "w", encoding="utf-8") as f:
         json.dump(settings, f)

@@ -85,6 +85,16 @@ FAMILIES: dict[str, ImageTextFamily] = {
         literals=("<fake_token_around_image>", "<global-img>", "\n",
                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))),
     ),
+    # Llama 3.2 Vision's chat template writes `<|image|>` for each image of a user turn, one token the language
+    # model cross-attends from (MllamaProcessor adds the tokenizer's bos_token, `build_string_from_input`, and
+    # makes cross_attention_mask from the `<|image|>` positions); the image is MllamaImageProcessor's tiles
+    "mllama": ImageTextFamily(
+        processor="MllamaProcessor",
+        placeholder="<|image|>",
+        tokens={"<|image|>": "image_token_index", "<|begin_of_text|>": "bos_token_id"},
+        image_token_attr="image_token_index",
+        attributes={"bos_token": "<|begin_of_text|>"},
+    ),
     # Gemma 3's chat template writes `<start_of_image>` for each image of a user turn; Gemma3Processor replaces it
     # with `\n\n<start_of_image>` + `<image_soft_token>` x image_seq_length (processor_config.json: 256) +
     # `<end_of_image>\n\n` (processing_gemma3.py `full_image_sequence`), reading the tokens from the tokenizer's
@@ -197,6 +207,14 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
                  f"{n} image{'s' if n > 1 else ''}; {family.processor} with {type(image_processor).__name__}, settings "
                  f"from {source}); the sequence is {length} tokens: {image_tokens} image, {setup.max_length} text "
                  f"(--max-length), {length - image_tokens - setup.max_length} the template's image markers")
+    if "aspect_ratio_mask" in example:
+        # mllama: an image is tiles the language model cross-attends to (cross_attention_mask), not tokens in the
+        # sequence; MllamaImageProcessor pads every image to max_image_tiles, and the vision tower runs them all
+        used = example["aspect_ratio_mask"].sum(-1).flatten().tolist()
+        summary["image_tiles"] = used
+        notes.append(f"each {width}x{height} image is {used[0]} tile{'s' if used[0] > 1 else ''} of "
+                     f"{pixels.shape[-1]} px (aspect_ratio_mask), padded to {pixels.shape[2]}: the vision tower runs "
+                     f"{pixels.shape[2]} tiles an image and the language model cross-attends to them")
     if getattr(setup, "lora_r", None) is not None and not setup.lora_target_modules and not setup.peft_config:
         from memfit.models.peft_methods import VLM_LORA_TARGETS
 

@@ -84,13 +84,21 @@ def _uniform(model: nn.Module, name: str) -> bool:
 
 
 def _features_by_index(model: nn.Module, name: str) -> bool:
-    """Whether the model takes its image features from hidden states of the stack `name` chosen by index: LLaVA's
-    `vision_feature_layer` (-2: the input of the last block) selects from the vision tower's hidden states, and
-    transformers resolves the index against `config.num_hidden_layers` (utils/output_capturing.py
-    `resolve_hidden_states_indices`), the full depth, so in a cut tower it selects a hidden state never captured.
-    Such a tower is simulated whole."""
-    return getattr(getattr(model, "config", None), "vision_feature_layer", None) is not None \
-        and ".vision_tower." in f".{name}."
+    """Whether the model takes its image features from hidden states of the stack `name` chosen by index, which a
+    cut stack does not have: LLaVA's `vision_feature_layer` (-2: the input of the last block) selects from the
+    vision tower's hidden states, an index transformers resolves against `config.num_hidden_layers`, the full depth
+    (utils/output_capturing.py `resolve_hidden_states_indices`); mllama's vision model stacks the hidden states
+    `intermediate_layers_indices` ([3, 7, 15, 23, 30]) of its encoder (modeling_mllama.py
+    `MllamaVisionModel.forward`). Such a stack is simulated whole."""
+    if getattr(getattr(model, "config", None), "vision_feature_layer", None) is not None \
+            and ".vision_tower." in f".{name}.":
+        return True
+    parts = name.split(".")
+    for i in range(1, len(parts)):  # the stack's enclosing modules, the model itself left out
+        config = getattr(model.get_submodule(".".join(parts[:i])), "config", None)
+        if getattr(config, "intermediate_layers_indices", None):
+            return True
+    return False
 
 
 class LayerTagger:
