@@ -367,7 +367,8 @@ def simulate_rank(setup: TrainSetup, parallel: ParallelSetup, *, gpu: GpuSpec | 
             notes.append(f"ZeRO-2 ranks differ (each rank's gradient partition buffer holds the whole parameters its "
                          f"partition cuts: stage_1_and_2.py copy_grads_in_partition): rank 0 peaks at "
                          f"{ranks[0]['peak_allocated_bytes'] / 2**20:.1f} MiB allocated, rank {worst['ranks'][0]} "
-                         f"(the worst) at {worst['peak_allocated_bytes'] / 2**20:.1f} MiB")
+                         f"(the worst) at {worst['peak_allocated_bytes'] / 2**20:.1f} MiB (their traces' peaks before "
+                         "the cuBLAS workspaces an estimate adds)")
         else:
             ranks, rank_traces = [], {}
     else:
