@@ -149,3 +149,37 @@ def test_mllama_tiles_follow_the_aspect_ratio():
     _, small, _ = _example(model=MLLAMA, image_size="224x224", max_length=8)
     _, square, _ = _example(model=MLLAMA, image_size="1024x1024", max_length=8)
     assert small["image_tiles"] == [1] and square["image_tiles"] == [4]
+
+
+@pytest.mark.parametrize(("hub_id", "tower"), [(LLAVA, True), (SMOLVLM, True), (MLLAMA, True),
+                                               ("Qwen/Qwen2.5-VL-3B-Instruct", False)])
+def test_lora_note_says_where_peft_puts_the_adapters(hub_id, tower):
+    """peft matches target_modules by name: q_proj / v_proj are in LLaVA's CLIP, SmolVLM's SigLIP and mllama's
+    vision encoder too, not in Qwen2.5-VL's tower (qkv / proj). The note says which, and peft agrees on a small
+    build of the same config."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from memfit.models.peft_methods import VLM_LORA_TARGETS
+
+    _, _, notes = _example(model=hub_id, image_size="224x224", max_length=8, lora_r=16)
+    assert ("vision tower's q_proj, v_proj" in notes[-1]) is tower
+    config = load_bundled_config(hub_id)
+    for sub in (config.get_text_config(), config.vision_config):  # two blocks each: the names, not the sizes
+        for key in ("num_hidden_layers", "depth"):
+            if isinstance(getattr(sub, key, None), int):
+                setattr(sub, key, 2)
+    if hasattr(config.vision_config, "num_global_layers"):
+        config.vision_config.num_global_layers = 1
+        config.vision_config.intermediate_layers_indices = [0]
+        config.vision_config.vision_output_dim = 2 * config.vision_config.hidden_size
+        config.get_text_config().cross_attention_layers = [1]
+    if hasattr(config.vision_config, "fullatt_block_indexes"):
+        config.vision_config.fullatt_block_indexes = [1]
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=VLM_LORA_TARGETS))
+    in_tower = any("lora_A" in name and ("vision" in name or "visual" in name)
+                   for name, _ in peft_model.named_parameters())
+    assert in_tower is tower

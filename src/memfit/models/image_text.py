@@ -218,9 +218,37 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     if getattr(setup, "lora_r", None) is not None and not setup.lora_target_modules and not setup.peft_config:
         from memfit.models.peft_methods import VLM_LORA_TARGETS
 
-        notes.append(f"LoRA on the language model's {', '.join(VLM_LORA_TARGETS)} (the Hugging Face VLM fine-tuning "
-                     "recipe's modules); --lora-target-modules names others")
+        names = ", ".join(VLM_LORA_TARGETS)
+        tower = _vision_modules_named(config, VLM_LORA_TARGETS)
+        where = (f"the modules named {names}" if tower is None else
+                 f"the language model's and the vision tower's {names} (peft matches the names in both)" if tower
+                 else f"the language model's {names}")
+        notes.append(f"LoRA on {where} (the Hugging Face VLM fine-tuning recipe's modules); --lora-target-modules "
+                     "names others")
     return example, summary, notes
+
+
+def _vision_modules_named(config: Any, names: list[str]) -> bool | None:
+    """Whether the model's vision tower has modules named like `names` (LLaVA's CLIP, SmolVLM's SigLIP and mllama's
+    encoder name their attention projections q_proj / v_proj; Qwen2.5-VL's tower names them qkv / proj), read off
+    the tower built from `vision_config` on the meta device (AutoModel, else the config class's `...Model`, as
+    MllamaVisionConfig's MllamaVisionModel); None when transformers builds no model of it."""
+    import transformers
+
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return False
+    own = getattr(transformers, type(vision).__name__.replace("Config", "Model"), None)
+    for build in (transformers.AutoModel.from_config, getattr(own, "_from_config", None)):
+        if build is None:
+            continue
+        try:
+            with torch.device("meta"):
+                tower = build(vision)
+        except (ValueError, KeyError, TypeError):
+            continue
+        return any(name.rsplit(".", 1)[-1] in names for name, _ in tower.named_modules())
+    return None
 
 
 def image_text_inputs(setup: Any, spec: Any) -> Any:
