@@ -292,6 +292,22 @@ def quantization_lines(report) -> list[str]:
     return out
 
 
+def parts_lines(report) -> list[str]:
+    """An image or speech model's weights and activations at the peak by part (memfit.sim.media_peak)."""
+    parts = (getattr(report, "media_inputs", None) or {}).get("parts_at_peak")
+    if not parts:
+        return []
+    out = ["at the peak by part of the model (weights + activations; gradients, optimizer state and the backward's "
+           "temporaries are not split):"]
+    for p in parts:
+        if p["part"] == "other" and not (p["weights_bytes"] or p["activations_bytes"]):
+            continue
+        where = f" (`{p['path']}`)" if p["path"] else " (under no part: a top-level head, tied embeddings, inputs)"
+        out.append(f"  {p['part']}{where}: weights {format_bytes(p['weights_bytes'])}, activations "
+                   f"{format_bytes(p['activations_bytes'])}")
+    return out
+
+
 def _example_text(report) -> str:
     """What one example of the batch is: its tokens, or the image / clip its processor made (with its tokens for
     a seq2seq decoder)."""
@@ -396,6 +412,8 @@ def render(report, *, is_seed: bool = False) -> None:
                          f"{100 * v / report.peak_allocated_bytes:.0f}%" if report.peak_allocated_bytes else "-")
     cats.add_row("[bold]allocated[/bold]", f"[bold]{format_bytes(report.peak_allocated_bytes)}[/bold]", "")
     console.print(cats)
+    for line in parts_lines(report):
+        console.print(line)
     for line in quantization_lines(report):
         console.print(line)
     for line in reserved_lines(report):

@@ -645,6 +645,13 @@ class _Runner:
             note = feature_encoder_note(trace, self.model, wants_frozen_feature_encoder(s))
             if note is not None:
                 self.notes.append(note)
+        media = None if self.media is None else self.media.summary
+        if media is not None and trace:  # the peak's weights and activations by part of the model (sim.media_peak)
+            from memfit.sim.media_peak import model_parts, parts_at_peak
+
+            parts = model_parts(self.model, s.task)
+            if parts:
+                media = dict(media, parts_at_peak=[p.to_json() for p in parts_at_peak(trace, parts)])
         return Simulation(
             trace=trace, params=total, trainable_params=trainable, checkpointing=self.checkpointing,
             sdpa_backends=sorted(set(self.sdpa_backends)), notes=self.notes + list(s.notes),
@@ -653,7 +660,7 @@ class _Runner:
             model_name=self.spec.name, model_type=getattr(config, "model_type", ""), eval_steps_held=held,
             weights_dtype=str(next(iter(params.values())).dtype).removeprefix("torch.") if params else "float32",
             quantization=quantization, paged_bytes=paged,
-            media_inputs=None if self.media is None else self.media.summary,
+            media_inputs=media,
         )
 
     def _quant_report(self, kernels) -> dict | None:
