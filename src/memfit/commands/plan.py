@@ -31,7 +31,8 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
                      "and micro-batch that rank 0's simulation verifies, and the files and command to launch it.",
     )
     add_setup_arguments(p)
-    p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload; with --trainer grpo: "
+    p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload; for image models: "
+                        "smaller_images, freeze_vision_tower; with --trainer grpo: "
                         "fewer_generations, shorter_completions, no_reference, lora, qlora (comma-separated)")
     p.add_argument("--margin", type=float, default=None, help="fraction of the GPU kept free (default 0.05)")
     p.add_argument("--check", action="store_true",

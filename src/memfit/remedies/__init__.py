@@ -28,7 +28,8 @@ __all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "ALIASES", "remedy_i
 #: The remedy modules (memfit.remedies.<id>, each with its `REMEDY`), in the order a plan lists them.
 _MODULES = ("mixed_precision", "gradient_checkpointing", "checkpoint_offload", "optimizer", "micro_batch",
             "truncation", "lora", "freeze", "offload", "eval_settings", "allocator", "padding", "flash_attention",
-            "liger", "qlora", "vllm_share", "fewer_generations", "shorter_completions", "no_reference")
+            "liger", "qlora", "vllm_share", "fewer_generations", "shorter_completions", "no_reference",
+            "freeze_vision_tower", "smaller_images")
 
 
 def _load(module: str) -> Remedy:

@@ -35,6 +35,11 @@ def _check(setup, gpu):
     model_type = _model_type(setup)
     if model_type not in liger_supported_model_types():
         return Applicability(False, f"Liger has no kernels for model type `{model_type}`")
+    from memfit.sim.kernels.liger import liger_import_error
+
+    broken = liger_import_error(model_type)
+    if broken is not None:
+        return Applicability(False, broken)
     return Applicability(True, "no B x S x V logits with the fused linear cross-entropy; leaner norms and MLPs")
 
 

@@ -74,6 +74,37 @@ def flce_chunk_size(tokens: int, hidden: int, vocab: int, chunk_mem_const: int =
     return min(p2, tokens)
 
 
+@functools.lru_cache(maxsize=None)
+def liger_import_error(model_type: str) -> str | None:
+    """Why Liger's patch for `model_type` cannot run with the installed transformers (None: it can).
+
+    Each `apply_liger_kernel_to_<model>` imports its forward and output classes from
+    `liger_kernel.transformers.model.<module>` when called (liger_kernel/transformers/monkey_patch.py); a module
+    written for other transformers versions fails there (liger-kernel 0.8's qwen2_5_vl and qwen2_vl modules ask
+    `output_classes` for classes it defines only for some transformers versions). Those imports, read from the
+    function's source, are tried here without patching anything.
+    """
+    import importlib
+    import inspect
+    import re
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        return f"Liger has no kernels for model type `{model_type}`"
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    for module in sorted(set(re.findall(r"from (liger_kernel\.transformers\.model\.\w+) import", source))):
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            return f"liger-kernel's `{module}` does not import with the installed transformers ({err})"
+    return None
+
+
 def liger_supported_model_types() -> list[str]:
     """The model types Liger patches: the keys of liger-kernel's `MODEL_TYPE_TO_APPLY_LIGER_FN`.
 
@@ -220,6 +251,9 @@ def liger_emulation(models: list[torch.nn.Module], config: dict | None, *, num_s
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise MemfitError(f"Liger has no kernels for model type `{model_type}` (liger-kernel supports "
                           f"{', '.join(liger_supported_model_types()[:12])}, ...); drop `--liger`")
+    broken = liger_import_error(model_type)
+    if broken is not None:
+        raise MemfitError(f"{broken}; drop `--liger` for this model")
     launches: list[str] = []
     # what Liger replaces at module level: the model's modeling module and torch's cross_entropy
     modeling = sys.modules[type(bases[0]).__module__]

@@ -1,0 +1,70 @@
+"""The remedies of image models: `smaller_images` (each side halved: a quarter of the image tokens where the
+processor keeps the resolution) and `freeze_vision_tower`; each variant is simulated, never assumed."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from memfit.estimator import estimate
+from memfit.models.resolve import resolve
+from memfit.remedies import OPT_IN, REGISTRY
+from memfit.train_setup import TrainSetup
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=200, max_position_embeddings=4096, bos_token_id=0,
+                         eos_token_id=0, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[0], window_size=112, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153,
+        architectures=["Qwen2_5_VLForConditionalGeneration"])
+    folder = tmp_path_factory.mktemp("qwen_vl")
+    config.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=200704).save_pretrained(folder)
+    return str(folder)
+
+
+def test_both_are_opt_in_and_apply_to_image_models_only(tiny_bert_dir):
+    assert {"smaller_images", "freeze_vision_tower"} <= set(OPT_IN)
+    text = resolve(TrainSetup(model=tiny_bert_dir))
+    for name in ("smaller_images", "freeze_vision_tower"):
+        verdict = REGISTRY[name].check(text, None)
+        assert not verdict.applies and "only" in verdict.reason
+        assert REGISTRY[name].variants(text, None) == []
+
+
+def test_smaller_images_quarter_the_image_tokens_and_lower_the_peak(qwen_vl):
+    setup = resolve(TrainSetup(model=qwen_vl, image_size="448x448", max_length=8, per_device_train_batch_size=2,
+                               eval_strategy="no"))
+    r = REGISTRY["smaller_images"]
+    assert r.check(setup, None).applies
+    [variant] = r.variants(setup, None)
+    assert variant == {"image_size": "224x224"}
+    before, after = estimate(setup), estimate(setup.replace(**variant))
+    tokens = before.media_inputs["image_tokens_per_image"], after.media_inputs["image_tokens_per_image"]
+    assert tokens == (256, 64)  # the processor's: (448 / 28)^2 and (224 / 28)^2 merged patches
+    assert after.peak_allocated_bytes < before.peak_allocated_bytes
+    assert after.breakdown["activations"] < before.breakdown["activations"]
+    _, _, code = r.apply(variant, setup)
+    assert "224x224" in code[0] and "max_pixels = 50176" in code[0]
+    small = setup.replace(image_size="100x80")
+    assert not r.check(small, None).applies and r.variants(small, None) == []
+
+
+def test_freeze_vision_tower_lowers_the_trained_state(qwen_vl):
+    setup = resolve(TrainSetup(model=qwen_vl, image_size="100x80", max_length=8, per_device_train_batch_size=1,
+                               eval_strategy="no"))
+    r = REGISTRY["freeze_vision_tower"]
+    [variant] = r.variants(setup, None)
+    before, after = estimate(setup), estimate(setup.replace(**variant))
+    assert after.trainable_params < before.trainable_params
+    assert after.breakdown["optimizer_state"] < before.breakdown["optimizer_state"]
+    assert not r.check(setup.replace(**variant), None).applies  # frozen already
+    assert not r.check(setup.replace(lora_r=4), None).applies  # LoRA freezes the tower already
