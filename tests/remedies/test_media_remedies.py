@@ -68,3 +68,20 @@ def test_freeze_vision_tower_lowers_the_trained_state(qwen_vl):
     assert after.breakdown["optimizer_state"] < before.breakdown["optimizer_state"]
     assert not r.check(setup.replace(**variant), None).applies  # frozen already
     assert not r.check(setup.replace(lora_r=4), None).applies  # LoRA freezes the tower already
+
+
+@pytest.mark.slow
+def test_a_vlm_plan_runs_and_says_why_liger_does_not_apply(qwen_vl):
+    """liger-kernel's patch of a model type may not import with the installed transformers (its qwen2_5_vl module
+    in liger-kernel 0.8): then Liger does not apply, for that reason, and the plan still runs."""
+    from memfit.planner.search import plan
+    from memfit.sim.kernels.liger import liger_import_error
+
+    setup = TrainSetup(model=qwen_vl, image_size="224x224", max_length=8, per_device_train_batch_size=2,
+                       eval_strategy="no")
+    result = plan(setup, gpu="A100-80GB", allow=("smaller_images",))
+    assert result.chosen is not None or result.fits_as_is
+    broken = liger_import_error("qwen2_5_vl")
+    if broken is not None:
+        assert REGISTRY["liger"].check(resolve(setup), None).reason == broken
+        assert result.not_applicable["liger"] == broken
