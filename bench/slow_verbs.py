@@ -12,6 +12,11 @@ machine's load touches both. Machines of the same kind differ by 3x in absolute 
 `--json-dir DIR` keeps each command's `--json` output (the first run of each), to compare the plans of two
 commits (`elapsed_s` aside, they must be equal).
 
+`--against SRC` (the `src` folder of another checkout, e.g. a `git worktree` of an earlier commit) measures every
+figure, the baseline included, with that code too, alternating the two in one run (this tree first, then SRC, for
+each figure and run), so that both see the same machine; each code's figures are ratios to its own baseline, and
+`--json-dir` keeps SRC's outputs as `NAME.against.json`.
+
 The last line is `NAME_x=<ratio> ...` for every figure.
 """
 
@@ -55,20 +60,20 @@ def _cpu_children_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _run(name: str, cache_dir: str, json_dir: str | None) -> float:
+def _run(name: str, cache_dir: str, json_dir: str | None, src: str | None = None, suffix: str = "") -> float:
     env = dict(os.environ, MEMFIT_CACHE_DIR=cache_dir, MEMFIT_NO_SERVER="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([src or os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
     argv = [sys.executable, "-m", "memfit.cli", *COMMANDS[name], "--json"]
     cpu_before = _cpu_children_s()
     started = time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
-    CPU_S.setdefault(name, []).append(_cpu_children_s() - cpu_before)
+    CPU_S.setdefault(name + suffix, []).append(_cpu_children_s() - cpu_before)
     if done.returncode not in (0, 1):
         raise SystemExit(f"`memfit {' '.join(COMMANDS[name])}` failed ({done.returncode}): "
                          f"{done.stderr.strip()[-600:]}")
     if json_dir is not None:
-        path = os.path.join(json_dir, f"{name}.json")
+        path = os.path.join(json_dir, f"{name}{'.against' if suffix else ''}.json")
         if not os.path.exists(path):
             try:
                 json.loads(done.stdout)
@@ -84,7 +89,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="runs of each figure (the baseline: twice as many)")
     parser.add_argument("--only", default="", help="comma-separated figures besides the baseline")
     parser.add_argument("--json-dir", default=None, help="keep each command's --json output here")
+    parser.add_argument("--against", default=None, metavar="SRC",
+                        help="another checkout's src folder, measured alternately in the same run")
     opts = parser.parse_args()
+    codes = [("", None)] + ([(" [against]", os.path.abspath(opts.against))] if opts.against else [])
     names = [n for n in COMMANDS if n != "seed_plan" and (not opts.only or n in opts.only.split(","))]
     if opts.json_dir:
         os.makedirs(opts.json_dir, exist_ok=True)
@@ -94,9 +102,10 @@ def main() -> None:
         fresh = iter(os.path.join(tmp, f"cache-{i}") for i in range(10**6))
 
         def measure(name: str) -> None:
-            t = _run(name, next(fresh), opts.json_dir)
-            times.setdefault(name, []).append(t)
-            print(f"{name}: {t:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+            for suffix, src in codes:
+                t = _run(name, next(fresh), opts.json_dir, src, suffix)
+                times.setdefault(name + suffix, []).append(t)
+                print(f"{name}{suffix}: {t:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
 
         for _ in range(opts.runs):
             measure("seed_plan")
@@ -105,15 +114,20 @@ def main() -> None:
                 measure(name)
         for _ in range(opts.runs):
             measure("seed_plan")
-    base = statistics.median(times["seed_plan"])
-    print(f"baseline seed_plan: {base:.2f} s (median of {', '.join(f'{t:.2f}' for t in times['seed_plan'])})")
-    for name in names:
-        med = statistics.median(times[name])
-        print(f"{name}: {med:.2f} s ({', '.join(f'{t:.2f}' for t in times[name])}) = {med / base:.2f}x the seed plan; "
-              f"CPU {statistics.median(CPU_S[name]):.2f} s; `memfit {' '.join(COMMANDS[name][:1] + ['...'])}`")
-    print(f"runs={opts.runs} cpus={os.cpu_count()} load_average start {load_start:.1f} end {os.getloadavg()[0]:.1f} "
-          f"seed_plan CPU {statistics.median(CPU_S['seed_plan']):.2f} s")
-    print(" ".join(f"{n}_x={statistics.median(times[n]) / base:.2f}" for n in names))
+    ratios = []
+    for suffix, _ in codes:
+        seed = "seed_plan" + suffix
+        base = statistics.median(times[seed])
+        print(f"baseline {seed}: {base:.2f} s (median of {', '.join(f'{t:.2f}' for t in times[seed])}); "
+              f"CPU {statistics.median(CPU_S[seed]):.2f} s")
+        for name in names:
+            key = name + suffix
+            med = statistics.median(times[key])
+            print(f"{key}: {med:.2f} s ({', '.join(f'{t:.2f}' for t in times[key])}) = {med / base:.2f}x the seed "
+                  f"plan; CPU {statistics.median(CPU_S[key]):.2f} s; `memfit {' '.join(COMMANDS[name][:1] + ['...'])}`")
+            ratios.append(f"{name}{'_against' if suffix else ''}_x={med / base:.2f}")
+    print(f"runs={opts.runs} cpus={os.cpu_count()} load_average start {load_start:.1f} end {os.getloadavg()[0]:.1f}")
+    print(" ".join(ratios))
 
 
 if __name__ == "__main__":
