@@ -396,6 +396,16 @@ class TrainSetup:
     """Examples in the eval set (sizes the on-device prediction buffer); None: 1000 examples."""
     prediction_loss_only: bool = False
     """Evaluation keeps only the loss, no logits (TrainingArguments `prediction_loss_only`)."""
+    # -- Seq2SeqTrainingArguments' generation in evaluation (transformers trainer_seq2seq.py `prediction_step`) --
+    predict_with_generate: bool = False
+    """The evaluation calls `model.generate` on each batch (Seq2SeqTrainer) and keeps the generated tokens, not
+    the logits: the decoder's KV cache (self- and cross-attention) is held while it generates (memfit.sim.seq2seq_generation).
+    seq2seq-lm and speech-seq2seq only."""
+    generation_max_length: int | None = None
+    """Tokens `generate` produces up to (Seq2SeqTrainingArguments `generation_max_length`); None: the model's
+    `max_length` (its generation config's, 448 for Whisper), else its `max_target_positions`, else 20 (GenerationConfig)."""
+    generation_num_beams: int | None = None
+    """Beams of `generate` (Seq2SeqTrainingArguments `generation_num_beams`); None: 1, greedy."""
     attn_implementation: str | None = field(default=None,
                                             metadata={"choices": (*ATTN_IMPLEMENTATIONS, *HUB_FLASH_KERNELS)})
     """eager, sdpa, flash_attention_2, flash_attention_3, flex_attention, or a flash-attn hub kernel
@@ -544,6 +554,7 @@ class TrainSetup:
         if self.target_length is not None:
             _positive_int("target_length", self.target_length)
         _check_media(self)
+        _check_generation(self)
         if self.eval_accumulation_steps is not None:
             _positive_int("eval_accumulation_steps", self.eval_accumulation_steps)
         if self.eval_samples is not None:
@@ -847,10 +858,26 @@ def _check_media(setup: "TrainSetup") -> None:
                           f"drop {flag}, or choose a speech model (`--task speech-seq2seq` or `--task ctc`)")
 
 
+#: The tasks whose evaluation can generate (Seq2SeqTrainer's `predict_with_generate`).
+GENERATE_EVAL_TASKS = ("seq2seq-lm", "speech-seq2seq")
+
+
+def _check_generation(setup: "TrainSetup") -> None:
+    """`predict_with_generate` and its sizes: their values, and only for an encoder-decoder task."""
+    for name in ("generation_max_length", "generation_num_beams"):
+        if getattr(setup, name) is not None:
+            _positive_int(name, getattr(setup, name))
+    if setup.task is None or not setup.predict_with_generate:  # resolve fills the task, then it is checked again
+        return
+    if setup.task not in GENERATE_EVAL_TASKS:
+        raise MemfitError(f"`--predict-with-generate` is set but the run is `{setup.task}`; Seq2SeqTrainer generates "
+                          f"in evaluation only for {' / '.join(GENERATE_EVAL_TASKS)}: drop --predict-with-generate")
+
+
 def _check_types(setup: "TrainSetup") -> None:
     """A MemfitError for a value of the wrong type (from JSON or keywords), before any comparison on it."""
     for name in ("truncation", "gradient_checkpointing", "prediction_loss_only", "freeze_embeddings", "freeze_encoder",
-                 "freeze_vision_tower", "freeze_projector",
+                 "freeze_vision_tower", "freeze_projector", "predict_with_generate",
                  "offload_optimizer_state", "load_in_4bit", "load_in_8bit", "bnb_4bit_use_double_quant", "kbit_prep",
                  "kbit_use_gradient_checkpointing",
                  "use_liger_kernel", "activation_offloading", "use_dora"):
