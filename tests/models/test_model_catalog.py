@@ -57,7 +57,7 @@ _TASK_OF_CLASS = {"AutoModelForCausalLM": "causal-lm", "AutoModelForSeq2SeqLM": 
 
 
 #: Model types of the bundled image encoders (no tokens, no `vocab_size`).
-_IMAGE_TYPES = {"vit"}
+_IMAGE_TYPES = {"vit", "dinov2", "swin", "convnext"}
 
 
 def _count_params(model) -> int:

@@ -151,3 +151,17 @@ def test_16_bit_weights_without_autocast_is_one_line(capsys):
     meet float16 conv weights, which F.conv1d refuses on a GPU as on the CPU."""
     err = _one_line_error(["estimate", "openai/whisper-large-v3", "--batch-size", "1"], capsys)
     assert "float16" in err and "--precision fp16" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("hub_id", ["facebook/dinov2-base", "facebook/convnext-base-224",
+                                    "microsoft/swin-tiny-patch4-window7-224"])
+@pytest.mark.parametrize("size", ["224x224", "1920x1080"])
+def test_bundled_image_classifiers_take_what_their_installed_processor_returns(hub_id, size):
+    """DINOv2 (BitImageProcessor: shortest edge 256, crop 224), ConvNeXt (resize 224/0.875, crop 224) and Swin
+    (ViT's processor: 224x224) each make a 3x224x224 image of any size; their task is image-cls by default."""
+    width, height = map(int, size.split("x"))
+    got = _inputs(model=hub_id, image_size=size, max_length=16)
+    processor = _installed_processor(load_bundled_processor(hub_id), "image")
+    expected = processor(images=[np.zeros((height, width, 3), dtype=np.uint8)], return_tensors="pt")
+    assert got.tensors["pixel_values"][0] == tuple(expected["pixel_values"].shape[1:]) == (3, 224, 224)
+    assert resolve(TrainSetup(model=hub_id)).task == "image-cls"
