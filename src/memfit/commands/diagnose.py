@@ -100,6 +100,8 @@ def to_json(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> dict:
         "operation": d.operation,
         "operation_frame": d.operation_frame,
         "operation_context": list(d.operation_context),
+        "model_part": d.model_part or None,
+        "model_part_frame": d.model_part_frame or None,
         "causes": [{"kind": c.kind, "bytes": c.bytes, "text": c.text, "primary": c.primary} for c in d.causes],
         "advice": list(d.advice),
         "advice_ids": list(d.advice_ids),
@@ -135,6 +137,10 @@ def _print_rich(d: Diagnosis, gpu_processes: list[tuple[int, int, int]]) -> None
                       markup=True)
         if d.operation_frame and d.operation_frame != d.phase_frame:
             console.print(f"[bold]{t('label.frame', lang)}:[/bold] {escape(d.operation_frame)}", markup=True)
+    if d.model_part:
+        console.print(f"[bold]{t('label.model_part', lang)}:[/bold] {escape(t('part.' + d.model_part, lang))}",
+                      markup=True)
+        console.print(f"[bold]{t('label.frame', lang)}:[/bold] {escape(d.model_part_frame)}", markup=True)
     rows: list[tuple[str, int | None, bool]] = []  # (label, value, shown when unknown)
     if m.has_numbers:
         rows = [("num.tried", m.tried_to_allocate_bytes, True), ("num.total", m.total_bytes, True),

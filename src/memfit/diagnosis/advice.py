@@ -50,15 +50,19 @@ def _operation_advice(op: Operation, phase: str) -> list[str]:
     return ids
 
 
-def rank_advice(found: MessageCauses, phase: str, op: Operation = Operation()) -> list[str]:
+#: advice for an error inside a part of an image model (memfit.diagnosis.model_part), before the operation's
+PART_ADVICE = {"vision_tower": ("smaller_images", "freeze_vision_tower"), "projector": ("smaller_images",)}
+
+
+def rank_advice(found: MessageCauses, phase: str, op: Operation = Operation(), part: str = "") -> list[str]:
     """Advice ids, most effective first: cause-specific ones first (the message's arithmetic, then the
-    operation's); on a true shortfall the phase's remedies come before the allocator settings, which then only
-    trim a contributing fragmentation. In the evaluation loop the phase's remedies (eval batch size,
-    accumulation, preprocess_logits) come before the operation's. Host RAM gets its own advice only."""
+    part of the model's and the operation's); on a true shortfall the phase's remedies come before the allocator
+    settings, which then only trim a contributing fragmentation. In the evaluation loop the phase's remedies (eval
+    batch size, accumulation, preprocess_logits) come before the operation's. Host RAM gets its own advice only."""
     if not found.gpu_advice:
         return list(dict.fromkeys(found.first))
     late = [_ALLOCATOR] if found.shortfall and _ALLOCATOR in found.first else []
-    op_ids = _operation_advice(op, phase)
+    op_ids = list(PART_ADVICE.get(part, ())) + _operation_advice(op, phase)
     phase_ids = list(PHASE_ADVICE[phase])
     middle = phase_ids + op_ids if phase == EVAL else op_ids + phase_ids
     ids = [a for a in found.first if a not in late] + middle + late

@@ -752,6 +752,28 @@ MESSAGES: dict[str, dict[str, str]] = {
         "zh": "使用 CUDA_LAUNCH_BLOCKING=1 重新运行，使调用栈指向真正失败的操作。",
     },
     # ------------------------------------------------------------------ advice for operations
+    "advice.smaller_images": {
+        "en": "The error is inside the image path: smaller images make fewer image tokens where the processor keeps "
+        "the resolution (Qwen2.5-VL: cap `processor.image_processor.max_pixels`, or resize the images in the "
+        "collator); `memfit plan --allow smaller_images` checks by how much.",
+        "zh": "错误发生在图像路径中：在处理器保留分辨率时（如 Qwen2.5-VL），更小的图像产生更少的图像 token"
+        "（限制 `processor.image_processor.max_pixels`，或在 collator 中缩放图像）；"
+        "`memfit plan --allow smaller_images` 可验证能省多少。",
+    },
+    "advice.freeze_vision_tower": {
+        "en": "Freeze the vision tower (`model.get_encoder(modality=\"image\").requires_grad_(False)`, or LoRA on "
+        "the language model only): no gradients, optimizer state or weight-gradient activations for it; it changes "
+        "what is trained.",
+        "zh": "冻结视觉编码器（`model.get_encoder(modality=\"image\").requires_grad_(False)`，或只在语言模型上用 "
+        "LoRA）：它不再有梯度、优化器状态和权重梯度所需的激活；这会改变训练的内容。",
+    },
+    "label.model_part": {"en": "Part of the model", "zh": "模型部分"},
+    "part.vision_tower": {"en": "the vision tower (image encoder)", "zh": "视觉编码器"},
+    "part.projector": {"en": "the projector between the vision tower and the language model",
+                       "zh": "视觉编码器与语言模型之间的投影层"},
+    "part.feature_encoder": {"en": "the convolutional feature encoder over the raw audio",
+                             "zh": "原始音频上的卷积特征编码器"},
+    "part.audio_encoder": {"en": "the audio encoder", "zh": "音频编码器"},
     "advice.liger": {
         "en": "Use Liger's fused linear cross-entropy, which computes the loss chunk by chunk and never "
         "materialises the full logits: `pip install liger-kernel` and TrainingArguments / SFTConfig "

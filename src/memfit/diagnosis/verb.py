@@ -18,6 +18,7 @@ from pathlib import Path
 from memfit.diagnosis import gpu_match
 from memfit.diagnosis.advice import advice_text, rank_advice, remedies_of
 from memfit.diagnosis.causes import MONITOR_TOOLS, Cause, message_causes, operation_causes
+from memfit.diagnosis.model_part import model_part
 from memfit.diagnosis.operations import Operation, detect_operation, nccl_oom_line
 from memfit.diagnosis.phase import detect_phase, traceback_for
 from memfit.diagnosis.strings import t
@@ -45,6 +46,9 @@ class Diagnosis:
     operation: str = "unknown"  #: memfit.diagnosis.operations.OPERATIONS: what allocated
     operation_frame: str = ""  #: the frame (or code line) that decided the operation
     operation_context: tuple[str, ...] = ()  #: operations further out in the traceback, innermost first
+    #: the part of an image or speech model the error happened in (memfit.diagnosis.model_part.PARTS), or ""
+    model_part: str = ""
+    model_part_frame: str = ""  #: the frame whose call named the part
 
     @property
     def non_pytorch_bytes(self) -> int | None:
@@ -119,14 +123,15 @@ def diagnose(source: str | os.PathLike[str] | bytes | BaseException, *, lang: st
     op = _operation_for(text, m, prev_end, phase_tb)
 
     found = message_causes(m, lang, raw)
-    ids = rank_advice(found, phase, op)
+    part, part_frame = model_part(phase_tb)
+    ids = rank_advice(found, phase, op, part)
     causes = found.causes + operation_causes(m, op, setup, lang)
     pids = ", ".join(str(pid) for pid, _ in m.other_processes) or "?"
     tool = MONITOR_TOOLS.get(m.backend, "nvidia-smi")
     advice = tuple(advice_text(a, lang, pids=pids, tool=tool, log_text=text, setup=setup) for a in ids)
     planned = gpu_match.plan_for(setup, m) if setup is not None else None
     return Diagnosis(True, m, phase, tuple(causes), advice, len(ooms), tuple(ids), frame, lang, planned,
-                     op.name, op.frame, op.context)
+                     op.name, op.frame, op.context, part, part_frame)
 
 
 def _operation_for(text: str, m: OomMessage, previous_end: int, phase_traceback: str) -> Operation:

@@ -32,7 +32,7 @@ def _apply(changes, setup, **_):
 
 
 REMEDY = Remedy(
-    name="freeze_vision_tower", title="freeze the vision tower", opt_in=True,
+    name="freeze_vision_tower", title="freeze the vision tower", opt_in=True, advice=("freeze_vision_tower",),
     saves="gradients, optimizer state and activations of the vision tower", costs="the tower is not fine-tuned",
     check=_check, variants=_variants, apply=_apply, fields=("freeze_vision_tower",), incompatible=("lora",),
 )

@@ -44,7 +44,7 @@ def _apply(changes, setup, **_):
 
 
 REMEDY = Remedy(
-    name="smaller_images", title="smaller images", opt_in=True,
+    name="smaller_images", title="smaller images", opt_in=True, advice=("smaller_images",),
     saves="image tokens: the vision tower's activations and the language model's sequence",
     costs="less image detail", check=_check, variants=_variants, apply=_apply, fields=("image_size",),
 )
