@@ -474,11 +474,26 @@ class _Runner:
         if self.host is not None:
             self.host.active = True
         ignore = set(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
+        # Seq2SeqTrainer.prediction_step with predict_with_generate: `generate` first, then the forward for the loss
+        # with the generated tokens kept (memfit.sim.seq2seq_generation, in closed form)
+        gen = self._generation(batch) if s.predict_with_generate else None
+        generated = None
+        if gen is not None:
+            held_gen = [tr.synthetic_alloc(gen.encoder_output_bytes, "temporaries"),
+                        tr.synthetic_alloc(gen.cross_attention_cache_bytes, "temporaries"),
+                        tr.synthetic_alloc(gen.self_attention_cache_bytes, "temporaries"),
+                        tr.synthetic_alloc(gen.generated_tokens_bytes, "temporaries"),
+                        tr.synthetic_alloc(gen.step_logits_bytes, "temporaries")]
+            for rec in held_gen[:3] + held_gen[4:]:
+                tr.synthetic_free(rec)
+            generated = held_gen[3]  # `generate` returns one sequence per input: [batch, max_length] int64
         with torch.no_grad():
             out = self._forward(batch, training=False)
             items = dict(out.items()) if hasattr(out, "items") else {"logits": out}
             loss = items.pop("loss", None)
             preds = [v for k, v in items.items() if k not in ignore and isinstance(v, torch.Tensor)]
+            if gen is not None:  # prediction_step keeps only the loss of this forward
+                preds = []
             labels = [batch[k] for k in ("labels", "start_positions", "end_positions") if k in batch]
             del out, items
             if self.host is not None:
@@ -490,9 +505,16 @@ class _Runner:
             if loss is not None:
                 losses = loss.detach().mean().repeat(s.per_device_eval_batch_size)
                 per_step.append(losses.untyped_storage().nbytes())
-            if not s.prediction_loss_only:
+            if not s.prediction_loss_only and gen is not None:
+                # the generated tokens and the labels, each padded to max_length (`_pad_tensors_to_max_len`)
+                n = s.per_device_eval_batch_size
+                per_step.append(n * gen.max_length * 8)
+                per_step += [max(t.untyped_storage().nbytes(), n * gen.max_length * t.element_size()) for t in labels]
+            elif not s.prediction_loss_only:
                 per_step += [t.untyped_storage().nbytes() for t in preds]
                 per_step += [t.untyped_storage().nbytes() for t in labels]
+        if generated is not None:
+            tr.synthetic_free(generated)
         samples = s.eval_samples or DEFAULT_EVAL_SAMPLES
         n_steps = math.ceil(samples / s.per_device_eval_batch_size)
         held = min(n_steps, s.eval_accumulation_steps or n_steps)
@@ -516,6 +538,31 @@ class _Runner:
             splice_events(tr, first_event, self.sizes, self.names)  # SpliceRefused: simulate() runs the full model
         self.eval_model.train()
         return held
+
+    def _generation(self, batch: dict[str, torch.Tensor]):
+        """The sizes of Seq2SeqTrainer's `generate` on this eval batch (memfit.sim.seq2seq_generation)."""
+        from memfit.sim.seq2seq_generation import generation_max_length, seq2seq_generation
+        from memfit.units import format_bytes
+
+        s, config = self.setup, self.model.config
+        if self.media is not None and self.media.summary.get("encoder_positions"):
+            positions = self.media.summary["encoder_positions"]
+        else:
+            positions = batch["input_ids"].shape[-1] if "input_ids" in batch else s.sequence_length
+        weights = next(iter(self.model.parameters())).element_size()
+        gen = seq2seq_generation(config, batch=s.per_device_eval_batch_size, beams=s.generation_num_beams or 1,
+                                 max_length=generation_max_length(config, s.generation_max_length),
+                                 encoder_positions=positions,
+                                 cache_dtype_bytes=2 if self.low is not None else weights,
+                                 encoder_output_dtype_bytes=4 if self.low is not None else weights)
+        note = (f"predict_with_generate: the evaluation's `generate` holds a KV cache of "
+                f"{format_bytes(gen.kv_cache_bytes)} ({format_bytes(gen.self_attention_cache_bytes)} self-attention "
+                f"over {gen.max_length - 1} tokens, {format_bytes(gen.cross_attention_cache_bytes)} cross-attention over "
+                f"{positions} encoder positions; {gen.sequences} sequences), sized in closed form from the config "
+                "(memfit.sim.seq2seq_generation), not traced")
+        if note not in self.notes:
+            self.notes.append(note)
+        return gen
 
     # -- the run ---------------------------------------------------------------------------
     def _fake_gradients(self) -> None:
