@@ -35,6 +35,13 @@ def _convnext():
             transformers.ConvNextImageProcessor(size={"shortest_edge": 32}))
 
 
+def _swin():
+    # two blocks per stage: the second is shifted (window 4 on an 8x8 patch grid), as Swin-T's are
+    return (transformers.SwinConfig(embed_dim=32, depths=[2, 2], num_heads=[2, 2], window_size=4, image_size=32,
+                                    patch_size=4, mlp_ratio=2.0, architectures=["SwinForImageClassification"]),
+            transformers.ViTImageProcessor(size={"height": 32, "width": 32}))
+
+
 def _whisper():
     # a 1 s window (chunk_length 1: 100 mel frames of 16 bins), 50 encoder positions
     return (transformers.WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
@@ -45,8 +52,9 @@ def _whisper():
             transformers.WhisperFeatureExtractor(feature_size=16, chunk_length=1))
 
 
-MODELS = {"vit": _vit, "dinov2": _dinov2, "convnext": _convnext, "whisper": _whisper}
+MODELS = {"vit": _vit, "dinov2": _dinov2, "convnext": _convnext, "swin": _swin, "whisper": _whisper}
 INPUT = {"vit": dict(image_size="64x48"), "dinov2": dict(image_size="40x30"), "convnext": dict(image_size="50x40"),
+         "swin": dict(image_size="50x40"),
          "whisper": dict(audio_seconds=0.6, max_length=8)}
 
 #: One case of each family in the default run; the longer ones (7-15 s on the shared 2-core machine) are slow.
@@ -58,6 +66,8 @@ CASES = [
     ("dinov2", dict(precision="fp16"), []),
     ("convnext", dict(), []),
     ("convnext", dict(optim="adamw_torch", gradient_accumulation_steps=2), _SLOW),
+    ("swin", dict(), []),
+    ("swin", dict(precision="bf16", gradient_checkpointing=True), _SLOW),
     ("whisper", dict(), []),
     ("whisper", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
 ]
@@ -108,3 +118,24 @@ def test_whisper_encoder_positions_follow_its_convolutions(model_dirs):
     assert sim.media_inputs["inputs"] == {"input_features": [16, 100]}
     assert sim.media_inputs["encoder_positions"] == 50
     assert sim.media_inputs["samples"] == round(0.6 * 16000)
+
+
+def test_swin_needs_layer_norm_backward_laid_out_as_cuda_does(model_dirs, monkeypatch):
+    """Swin's classifier pools its final `layernorm` output through `transpose(1, 2)`, so that LayerNorm's
+    backward gets a transposed gradient. torch's meta decomposition of `native_layer_norm_backward` keeps those
+    strides and the next `view` in the backward copies the input gradient: one temporary the CPU and CUDA kernels
+    (contiguous input gradient) never allocate. memfit.sim.layouts lays it out as they do; without that the fake
+    trace gains a `ViewBackward0` temporary the real one does not have."""
+    from memfit.sim import layouts
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    setup = TrainSetup(model=model_dirs["swin"], per_device_train_batch_size=2, **INPUT["swin"])
+    with like_fake():
+        real = simulate(setup, fake=False, splice=False)
+    monkeypatch.setattr(layouts, "CONTIGUOUS_OUTPUTS", {})
+    fake = simulate(setup, fake=True, splice=False)
+    a, b = trace_key(real.trace), trace_key(fake.trace)
+    first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert (fake.trace[first].module, fake.trace[first].phase) == ("ViewBackward0", "backward")
+    assert real.trace[first].module != "ViewBackward0"
+    assert len(b) > len(a)
