@@ -294,6 +294,10 @@ _ARG_TO_FIELD = {
     "eval_accumulation_steps": "eval_accumulation_steps",
     "eval_strategy": "eval_strategy",
     "prediction_loss_only": "prediction_loss_only",
+    # Seq2SeqTrainingArguments (transformers training_args_seq2seq.py)
+    "predict_with_generate": "predict_with_generate",
+    "generation_max_length": "generation_max_length",
+    "generation_num_beams": "generation_num_beams",
     # attention / Liger / activation memory: transformers 5.24 names, the deprecated aliases too
     "activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",

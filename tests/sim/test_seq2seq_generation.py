@@ -89,3 +89,10 @@ def test_default_max_length_is_the_models():
 def test_predict_with_generate_only_for_seq2seq():
     with pytest.raises(MemfitError, match="drop --predict-with-generate"):
         TrainSetup(model="gpt2", task="causal-lm", predict_with_generate=True)
+
+
+def test_read_from_seq2seq_training_arguments(tmp_path):
+    args = transformers.Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=True,
+                                                 generation_max_length=225, generation_num_beams=2)
+    setup = TrainSetup.from_training_args(args, model="openai/whisper-small")
+    assert (setup.predict_with_generate, setup.generation_max_length, setup.generation_num_beams) == (True, 225, 2)
