@@ -554,24 +554,25 @@ def _with_vllm_startup(report: MemoryReport, vllm: dict[str, Any], spec: GpuSpec
 
 def _with_vllm_wakeup(report: MemoryReport, trace: list[TraceEvent], spec: GpuSpec) -> MemoryReport:
     """vLLM colocated in sleep mode: what nvidia-smi shows while vLLM is awake and generates (its share, next to what
-    the training process holds then: the tensors alive when scoring starts, PyTorch's cache emptied first,
-    vllm_generation.py `sync_weights`), and whether that fits the card too. Without sleep mode the share is
-    held all along and `device_used_bytes` counts it already."""
+    the training process holds then: the tensors alive when a generation's scoring starts, PyTorch's cache emptied
+    first, vllm_generation.py `sync_weights`), and whether that fits the card too. The most over the trace's
+    generations counts: the first holds the weights only, a later one also the optimizer state of the steps
+    before it. Without sleep mode the share is held all along and `device_used_bytes` counts it already."""
     vllm = report.rl["vllm"]
     if vllm["mode"] != "colocate":
         return report
     from memfit.peaks import rounded
 
     live: dict[int, int] = {}
-    held = 0
+    held, phase = 0, None
     for ev in trace:
-        if ev.phase == "scoring":
-            break
+        if ev.phase == "scoring" and phase != "scoring":  # a generation: vLLM wakes up beside what is alive
+            held = max(held, sum(live.values()))
+        phase = ev.phase
         if ev.action == "alloc":
             live[ev.id] = rounded(ev.size_bytes)
         elif ev.action == "free":
             live.pop(ev.id, None)
-    held = sum(live.values())
     at_generation = held + report.non_pytorch_bytes + vllm["generation_bytes"]
     rl = {**report.rl, "vllm": {**vllm, "training_held_at_generation_bytes": held,
                                 "device_used_at_generation_bytes": at_generation}}

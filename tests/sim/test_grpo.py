@@ -278,6 +278,9 @@ def test_vllm_share_is_utilization_times_total(reports):
     assert reports["sleep"].capacity_bytes == total - reports["sleep"].non_pytorch_bytes
     assert s["device_used_at_generation_bytes"] == (s["training_held_at_generation_bytes"]
                                                    + reports["sleep"].non_pytorch_bytes + int(0.3 * total))
+    # the most over the generations: the second wakes vLLM beside the weights and Adam's state of the first step
+    bd = reports["sleep"].phase_breakdowns
+    assert s["training_held_at_generation_bytes"] >= bd["forward"]["weights"] + bd["optimizer"]["optimizer_state"]
 
 
 def test_generation_rows_in_the_report(reports):
