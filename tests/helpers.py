@@ -262,3 +262,23 @@ def bundled_tokenizer():
     tok = AutoTokenizer.from_pretrained(path)
     tok.eos_token = "[SEP]"
     return tok
+
+
+def tiny_qwen2_5_vl_dir(folder, *, text_layers: int = 1, vision_depth: int = 1) -> str:
+    """A tiny Qwen2.5-VL (width 64 text, 32 vision) saved with its processor settings to `folder`: max_pixels 200704
+    (448 x 448), so a 448x448 image is 256 image tokens and a 100x80 one 12."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=200, max_position_embeddings=4096, bos_token_id=0,
+                         eos_token_id=0, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[vision_depth - 1], window_size=112, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153,
+        architectures=["Qwen2_5_VLForConditionalGeneration"])
+    config.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=200704).save_pretrained(folder)
+    return str(folder)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from helpers import tiny_qwen2_5_vl_dir
 
 from memfit.errors import MemfitError
 from memfit.sim.engine import simulate
@@ -91,18 +92,8 @@ def test_freeze_vision_tower_of_an_image_classifier_is_a_linear_probe(vit_dir):
 
 
 def test_freeze_vision_tower_and_projector_of_a_vision_language_model(tmp_path):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=200, max_position_embeddings=4096, bos_token_id=0,
-                         eos_token_id=0, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           fullatt_block_indexes=[0], window_size=112, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2),
-        image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153,
-        architectures=["Qwen2_5_VLForConditionalGeneration"])
-    folder = _save(tmp_path / "qwen", config, Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=200704))
+    folder = tiny_qwen2_5_vl_dir(tmp_path / "qwen")
+    config = transformers.Qwen2_5_VLConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     tower = _count(model, "model.visual.")

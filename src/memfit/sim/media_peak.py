@@ -49,16 +49,21 @@ def _encoder_path(model: nn.Module) -> str | None:
     return next((name for name, module in model.named_modules() if module is encoder), None)
 
 
-def feature_encoder_bytes_at_peak(trace: list[TraceEvent], path: str) -> tuple[int, int, str]:
-    """(bytes live at the allocated peak that the modules under `path` allocated, the peak's bytes, its phase)."""
-    result = peaks(trace)
-    index = result.overall.event_index
+def _live_at(trace: list[TraceEvent], index: int) -> dict[int, TraceEvent]:
+    """The storages alive after event `index` of `trace`, by id."""
     live: dict[int, TraceEvent] = {}
     for event in trace[: index + 1]:
         if event.action == "alloc":
             live[event.id] = event
         elif event.action == "free":
             live.pop(event.id, None)
+    return live
+
+
+def feature_encoder_bytes_at_peak(trace: list[TraceEvent], path: str) -> tuple[int, int, str]:
+    """(bytes live at the allocated peak that the modules under `path` allocated, the peak's bytes, its phase)."""
+    result = peaks(trace)
+    live = _live_at(trace, result.overall.event_index)
     prefix = path + "."
     held = sum(e.size_bytes for e in live.values() if e.module == path or e.module.startswith(prefix))
     return held, result.overall.bytes, result.phase_of_peak
@@ -145,14 +150,7 @@ def model_parts(model: nn.Module, task: str) -> list[tuple[str, str]]:
 def parts_at_peak(trace: list[TraceEvent], parts: list[tuple[str, str]]) -> list[PartBytes]:
     """The weights and activations live at the allocated peak of `trace`, by part (module docstring); the parts in
     order, then "other" (storages under no part's path: a top-level head, the inputs' embedding outside them)."""
-    result = peaks(trace)
-    index = result.overall.event_index
-    live: dict[int, TraceEvent] = {}
-    for event in trace[: index + 1]:
-        if event.action == "alloc":
-            live[event.id] = event
-        elif event.action == "free":
-            live.pop(event.id, None)
+    live = _live_at(trace, peaks(trace).overall.event_index)
     by_length = sorted(parts, key=lambda p: -len(p[1]))
     sums = {part: [0, 0] for part, _ in parts} | {"other": [0, 0]}
     for event in live.values():
