@@ -135,13 +135,22 @@ def test_smolvlm_tiles_follow_the_image_shape(model_dirs):
     assert wide.media_inputs["image_tokens_per_image"] < square.media_inputs["image_tokens_per_image"]
 
 
+def _assert_spliced_is_full(folder, settings):
+    """The model saved in `folder` with its processor settings: the spliced trace equals the full one."""
+    from helpers import trace_key
+
+    with open(os.path.join(folder, "processor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(settings, f)
+    setup = TrainSetup(model=str(folder), image_size="100x80", max_length=16, per_device_train_batch_size=2,
+                       precision="bf16")
+    assert trace_key(simulate(setup, splice=True).trace) == trace_key(simulate(setup, splice=False).trace)
+
+
 @pytest.mark.slow
 def test_splice_keeps_the_llava_vision_tower_whole(tmp_path):
     """Eight language blocks are cut to five and spliced; LLaVA's CLIP tower, whose second-to-last hidden state
     (vision_feature_layer -2, an index against the full depth) feeds the projector, is simulated whole: the
     spliced trace equals the full one."""
-    from helpers import trace_key
-
     config = transformers.AutoConfig.for_model("llava", text_config={**_TEXT, "num_hidden_layers": 8},
                                                vision_config=dict(model_type="clip_vision_model", hidden_size=32,
                                                                   intermediate_size=64, num_hidden_layers=8,
@@ -152,31 +161,17 @@ def test_splice_keeps_the_llava_vision_tower_whole(tmp_path):
                                                architectures=["LlavaForConditionalGeneration"])
     settings = _llava(tmp_path)  # the processor settings; the config is replaced by the 8-block one
     config.save_pretrained(tmp_path)
-    with open(os.path.join(tmp_path, "processor_config.json"), "w", encoding="utf-8") as f:
-        json.dump(settings, f)
-    setup = TrainSetup(model=str(tmp_path), image_size="100x80", max_length=16, per_device_train_batch_size=2,
-                       precision="bf16")
-    full = simulate(setup, splice=False)
-    spliced = simulate(setup, splice=True)
-    assert trace_key(spliced.trace) == trace_key(full.trace)
+    _assert_spliced_is_full(tmp_path, settings)
 
 
 @pytest.mark.slow
 def test_splice_keeps_the_mllama_vision_encoder_whole(tmp_path):
     """An 8-block mllama vision encoder whose hidden states 3 and 7 (intermediate_layers_indices) feed the
     projector is simulated whole: the spliced trace equals the full one."""
-    from helpers import trace_key
-
     settings = _mllama(tmp_path)
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     config.vision_config.num_hidden_layers = 8
     config.vision_config.intermediate_layers_indices = [3, 7]
     config.vision_config.vision_output_dim = 32 * 3  # the last hidden state and the two selected
     config.save_pretrained(tmp_path)
-    with open(os.path.join(tmp_path, "processor_config.json"), "w", encoding="utf-8") as f:
-        json.dump(settings, f)
-    setup = TrainSetup(model=str(tmp_path), image_size="100x80", max_length=16, per_device_train_batch_size=2,
-                       precision="bf16")
-    full = simulate(setup, splice=False)
-    spliced = simulate(setup, splice=True)
-    assert trace_key(spliced.trace) == trace_key(full.trace)
+    _assert_spliced_is_full(tmp_path, settings)
