@@ -1,5 +1,5 @@
-"""memfit.models.image_text for LLaVA 1.5 and SmolVLM2: each image's token count is what the installed transformers'
-processor makes of it.
+"""memfit.models.image_text for LLaVA 1.5, SmolVLM2, Llama 3.2 Vision and Qwen3-VL: each image's token count is
+what the installed transformers' processor makes of it.
 
 The expected counts are computed here at test time from the installed image processor's own output for the same
 synthetic image, never a table: LLaVA 1.5's CLIPImageProcessor resizes and crops every image to 336x336, one
@@ -183,3 +183,48 @@ def test_lora_note_says_where_peft_puts_the_adapters(hub_id, tower):
     in_tower = any("lora_A" in name and ("vision" in name or "visual" in name)
                    for name, _ in peft_model.named_parameters())
     assert in_tower is tower
+
+
+QWEN3_VL = "Qwen/Qwen3-VL-4B-Instruct"
+
+
+def _installed_auto(hub_id: str, tmp_path, width: int, height: int):
+    """What the installed transformers' AutoImageProcessor, loading the bundled preprocessor_config.json as it
+    loads a hub snapshot, makes of one black image (Qwen3-VL names the legacy `Qwen2VLImageProcessorFast`)."""
+    import json
+
+    import transformers
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(load_bundled_processor(hub_id)))
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    return processor, processor(images=[np.zeros((height, width, 3), dtype=np.uint8)], return_tensors="pt")
+
+
+def test_qwen3_vl_default_task_is_image_text_to_text():
+    task, why = default_task(QWEN3_VL)
+    assert task == "image-text-to-text" and "Qwen3VLForConditionalGeneration" in why
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_qwen3_vl_image_tokens_are_what_the_installed_processor_returns(size, tmp_path):
+    """Qwen3-VL: smart_resize to multiples of 32 pixels (patch 16, merge 2), one `<|image_pad|>` per 2x2 patches
+    of image_grid_thw (Qwen3VLProcessor `replace_image_token`)."""
+    width, height = map(int, size.split("x"))
+    processor, out = _installed_auto(QWEN3_VL, tmp_path, width, height)
+    grid = out["image_grid_thw"]
+    expected = int(grid.prod()) // processor.merge_size**2
+    example, summary, notes = _example(model=QWEN3_VL, image_size=size, max_length=32)
+    assert summary["image_tokens_per_image"] == expected
+    assert summary["image_grid_thw"] == grid.tolist()
+    assert int((example["input_ids"] == 151655).sum()) == expected  # <|image_pad|>, the config's image_token_id
+    assert tuple(example["pixel_values"].shape) == tuple(out["pixel_values"].shape)  # one row per patch
+    # the image tokens, the 32 text words, <|vision_start|> and <|vision_end|>
+    assert summary["sequence_length"] == example["input_ids"].shape[1] == expected + 32 + 2
+    assert f"becomes {expected} image tokens" in notes[-1]
+
+
+def test_qwen3_vl_patches_are_what_its_vision_tower_embeds():
+    """A pixel_values row is one patch of the tower's Conv3d: in_channels x temporal_patch_size x patch_size^2."""
+    vision = load_bundled_config(QWEN3_VL).vision_config
+    example, _, _ = _example(model=QWEN3_VL, image_size="448x448", max_length=8)
+    assert example["pixel_values"].shape[-1] == vision.in_channels * vision.temporal_patch_size * vision.patch_size**2

@@ -11,13 +11,17 @@ runs that code to learn the sequence. It needs:
   attribute's class (`check_argument_for_proper_class`), and without torchvision the video processor's base
   class is not importable, so the check of `video_processor=None` raises. `processor_class` returns a subclass
   that skips the check for an absent attribute only (images never reach the video processor).
+- the image processor class a preprocessor config names, resolved as `AutoImageProcessor.from_pretrained`
+  resolves it: a legacy `...Fast` name (Qwen3-VL's `Qwen2VLImageProcessorFast`) is the base class with a backend,
+  torchvision's where it is installed, else the PIL one (`image_processor_class`, on transformers' private
+  `_resolve_backend` / `_load_backend_class` of models/auto/image_processing_auto.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["stub_tokenizer", "processor_class"]
+__all__ = ["stub_tokenizer", "processor_class", "image_processor_class"]
 
 #: The one word of the synthetic text; a whitespace-separated run of it is that many tokens.
 TEXT_WORD = "a"
@@ -70,3 +74,16 @@ def processor_class(base: type) -> type:
 
     return type(base.__name__, (base,), {"check_argument_for_proper_class": check_argument_for_proper_class,
                                          "__init__": __init__})
+
+
+def image_processor_class(name: str) -> Any:
+    """The image processor class `AutoImageProcessor.from_pretrained` loads for a preprocessor config whose
+    `image_processor_type` is `name`, or None: transformers 5 strips a legacy `Fast` suffix, picks the torchvision
+    backend where it is installed and the PIL one otherwise (or where the processor defaults to PIL), and falls
+    back to the other backend when one is missing (image_processing_auto.py `from_pretrained`)."""
+    from transformers.models.auto import image_processing_auto as auto
+
+    legacy_fast = name.endswith("Fast")
+    base = name[:-4] if legacy_fast else name
+    backend = auto._resolve_backend(None, None, base)
+    return auto._load_backend_class(base, backend, legacy_fast)

@@ -112,10 +112,11 @@ def quiet_transformers() -> Iterator[None]:
 
 def _class_named(name: str, kind: str) -> Any:
     import transformers
-    from transformers.models.auto import image_processing_auto
 
     if kind == "image":
-        cls = image_processing_auto.get_image_processor_class_from_name(name)
+        from memfit.models._processor_adapter import image_processor_class
+
+        cls = image_processor_class(name)
     else:
         cls = getattr(transformers, name, None)
     if cls is None:
