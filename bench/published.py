@@ -6,6 +6,7 @@ Run from the repository root:
     python bench/published.py --data FILE.json       # another copy of the records
     python bench/published.py --no-implied-length    # skip the length search behind the padding reason
     python bench/published.py --liger-e2e            # also Liger's end-to-end FSDP examples (published_liger.py)
+    python bench/published.py --multimodal           # also the vision-language and speech records
 
 The records (`measurements.json`, see its README) are figures from peft's MetaMathQA method
 comparison, Liger-Kernel's benchmark data, torchtune's README and peft's README, each with its
@@ -39,6 +40,13 @@ Which memfit figure is compared with which measured one:
   reports). Where the op runs matmuls, the two cuBLAS workspaces memfit adds to every estimate
   (`memfit.gpus.outside_pytorch.cublas_workspace_bytes`, forward and autograd thread) are alive
   from the start: the script's speed benchmark ran first in the same process.
+
+* Vision-language and speech records (`bench/data/published_multimodal.json`, `--multimodal`): figures from
+  example scripts and READMEs that state neither what they measured nor the data's lengths. Each record carries
+  the TrainSetup fields memfit runs for it (`memfit.setup`), what was assumed for what its source leaves out
+  (`memfit.assumed`) and what the run did that those fields do not express (`memfit.differs`, the reason printed
+  for a gap). Predicted: `peak_reserved_bytes` of the training step. They count as records whose data lengths are
+  assumed.
 
 The script only reads the records; it writes nothing.
 """
@@ -76,6 +84,10 @@ PEFT_BATCH = 4
 _PLAIN_LORA = re.compile(r"^lora/llama-3\.2-3B-rank(\d+)(-target-mlp|-rslora)?$")
 #: adapter_config.json / training_params.json of each experiment (peft's repository at the records' commits).
 EXPERIMENTS = REPO / "bench" / "data" / "metamathqa_experiments.json"
+#: Vision-language and speech records, each with the memfit inputs it is run with (`--multimodal`).
+MULTIMODAL = REPO / "bench" / "data" / "published_multimodal.json"
+#: Source kinds whose records give memfit's inputs themselves (`memfit.setup`).
+_GIVEN_KINDS = ("ms_swift_example_comment", "whisper_peft_readme_table")
 #: What the other LoRA experiments add that TrainSetup cannot say.
 _LORA_VARIANTS = {
     "lorafa": "LoRA-FA (frozen A, peft.optimizers.create_lorafa_optimizer: training_params.json "
@@ -165,6 +177,8 @@ def express(record: dict[str, Any]) -> TrainCase | OpCase | Missing:
         return Missing(f"{record.get('model')}: {record.get('method')}", _torchtune_missing(record))
     if kind in ("peft_readme_table", "peft_readme_log"):
         return Missing(f"{record.get('model')}: {record.get('method')}", _peft_readme_missing(record))
+    if kind in _GIVEN_KINDS:
+        return _express_given(record)
     return Missing(str(record.get("model")), f"source kind `{kind}` unknown to this script")
 
 
@@ -199,6 +213,38 @@ def _express_peft(record: dict[str, Any]) -> TrainCase | Missing:
         if method.startswith("PEFT LORA") and key in name:
             return Missing(method, missing)
     return _express_peft_method(record, base, name, measured, metric, stack)
+
+
+def load_multimodal(path: Path = MULTIMODAL) -> list[dict[str, Any]]:
+    """The records of `published_multimodal.json`; exits with a one-line message when it cannot be read."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"error: cannot read records file `{path}`: {err}")
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise SystemExit(f"error: `{path}` has no `records` list; pass bench/data/published_multimodal.json")
+    return data["records"]
+
+
+def _hashable(value: Any) -> Any:
+    """A setup value as a cache key part: lists as tuples, a peft config as its JSON text."""
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _express_given(record: dict[str, Any]) -> TrainCase | Missing:
+    """A record that states the TrainSetup fields memfit runs for it (`memfit.setup`)."""
+    setup = (record.get("memfit") or {}).get("setup")
+    if not isinstance(setup, dict) or "model" not in setup:
+        return Missing(str(record.get("model")), "no memfit inputs (`memfit.setup` with a model) in the record")
+    fields = {k: _hashable(v) for k, v in setup.items()}
+    label = f"{record.get('model')}: {record.get('method', '').split(' (')[0]}"
+    metric = {"allocated": "allocated", "reserved": "reserved", "nvidia_smi": "nvidia-smi"}.get(
+        str(record.get("metric")), "not stated (see the record's notes)")
+    return TrainCase(label, tuple(sorted(fields.items())), float(record["value_mib"]), metric)
 
 
 def _experiments() -> dict[str, Any]:
@@ -337,7 +383,7 @@ class Estimator:
         key = tuple(sorted({**dict(fields), **changes}.items()))
         if key not in self.cache:
             kwargs = dict(key)
-            if "lora_target_modules" in kwargs:
+            if isinstance(kwargs.get("lora_target_modules"), tuple):
                 kwargs["lora_target_modules"] = list(kwargs["lora_target_modules"])
             started = time.perf_counter()
             with warnings.catch_warnings():
@@ -410,6 +456,11 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
     report = est.report(case.setup_fields)
     predicted = report.peak_reserved_bytes / MIB
     error = predicted / case.measured_mib - 1.0
+    if record.get("source_kind") in _GIVEN_KINDS:  # the record says how its run differs from memfit's inputs
+        given = record.get("memfit") or {}
+        if abs(error) <= GAP:
+            return predicted, ""
+        return predicted, f"{given.get('differs', 'not investigated')}; assumed: {given.get('assumed', 'nothing')}"
     fields = dict(case.setup_fields)
     reasons = []
     trained = (record.get("extra") or {}).get("num_trainable_params")
@@ -659,7 +710,8 @@ def run(records: list[dict[str, Any]], *, implied: bool = True) -> tuple[list[Ro
 
 _SOURCE_SHORT = {"peft_method_comparison_json": "peft MetaMathQA", "kernel_microbenchmark": "Liger op bench",
                  "torchtune_readme_table": "torchtune README", "peft_readme_table": "peft README",
-                 "peft_readme_log": "peft README log"}
+                 "peft_readme_log": "peft README log", "ms_swift_example_comment": "ms-swift example",
+                 "whisper_peft_readme_table": "Whisper PEFT README"}
 
 
 def format_tables(rows: list[Row], missing: list[tuple[int, Missing]], records: list[dict[str, Any]]) -> str:
@@ -709,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--liger-e2e", action="store_true",
                         help="also Liger-Kernel's end-to-end FSDP examples (bench/published_liger.py: 16 simulations "
                              "of 7B-8B models on 4 ranks, about a minute each)")
+    parser.add_argument("--multimodal", action="store_true",
+                        help="also the vision-language and speech records (bench/data/published_multimodal.json)")
     args = parser.parse_args(argv)
     records = load_records(args.data)
     started = time.perf_counter()
@@ -722,6 +776,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{est.runs} memfit estimates ({est.seconds:.0f} s), {time.perf_counter() - started:.0f} s in all")
     for line in summary(rows):
         print(line)
+    if args.multimodal:
+        media = load_multimodal()
+        media_rows, media_missing, media_est = run(media, implied=False)
+        print()
+        print(f"Vision-language and speech records ({MULTIMODAL.name}; id: index in its `records`):")
+        print()
+        print(format_tables(media_rows, media_missing, media))
+        print()
+        print(f"{len(media)} records: {len(media_rows)} compared, {len(media_missing)} not expressible; "
+              f"{media_est.runs} memfit estimates ({media_est.seconds:.0f} s)")
+        for line in summary(media_rows):
+            print(line)
     if args.liger_e2e:
         sys.path.insert(0, str(REPO / "bench"))
         import published_liger  # bench/published_liger.py, next to this script

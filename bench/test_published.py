@@ -167,3 +167,34 @@ def test_summary_separates_known_inputs_from_assumed_lengths():
     assert lines[1] == ("data lengths assumed (each batch padded to the configured maximum): median |error| 0.150000, "
                         "max 0.200000 over 2")
     assert lines[-1] == "published_median_abs_error=0.100000 over 3 records"
+
+
+def test_multimodal_records_run_the_inputs_they_state():
+    """Each vision-language / speech record is a training case built from its own `memfit.setup` (TrainSetup accepts
+    it as given), compared with its `value_mib`, and says what was assumed and how the run differs."""
+    from memfit.train_setup import TrainSetup
+
+    records = published.load_multimodal()
+    assert {r["source_kind"] for r in records} == set(published._GIVEN_KINDS)
+    for record in records:
+        case = published.express(record)
+        assert isinstance(case, published.TrainCase)
+        assert case.measured_mib == record["value_mib"]
+        fields = dict(case.setup_fields)
+        assert fields["model"] == record["memfit"]["setup"]["model"]
+        if isinstance(fields.get("lora_target_modules"), tuple):
+            fields["lora_target_modules"] = list(fields["lora_target_modules"])
+        setup = TrainSetup(**fields)
+        assert setup.task in ("image-text-to-text", "speech-seq2seq")
+        assert record["memfit"]["assumed"] and record["memfit"]["differs"]
+    vlm = dict(published.express(records[0]).setup_fields)
+    assert json.loads(vlm["peft_config"])["modules_to_save"] == ["visual"]  # the run trains the ViT too
+
+
+def test_multimodal_records_file_errors_in_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    with pytest.raises(SystemExit, match="no `records` list"):
+        published.load_multimodal(bad)
+    with pytest.raises(SystemExit, match="cannot read records file"):
+        published.load_multimodal(tmp_path / "missing.json")
