@@ -241,7 +241,7 @@ def _express_given(record: dict[str, Any]) -> TrainCase | Missing:
     if not isinstance(setup, dict) or "model" not in setup:
         return Missing(str(record.get("model")), "no memfit inputs (`memfit.setup` with a model) in the record")
     fields = {k: _hashable(v) for k, v in setup.items()}
-    label = f"{record.get('model')}: {record.get('method', '').split(' (')[0]}"
+    label = f"{record.get('model')}: {record['memfit'].get('label') or record.get('method', '').split(' (')[0]}"
     metric = {"allocated": "allocated", "reserved": "reserved", "nvidia_smi": "nvidia-smi"}.get(
         str(record.get("metric")), "not stated (see the record's notes)")
     return TrainCase(label, tuple(sorted(fields.items())), float(record["value_mib"]), metric)
@@ -458,9 +458,13 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
     error = predicted / case.measured_mib - 1.0
     if record.get("source_kind") in _GIVEN_KINDS:  # the record says how its run differs from memfit's inputs
         given = record.get("memfit") or {}
+        trained = (record.get("extra") or {}).get("num_trainable_params")
+        differ = (f"trainable parameters differ: memfit {report.trainable_params:,}, the run {trained:,}; "
+                  if isinstance(trained, int) and report.trainable_params != trained else "")
         if abs(error) <= GAP:
-            return predicted, ""
-        return predicted, f"{given.get('differs', 'not investigated')}; assumed: {given.get('assumed', 'nothing')}"
+            return predicted, differ.removesuffix("; ")
+        return predicted, (f"{differ}{given.get('differs', 'not investigated')}; "
+                           f"assumed: {given.get('assumed', 'nothing')}")
     fields = dict(case.setup_fields)
     reasons = []
     trained = (record.get("extra") or {}).get("num_trainable_params")
