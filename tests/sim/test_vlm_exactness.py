@@ -1,5 +1,5 @@
-"""LLaVA 1.5, SmolVLM2 and Llama 3.2 Vision (mllama): the step on FakeTensors, with the processor's real host data (memfit.sim.host_values),
-allocates what the same step on real CPU tensors does, event for event.
+"""LLaVA 1.5, SmolVLM2, Llama 3.2 Vision (mllama) and Qwen3-VL: the step on FakeTensors, with the processor's real
+host data (memfit.sim.host_values), allocates what the same step on real CPU tensors does, event for event.
 
 Each tiny model (two language blocks of width 64, two vision blocks of width 32) is saved with its image processor
 settings and its processor_config.json to a directory, as a user's checkpoint is, and simulated twice
@@ -9,7 +9,8 @@ model's own processor class. LLaVA's CLIP tower sees every image at its one inpu
 on the host (the padding tiles it drops, the patch mask and the per-tile position ids it builds from
 `pixel_attention_mask`), and its tiles follow the image's shape. mllama's language model cross-attends to the
 tiles through `cross_attention_mask`, which it reads with the `aspect_ratio_ids` / `aspect_ratio_mask` of each
-image.
+image. Qwen3-VL adds its vision tower's deepstack features to the image positions of its first language blocks'
+outputs, indexing them with the boolean mask of those positions (`hidden_states[visual_pos_masks, :]`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,27 @@ def _mllama(folder):
     return {"processor_class": "MllamaProcessor"}
 
 
-MODELS = {"llava": _llava, "smolvlm": _smolvlm, "mllama": _mllama}
+def _qwen3_vl(folder, *, text_layers: int = 2, vision_depth: int = 2, deepstack=(0,)):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    # 16-px patches merged 2 x 2; the first vision block's hidden states (deepstack_visual_indexes) are merged
+    # too and added to the image positions of the first language block's output (the model's `_deepstack_process`)
+    transformers.Qwen3VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=200, max_position_embeddings=4096,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=2,
+                         rope_scaling={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True}),
+        vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=list(deepstack)),
+        image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153,
+        architectures=["Qwen3VLForConditionalGeneration"]).save_pretrained(folder)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 1024, "longest_edge": 200704}, patch_size=16, merge_size=2,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    return {"processor_class": "Qwen3VLProcessor"}
+
+
+MODELS = {"llava": _llava, "smolvlm": _smolvlm, "mllama": _mllama, "qwen3_vl": _qwen3_vl}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +129,11 @@ CASES = [
     ("mllama", dict(lora_r=4, trainer="sft", precision="bf16"), []),
     ("mllama", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
     ("mllama", dict(images_per_example=2, precision="fp16", gradient_accumulation_steps=2, image_size="300x60"),
+     _SLOW),
+    ("qwen3_vl", dict(), []),
+    ("qwen3_vl", dict(lora_r=4, trainer="sft", precision="bf16"), []),
+    ("qwen3_vl", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
+    ("qwen3_vl", dict(images_per_example=2, precision="fp16", gradient_accumulation_steps=2, image_size="300x60"),
      _SLOW),
 ]
 
@@ -174,4 +200,13 @@ def test_splice_keeps_the_mllama_vision_encoder_whole(tmp_path):
     config.vision_config.intermediate_layers_indices = [3, 7]
     config.vision_config.vision_output_dim = 32 * 3  # the last hidden state and the two selected
     config.save_pretrained(tmp_path)
+    _assert_spliced_is_full(tmp_path, settings)
+
+
+@pytest.mark.slow
+def test_splice_keeps_the_qwen3_vl_stacks_whole(tmp_path):
+    """Qwen3-VL with 8 vision blocks whose blocks 3 and 7 (deepstack_visual_indexes) are added to the image positions
+    after the first two of 8 language blocks: both stacks are simulated whole, and the spliced trace equals the
+    full one."""
+    settings = _qwen3_vl(tmp_path, text_layers=8, vision_depth=8, deepstack=(3, 7))
     _assert_spliced_is_full(tmp_path, settings)

@@ -381,7 +381,11 @@ def build_meta_model(setup: TrainSetup, spec: ModelSpec | None = None) -> nn.Mod
     auto = getattr(transformers, TASKS[task])
     dtype = _WEIGHT_DTYPES.get(setup.weights_dtype)
     if setup.weights_dtype == "auto":
-        dtype = getattr(config, "dtype", None) or torch.float32
+        # from_pretrained's dtype "auto" (transformers 5's default): the config's dtype, else the checkpoint's
+        # weights' dtype (modeling_utils.py `_get_dtype`), which a vision-language config without a top-level
+        # dtype records in its text_config (Qwen3-VL: "dtype": "bfloat16" there, BF16 safetensors)
+        text = getattr(config, "text_config", None)
+        dtype = getattr(config, "dtype", None) or getattr(text, "dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, torch.float32)
     try:

@@ -56,6 +56,8 @@ class HostValues(adapter.TorchDispatchMode):
             if all(_is_real(t) for t in tensors):
                 with adapter.outside_fake_mode():
                     return func(*args, **kwargs)
+            if func in _MASK_INDEXED and any(_is_real(t) and t.dtype == torch.bool for t in tensors):
+                args = (args[0], self._positions(args[1]), *args[2:])
             return func(*args, **kwargs)
         # a factory: its size, from a run the tracker does not record
         paused, self.tracker.paused = self.tracker.paused, True
@@ -69,6 +71,37 @@ class HostValues(adapter.TorchDispatchMode):
             with adapter.outside_fake_mode():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _positions(self, indices: Any) -> list:
+        """`indices` with each real boolean mask replaced by the long positions of its True elements (real, made
+        outside the fake mode and not recorded: the op itself turns a mask into them inside its kernel, where the
+        real run's dispatch sees no allocation either)."""
+        out = []
+        paused, self.tracker.paused = self.tracker.paused, True
+        try:
+            with adapter.outside_fake_mode():
+                for index in indices:
+                    if isinstance(index, torch.Tensor) and _is_real(index) and index.dtype == torch.bool:
+                        out.extend(index.nonzero().unbind(1))
+                    else:
+                        out.append(index)
+        finally:
+            self.tracker.paused = paused
+        return out
+
+
+def _mask_indexed_ops() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                      aten._index_put_impl_.default})
+
+
+#: Ops that take a list of indices, where a boolean mask stands for the positions of its True elements (ATen's
+#: `expandTensors`: `mask.nonzero()`, one index tensor per mask dimension): Qwen3-VL's `_deepstack_process` reads
+#: and writes `hidden_states[visual_pos_masks, :]`, a fake tensor indexed by the real mask of its image positions.
+#: A FakeTensor cannot run `nonzero` (its output size is data-dependent), so a real mask is handed to the op as
+#: the positions it selects, which give the op's output the size the real run's has.
+_MASK_INDEXED = _mask_indexed_ops()
 
 
 def image_text_batch(example: dict[str, torch.Tensor], batch: int) -> dict[str, torch.Tensor]:

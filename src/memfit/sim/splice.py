@@ -89,14 +89,20 @@ def _features_by_index(model: nn.Module, name: str) -> bool:
     vision tower's hidden states, an index transformers resolves against `config.num_hidden_layers`, the full depth
     (utils/output_capturing.py `resolve_hidden_states_indices`); mllama's vision model stacks the hidden states
     `intermediate_layers_indices` ([3, 7, 15, 23, 30]) of its encoder (modeling_mllama.py
-    `MllamaVisionModel.forward`). Such a stack is simulated whole."""
+    `MllamaVisionModel.forward`); Qwen3-VL's vision tower merges the hidden states of its blocks
+    `deepstack_visual_indexes` ([5, 11, 17]) into features that its language model adds to the image positions of
+    the outputs of its first len(indexes) blocks, between those blocks (modeling_qwen3_vl.py
+    `Qwen3VLVisionModel.forward`, `Qwen3VLTextModel._deepstack_process`), outside any block: both of its stacks
+    are simulated whole (a spliced language model with these additions after blocks 0 and 1 differs from the
+    full one: tests/sim/test_vlm_exactness.py). Such a stack is simulated whole."""
     if getattr(getattr(model, "config", None), "vision_feature_layer", None) is not None \
             and ".vision_tower." in f".{name}.":
         return True
     parts = name.split(".")
     for i in range(1, len(parts)):  # the stack's enclosing modules, the model itself left out
         config = getattr(model.get_submodule(".".join(parts[:i])), "config", None)
-        if getattr(config, "intermediate_layers_indices", None):
+        deepstack = getattr(getattr(config, "vision_config", config), "deepstack_visual_indexes", None)
+        if getattr(config, "intermediate_layers_indices", None) or deepstack:
             return True
     return False
 
