@@ -228,3 +228,16 @@ def test_qwen3_vl_patches_are_what_its_vision_tower_embeds():
     vision = load_bundled_config(QWEN3_VL).vision_config
     example, _, _ = _example(model=QWEN3_VL, image_size="448x448", max_length=8)
     assert example["pixel_values"].shape[-1] == vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+
+
+def test_qwen3_vl_weights_load_in_the_checkpoints_dtype():
+    """Its config names no top-level dtype, its text_config bfloat16 (the BF16 checkpoint's): from_pretrained's
+    dtype "auto" reads the weights' dtype, so the meta model is bfloat16, not fp32."""
+    import torch
+
+    from memfit.models.build import build_meta_model
+
+    config = load_bundled_config(QWEN3_VL)
+    assert config.dtype is None and config.text_config.dtype == torch.bfloat16
+    model = build_meta_model(TrainSetup(model=QWEN3_VL, max_length=16))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
