@@ -377,18 +377,19 @@ class Estimator:
     runs: int = 0
     seconds: float = 0.0
 
-    def report(self, fields: tuple[tuple[str, Any], ...], **changes: Any):
+    def report(self, fields: tuple[tuple[str, Any], ...], *, gpu: str | None = None, **changes: Any):
+        """memfit's report for the setup `fields` (with `changes`) on `gpu` (a catalog name; None: the L40S)."""
         from memfit import TrainSetup, estimate
 
-        key = tuple(sorted({**dict(fields), **changes}.items()))
+        key = (*sorted({**dict(fields), **changes}.items()), ("gpu", gpu))
         if key not in self.cache:
-            kwargs = dict(key)
+            kwargs = dict(key[:-1])
             if isinstance(kwargs.get("lora_target_modules"), tuple):
                 kwargs["lora_target_modules"] = list(kwargs["lora_target_modules"])
             started = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self.cache[key] = estimate(TrainSetup(**kwargs), gpu=l40s_spec())
+                self.cache[key] = estimate(TrainSetup(**kwargs), gpu=gpu or l40s_spec())
             self.seconds += time.perf_counter() - started
             self.runs += 1
         return self.cache[key]
@@ -453,7 +454,7 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
     import torch
     import transformers
 
-    report = est.report(case.setup_fields)
+    report = est.report(case.setup_fields, gpu=(record.get("memfit") or {}).get("gpu"))
     predicted = report.peak_reserved_bytes / MIB
     error = predicted / case.measured_mib - 1.0
     if record.get("source_kind") in _GIVEN_KINDS:  # the record says how its run differs from memfit's inputs
@@ -461,9 +462,10 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
         trained = (record.get("extra") or {}).get("num_trainable_params")
         differ = (f"trainable parameters differ: memfit {report.trainable_params:,}, the run {trained:,}; "
                   if isinstance(trained, int) and report.trainable_params != trained else "")
+        smi = f"memfit's nvidia-smi figure (device_used_bytes) {report.device_used_bytes / MIB:,.0f} MiB"
         if abs(error) <= GAP:
-            return predicted, differ.removesuffix("; ")
-        return predicted, (f"{differ}{given.get('differs', 'not investigated')}; "
+            return predicted, f"{differ}{smi}"
+        return predicted, (f"{differ}{smi}; {given.get('differs', 'not investigated')}; "
                            f"assumed: {given.get('assumed', 'nothing')}")
     fields = dict(case.setup_fields)
     reasons = []

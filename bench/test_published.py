@@ -187,6 +187,9 @@ def test_multimodal_records_run_the_inputs_they_state():
         setup = TrainSetup(**fields)
         assert setup.task in ("image-text-to-text", "speech-seq2seq")
         assert record["memfit"]["assumed"] and record["memfit"]["differs"]
+        from memfit.gpus.catalog import CATALOG
+
+        assert record["memfit"]["gpu"] in CATALOG  # the run's GPU, for the reserved and nvidia-smi figures
     vlm = dict(published.express(records[0]).setup_fields)
     assert json.loads(vlm["peft_config"])["modules_to_save"] == ["visual"]  # the run trains the ViT too
 
