@@ -19,7 +19,7 @@ _EXPECTED = {
     "deepseek_v2": "causal-lm", "smollm3": "causal-lm", "modernbert": "seq-cls",
     # image and speech models: their inputs made by their own processors
     "vit": "image-cls", "dinov2": "image-cls", "convnext": "image-cls", "swin": "image-cls",
-    "whisper": "speech-seq2seq", "wav2vec2": "ctc", "hubert": "ctc", "qwen2_5_vl": "image-text-to-text",
+    "whisper": "speech-seq2seq", "wav2vec2": "ctc", "hubert": "ctc", "qwen2_5_vl": "image-text-to-text", "qwen3_vl": "image-text-to-text",
     "gemma3": "image-text-to-text", "llava": "image-text-to-text", "smolvlm": "image-text-to-text",
     "mllama": "image-text-to-text",
 }
