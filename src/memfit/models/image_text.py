@@ -51,29 +51,24 @@ class ImageTextFamily:
     tokenizer gives each an id of its own, so the sequence has the length the real tokenizer gives it."""
 
 
+#: What Qwen2.5-VL's and Qwen3-VL's chat templates and processors share: the placeholder of one image and the
+#: special tokens
+_QWEN_VL = dict(placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+                tokens={"<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id",
+                        "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"},
+                image_token_attr="image_token_id")
+
 FAMILIES: dict[str, ImageTextFamily] = {
     # Qwen2.5-VL's chat template (tokenizer_config.json / chat_template.json): each image of a user turn is
     # `<|vision_start|><|image_pad|><|vision_end|>`; Qwen2_5_VLProcessor repeats `<|image_pad|>`
     # image_grid_thw.prod() // merge_size**2 times (processing_qwen2_5_vl.py `replace_image_token`).
-    "qwen2_5_vl": ImageTextFamily(
-        processor="Qwen2_5_VLProcessor",
-        placeholder="<|vision_start|><|image_pad|><|vision_end|>",
-        tokens={"<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id",
-                "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"},
-        image_token_attr="image_token_id",
-    ),
+    "qwen2_5_vl": ImageTextFamily(processor="Qwen2_5_VLProcessor", **_QWEN_VL),
     # Qwen3-VL's chat template writes each image of a user turn as Qwen2.5-VL's does,
     # `<|vision_start|><|image_pad|><|vision_end|>`; Qwen3VLProcessor repeats `<|image_pad|>`
     # image_grid_thw.prod() // merge_size**2 times (processing_qwen3_vl.py `replace_image_token`), the grid of
     # Qwen2VLImageProcessor's smart_resize to a multiple of patch_size x merge_size = 32 pixels within size's
     # shortest_edge / longest_edge pixel counts
-    "qwen3_vl": ImageTextFamily(
-        processor="Qwen3VLProcessor",
-        placeholder="<|vision_start|><|image_pad|><|vision_end|>",
-        tokens={"<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id",
-                "<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id"},
-        image_token_attr="image_token_id",
-    ),
+    "qwen3_vl": ImageTextFamily(processor="Qwen3VLProcessor", **_QWEN_VL),
     # LLaVA 1.5's chat template (llava-hf chat_template.json): `USER: <image>\n... ASSISTANT:`; LlavaProcessor
     # repeats `<image>` (patch rows x patch columns of the cropped pixel_values) + num_additional_image_tokens
     # times, one fewer for vision_feature_select_strategy "default" (processing_llava.py `replace_image_token`)
