@@ -29,10 +29,10 @@ leaner kernels, micro-batch 1) does not fit is dropped after that one simulation
 simulated when a leaner one of its strategy (checkpointing on where it is off, leaner kernels) already failed
 at its micro-batch or a smaller one (memory grows with the micro-batch and shrinks with either remedy).
 
-Work: the candidates are simulated one at a time in the search's order; with more than one CPU, forked workers
-(memfit.planner.workers) simulate the first candidates of the groups that follow while the search waits for
-the one it needs, so a plan takes the time of its longest chain of dependent simulations rather than of all
-(the result is the same: `_Search`).
+Work: the candidates are simulated one at a time in the search's order, in this process. With `workers` > 1,
+forked workers (memfit.planner.workers) simulate the first candidates of the groups that follow while the search
+waits for the one it needs (the result is the same: `_Search`); not the default, since it measured no faster on
+2 cores (`plan_parallel`'s `workers`).
 
 Precision and optimizer (`_families`): each strategy is also tried in mixed precision where
 memfit.remedies.mixed_precision applies (bf16 on compute capability 8.0+, else fp16; for ZeRO the DeepSpeed
@@ -612,7 +612,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
                   interconnect: str | None = None, network_gbps: float | None = None,
                   alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
                   script: str = "train.py", allow: tuple[str, ...] | list[str] = (),
-                  workers: int | None = None) -> ParallelPlanResult:
+                  workers: int = 1) -> ParallelPlanResult:
     """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
 
     Args:
@@ -632,8 +632,10 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         allow: opt-in remedies (`truncation`, `lora`, `qlora`, `freeze`; `qlora` allows `lora` too) the search may
             use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched).
         workers: processes that simulate candidates ahead of the search (memfit.planner.workers.worker_count; None:
-            `MEMFIT_WORKERS`, else this process's CPUs where forking is safe; 1: all in this process). The result
-            is the same for any count.
+            `MEMFIT_WORKERS`, else this process's CPUs where forking is safe). The result is the same for any
+            count. 1 by default: on the 2-core machine the 4xT4 plan of bench/slow_verbs.py took 57.2 s with two
+            workers and 53.4 s in this process alone (the looked-ahead results come back pickled, whole traces,
+            and each worker shares only its own ZeRO simulations).
     """
     from memfit.planner.search import _as_setup, _describe
 
