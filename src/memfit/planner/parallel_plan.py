@@ -612,7 +612,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
                   interconnect: str | None = None, network_gbps: float | None = None,
                   alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
                   script: str = "train.py", allow: tuple[str, ...] | list[str] = (),
-                  workers: int = 1) -> ParallelPlanResult:
+                  workers: int | None = 1) -> ParallelPlanResult:
     """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
 
     Args:
