@@ -350,3 +350,21 @@ def test_train_args_file_refuses_quantization_config(tmp_path):
 
     with pytest.raises(MemfitError, match="`quantization_config`.*does not take"):
         train_kwargs_from_file(str(path), {f.name for f in dataclasses.fields(TS)})
+
+
+def test_8bit_layers_keep_their_inputs_under_non_reentrant_checkpointing():
+    """bitsandbytes' MatMul8bitLt keeps its input as `ctx.tensors`, outside non-reentrant checkpointing's saved-tensor
+    hooks: the report says so, and reentrant checkpointing (no autograd context in its checkpointed forward) keeps
+    fewer activations, run by bitsandbytes' own code."""
+    from memfit.peaks import peaks
+    from memfit.sim.engine import simulate
+
+    base = dict(model=_tiny_config(num_hidden_layers=4), task="causal-lm", per_device_train_batch_size=2,
+                max_length=64, precision="fp16", lora_r=4, load_in_8bit=True, gradient_checkpointing=True,
+                eval_strategy="no")
+    plain = simulate(TrainSetup(**base), splice=False)
+    reentrant = simulate(TrainSetup(**base, gradient_checkpointing_kwargs={"use_reentrant": True}), splice=False)
+    assert any("MatMul8bitLt keeps each layer's input" in n for n in plain.notes)
+    assert not any("MatMul8bitLt keeps each layer's input" in n for n in reentrant.notes)
+    kept = [peaks(sim.trace).by_phase["backward"].breakdown["activations"] for sim in (plain, reentrant)]
+    assert kept[1] < kept[0], kept

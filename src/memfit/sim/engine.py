@@ -724,6 +724,14 @@ class _Runner:
         if self.quant.bits == 8:
             self.notes.append("LLM.int8: the outlier columns depend on the values; memfit assumes none (their "
                               "fp16 copy `subA`, saved for backward, is usually a few columns)")
+            if self.checkpointing and not (self.setup.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+                # bitsandbytes 0.50 autograd/_functions.py MatMul8bitLt.forward: `ctx.tensors = (CAt, subA, A)`
+                self.notes.append(
+                    "8-bit layers under non-reentrant checkpointing: bitsandbytes' MatMul8bitLt keeps each layer's "
+                    "input for its backward as an attribute of the autograd context (`ctx.tensors`), which the "
+                    "saved-tensor hooks of non-reentrant checkpointing never free, so checkpointing saves little "
+                    "here; gradient_checkpointing_kwargs={\"use_reentrant\": true} frees them (its checkpointed "
+                    "forward keeps no autograd context)")
         return out
 
 
