@@ -122,36 +122,6 @@ def test_a_model_that_does_not_fit_one_gpu_gets_a_sharded_plan_that_fits(states_
     assert (best.per_device_train_batch_size * best.gradient_accumulation_steps) * 4 == r.global_batch
 
 
-@pytest.mark.slow
-def test_workers_looking_ahead_give_the_plan_of_the_serial_search(states_heavy_bert, tmp_path, monkeypatch):
-    """Two workers simulate candidates ahead of the search (memfit.planner.parallel_plan `_Search`): the same
-    candidates, choice and count as all in this process, and the workers did simulate some of them."""
-    import functools
-    import os
-
-    from memfit.planner import parallel_plan
-
-    pids = tmp_path / "pids"
-    real = parallel_plan._rank_estimate
-
-    @functools.wraps(real)  # pickled by name: the workers, forked after this patch, resolve it to this wrapper
-    def spy(*a, **kw):
-        with open(pids, "a", encoding="utf-8") as f:
-            f.write(f"{os.getpid()}\n")
-        return real(*a, **kw)
-
-    monkeypatch.setattr(parallel_plan, "_rank_estimate", spy)
-    s = _setup(states_heavy_bert)
-    serial = plan_parallel(s, gpus="4x1800MiB", workers=1).to_json()
-    assert set(pids.read_text().split()) == {str(os.getpid())}
-    pids.unlink()
-    pooled = plan_parallel(s, gpus="4x1800MiB", workers=2).to_json()
-    assert serial.pop("elapsed_s") >= 0 and pooled.pop("elapsed_s") >= 0
-    assert pooled == serial and serial["chosen"] is not None
-    ran = pids.read_text().split()
-    assert str(os.getpid()) not in ran and len(set(ran)) >= 1 and len(ran) >= serial["simulations"]
-
-
 def _estimate_json(capsys, argv):
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out)

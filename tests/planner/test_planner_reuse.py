@@ -107,8 +107,7 @@ def test_the_parallel_plan_is_the_same_with_and_without_shared_simulations(tmp_p
     calls = []
     real = engine.simulate
     monkeypatch.setattr(engine, "simulate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    # ZeRO-1 does not fit at micro-batch 8; in this process (workers=1), where the simulations are counted
-    kw = dict(gpus="4x1400MiB", strategies=("zero1", "zero2", "zero3"), workers=1)
+    kw = dict(gpus="4x1400MiB", strategies=("zero1", "zero2", "zero3"))  # ZeRO-1 does not fit at micro-batch 8
     shared = plan_parallel(setup, **kw).to_json()
     shared_calls = len(calls)
     monkeypatch.setattr(rank, "shared_simulations", contextlib.nullcontext)
@@ -118,3 +117,19 @@ def test_the_parallel_plan_is_the_same_with_and_without_shared_simulations(tmp_p
     variants = [(c["variant"], c["per_device_train_batch_size"]) for c in shared["candidates"]]
     assert ("zero1", 8) in variants and ("zero2", 8) in variants, variants
     assert shared_calls == len(calls) - shared_calls - 1, (shared_calls, len(calls) - shared_calls)
+
+
+def test_a_repeated_partial_simulation_of_the_same_program_is_answered_from_the_first(tiny_bert_dir, monkeypatch):
+    """Two requests whose setups differ only in `notes` (memfit.sim.program.same_program) simulate once, and the
+    second gets the first's result."""
+    from memfit.planner import memory_model
+
+    calls = []
+    real = memory_model._phase_peaks_of
+    monkeypatch.setattr(memory_model, "_phase_peaks_of", lambda s, kw: calls.append(1) or real(s, kw))
+    setup = TrainSetup(model=tiny_bert_dir, max_length=16, per_device_train_batch_size=2, eval_strategy="no")
+    sims = memory_model.Simulations()
+    first = sims.phase_peaks(setup, optimizer_steps=0)
+    again = sims.phase_peaks(setup.replace(notes=[*setup.notes, "why a field has its value"]), optimizer_steps=0)
+    other = sims.phase_peaks(setup.replace(per_device_train_batch_size=1), optimizer_steps=0)
+    assert len(calls) == 2 and again is first and other is not first

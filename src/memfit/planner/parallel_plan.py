@@ -29,11 +29,6 @@ leaner kernels, micro-batch 1) does not fit is dropped after that one simulation
 simulated when a leaner one of its strategy (checkpointing on where it is off, leaner kernels) already failed
 at its micro-batch or a smaller one (memory grows with the micro-batch and shrinks with either remedy).
 
-Work: the candidates are simulated one at a time in the search's order, in this process. With `workers` > 1,
-forked workers (memfit.planner.workers) simulate the first candidates of the groups that follow while the search
-waits for the one it needs (the result is the same: `_Search`); not the default, since it measured no faster on
-2 cores (`plan_parallel`'s `workers`).
-
 Precision and optimizer (`_families`): each strategy is also tried in mixed precision where
 memfit.remedies.mixed_precision applies (bf16 on compute capability 8.0+, else fp16; for ZeRO the DeepSpeed
 dtype, for FSDP2 the MixedPrecisionPolicy accelerate sets from it) and, only when nothing with the setup's
@@ -413,23 +408,8 @@ def _request(setup: TrainSetup, *, gpus, gpu, world_size, nodes, global_batch, m
                     allow, allowed)
 
 
-def _rank_estimate(setup: TrainSetup, spec: GpuSpec, parallel: Any, capacity_bytes: int,
-                   alloc_conf: str | None) -> Any:
-    """A candidate's rank-0 estimate within the capacity (memfit.estimator.estimate; a worker process returns it)."""
-    from memfit.estimator import estimate
-
-    return estimate(setup, gpu=spec, parallel=parallel, capacity_bytes=capacity_bytes, alloc_conf=alloc_conf)
-
-
 class _Search:
-    """The branch-and-bound search of the module docstring over `groups`, simulating rank 0 of each candidate.
-
-    With a `pool` (memfit.planner.workers.WorkerPool of more than one process) the candidates the search is about
-    to ask for (`_look_ahead`: the first candidate of the groups that follow, as the search would choose it with
-    the best found so far) are simulated in the workers while the search waits for the one it needs. What is
-    chosen and counted does not change: a result is used only when the search asks for that candidate, in its
-    own order, and one it never asks for is dropped unread.
-    """
+    """The branch-and-bound search of the module docstring over `groups`, simulating rank 0 of each candidate."""
 
     def __init__(self, setup: TrainSetup, req: _Request, variants: list[Variant], families, m: _Model,
                  alloc_conf: str | None, max_simulations: int):
@@ -446,9 +426,6 @@ class _Search:
         self.sims = 0
         self.best: ParallelCandidate | None = None
         self.best_rank: tuple = ((0, 0), 0)  # (rank_tier, order) of the best's group
-        self.pool: Any = None  #: memfit.planner.workers.WorkerPool while `run` has one
-        self.ahead: dict[tuple, Any] = {}  #: candidate key -> the pool's handle of its estimate
-        self._queue: tuple[list[_Group], int, set] = ([], 0, set())  #: (groups, the one searched, dead keys)
 
     def changed(self, group: _Group, b: int) -> TrainSetup:
         return self.setup.replace(**group.changes, per_device_train_batch_size=b,
@@ -489,32 +466,11 @@ class _Search:
                 return True, oc
         return False, None
 
-    def _submit(self, group: _Group, b: int) -> Any:
-        return self.pool.submit(_rank_estimate, self.changed(group, b), self.req.spec, self.par_of(group),
-                                self.req.capacity_bytes, self.alloc_conf)
-
-    def _look_ahead(self) -> None:
-        """Keep the pool's other workers busy with the first candidates of the groups after the one being searched
-        (class docstring); the candidate being simulated holds one worker."""
-        if self.pool is None or self.pool.workers < 2:
-            return
-        groups, start, dead = self._queue
-        room = min(self.pool.workers - 1, self.max_simulations - self.sims) - len(self.ahead)
-        for g in groups[start + 1:]:
-            if room <= 0:
-                return
-            if g.dead_key in dead:
-                continue
-            worth = [b for b in self.req.micro_batches if self.could_beat(g, self.modelled(g, b)[0].total_s)]
-            if not worth or self._key(g, worth[-1]) in self.ahead or self._answered(g, worth[-1])[0]:
-                continue
-            self.ahead[self._key(g, worth[-1])] = self._submit(g, worth[-1])
-            room -= 1
-
     def simulate(self, group: _Group, b: int) -> ParallelCandidate | None:
         """Rank 0 of `group` at micro-batch `b`, replayed within the capacity; None: the simulation refuses it."""
         from memfit.allocator.bounded import bounded_reserved
         from memfit.allocator.conf import parse_alloc_conf
+        from memfit.estimator import estimate
 
         key = self._key(group, b)
         answered, known = self._answered(group, b)
@@ -525,13 +481,9 @@ class _Search:
         progress.report(f"{group.variant.label}, batch {b}" + "".join(f", {k}={v}" for k, v in group.changes.items()),
                         self.sims, self.max_simulations)
         self.sims += 1
-        handle = self.ahead.pop(key, None)
-        if handle is None and self.pool is not None and self.pool.workers > 1:
-            handle = self._submit(group, b)  # in a worker: this process waits, the others look ahead
-        self._look_ahead()
         try:
-            report = handle.get() if handle is not None else _rank_estimate(
-                s, self.req.spec, self.par_of(group), capacity, alloc_conf)
+            report = estimate(s, gpu=self.req.spec, parallel=self.par_of(group), capacity_bytes=capacity,
+                              alloc_conf=alloc_conf)
         except MemfitError as err:  # a combination the simulation refuses (e.g. a kernel the engine's dtype lacks)
             self.refused.append(f"{group.variant.label} with {group.changes or 'the setup as is'}: {err}")
             self.refused_keys.add(key)
@@ -567,10 +519,9 @@ class _Search:
     def run(self, groups: list[_Group]) -> bool:
         """Search `groups` in order; True when it stopped at `max_simulations`."""
         micro_batches, dead = self.req.micro_batches, set()
-        for i, g in enumerate(groups):
+        for g in groups:
             if g.dead_key in dead:
                 continue
-            self._queue = (groups, i, dead)
             if not self.could_beat(g, self.modelled(g, micro_batches[-1])[0].total_s):
                 continue
             if self.sims >= self.max_simulations:
@@ -611,8 +562,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
                   margin: float | None = None, strategies: tuple[str, ...] | list[str] | None = None,
                   interconnect: str | None = None, network_gbps: float | None = None,
                   alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
-                  script: str = "train.py", allow: tuple[str, ...] | list[str] = (),
-                  workers: int | None = 1) -> ParallelPlanResult:
+                  script: str = "train.py", allow: tuple[str, ...] | list[str] = ()) -> ParallelPlanResult:
     """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
 
     Args:
@@ -631,11 +581,6 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         script: the training script named in the commands.
         allow: opt-in remedies (`truncation`, `lora`, `qlora`, `freeze`; `qlora` allows `lora` too) the search may
             use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched).
-        workers: processes that simulate candidates ahead of the search (memfit.planner.workers.worker_count; None:
-            `MEMFIT_WORKERS`, else this process's CPUs where forking is safe). The result is the same for any
-            count. 1 by default: on the 2-core machine the 4xT4 plan of bench/slow_verbs.py took 57.2 s with two
-            workers and 53.4 s in this process alone (the looked-ahead results come back pickled, whole traces,
-            and each worker shares only its own ZeRO simulations).
     """
     from memfit.planner.search import _as_setup, _describe
 
@@ -674,18 +619,9 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
     groups.sort(key=lambda g: (g.rank_tier, search.modelled(g, req.micro_batches[-1])[0].total_s, g.order,
                                -g.lean_rank))
     from memfit.parallel.rank import shared_simulations
-    from memfit.planner.workers import WorkerPool, worker_count
 
-    # ZeRO-1/2/3 of one setup simulate the same program (memfit.parallel.rank); the pool's workers are forked
-    # inside the scope, each with its own
-    with shared_simulations(), WorkerPool(worker_count(workers)) as pool:
-        search.pool = pool
-        try:
-            stopped = search.run(groups)
-        finally:
-            if search.ahead:  # looked ahead to candidates the search never asked for: not waited for
-                pool.kill_workers()
-            search.pool = None
+    with shared_simulations():  # ZeRO-1/2/3 of one setup simulate the same program (memfit.parallel.rank)
+        stopped = search.run(groups)
     notes += [f"not simulated: {r}" for r in search.refused[:3]]
     notes += [f"not searched: {why}" for why in not_modelled]
     if stopped:
