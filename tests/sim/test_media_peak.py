@@ -71,3 +71,11 @@ def test_whisper_and_a_text_model(tmp_path):
     assert model_parts(whisper, "speech-seq2seq") == [("audio encoder", "model.encoder"),
                                                       ("decoder", "model.decoder")]
     assert model_parts(bert, "seq-cls") == []
+    with torch.device("meta"):
+        vit = transformers.ViTForImageClassification(transformers.ViTConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+        ctc = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=32))
+    assert model_parts(vit, "image-cls") == [("backbone", "vit"), ("head", "classifier")]
+    assert model_parts(ctc, "ctc") == [("feature encoder", "wav2vec2.feature_extractor"),
+                                       ("transformer", "wav2vec2.encoder")]

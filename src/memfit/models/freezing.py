@@ -24,7 +24,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 
-__all__ = ["freeze_parts", "PROJECTOR_NAMES", "wants_frozen_feature_encoder"]
+__all__ = ["freeze_parts", "PROJECTOR_NAMES", "wants_frozen_feature_encoder", "vision_tower", "projector"]
 
 #: Attribute names of the projector in transformers' vision-language models: `multi_modal_projector` (LLaVA, Gemma 3,
 #: PaliGemma, Llama 3.2 Vision), `connector` (Idefics3, SmolVLM), `merger` inside Qwen2.5-VL's `visual`.
@@ -63,20 +63,21 @@ def freeze_parts(model: nn.Module, setup) -> list[str]:  # noqa: ANN001 (TrainSe
                               "drop --freeze-encoder")
         inner.freeze_encoder()
     if setup.freeze_vision_tower:
-        tower = _vision_tower(inner)
+        tower = vision_tower(inner)
         if tower is None:
             raise MemfitError(f"`freeze_vision_tower` is set but {name} has no vision tower; drop --freeze-vision-tower")
         tower.requires_grad_(False)
     if setup.freeze_projector:
-        projector = _projector(inner)
-        if projector is None:
+        part = projector(inner)
+        if part is None:
             raise MemfitError(f"`freeze_projector` is set but {name} has no projector (none of "
                               f"{', '.join(PROJECTOR_NAMES)}); drop --freeze-projector")
-        projector.requires_grad_(False)
+        part.requires_grad_(False)
     return notes
 
 
-def _vision_tower(model: nn.Module) -> nn.Module | None:
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """A vision-language model's image encoder, or an image classifier's backbone; None when it has neither."""
     if hasattr(model, "get_encoder"):
         try:
             tower = model.get_encoder(modality="image")
@@ -94,7 +95,8 @@ def _is_image_classifier(model: nn.Module) -> bool:
     return type(model).__name__.endswith("ForImageClassification") and getattr(model, "base_model", model) is not model
 
 
-def _projector(model: nn.Module) -> nn.Module | None:
+def projector(model: nn.Module) -> nn.Module | None:
+    """A vision-language model's projector (the first module named as in `PROJECTOR_NAMES`), or None."""
     for module_name, module in model.named_modules():
         if module_name.rsplit(".", 1)[-1] in PROJECTOR_NAMES:
             return module

@@ -43,10 +43,7 @@ def _encoder_path(model: nn.Module) -> str | None:
     """The module path of a CTC model's convolutional feature encoder (`wav2vec2.feature_extractor`, under peft
     `base_model.model.wav2vec2.feature_extractor`)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    encoder = getattr(getattr(inner, "base_model", None), "feature_extractor", None)
-    if not isinstance(encoder, nn.Module):
-        return None
-    return next((name for name, module in model.named_modules() if module is encoder), None)
+    return _path_of(model, getattr(getattr(inner, "base_model", None), "feature_extractor", None))
 
 
 def _live_at(trace: list[TraceEvent], index: int) -> dict[int, TraceEvent]:
@@ -104,41 +101,33 @@ def _path_of(model: nn.Module, module: object) -> str | None:
     return next((name for name, m in model.named_modules() if m is module), None)
 
 
+def _called(model: nn.Module, method: str) -> object:
+    """`model.<method>()` (transformers' get_encoder / get_decoder), or None where it has none or cannot say."""
+    try:
+        return getattr(model, method)() if hasattr(model, method) else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def model_parts(model: nn.Module, task: str) -> list[tuple[str, str]]:
     """(part, module path) of `model` for `task` (module docstring); [] where it has no distinct parts."""
-    from memfit.models.freezing import _projector, _vision_tower
+    from memfit.models.freezing import projector, vision_tower
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-
-    def encoder_decoder() -> tuple[object, object]:
-        enc = dec = None
-        for name, attr in (("get_encoder", "enc"), ("get_decoder", "dec")):
-            try:
-                value = getattr(inner, name)() if hasattr(inner, name) else None
-            except (TypeError, ValueError, AttributeError):
-                value = None
-            if attr == "enc":
-                enc = value
-            else:
-                dec = value
-        return enc, dec
-
     found: list[tuple[str, object]] = []
     if task == "image-text-to-text":
-        _, decoder = encoder_decoder()
-        found = [("vision tower", _vision_tower(inner)), ("projector", _projector(inner)),
-                 ("language model", decoder)]
+        found = [("vision tower", vision_tower(inner)), ("projector", projector(inner)),
+                 ("language model", _called(inner, "get_decoder"))]
     elif task == "speech-seq2seq":
-        encoder, decoder = encoder_decoder()
-        found = [("audio encoder", encoder), ("decoder", decoder)]
+        found = [("audio encoder", _called(inner, "get_encoder")), ("decoder", _called(inner, "get_decoder"))]
     elif task == "ctc":
         base = getattr(inner, "base_model", None)
         found = [("feature encoder", getattr(base, "feature_extractor", None)),
                  ("transformer", getattr(base, "encoder", None))]
     elif task == "image-cls":
-        backbone = _vision_tower(inner)
-        found = [("backbone", backbone)] + [(n, m) for n, m in inner.named_children() if m is not backbone][:1]
-        found = [(part if part == "backbone" else "head", m) for part, m in found]
+        backbone = vision_tower(inner)
+        head = next((m for _, m in inner.named_children() if m is not backbone), None)
+        found = [("backbone", backbone), ("head", head)]
     out = []
     for part, module in found:
         path = _path_of(model, module)
