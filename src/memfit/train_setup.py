@@ -525,6 +525,9 @@ class TrainSetup:
     generation_batch_size: int | None = None
     """GRPOConfig.generation_batch_size: completions generated at once (per_device_train_batch_size x
     steps_per_generation when None); not with steps_per_generation."""
+    num_generations_eval: int | None = None
+    """GRPOConfig / RLOOConfig.num_generations_eval: completions per prompt in evaluation (the eval batch of
+    `per_device_eval_batch_size` completions holds whole groups of it); None: `num_generations`."""
     num_iterations: int = 1
     """GRPOConfig.num_iterations: optimizer passes over each generation batch (above 1: old log-probs are kept)."""
     use_vllm: bool = False
@@ -763,9 +766,9 @@ _TRL_READ = {
             "activation_offloading", "use_liger_kernel"),
     "dpo": ("max_length", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model", "use_liger_kernel"),
     # generation_batch_size is left out: GRPOConfig.__post_init__ has derived both it and steps_per_generation
-    "grpo": ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
+    "grpo": ("num_generations", "num_generations_eval", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
              "use_liger_kernel"),
-    "rloo": ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm",
+    "rloo": ("num_generations", "num_generations_eval", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm",
              "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "use_liger_kernel"),
     "reward": ("max_length", "activation_offloading", "use_liger_kernel"),
     "kto": ("max_length", "beta", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model",
@@ -1226,6 +1229,11 @@ def _check_grpo(setup: "TrainSetup") -> None:
         raise MemfitError(f"the generation batch of {gen} completions (per_device_train_batch_size x "
                           f"steps_per_generation) is not divisible by num_generations `{setup.num_generations}`, as "
                           f"{cfg} requires (whole prompt groups); make it a multiple of {setup.num_generations}")
-    if setup.does_eval and setup.per_device_eval_batch_size % setup.num_generations != 0:
+    if setup.num_generations_eval is not None:
+        _positive_int("num_generations_eval", setup.num_generations_eval)
+    eval_groups = setup.num_generations_eval or setup.num_generations  # GRPOConfig.__post_init__, on do_eval
+    if setup.does_eval and setup.per_device_eval_batch_size % eval_groups != 0:
+        name = "num_generations_eval" if setup.num_generations_eval else "num_generations"
         raise MemfitError(f"per_device_eval_batch_size `{setup.per_device_eval_batch_size}` is not divisible by "
-                          f"num_generations `{setup.num_generations}`, as {cfg} requires for evaluation")
+                          f"{name} `{eval_groups}`, as {cfg} requires for evaluation; make it a multiple of "
+                          f"{eval_groups}")
