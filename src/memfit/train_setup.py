@@ -364,9 +364,10 @@ class TrainSetup:
     truncation: bool = True
     """Whether inputs are truncated to max_length (only matters with example_lengths)."""
     target_length: int | None = None
-    """Decoder (labels) length for seq2seq-lm and speech-seq2seq, transcript characters for ctc; defaults to
-    max_length (speech-seq2seq: at most the decoder's `max_target_positions`; ctc: at most the encoder positions of
-    a clip; with a note)."""
+    """Decoder (labels) length for seq2seq-lm and speech-seq2seq, transcript characters for ctc, the suffix (the
+    answer, the only labels) for PaliGemma, whose processor takes the prompt (max_length) and the suffix apart;
+    defaults to max_length (speech-seq2seq: at most the decoder's `max_target_positions`; ctc: at most the encoder
+    positions of a clip; with a note)."""
     # -- images and audio: the model's own processor makes the inputs (memfit.models.processors) --
     image_size: str | None = None
     """Size of the images the image processor receives, `WxH` in pixels (e.g. `1920x1080`); None: an image of
