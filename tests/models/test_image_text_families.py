@@ -241,3 +241,60 @@ def test_qwen3_vl_weights_load_in_the_checkpoints_dtype():
     assert config.dtype is None and config.text_config.dtype == torch.bfloat16
     model = build_meta_model(TrainSetup(model=QWEN3_VL, max_length=16))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+PALIGEMMA = "google/paligemma2-3b-pt-224"
+
+
+def test_paligemma_default_task_is_image_text_to_text():
+    task, why = default_task(PALIGEMMA)
+    assert task == "image-text-to-text" and "PaliGemmaForConditionalGeneration" in why
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_paligemma_image_tokens_are_what_the_installed_processor_returns(size):
+    """PaliGemma 2 at 224 px: SiglipImageProcessor resizes every image to 224x224 (no crop, no tiles) and
+    PaliGemmaProcessor writes image_seq_length `<image>` tokens, one per 14-px patch the SigLIP tower embeds."""
+    width, height = map(int, size.split("x"))
+    pixels = _installed(PALIGEMMA, width, height)["pixel_values"]
+    patch = load_bundled_config(PALIGEMMA).vision_config.patch_size
+    expected = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+    assert expected == load_bundled_processor(PALIGEMMA)["image_seq_length"]
+    example, summary, notes = _example(model=PALIGEMMA, image_size=size, max_length=32, target_length=8)
+    assert summary["image_tokens_per_image"] == expected
+    assert int((example["input_ids"] == 257152).sum()) == expected  # <image>, the config's image_token_index
+    assert tuple(example["pixel_values"].shape) == tuple(pixels.shape)
+    # the image tokens, <bos>, the 32 prefix words, "\n", the 8 suffix words and <eos>
+    assert summary["sequence_length"] == example["input_ids"].shape[1] == expected + 1 + 32 + 1 + 8 + 1
+    assert f"becomes {expected} image tokens" in notes[-1]
+
+
+def test_paligemma_suffix_is_the_labels_and_token_type_ids():
+    """The processor marks the suffix and its <eos> with token_type_ids 1 and keeps them as the labels; the image,
+    <bos>, the prefix and its "\\n" are token_type_ids 0 and labels -100 (processing_paligemma.py)."""
+    example, summary, _ = _example(model=PALIGEMMA, image_size="448x448", max_length=20, target_length=5)
+    types, labels, ids = example["token_type_ids"][0], example["labels"][0], example["input_ids"][0]
+    assert int(types.sum()) == 5 + 1 and summary["suffix_tokens"] == 5
+    assert types[-6:].tolist() == [1] * 6 and int(ids[-1]) == 1  # the suffix, then <eos> (the config's eos 1)
+    assert labels[types == 1].tolist() == ids[types == 1].tolist()
+    assert set(labels[types == 0].tolist()) == {-100}
+    assert summary["text_tokens"] == 25
+
+
+def test_paligemma_suffix_defaults_to_max_length():
+    _, summary, _ = _example(model=PALIGEMMA, image_size="224x224", max_length=12)
+    assert summary["suffix_tokens"] == 12 and summary["text_tokens"] == 24
+
+
+def test_target_length_for_a_processor_without_a_suffix_is_one_line():
+    from memfit.errors import MemfitError
+
+    with pytest.raises(MemfitError, match=r"`target_length` 8 .*LlavaProcessor .*--max-length") as err:
+        _example(model=LLAVA, image_size="224x224", max_length=8, target_length=8)
+    assert "\n" not in str(err.value)
+
+
+def test_paligemma_tokens_are_the_features_its_vision_tower_makes():
+    """image_seq_length is what the SigLIP tower makes of one 224-px image: (224 / 14)^2 patches, no CLS."""
+    vision = load_bundled_config(PALIGEMMA).vision_config
+    assert load_bundled_processor(PALIGEMMA)["image_seq_length"] == (vision.image_size // vision.patch_size) ** 2

@@ -1,4 +1,4 @@
-"""LLaVA 1.5, SmolVLM2, Llama 3.2 Vision (mllama) and Qwen3-VL: the step on FakeTensors, with the processor's real
+"""LLaVA 1.5, SmolVLM2, Llama 3.2 Vision (mllama), Qwen3-VL and PaliGemma 2: the step on FakeTensors, with the processor's real
 host data (memfit.sim.host_values), allocates what the same step on real CPU tensors does, event for event.
 
 Each tiny model (two language blocks of width 64, two vision blocks of width 32) is saved with its image processor
@@ -11,6 +11,8 @@ on the host (the padding tiles it drops, the patch mask and the per-tile positio
 tiles through `cross_attention_mask`, which it reads with the `aspect_ratio_ids` / `aspect_ratio_mask` of each
 image. Qwen3-VL adds its vision tower's deepstack features to the image positions of its first language blocks'
 outputs, indexing them with the boolean mask of those positions (`hidden_states[visual_pos_masks, :]`).
+PaliGemma's processor takes the answer as a suffix: its `token_type_ids` mark it, and the language model's mask
+lets the image and the prefix attend both ways (`block_sequence_ids`, read from those ids).
 """
 
 from __future__ import annotations
@@ -96,7 +98,25 @@ def _qwen3_vl(folder, *, text_layers: int = 2, vision_depth: int = 2, deepstack=
     return {"processor_class": "Qwen3VLProcessor"}
 
 
-MODELS = {"llava": _llava, "smolvlm": _smolvlm, "mllama": _mllama, "qwen3_vl": _qwen3_vl}
+def _paligemma(folder):
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    # PaliGemma 2: a Gemma 2 language model (soft-capped attention, sliding window) reading 28-px images of 14-px
+    # patches, 4 image tokens (image_seq_length) an image; the prefix attends bidirectionally (token_type_ids 0)
+    transformers.PaliGemmaConfig(
+        text_config=dict(model_type="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                         vocab_size=200, max_position_embeddings=1024, sliding_window=16, bos_token_id=2,
+                         eos_token_id=1, pad_token_id=0),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14, vision_use_head=False),
+        projection_dim=64, image_token_index=150, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        architectures=["PaliGemmaForConditionalGeneration"]).save_pretrained(folder)
+    SiglipImageProcessorPil(size={"height": 28, "width": 28}, image_seq_length=4).save_pretrained(folder)
+    return {"processor_class": "PaliGemmaProcessor"}
+
+
+MODELS = {"llava": _llava, "smolvlm": _smolvlm, "mllama": _mllama, "qwen3_vl": _qwen3_vl, "paligemma": _paligemma}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +154,11 @@ CASES = [
     ("qwen3_vl", dict(lora_r=4, trainer="sft", precision="bf16"), []),
     ("qwen3_vl", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
     ("qwen3_vl", dict(images_per_example=2, precision="fp16", gradient_accumulation_steps=2, image_size="300x60"),
+     _SLOW),
+    ("paligemma", dict(target_length=6), []),
+    ("paligemma", dict(lora_r=4, trainer="sft", precision="bf16", target_length=4), []),
+    ("paligemma", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
+    ("paligemma", dict(precision="fp16", gradient_accumulation_steps=2, image_size="300x60", target_length=12),
      _SLOW),
 ]
 

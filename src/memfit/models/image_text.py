@@ -49,6 +49,9 @@ class ImageTextFamily:
     """Text the processor writes around the image tokens that the model's tokenizer makes one token of (Gemma 3's
     `\n\n`: one token, 108, of its 262,144-token vocabulary, whose ids 107 onwards are runs of newlines); the stub
     tokenizer gives each an id of its own, so the sequence has the length the real tokenizer gives it."""
+    suffix: bool = False
+    """Whether the processor takes the answer as a `suffix` beside the prompt (PaliGemma's prefix-LM: the suffix's
+    positions are `token_type_ids` 1 and the only labels; the prefix attends bidirectionally)."""
 
 
 #: What Qwen2.5-VL's and Qwen3-VL's chat templates and processors share: the placeholder of one image and the
@@ -115,6 +118,20 @@ FAMILIES: dict[str, ImageTextFamily] = {
         image_token_attr="image_token_index",
         attributes={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
         literals=("\n\n",),
+    ),
+    # PaliGemma (2) has no chat template: the prompt is `<image>` per image then the prefix; PaliGemmaProcessor
+    # repeats `<image>` image_seq_length times (preprocessor_config.json: (image_size / 14)^2, 256 at 224 px),
+    # writes the tokenizer's bos_token after the last one and "\n" after the prefix, and appends `suffix` +
+    # eos_token as the pair sequence, whose positions are token_type_ids 1 and the labels; the prefix's are -100
+    # (processing_paligemma.py `prepare_inputs_layout` / `__call__`); "\n" is one token of Gemma's vocabulary
+    "paligemma": ImageTextFamily(
+        processor="PaliGemmaProcessor",
+        placeholder="<image>",
+        tokens={"<image>": "image_token_index", "<bos>": "bos_token_id", "<eos>": "eos_token_id"},
+        image_token_attr="image_token_index",
+        attributes={"image_token": "<image>", "bos_token": "<bos>", "eos_token": "<eos>"},
+        literals=("\n",),
+        suffix=True,
     ),
 }
 
@@ -190,9 +207,11 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
             raise MemfitError(f"{family.processor} cannot be built: {str(err).splitlines()[0][:200]} (or "
                               "`pip install 'memfit[vision]'`)") from err
         text = family.placeholder * n + " " + " ".join([TEXT_WORD] * setup.max_length)
+        suffix_tokens = _suffix_tokens(setup, family)
+        kwargs = {"suffix": [" ".join([TEXT_WORD] * suffix_tokens)]} if family.suffix else {}
         image = np.zeros((height, width, 3), dtype=np.uint8)  # HWC, as a decoded PIL image becomes an array
         try:
-            out = processor(images=[[image] * n], text=[text], return_tensors="pt")
+            out = processor(images=[[image] * n], text=[text], return_tensors="pt", **kwargs)
         except (ValueError, RuntimeError, TypeError) as err:
             raise MemfitError(f"{family.processor} refuses a {width}x{height} image: "
                               f"{str(err).splitlines()[0][:200]}; choose another --image-size") from err
@@ -201,11 +220,14 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     image_tokens = int((example["input_ids"] == image_id).sum())
     per_image = image_tokens // n
     length = int(example["input_ids"].shape[-1])
+    text_tokens = setup.max_length + (suffix_tokens if family.suffix else 0)
     summary = {"kind": "image-text", "image_size": f"{width}x{height}", "given": setup.image_size,
                "images_per_example": n, "image_tokens_per_image": per_image, "image_tokens": image_tokens,
-               "text_tokens": setup.max_length, "sequence_length": length,
+               "text_tokens": text_tokens, "sequence_length": length,
                "processor": f"{family.processor} ({type(image_processor).__name__})", "processor_settings": source,
                "inputs": {k: list(v.shape) for k, v in example.items()}}
+    if family.suffix:
+        summary["suffix_tokens"] = suffix_tokens
     if "image_grid_thw" in example:
         summary["image_grid_thw"] = example["image_grid_thw"].tolist()
     pixels = example.get("pixel_values")
@@ -213,7 +235,9 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     notes.append(f"each {width}x{height} image becomes {per_image} image tokens (pixel_values {shape} for "
                  f"{n} image{'s' if n > 1 else ''}; {family.processor} with {type(image_processor).__name__}, settings "
                  f"from {source}); the sequence is {length} tokens: {image_tokens} image, {setup.max_length} text "
-                 f"(--max-length), {length - image_tokens - setup.max_length} the template's image markers")
+                 f"(--max-length)" + (f", {suffix_tokens} suffix (--target-length: the labels)" if family.suffix
+                                      else "")
+                 + f", {length - image_tokens - text_tokens} the template's image markers")
     if "aspect_ratio_mask" in example:
         # mllama: an image is tiles the language model cross-attends to (cross_attention_mask), not tokens in the
         # sequence; MllamaImageProcessor pads every image to max_image_tiles, and the vision tower runs them all
@@ -233,6 +257,18 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         notes.append(f"LoRA on {where} (the Hugging Face VLM fine-tuning recipe's modules); --lora-target-modules "
                      "names others")
     return example, summary, notes
+
+
+def _suffix_tokens(setup: Any, family: ImageTextFamily) -> int:
+    """Words of the suffix (the answer, the labels) for a processor that takes one: `target_length`, else
+    `max_length` (as the labels of seq2seq-lm); a `target_length` for a processor that takes none is refused."""
+    if not family.suffix:
+        if setup.target_length is not None:
+            raise MemfitError(f"`target_length` {setup.target_length} sets the suffix of a prefix-LM processor "
+                              f"(PaliGemma's); {family.processor} takes the prompt and answer as one text: drop "
+                              "--target-length and give their length as --max-length")
+        return 0
+    return setup.max_length if setup.target_length is None else setup.target_length
 
 
 def _vision_modules_named(config: Any, names: list[str]) -> bool | None:

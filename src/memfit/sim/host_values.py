@@ -109,9 +109,11 @@ def image_text_batch(example: dict[str, torch.Tensor], batch: int) -> dict[str, 
     recipes) hands the model for `batch` copies of the processor's one-example output: each tensor concatenated on
     its first axis, as the processor concatenates examples (`input_ids` [B, S], Qwen's patches [B x N, 1176] and
     `image_grid_thw` [B x images, 3]), and `labels`, a copy of `input_ids` (the collators mask padding and image
-    tokens with -100, which changes no tensor's size). Real tensors, made outside the fake mode: the model reads
-    their values on the host."""
+    tokens with -100, which changes no tensor's size), unless the processor made the labels itself (PaliGemma's:
+    its suffix, the prefix -100, as its fine-tuning recipes hand them on). Real tensors, made outside the fake
+    mode: the model reads their values on the host."""
     with adapter.outside_fake_mode():
         out = {name: torch.cat([t] * batch) if t.dim() else t.clone() for name, t in example.items()}
-        out["labels"] = out["input_ids"].clone()
+        if "labels" not in out:
+            out["labels"] = out["input_ids"].clone()
     return out
