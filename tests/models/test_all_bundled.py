@@ -37,7 +37,7 @@ _SLOW = {
     "facebook/wav2vec2-large-960h-lv60-self", "facebook/hubert-large-ls960-ft",
     "google/gemma-3-4b-it", "google/gemma-3-12b-it", "llava-hf/llava-1.5-7b-hf",
     "HuggingFaceTB/SmolVLM2-500M-Video-Instruct", "meta-llama/Llama-3.2-11B-Vision-Instruct",
-    "google/paligemma2-3b-pt-224",
+    "google/paligemma2-3b-pt-224", "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
 }
 
 

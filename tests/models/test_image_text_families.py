@@ -24,6 +24,7 @@ from memfit.train_setup import TrainSetup
 SIZES = ["224x224", "448x448", "672x672", "1024x1024", "1344x1344", "1920x1080"]
 LLAVA = "llava-hf/llava-1.5-7b-hf"
 SMOLVLM = "HuggingFaceTB/SmolVLM2-500M-Video-Instruct"
+SMOLVLM_22B = "HuggingFaceTB/SmolVLM2-2.2B-Instruct"
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +47,8 @@ def _installed(hub_id: str, width: int, height: int, **kwargs):
 
 
 @pytest.mark.parametrize(("hub_id", "cls"), [(LLAVA, "LlavaForConditionalGeneration"),
-                                             (SMOLVLM, "SmolVLMForConditionalGeneration")])
+                                             (SMOLVLM, "SmolVLMForConditionalGeneration"),
+                                             (SMOLVLM_22B, "SmolVLMForConditionalGeneration")])
 def test_default_task_is_image_text_to_text(hub_id, cls):
     task, why = default_task(hub_id)
     assert task == "image-text-to-text" and cls in why
@@ -75,28 +77,40 @@ def test_llava_tokens_are_the_features_its_vision_tower_makes():
         assert summary["image_tokens_per_image"] == (vision.image_size // vision.patch_size) ** 2 == 576
 
 
+@pytest.mark.parametrize("hub_id", [SMOLVLM, SMOLVLM_22B])
 @pytest.mark.parametrize("size", SIZES)
-def test_smolvlm_image_tokens_are_what_the_installed_processor_returns(size):
+def test_smolvlm_image_tokens_are_what_the_installed_processor_returns(size, hub_id):
     width, height = map(int, size.split("x"))
-    out = _installed(SMOLVLM, width, height, return_row_col_info=True)
+    out = _installed(hub_id, width, height, return_row_col_info=True)
     rows, cols = out["rows"][0][0], out["cols"][0][0]
     tiles = rows * cols + 1 if rows else 1  # the split tiles and the whole image
     assert out["pixel_values"].shape[1] == tiles
-    per_tile = bundled_processor_record(SMOLVLM)["processor_config"]["image_seq_len"]
-    example, summary, notes = _example(model=SMOLVLM, image_size=size, max_length=32)
+    per_tile = bundled_processor_record(hub_id)["processor_config"]["image_seq_len"]
+    example, summary, notes = _example(model=hub_id, image_size=size, max_length=32)
     assert summary["image_tokens_per_image"] == tiles * per_tile
     assert int((example["input_ids"] == 49190).sum()) == tiles * per_tile  # <image>, the config's image_token_id
     assert tuple(example["pixel_values"].shape) == tuple(out["pixel_values"].shape)
     assert f"becomes {tiles * per_tile} image tokens" in notes[-1]
 
 
-def test_smolvlm_tokens_are_the_features_of_a_tile():
-    """image_seq_len is what the model's connector makes of one 512-px tile: (512 / 16)^2 patches, pixel-shuffled
-    by scale_factor 4 in each direction (SmolVLMConnector)."""
-    config = load_bundled_config(SMOLVLM)
+@pytest.mark.parametrize("hub_id", [SMOLVLM, SMOLVLM_22B])
+def test_smolvlm_tokens_are_the_features_of_a_tile(hub_id):
+    """image_seq_len is what the model's connector makes of one tile: 500M: (512 / 16)^2 patches, pixel-shuffled by
+    scale_factor 4 in each direction; 2.2B: (384 // 14)^2 = 729 patches shuffled by 3 (SmolVLMConnector); the
+    processor's tile is the tower's input size."""
+    config = load_bundled_config(hub_id)
     vision = config.vision_config
-    per_tile = bundled_processor_record(SMOLVLM)["processor_config"]["image_seq_len"]
+    per_tile = bundled_processor_record(hub_id)["processor_config"]["image_seq_len"]
     assert per_tile == (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
+    assert load_bundled_processor(hub_id)["max_image_size"]["longest_edge"] == vision.image_size
+
+
+def test_smolvlm_22b_tiles_are_smaller_than_the_500m_ones():
+    """The 2.2B model cuts a 1920x1080 frame into more, smaller (384-px) tiles of 81 tokens each."""
+    _, small, _ = _example(model=SMOLVLM, image_size="1920x1080", max_length=8)
+    big, large, _ = _example(model=SMOLVLM_22B, image_size="1920x1080", max_length=8)
+    assert big["pixel_values"].shape[-1] == 384
+    assert large["image_tokens_per_image"] % 81 == 0 and small["image_tokens_per_image"] % 64 == 0
 
 
 def test_smolvlm_counts_depend_on_the_image_shape():
