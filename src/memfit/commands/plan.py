@@ -58,6 +58,9 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--script", default="train.py", help="the training script in the launch commands")
     g.add_argument("--max-simulations", type=int, default=None,
                    help="per-rank simulations before the search stops with the best found (default 24)")
+    g.add_argument("--vllm-server-gpus", type=int, default=None, metavar="K",
+                   help="GRPO / RLOO: run `trl vllm-serve` on exactly K of the GPUs, train on the others (default: "
+                        "weigh vLLM colocated on all against a server on every K that holds the model)")
     p.set_defaults(func=plan_command)
     return p
 
@@ -87,7 +90,8 @@ def plan_command(args: argparse.Namespace) -> int:
     _check_html(args)
     if _is_parallel(args):
         return plan_parallel_command(args)
-    for flag in ("strategy", "deepspeed", "fsdp", "fsdp_config", "write_launch", "interconnect", "network_gbps"):
+    for flag in ("strategy", "deepspeed", "fsdp", "fsdp_config", "write_launch", "interconnect", "network_gbps",
+                 "vllm_server_gpus"):
         if getattr(args, flag, None) is not None:
             raise MemfitError(f"`--{flag.replace('_', '-')}` plans across GPUs: give the GPUs with `--gpus 4xA100-40GB` "
                               "(or `--world-size N --gpu GPU`)")
@@ -211,18 +215,27 @@ def render(result, *, is_seed: bool = False) -> None:
         from memfit.commands.estimate import SEED_CASE_TEXT
 
         c.print(f"[dim]{SEED_CASE_TEXT.replace('to estimate', 'to plan')}[/dim]")
-    if result.fits_as_is:
+    start = getattr(result, "started_from", None)
+    if start:  # the setup as given cannot run: the search started from the change that runs
+        c.print(f"[bold]As given[/bold]: [red]does not run[/red]: {start['cause']}. [bold]Applied[/bold] "
+                f"`{start['flags']}` first ({start['why']}); every plan below includes it.", markup=True,
+                highlight=False)
+        b_fits = "fits" if b.fits else f"does not fit, short by {format_bytes(max(-b.headroom_bytes, 0))}"
+        state = f"with `{start['flags']}` it {b_fits}"
+        shown = f"nvidia-smi would show ~{format_bytes(b.device_used_bytes)}"
+    elif result.fits_as_is:
         state = "[green]fits[/green]"
         shown = f"nvidia-smi would show ~{format_bytes(b.device_used_bytes)}"
     else:  # the device figure of a run that fails is the one up to its failure (Plan.peak_reserved_bytes)
         state = f"[red]does not fit[/red], short by {format_bytes(max(-b.headroom_bytes, 0))}"
         shown = f"nvidia-smi would show ~{format_bytes(b.device_used_bytes)} until the budget runs out"
-    c.print(f"[bold]As is[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): {shown}; budget with "
+    c.print(f"[bold]{'Start' if start else 'As is'}[/bold]: {state} on {g['name']} ({format_bytes(g['total_bytes'])}): {shown}; budget with "
             f"{result.margin:.0%} margin {format_bytes(result.budget_bytes)}")
     title = ("Plans (fastest first within: same method, then other optimizer, then opt-ins; "
              "* = verified by full simulation + allocator replay; > = chosen)")
     heads = ("#", "changes", "peak reserved", "device used", "headroom", "step time", "fits")
-    rows = [("as is", "(as is)", format_bytes(b.peak_reserved_bytes), format_bytes(b.device_used_bytes),
+    rows = [("start" if start else "as is", short(b.setup_changes) if start else "(as is)",
+             format_bytes(b.peak_reserved_bytes), format_bytes(b.device_used_bytes),
              format_bytes(b.headroom_bytes), "1.00x", "yes" if b.fits else "no")]
     for i, p in enumerate(result.plans):
         mark = ">" if i == result.chosen else ""
@@ -297,6 +310,8 @@ def plan_parallel_command(args: argparse.Namespace) -> int:
               interconnect=args.interconnect, network_gbps=args.network_gbps, alloc_conf=args.alloc_conf,
               max_simulations=args.max_simulations or DEFAULT_MAX_SIMULATIONS, script=args.script,
               allow=tuple(a for a in (args.allow or "").split(",") if a.strip()))  # --allow across GPUs
+    if args.vllm_server_gpus is not None:  # GRPO / RLOO only (plan_parallel refuses it for other trainers)
+        kw["vllm_server_gpus"] = args.vllm_server_gpus
     from memfit.commands._progress import progress
 
     with progress(f"planning {setup.model} on {', '.join(f'{n}x{g}' for n, g in kinds)} (rank 0 of each candidate)",
@@ -352,6 +367,26 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
+def _generation_line(gen: dict) -> str:
+    """One line on a GRPO / RLOO candidate's generation layout (memfit.planner.grpo_parallel_plan)."""
+    head = (f"{gen['completions_per_step']} completions per optimizer step, generation batch "
+            f"{gen['generation_batch_size']}: {gen['completions_per_rank_per_step']} per training rank per step, "
+            f"{gen['generated_per_rank']} generated per rank per generation; ")
+    if gen["mode"] == "server":
+        return head + (f"trl vllm-serve on GPUs 0-{gen['server_gpus'] - 1} (tensor parallel {gen['tensor_parallel']} "
+                       f"x data parallel {gen['data_parallel']}), gpu_memory_utilization {gen['gpu_memory_utilization']}"
+                       f" = {format_bytes(gen['server_bytes_per_gpu'])} per GPU for "
+                       f"{format_bytes(gen['server_weights_bytes_per_gpu'])} of weights + the KV cache "
+                       f"({format_bytes(gen['server_kv_pool_bytes_per_replica'])} per replica, "
+                       f"{gen['sequences_at_once_per_replica']} sequences at once); training on the other "
+                       f"{gen['training_ranks']}")
+    if gen["mode"] == "colocate":
+        return head + (f"vLLM colocated in each of the {gen['training_ranks']} ranks, vllm_gpu_memory_utilization "
+                       f"{gen['vllm_gpu_memory_utilization']} = {format_bytes(gen['share_bytes'])} per GPU"
+                       + (" (sleep mode: released during the training step)" if gen["sleep"] else ""))
+    return head + "transformers' generate in each rank"
+
+
 def render_parallel(r, *, chosen_kind: bool = False) -> None:
     """The candidates simulated, the chosen one, and exactly what to launch."""
     from rich.console import Console
@@ -393,6 +428,9 @@ def render_parallel(r, *, chosen_kind: bool = False) -> None:
         c.print(f"[bold]Chosen[/bold]: {best.strategy}, micro-batch {best.per_device_train_batch_size} x accumulation "
                 f"{best.gradient_accumulation_steps}; {format_bytes(best.headroom_bytes)} headroom on each GPU; "
                 f"{format_bytes(per_step)} moved per rank per step. Launch:")
+        gen = best.generation
+        if gen is not None:  # GRPO / RLOO: where generation runs
+            c.print(_generation_line(gen), markup=False, highlight=False)
         L = r.launch
         lines = []
         for name, text in L.files.items():

@@ -32,8 +32,8 @@ with checkpointing off where it is on) is not estimated: memory grows with the m
 checkpointing (an assumption of the search; every plan shown is still verified).
 
 Not searched for GRPO: mixed precision (GRPOConfig's bf16 stays), truncation (GRPOTrainer 1.16 does not truncate
-prompts), freezing, ZeRO-Offload, FlashAttention-2, evaluation settings; several GPUs (memfit.planner.parallel_plan
-refuses GRPO with one line).
+prompts), freezing, ZeRO-Offload, FlashAttention-2, evaluation settings. Several GPUs (vLLM colocated on all
+against a `trl vllm-serve` server on some): memfit.planner.grpo_parallel_plan.
 """
 
 from __future__ import annotations

@@ -93,6 +93,9 @@ class ParallelCandidate:
     alloc_conf: str | None = None  #: PYTORCH_CUDA_ALLOC_CONF that makes it fit, when one is needed
     collectives: list[dict[str, Any]] = field(default_factory=list)
     checkpointing: str | None = None  #: whose gradient checkpointing the simulation used (the report's)
+    #: GRPO / RLOO (memfit.planner.grpo_parallel_plan): where generation runs (vLLM colocated or a server on k GPUs),
+    #: the training ranks, the completions per rank and the vLLM budgets; None for the other trainers
+    generation: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -562,7 +565,8 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
                   margin: float | None = None, strategies: tuple[str, ...] | list[str] | None = None,
                   interconnect: str | None = None, network_gbps: float | None = None,
                   alloc_conf: str | None = None, max_simulations: int = DEFAULT_MAX_SIMULATIONS,
-                  script: str = "train.py", allow: tuple[str, ...] | list[str] = ()) -> ParallelPlanResult:
+                  script: str = "train.py", allow: tuple[str, ...] | list[str] = (),
+                  vllm_server_gpus: int | None = None) -> ParallelPlanResult:
     """The fastest strategy, micro-batch and single-GPU remedies that fit each of `world_size` GPUs.
 
     Args:
@@ -581,16 +585,16 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         script: the training script named in the commands.
         allow: opt-in remedies (`truncation`, `lora`, `qlora`, `freeze`; `qlora` allows `lora` too) the search may
             use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched).
+        vllm_server_gpus: GRPO / RLOO only: plan `trl vllm-serve` on exactly this many of the GPUs (None: colocate
+            on all and every server size are weighed, memfit.planner.grpo_parallel_plan).
     """
     from memfit.planner.search import _as_setup, _describe
 
     started = time.perf_counter()
     setup = _as_setup(setup)
-    if setup.trainer in ("grpo", "rloo"):  # generation per rank, vLLM server vs colocate: not searched over GPUs
-        t = setup.trainer
-        raise MemfitError(f"`memfit plan` plans {t.upper()} on one GPU only: run `memfit plan --trainer {t} --gpu GPU` "
-                          f"for each rank's plan, and `memfit estimate --trainer {t} --gpus NxGPU` to check it across "
-                          "them")
+    if vllm_server_gpus is not None and setup.trainer not in ("grpo", "rloo"):
+        raise MemfitError(f"vllm server GPUs `{vllm_server_gpus}` are for GRPO / RLOO (the trainers that generate); "
+                          f"trainer is `{setup.trainer}`: drop them")
     req = _request(setup, gpus=gpus, gpu=gpu, world_size=world_size, nodes=nodes, global_batch=global_batch,
                    margin=margin, strategies=strategies, interconnect=interconnect, network_gbps=network_gbps,
                    max_simulations=max_simulations, allow=allow)
@@ -603,6 +607,13 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         # hybrid sharding keeps the parameter all-gathers in the node (memfit.planner.comm): after the flat ones
         at = max(i for i, v in enumerate(variants) if v.tier == 0) + 1 if variants else 0
         variants[at:at] = [v for v in HYBRID_VARIANTS if v.strategy in req.strategies]
+    if setup.trainer in ("grpo", "rloo"):  # where generation runs: vLLM colocated on all vs a server on k GPUs
+        from memfit.planner.grpo_parallel_plan import GrpoParallelParts, plan_grpo_parallel
+
+        return plan_grpo_parallel(setup, req, variants, parts=GrpoParallelParts(ParallelCandidate, ParallelPlanResult,
+                                                                               _model_facts, _step),
+                                  alloc_conf=alloc_conf, max_simulations=max_simulations, script=script,
+                                  started=started, server_gpus=vllm_server_gpus)
     families = _families(setup, spec, req.allow)
     search = _Search(setup, req, variants, families, m, alloc_conf, max_simulations)
     groups: list[_Group] = []

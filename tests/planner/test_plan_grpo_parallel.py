@@ -1,0 +1,195 @@
+"""`memfit plan --trainer grpo --gpus NxGPU` (memfit.planner.grpo_parallel_plan): vLLM colocated on every rank
+against `trl vllm-serve` on k GPUs and training on the others, the completions per optimizer step and the
+generation batch kept, the server's own budget, one-line refusals, and the chosen rank's figures equal to
+`memfit.estimate` of the same per-rank setup."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
+
+from transformers import LlamaConfig  # noqa: E402
+
+from memfit import TrainSetup, estimate  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.gpus.catalog import as_gpu_spec  # noqa: E402
+from memfit.gpus.vllm import VLLM_SERVE_DEFAULT_UTILIZATION  # noqa: E402
+from memfit.planner.grpo_parallel_plan import global_sizes, rank_settings, server_layouts  # noqa: E402
+from memfit.train_setup import grpo_generation_sizes  # noqa: E402
+
+LLAMA = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
+
+
+def _setup(**kw) -> TrainSetup:
+    base = dict(model=LLAMA, task="causal-lm", trainer="grpo", per_device_train_batch_size=4,
+                gradient_accumulation_steps=2, num_generations=4, max_length=16, max_completion_length=24,
+                optim="adamw_torch", attn_implementation="sdpa", gradient_checkpointing=True, precision="bf16",
+                use_vllm=True)
+    return TrainSetup(**{**base, **kw})
+
+
+# -- closed forms ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(steps_per_generation=4), dict(generation_batch_size=16)])
+def test_rank_settings_keep_the_completions_per_step_and_the_generation_batch(kw):
+    """On 4 GPUs the setup's rank gives E = b x a x 4 completions per step and G = E x steps / a; every split over
+    T training ranks keeps both, as TRL derives the global generation batch from the per-rank settings."""
+    s = _setup(**kw)
+    steps, g_rank = s.grpo_sizes
+    e, g = global_sizes(s, 4)
+    assert e == s.effective_batch_size * 4 and g == g_rank * 4
+    seen = 0
+    for ranks in (1, 2, 3, 4):
+        for mb in rank_settings(s, e, g, ranks):
+            t = s.replace(**mb)
+            b, a = t.per_device_train_batch_size, t.gradient_accumulation_steps
+            assert b * a * ranks == e
+            # GRPOConfig.__post_init__: generation_batch_size = per_device_train_batch_size x processes x steps
+            steps = t.grpo_sizes[0]
+            assert grpo_generation_sizes(b, a, t.steps_per_generation, None, num_processes=ranks) == (steps, g)
+            seen += 1
+        if e % ranks or g % ranks:
+            assert rank_settings(s, e, g, ranks) == []  # 3 ranks do not split 32 completions
+    assert seen > 4
+
+
+def test_server_layouts_hold_the_weights_in_their_own_budget():
+    """The server's budget is trl vllm-serve's gpu_memory_utilization (0.9) of each of its GPUs; a model whose
+    weights and one max_model_len sequence do not fit 0.9 x one GPU gets tensor parallel 2, and k GPUs run k / t
+    replicas."""
+    total = 80 * 2**30
+    kv, max_len = 100_000, 32_768
+    assert VLLM_SERVE_DEFAULT_UTILIZATION == 0.9
+    small, notes = server_layouts(_setup(), 4, weight_bytes=10 * 2**30, kv_per_token=kv, max_model_len=max_len,
+                                  total_bytes=total, heads=32)
+    assert [(x.server_gpus, x.tensor_parallel, x.data_parallel, x.training_ranks) for x in small] == \
+        [(1, 1, 1, 3), (2, 1, 2, 2), (3, 1, 3, 1)] and notes == []
+    per_gpu = int(0.9 * total)
+    weights = per_gpu - kv * max_len + 1  # one byte too many for one GPU's 0.9
+    big, notes = server_layouts(_setup(), 4, weight_bytes=weights, kv_per_token=kv, max_model_len=max_len,
+                                total_bytes=total, heads=32)
+    assert [(x.server_gpus, x.tensor_parallel, x.data_parallel) for x in big] == [(2, 2, 1)]
+    assert len(notes) == 2 and all("does not hold the weights" in n for n in notes)  # k = 1 and k = 3 (odd)
+    ok, _ = server_layouts(_setup(), 4, weight_bytes=weights - 1, kv_per_token=kv, max_model_len=max_len,
+                           total_bytes=total, heads=32)
+    assert ok[0].tensor_parallel == 1  # exactly 0.9 x the GPU holds them
+
+
+def test_bad_input_is_one_line():
+    from memfit.planner.parallel_plan import plan_parallel
+
+    cases = [
+        (dict(setup=_setup(vllm_mode="server"), gpus="1xA100-80GB"), "leaves no GPU for `trl vllm-serve`"),
+        (dict(setup=_setup(), gpus="4xA100-80GB", vllm_server_gpus=4), "leave no training GPU of 4"),
+        (dict(setup=_setup(), gpus="4xA100-80GB", vllm_server_gpus=0), "must be a whole number of at least 1"),
+        (dict(setup=_setup(use_vllm=False), gpus="4xA100-80GB", vllm_server_gpus=1), "use_vllm off"),
+        (dict(setup=TrainSetup(model=LLAMA, task="causal-lm"), gpus="4xA100-80GB", vllm_server_gpus=1),
+         "are for GRPO / RLOO"),
+        (dict(setup=_setup(), gpus="4xA100-80GB", allow=("lora",)), "is not searched for GRPO"),
+    ]
+    for kw, text in cases:
+        setup = kw.pop("setup")
+        with pytest.raises(MemfitError, match=text) as err:
+            plan_parallel(setup, **kw)
+        assert "\n" not in str(err.value)
+
+
+def test_cli_flag_is_refused_without_gpus(capsys):
+    from memfit.cli import main
+
+    rc = main(["plan", "--trainer", "grpo", "--gpu", "A100-80GB", "--vllm-server-gpus", "1", "Qwen/Qwen2.5-0.5B"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "--vllm-server-gpus" in err[0] and "--gpus" in err[0]
+
+
+# -- whole plans (simulated) -------------------------------------------------------------------------------------
+
+def _rank_estimate(setup: TrainSetup, r, cand):
+    """`memfit.estimate` of the candidate's per-rank setup, as its launch files configure it, at the capacity the
+    plan replayed it with (a colocated share held all along is outside that capacity)."""
+    from memfit.gpus.outside_pytorch import non_pytorch_bytes
+    from memfit.parallel.nccl import nccl_buffer_bytes
+    from memfit.planner.launch import VARIANTS, parallel_setup_for
+
+    spec = as_gpu_spec(r.gpu["name"])
+    t = setup.replace(**cand.setup_changes)
+    ranks = cand.generation["training_ranks"]
+    v = next(x for x in VARIANTS if x.key == cand.variant)
+    par = None if ranks == 1 else parallel_setup_for(v, world_size=ranks, nodes=1, hidden_size=LLAMA.hidden_size,
+                                                     precision=t.precision)
+    outside = non_pytorch_bytes(spec).total_bytes
+    capacity = r.budget_bytes - outside - nccl_buffer_bytes(ranks, 1)
+    held = int(t.vllm_gpu_memory_utilization * spec.total_bytes) \
+        if t.vllm_mode == "colocate" and not t.vllm_enable_sleep_mode else 0
+    return t, estimate(t, gpu=spec, parallel=par, non_pytorch_bytes=outside, capacity_bytes=capacity - held)
+
+
+@pytest.mark.slow
+def test_plan_on_four_gpus_weighs_colocate_against_a_server_and_keeps_the_batches():
+    from memfit.planner.parallel_plan import plan_parallel
+
+    s = _setup()
+    r = plan_parallel(s, gpus="4xA100-80GB", max_simulations=8)
+    modes = {c.generation["mode"] for c in r.candidates}
+    assert modes == {"colocate", "server"}
+    assert r.chosen is not None and r.to_json()["schema"] == "memfit.plan.parallel/1"
+    e, g = global_sizes(s, 4)
+    spec = as_gpu_spec("A100-80GB")
+    for c in r.candidates:
+        gen, t = c.generation, s.replace(**c.setup_changes)
+        ranks = gen["training_ranks"]
+        assert ranks + gen["server_gpus"] == 4
+        assert t.effective_batch_size * ranks == e == gen["completions_per_step"]
+        assert t.per_device_train_batch_size * t.grpo_sizes[0] * ranks == g == gen["generation_batch_size"]
+        if gen["mode"] == "server":
+            assert t.vllm_mode == "server" and gen["server_gpus"] >= 1
+            # the server's own budget: 0.9 x each GPU, for the weights and the KV cache
+            assert gen["server_bytes_per_gpu"] == int(0.9 * spec.total_bytes)
+            assert gen["server_kv_pool_bytes_per_replica"] + gen["weights_bytes"] == \
+                gen["tensor_parallel"] * gen["server_bytes_per_gpu"]
+        else:
+            assert ranks == 4 and t.vllm_mode == "colocate" and 0 < t.vllm_gpu_memory_utilization <= 1
+    # the fastest fitting candidate of each mode: its per-rank figures are memfit.estimate's of the same setup
+    for mode in ("colocate", "server"):
+        fitting = [c for c in r.candidates if c.generation["mode"] == mode and c.fits]
+        best = min(fitting, key=lambda c: c.step.total_s)
+        t, report = _rank_estimate(s, r, best)
+        assert report.fits is True
+        assert report.peak_reserved_bytes == best.peak_reserved_bytes
+        assert report.peak_allocated_bytes == best.peak_allocated_bytes
+        assert report.device_used_bytes == best.device_used_bytes  # reserved + outside PyTorch + NCCL (+ vLLM share)
+    best = r.chosen_candidate
+    cmds = r.launch.commands
+    if best.generation["mode"] == "server":
+        k = best.generation["server_gpus"]
+        assert cmds[0].startswith(f"CUDA_VISIBLE_DEVICES={','.join(map(str, range(k)))} trl vllm-serve ")
+        assert "--gpu-memory-utilization 0.9" in cmds[0]
+        assert all(c.startswith(f"CUDA_VISIBLE_DEVICES={','.join(map(str, range(k, 4)))} ") for c in cmds[1:])
+        assert r.launch.training_args["vllm_mode"] == "server" and "vllm_server_host" in r.launch.training_args
+    else:
+        assert any(f"--num_processes 4" in c for c in cmds)
+
+
+@pytest.mark.slow
+def test_server_gpus_asked_for_and_the_launch_files():
+    """`vllm_server_gpus=2` on 4 GPUs: only server layouts on 2 GPUs, training on the other 2 with the strategy's
+    accelerate config for 2 processes; the files are written by memfit.planner.launch."""
+    import yaml
+
+    from memfit.planner.parallel_plan import plan_parallel
+
+    s = _setup(trainer="rloo")
+    r = plan_parallel(s, gpus="4xA100-80GB", vllm_server_gpus=2, max_simulations=4)
+    assert r.candidates and all(c.generation["server_gpus"] == 2 and c.generation["training_ranks"] == 2
+                                for c in r.candidates)
+    best = r.chosen_candidate
+    assert best is not None and r.per_rank_batch == best.generation["completions_per_rank_per_step"]
+    acc = yaml.safe_load(r.launch.files["accelerate_config.yaml"])
+    assert acc["num_processes"] == 2
+    assert r.launch.commands[0].startswith("CUDA_VISIBLE_DEVICES=0,1 trl vllm-serve ")
+    assert "--data-parallel-size 2" in r.launch.commands[0]
+    assert all(c.startswith("CUDA_VISIBLE_DEVICES=2,3 ") for c in r.launch.commands[1:])
+    t, report = _rank_estimate(s, r, best)
+    assert report.device_used_bytes == best.device_used_bytes and report.fits is True
