@@ -66,7 +66,8 @@ def test_every_remedy_is_documented_and_checkable():
         assert isinstance(verdict.reason, str) and verdict.reason
         assert remedy.saves and remedy.costs and remedy.title
     assert set(OPT_IN) == {"truncation", "lora", "freeze", "offload", "qlora", "fewer_generations",
-                           "shorter_completions", "no_reference", "freeze_vision_tower", "smaller_images"}
+                           "shorter_completions", "no_reference", "freeze_vision_tower", "smaller_images",
+                           "fewer_beams", "shorter_generation"}
     # padding never counts as making a run fit: the peak is set by the longest batch
     assert REGISTRY["padding"].check(s, None).applies is False
 
@@ -97,9 +98,18 @@ def test_freeze_layers_out_of_range_is_a_clear_error():
 def test_every_setup_field_a_remedy_changes_has_one_owner():
     from memfit.remedies import REGISTRY, remedy_for_field
 
+    setup = TrainSetup(model=BERT, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=256,
+                       eval_strategy="epoch")
     for r in REGISTRY.values():
         for f in r.fields:
-            assert remedy_for_field(f) is r, f
+            sharing = [o for o in REGISTRY.values() if f in o.fields]
+            if len(sharing) == 1:
+                assert remedy_for_field(f) is r, f
+            else:  # a shared field (gradient_checkpointing_kwargs): each says which of its changes are its own
+                assert all(o.owns is not None for o in sharing), (f, [o.name for o in sharing])
+                assert remedy_for_field(f) is sharing[0], f  # memfit.fit sets it whole through the first
+                for v in r.variants(setup, None):
+                    assert [o.name for o in sharing if o.owns(v, setup)] == [r.name], (r.name, v)
         for v in (r.variants(TrainSetup(model=BERT, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                         max_length=256, eval_strategy="epoch"), None)
                   if r.name not in ("freeze",) else []):

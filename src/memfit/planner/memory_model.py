@@ -309,6 +309,9 @@ class Axes:
     micro_batches: list[int]  #: divisors of the effective batch size
     #: kernels and weight storage (memfit.remedies attention, liger, qlora): the setup's own, then the leaner ones
     kernels: list[dict[str, Any]] = dataclasses.field(default_factory=lambda: [{}])
+    #: the evaluation's `generate` (memfit.remedies fewer_beams, shorter_generation): the setup's own ({}), then
+    #: the variants; they change the evaluation only, each gets its own `EvalFit`
+    generations: list[dict[str, Any]] = dataclasses.field(default_factory=lambda: [{}])
 
     def memory_combos(self) -> Iterator[Combo]:
         """The combinations that change the forward / backward peaks (each gets a `LinearFit`)."""
@@ -333,6 +336,12 @@ class MemoryModel:
     optimizers: dict[str, OptimizerCost]  #: optim name -> its cost
     fits: dict[tuple, LinearFit]  #: memory combination (`_combo_key`) -> its fit
     eval_fit: EvalFit | None  #: None: the setup does not evaluate
+    #: per generation variant of `Axes.generations` (its sorted items), its evaluation fit
+    generation_fits: dict[tuple, EvalFit] = dataclasses.field(default_factory=dict)
+
+    def eval_fit_for(self, generation: dict[str, Any]) -> EvalFit | None:
+        """The evaluation fit of a generation variant ({}: the setup's own)."""
+        return self.generation_fits[tuple(sorted(generation.items()))] if generation else self.eval_fit
 
     def fit_for(self, combo: Combo) -> LinearFit | None:
         """The fit of a full combination (`Axes.combos`): that of its memory part; None when that
@@ -349,8 +358,11 @@ def fit_memory_model(setup: TrainSetup, base_report: MemoryReport, axes: Axes, s
         axes: the search space.
         sims: runs and counts the simulations.
     """
+    eval_fit = _eval_fit(setup, sims)
+    generation_fits = {tuple(sorted(g.items())): _eval_fit(setup.replace(**g), sims)
+                       for g in axes.generations if g and eval_fit is not None}
     return MemoryModel(_optimizer_costs(setup, base_report, axes.optimizers, sims), _linear_fits(setup, axes, sims),
-                       _eval_fit(setup, sims))
+                       eval_fit, generation_fits)
 
 
 def _optimizer_costs(setup: TrainSetup, base_report: MemoryReport, optimizers: list[dict[str, Any]],

@@ -15,6 +15,8 @@ baseline's ratio of needed (memfit.allocator.bounded.smallest_capacity) to alloc
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,8 @@ from memfit.train_setup import TrainSetup
 __all__ = ["OPT_IN_KEYS", "StepTimer", "Candidate", "rank"]
 
 #: TrainSetup fields of the opt-in remedies (method changes that rank last)
-OPT_IN_KEYS = ("max_length",) + TRAINABLE_KEYS + WEIGHT_KEYS + ("offload_optimizer_state",)
+OPT_IN_KEYS = ("max_length",) + TRAINABLE_KEYS + WEIGHT_KEYS + ("offload_optimizer_state", "generation_num_beams",
+                                                                 "generation_max_length")
 
 
 @dataclass(frozen=True)
@@ -123,13 +126,16 @@ def rank(setup: TrainSetup, axes: Axes, model: MemoryModel, *, budget: Budget, n
         if fit.has_state and optim != setup.optim:
             continue  # LoRA / frozen embeddings: the optimizer is not where the memory is
         # method changes (optimizer, opt-ins) rank after plans that keep the method
-        tier = int(optim != setup.optim) + 2 * int(any(k in merged for k in OPT_IN_KEYS))
-        for b in axes.micro_batches:
-            changes = dict(merged, per_device_train_batch_size=b, gradient_accumulation_steps=e // b)
+        # the evaluation's generate variants (memfit.remedies fewer_beams, shorter_generation) change the eval only
+        for generation, b in itertools.product(axes.generations if model.eval_fit is not None else [{}],
+                                               axes.micro_batches):
+            with_gen = {**merged, **generation}
+            tier = int(optim != setup.optim) + 2 * int(any(k in with_gen for k in OPT_IN_KEYS))
+            changes = dict(with_gen, per_device_train_batch_size=b, gradient_accumulation_steps=e // b)
             changes = {k: v for k, v in changes.items() if getattr(setup, k) != v}
             by, state = train_peaks(model, fit, optim, offload, b)
             if model.eval_fit is not None:
-                evaluation = eval_choice(model.eval_fit, state, setup.per_device_eval_batch_size, b,
+                evaluation = eval_choice(model.eval_fit_for(generation), state, setup.per_device_eval_batch_size, b,
                                          lambda pk: pk * need_ratio + budget.outside_bytes <= budget.budget_bytes)
                 by["eval"] = evaluation.peak_bytes
                 changes.update(evaluation.changes)

@@ -43,6 +43,7 @@ from memfit.estimator import MemoryReport
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
 from memfit.models.resolve import resolve
 from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes, remedy_id
+from memfit.sim.media_dtypes import DtypeFix, setup_dtype_fix
 from memfit.allocator.bounded import bounded_reserved
 from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model, planned_simulations
 from memfit.planner.ranking import Candidate, StepTimer, rank
@@ -107,6 +108,10 @@ class PlanResult:
     #: every configuration the search ranked, in ranking order (best first); empty for a plan searched otherwise
     searched: list[SearchedCandidate] = field(default_factory=list)
     config_class: str = "TrainingArguments"  #: the class whose kwargs `Plan.changes` are (`GRPOConfig` for GRPO)
+    #: the change the search started from because the setup as given cannot run (memfit.sim.media_dtypes: 16-bit
+    #: weights meeting float32 inputs without autocast): {"changes", "flags", "cause", "why"}; every plan and the
+    #: baseline include it. None: the search started from the setup as given.
+    started_from: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -147,7 +152,7 @@ def _describe(base: TrainSetup, changes: dict[str, Any], checkpointing_kind: str
     for remedy in REGISTRY.values():
         # alloc_conf (remedies.allocator) is no TrainSetup field: getattr with a default
         own = {k: changes[k] for k in remedy.fields if k in changes and changes[k] != getattr(base, k, None)}
-        if not own:
+        if not own or (remedy.owns is not None and not remedy.owns(own, base)):
             continue
         names.append(remedy.name)
         a, e, c = remedy.apply(own, base, kind=checkpointing_kind)
@@ -255,6 +260,9 @@ def plan(
             if hit is not None:
                 return dataclasses.replace(hit, cached=True, elapsed_s=round(time.perf_counter() - started, 2))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
+    typed, fix = setup, setup_dtype_fix(setup, spec.compute_capability)
+    if fix is not None:  # the setup as given stops at its first convolution: plan from the change that runs
+        setup = setup.replace(**fix.changes)
     if setup.trainer in GENERATING_TRAINERS:  # GRPO, RLOO: the generation batch and vLLM's share (grpo_plan)
         from memfit.planner.grpo_plan import plan_grpo
 
@@ -281,6 +289,8 @@ def plan(
             for s, kwargs in planned[1:]:
                 sims.prefetch(pool, "phase_peaks", s, kwargs)
         base = _estimate_baseline(setup, budget, alloc_conf, sims)
+        axes = dataclasses.replace(axes, generations=_generation_axis(setup, spec, base.report, verdicts, allow=allow,
+                                                                      exclude=exclude))
         model = fit_memory_model(setup, base.report, axes, sims)
     ranked = rank(setup, axes, model, budget=budget, need_ratio=base.need_ratio, timer=base.timer,
                   base_time_s=base.step_time_s)
@@ -299,9 +309,45 @@ def plan(
         elapsed_s=round(time.perf_counter() - started, 2), simulations=sims.count,
         searched=[SearchedCandidate(c.changes, c.used_bytes, round(c.relative_step_time, 3), c.fits) for c in ranked],
     )
+    if fix is not None:
+        result = _started_from(typed, fix, result)
     if key is not None:
         _store(key, result)
     return result
+
+
+def _started_from(typed: TrainSetup, fix: DtypeFix, result: PlanResult) -> PlanResult:
+    """`result`, searched from `typed` with `fix` applied, as a plan of `typed`: the fix is in the baseline and in
+    every plan (its changes first), the setup as given does not fit (it does not run), and when no faster plan
+    was chosen the fix alone is the chosen plan, where it fits."""
+    names, args, env, code = _describe(typed, dict(fix.changes), None)
+    if "weights_dtype" in fix.changes:  # no TrainingArguments field: how the model is loaded
+        from memfit.train_setup import TASKS
+
+        model = typed.model if isinstance(typed.model, str) else "..."
+        code = [f"model = {TASKS[typed.task]}.from_pretrained({model!r}, dtype=torch.float32)  # not the "
+                f"checkpoint's {fix.weights_dtype} (transformers 5's default dtype='auto')"] + code
+    why = f"planned from `{fix.flags}`: {fix.why_changes}"
+
+    def with_fix(p: Plan) -> Plan:
+        return dataclasses.replace(
+            p, remedies=list(dict.fromkeys(names + p.remedies)), setup_changes={**fix.changes, **p.setup_changes},
+            changes={**args, **p.changes}, env={**env, **p.env}, code=code + p.code, notes=[why, *p.notes])
+
+    baseline = with_fix(result.baseline)
+    plans = [with_fix(p) for p in result.plans]
+    chosen = result.chosen
+    if chosen is None and baseline.fits:  # the fix alone fits, and nothing faster does: that is the plan
+        plans, chosen = [baseline, *plans], 0
+    searched = [dataclasses.replace(c, setup_changes={**fix.changes, **c.setup_changes}) for c in result.searched]
+    # a remedy the fix already is (mixed precision) is not "not applicable" but applied first
+    not_applicable = {k: (f"applied first (`{fix.flags}`)" if k in names else v)
+                      for k, v in result.not_applicable.items()}
+    return dataclasses.replace(
+        result, fits_as_is=False, baseline=baseline, plans=plans, chosen=chosen, searched=searched,
+        not_applicable=not_applicable,
+        suggestions=result.suggestions if chosen is None else [],
+        started_from={"changes": dict(fix.changes), "flags": fix.flags, "cause": fix.cause, "why": fix.why_changes})
 
 
 def _warm_up(sims: Simulations, planned: list) -> None:
@@ -433,13 +479,35 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
     return Axes(
         precisions=axis("mixed_precision", {"precision": setup.precision}),
         checkpointing=axis("gradient_checkpointing", {"gradient_checkpointing": setup.gradient_checkpointing})
-        + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]],
+        + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]]
+        + [{"gradient_checkpointing": True, **v} for v in axis("reentrant_checkpointing", {})[1:]],
         optimizers=axis("optimizer", {"optim": setup.optim}),
         lengths=axis("truncation", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
         offloads=axis("offload", {}),
         micro_batches=[b for b in range(1, e + 1) if e % b == 0],
         kernels=_kernel_axis(setup, spec, verdicts, allow=allow, exclude=exclude),
     )
+
+
+#: The remedies of the evaluation's `generate` (Seq2SeqTrainer predict_with_generate), in `Axes.generations`.
+GENERATION_REMEDIES = ("fewer_beams", "shorter_generation")
+
+
+def _generation_axis(setup: TrainSetup, spec: GpuSpec, report: MemoryReport, verdicts: dict[str, Any], *,
+                     allow: tuple[str, ...], exclude: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The setup's own generation settings ({}), then each allowed generation remedy's variant and, with both,
+    the two together. They are searched only where the evaluation sets the peak of the setup as it is (its
+    estimate, `report`): elsewhere a shorter evaluation saves nothing the run needs, and `verdicts` says so."""
+    from memfit.remedies import Applicability
+
+    usable = [n for n in GENERATION_REMEDIES if verdicts[n].applies]
+    if usable and report.peak_phase != "eval":
+        for n in usable:
+            verdicts[n] = Applicability(False, f"the evaluation's generate does not set the peak (the "
+                                               f"{report.peak_phase} does)")
+        return [{}]
+    variants = [REGISTRY[n].variants(setup, spec)[0] for n in usable if n in allow and n not in exclude]
+    return [{}] + variants + ([{k: v for v in variants for k, v in v.items()}] if len(variants) > 1 else [])
 
 
 def _kernel_axis(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], *, allow: tuple[str, ...],

@@ -26,10 +26,10 @@ __all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "ALIASES", "remedy_i
            "remedy_for_advice", "conflict", "Implied", "implied_changes"]
 
 #: The remedy modules (memfit.remedies.<id>, each with its `REMEDY`), in the order a plan lists them.
-_MODULES = ("mixed_precision", "gradient_checkpointing", "checkpoint_offload", "optimizer", "micro_batch",
+_MODULES = ("mixed_precision", "gradient_checkpointing", "checkpoint_offload", "reentrant_checkpointing", "optimizer", "micro_batch",
             "truncation", "lora", "freeze", "offload", "eval_settings", "allocator", "padding", "flash_attention",
             "liger", "qlora", "vllm_share", "fewer_generations", "shorter_completions", "no_reference",
-            "freeze_vision_tower", "smaller_images")
+            "freeze_vision_tower", "smaller_images", "fewer_beams", "shorter_generation")
 
 
 def _load(module: str) -> Remedy:
@@ -47,7 +47,10 @@ OPT_IN: tuple[str, ...] = tuple(name for name, r in REGISTRY.items() if r.opt_in
 #: Earlier names of remedies, accepted wherever a remedy is named (`allow`, `exclude`) with a warning: name -> id.
 ALIASES: dict[str, str] = {"sequence_length": "truncation"}
 
-_BY_FIELD = {f: r for r in REGISTRY.values() for f in r.fields}
+_BY_FIELD: dict[str, Remedy] = {}
+for _r in REGISTRY.values():  # a field two remedies share (gradient_checkpointing_kwargs): the first one's, whose
+    for _f in _r.fields:      # apply_to_trainer sets the field whole (memfit.fit)
+        _BY_FIELD.setdefault(_f, _r)
 _BY_ADVICE = {a: r for r in REGISTRY.values() for a in r.advice}
 
 

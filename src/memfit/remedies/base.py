@@ -55,6 +55,9 @@ class Remedy:
     #: the trainers (TrainSetup.trainer) it is for; empty: every trainer. A remedy of one trainer (GRPO's vLLM
     #: share) is not listed as "not applicable" in the plans of the others.
     trainers: tuple[str, ...] = ()
+    #: own changes, setup -> whether these changes of its `fields` are this remedy's, where remedies share a field
+    #: (checkpoint offload and reentrant checkpointing both change `gradient_checkpointing_kwargs`); None: all are
+    owns: Callable[[dict[str, Any], Any], bool] | None = None
 
     def serves(self, trainer: str) -> bool:
         """Whether this remedy is one for `trainer`'s runs (`trainers` empty: every trainer's)."""

@@ -62,6 +62,12 @@ def _variants(setup, gpu) -> list[dict[str, Any]]:
     return [{"gradient_checkpointing_kwargs": kw}]
 
 
+def _owns(changes, setup) -> bool:
+    """Its change: `offload` turned on (reentrant checkpointing changes `use_reentrant` in the same field)."""
+    new = changes.get("gradient_checkpointing_kwargs") or {}
+    return bool(new.get("offload")) and not (setup.gradient_checkpointing_kwargs or {}).get("offload")
+
+
 def _apply(changes, setup, **_):
     kw = dict(changes["gradient_checkpointing_kwargs"])
     return ({"gradient_checkpointing_kwargs": kw}, {},
@@ -75,7 +81,8 @@ def _apply_to_trainer(trainer, changes, log, adapter):
     # only mirror them after TrainingArguments.__post_init__ (training_args.py), so set both
     args.activation_checkpointing = args.gradient_checkpointing = True
     args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = kw
-    log.append(f"gradient_checkpointing_kwargs -> {kw} (checkpointed inputs offloaded to host memory)")
+    log.append(f"gradient_checkpointing_kwargs -> {kw}"
+               + (" (checkpointed inputs offloaded to host memory)" if kw.get("offload") else ""))
     return {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": kw}
 
 
@@ -84,5 +91,5 @@ REMEDY = Remedy(
     saves="the checkpointed block inputs (B x S x d per layer), kept in pinned host memory",
     costs="a device-to-host and a host-to-device copy of them per micro-step over PCIe; pinned host memory",
     check=_check, variants=_variants, apply=_apply,
-    fields=("gradient_checkpointing_kwargs",), apply_to_trainer=_apply_to_trainer,
+    fields=("gradient_checkpointing_kwargs",), apply_to_trainer=_apply_to_trainer, owns=_owns,
 )
