@@ -113,15 +113,20 @@ _NUMBER_RULES = {
 _FLAG_DEST = {"learning_rate": "learning_rate", "num_train_epochs": "epochs", "seed": "seed"}
 
 
+#: GRPOConfig's TrainSetup fields `memfit train --trainer grpo` takes as flags (the vLLM ones through --args).
+GRPO_TRAIN_FIELDS = ("num_generations", "max_completion_length", "beta", "steps_per_generation",
+                     "generation_batch_size", "num_iterations")
+
+
 def _trl_kwargs(args: argparse.Namespace, kwargs: dict[str, Any], notes: list[str], source: str | None) -> None:
-    """TRL: the SFTConfig / DPOConfig settings of the flags into `kwargs` (the flag wins)."""
+    """TRL: the SFTConfig / DPOConfig / GRPOConfig settings of the flags into `kwargs` (the flag wins)."""
     from memfit.commands._args import flag_wins
 
     from memfit.commands._setup_flags import setup_fields
 
     # the setup flags as TrainSetup reads them (`--packing STRATEGY`: packing and packing_strategy), then TRL's own
     given = setup_fields(args, ("max_length", "packing", "packing_strategy", "padding_free", "completion_only_loss",
-                                "assistant_only_loss", "precompute_ref_log_probs"))
+                                "assistant_only_loss", "precompute_ref_log_probs", *GRPO_TRAIN_FIELDS))
     if getattr(args, "dataset_text_field", None) is not None:
         given["dataset_text_field"] = args.dataset_text_field
     for name, value in given.items():

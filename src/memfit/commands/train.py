@@ -5,6 +5,7 @@
     memfit train ./my-model --data train.csv --text-column review --label-column stars --gpu auto
     memfit train ./my-model --data train.jsonl --args args.json --budget 2GiB --output-dir out/
     memfit train ./my-llm --trainer sft --data chat.jsonl --packing   # TRL (memfit.commands.train_trl)
+    memfit train ./my-llm --trainer grpo --data prompts.jsonl --reward-func rewards.py:length
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.commands._setup_flags import add_setup_flags
-from memfit.commands._train_common import (Run, check_counts, check_model_dir, check_output_dir, check_resume,
+from memfit.commands._train_common import (GRPO_TRAIN_FIELDS, Run, check_counts, check_model_dir, check_output_dir, check_resume,
                                            first_line, fit_and_report, print_preflight, read_budget,
                                            set_aside_earlier_results, training_kwargs)
 from memfit.commands.train_trl import TRL_DEFAULT_MAX_LENGTH, check_trl_flags, train_trl_command
@@ -35,11 +36,11 @@ _BUNDLED_IDS = ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2", "a
 DEFAULT_MAX_LENGTH = 128
 
 #: The TrainSetup fields `memfit train` takes as flags (memfit.commands._setup_flags): the classification run's,
-#: and TRL's (with --trainer sft / dpo; LoRA only there).
+#: and TRL's (with --trainer sft / dpo / grpo; LoRA only there).
 TRAINER_FIELDS = ("task", "num_labels", "max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
                   "gradient_accumulation_steps", "eval_strategy")
 TRL_FIELDS = ("trainer", "packing", "packing_strategy", "padding_free", "completion_only_loss", "assistant_only_loss",
-              "precompute_ref_log_probs", "lora_r", "lora_target_modules")
+              "precompute_ref_log_probs", *GRPO_TRAIN_FIELDS, "lora_r", "lora_target_modules")
 #: What `memfit train` does when a setup flag is not given (for --help), where it differs from TrainSetup's default.
 _TRAIN_DEFAULTS = {
     "task": "seq-cls; --trainer sft/dpo: causal-lm",
@@ -103,9 +104,13 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
                         "settings memfit saved in it")
     p.add_argument("--output-dir", default=None, help="where the model, checkpoints and report go (default memfit-train-out)")
     # TRL: SFTTrainer / DPOTrainer, the flag names of `memfit estimate` / `plan`
-    g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer (a causal LM on JSONL data)")
+    g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer / GRPOTrainer (a causal LM on JSONL data)")
     add_setup_flags(g, TRL_FIELDS, defaults=_TRAIN_DEFAULTS)
     g.add_argument("--dataset-text-field", default=None, help="SFT text column of text data (default text)")
+    g.add_argument("--reward-func", "--reward-funcs", dest="reward_funcs", action="append", default=None,
+                   metavar="SPEC", help="GRPO reward function, repeatable: module:function (e.g. "
+                                        "trl.rewards:think_format_reward), path/to/file.py:function, or a local "
+                                        "reward model directory")
     p.set_defaults(func=train_command)
     return p
 

@@ -1,8 +1,9 @@
-"""`memfit train --trainer sft|dpo`: TRL's real SFTTrainer / DPOTrainer under memfit.fit.
+"""`memfit train --trainer sft|dpo|grpo`: TRL's real SFTTrainer / DPOTrainer / GRPOTrainer under memfit.fit.
 
     memfit train ./my-llm --trainer sft --data chat.jsonl --packing --budget 2GiB
     memfit train ./my-llm --trainer sft --data pc.jsonl --completion-only-loss --lora-r 8
     memfit train ./my-llm --trainer dpo --data pairs.jsonl --precompute-ref-log-probs
+    memfit train ./my-llm --trainer grpo --data prompts.jsonl --reward-func rewards.py:length --num-generations 4
 
 The same run as the classification default (memfit.commands.train: preflight, the plan applied when the
 setup does not fit, OOM recovery without lost steps, atomic checkpoints, the report and the console
@@ -11,11 +12,15 @@ is loaded, each bad one a one-line MemfitError:
 
 - data: JSONL (or a JSON list) in one of TRL 1.16's dataset formats (trl.data_utils): `text` (the column
   `--dataset-text-field` names), `messages` (chat, through the tokenizer's chat template),
-  `prompt`/`completion` (strings or messages); for DPO `prompt`/`chosen`/`rejected`. A CSV, or text with
-  a `label` column, is a classification dataset: the error says to drop `--trainer`.
+  `prompt`/`completion` (strings or messages); for DPO `prompt`/`chosen`/`rejected`; for GRPO `prompt`
+  (strings or messages; GRPOTrainer passes the other columns to the reward functions by name). A CSV, or text
+  with a `label` column, is a classification dataset: the error says to drop `--trainer`.
+- GRPO's reward functions: `--reward-func SPEC`, repeatable (memfit.commands._reward_funcs: `module:function`,
+  `file.py:function` or a local reward model directory), each checked before the model is loaded.
 - model: a causal LM (its config's `architectures` in transformers' causal-LM auto mapping); TRL loads
   DPO's reference from the same directory (`DPOTrainer.__init__`: `create_model_from_path(
-  get_config_model_id(model.config))`) unless LoRA (adapter disabled) or `--precompute-ref-log-probs`.
+  get_config_model_id(model.config))`) unless LoRA (adapter disabled) or `--precompute-ref-log-probs`;
+  GRPO's likewise when `--beta` is above 0.
 - flags: each TRL setting only with the trainer that reads it (`--packing` is SFTConfig's, DPOConfig has
   no packing; `--precompute-ref-log-probs` is DPOConfig's), `--completion-only-loss` only with
   prompt/completion data (SFTTrainer's collator raises at the first batch otherwise:
@@ -38,7 +43,7 @@ from memfit.train_setup import TRL_TRAINERS
 
 __all__ = ["TRL_TRAINERS", "TRL_DEFAULT_MAX_LENGTH", "check_trl_flags", "train_trl_command", "read_trl_data"]
 
-#: flag dest -> the trainer whose config has it (None: both TRL trainers, LoRA through peft_config)
+#: flag dest -> the trainer whose config has it (None: every TRL trainer memfit train runs, LoRA through peft_config)
 _TRL_FLAGS = {
     "packing": "sft",
     "packing_strategy": "sft",
@@ -47,29 +52,42 @@ _TRL_FLAGS = {
     "assistant_only_loss": "sft",
     "dataset_text_field": "sft",
     "precompute_ref_log_probs": "dpo",
+    "num_generations": "grpo",
+    "max_completion_length": "grpo",
+    "beta": "grpo",
+    "steps_per_generation": "grpo",
+    "generation_batch_size": "grpo",
+    "num_iterations": "grpo",
     "lora_r": None,
     "lora_target_modules": None,
 }
 
 #: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why.
-_ESTIMATE_ONLY = {"rloo": "RLOOTrainer needs reward functions, which a data file alone does not give",
-                  "reward": "memfit train runs SFTTrainer and DPOTrainer (RewardTrainer is not wired)",
-                  "kto": "memfit train runs SFTTrainer and DPOTrainer (KTOTrainer is not wired)",
-                  "distill": "memfit train runs SFTTrainer and DPOTrainer (DistillationTrainer is not wired)"}
+_ESTIMATE_ONLY = {"rloo": "memfit.fit recovers inside GRPOTrainer's generation, scoring and training "
+                          "(memfit.fitting.grpo_recovery), not RLOOTrainer's; run `--trainer grpo`, or RLOOTrainer "
+                          "under memfit.fit without recovery in its generation",
+                  "reward": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (RewardTrainer is not wired)",
+                  "kto": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (KTOTrainer is not wired)",
+                  "distill": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (DistillationTrainer is not "
+                             "wired)"}
+
+#: The config class of each trainer memfit train runs (TRL 1.16).
+_CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}
+_TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer"}
 
 #: SFTConfig.max_length and DPOConfig.max_length default (TRL 1.16 sft_config.py / dpo_config.py)
 TRL_DEFAULT_MAX_LENGTH = 1024
+#: GRPOConfig.max_completion_length default (TRL 1.16 grpo_config.py)
+GRPO_DEFAULT_MAX_COMPLETION_LENGTH = 512
 
 #: classification-only flags of `memfit train` (dests)
 _CLS_FLAGS = ("text_column", "label_column", "num_labels")
 
 
 def check_trl_flags(args: argparse.Namespace) -> str:
-    """The trainer `args` asks for (`trainer`, `sft`, `dpo`), or a MemfitError for a flag of another trainer."""
+    """The trainer `args` asks for (`trainer`, `sft`, `dpo`, `grpo`), or a MemfitError for a flag of another
+    trainer."""
     trainer = getattr(args, "trainer", None) or "trainer"
-    if trainer == "grpo":  # GRPO needs reward functions, which a data file alone does not give
-        raise MemfitError("`memfit train --trainer grpo` is not supported: GRPOTrainer needs reward functions; run "
-                          "`memfit estimate --trainer grpo` for its memory")
     if trainer in _ESTIMATE_ONLY:  # memfit estimate simulates them; memfit train runs SFT and DPO only
         raise MemfitError(f"`memfit train --trainer {trainer}` is not supported: {_ESTIMATE_ONLY[trainer]}; run "
                           f"`memfit estimate --trainer {trainer}` for its memory")
@@ -79,13 +97,27 @@ def check_trl_flags(args: argparse.Namespace) -> str:
             continue
         flag = flag_name(args, dest)
         if trainer == "trainer":
-            need = f"--trainer {owner}" if owner else "--trainer sft or --trainer dpo"
+            need = f"--trainer {owner}" if owner else "--trainer sft, dpo or grpo"
             raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
                               "classifier with transformers' Trainer)")
         if owner is not None and owner != trainer:
-            why = {"sft": "DPOConfig has no such setting (DPOTrainer does not pack or flatten pairs)",
-                   "dpo": "it is DPOConfig's (the reference model of DPO)"}[owner]
+            why = {"sft": f"{_CONFIGS[trainer]} has no such setting"
+                          + (" (DPOTrainer does not pack or flatten pairs)" if trainer == "dpo" else ""),
+                   "dpo": "it is DPOConfig's (the reference model of DPO)",
+                   "grpo": "it is GRPOConfig's (the completions GRPO generates and scores)"}[owner]
             raise MemfitError(f"`{flag}` is for `--trainer {owner}`, not `--trainer {trainer}`: {why}; remove it")
+    rewards = getattr(args, "reward_funcs", None)
+    if rewards and trainer != "grpo":
+        raise MemfitError("`--reward-func` is for `--trainer grpo` (GRPOTrainer's reward_funcs); "
+                          + ("add `--trainer grpo`" if trainer == "trainer" else f"remove it from `--trainer {trainer}`"))
+    if trainer == "grpo" and not rewards:
+        raise MemfitError("`--trainer grpo` needs a reward: give `--reward-func SPEC` (repeatable), SPEC "
+                          "`module:function` (e.g. trl.rewards:think_format_reward), `path/to/file.py:function` or "
+                          "a local reward model directory")
+    if trainer == "grpo" and getattr(args, "max_length", None) is not None:
+        raise MemfitError(f"`{flag_name(args, 'max_length')}` does not go with `--trainer grpo`: GRPOConfig has no "
+                          "max_length (GRPOTrainer 1.16 does not truncate prompts); the completions' length is "
+                          "--max-completion-length: remove it")
     if trainer != "trainer":
         for dest in _CLS_FLAGS:
             if getattr(args, dest, None) is not None:
@@ -98,7 +130,7 @@ def check_trl_flags(args: argparse.Namespace) -> str:
         if getattr(args, "lora_r", None) is not None and args.lora_r <= 0:
             raise MemfitError(f"`{flag_name(args, 'lora_r')}` must be a positive integer; got `{args.lora_r}`")
     elif getattr(args, "lora_r", None) is not None:  # pragma: no cover - caught above
-        raise MemfitError("`--lora-r` needs `--trainer sft` or `--trainer dpo`")
+        raise MemfitError("`--lora-r` needs `--trainer sft`, `dpo` or `grpo`")
     return trainer
 
 
@@ -125,8 +157,9 @@ def _read_rows(path: str, trainer: str) -> list[dict[str, Any]]:
         raise MemfitError(f"data file `{path}` does not exist; pass a .jsonl file with --data")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".csv":
-        raise MemfitError(f"`--trainer {trainer}` reads JSONL (one object per line: `messages`, `prompt`/"
-                          f"`completion`{', `prompt`/`chosen`/`rejected`' if trainer == 'dpo' else ' or `text`'}); "
+        kinds = {"dpo": "`prompt`/`chosen`/`rejected`", "grpo": "`prompt`"}.get(
+            trainer, "`messages`, `prompt`/`completion` or `text`")
+        raise MemfitError(f"`--trainer {trainer}` reads JSONL (one object per line: {kinds}); "
                           f"`{path}` is a CSV, the classification format: drop `--trainer` to train a classifier on "
                           "it, or convert it to JSONL")
     if ext == ".jsonl":
@@ -153,11 +186,12 @@ def _is_messages(value: Any) -> bool:
 
 
 def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
-    """The examples of `path` for TRL's `trainer` (`sft` / `dpo`), every row checked; MemfitError on bad input.
+    """The examples of `path` for TRL's `trainer` (`sft` / `dpo` / `grpo`), every row checked; MemfitError on bad
+    input.
 
     Args:
         path: a .jsonl (or .json list) file.
-        trainer: `sft` or `dpo`.
+        trainer: `sft`, `dpo` or `grpo`.
         text_field: SFTConfig.dataset_text_field.
     """
     from memfit.fitting.trl_data import dataset_format
@@ -165,7 +199,7 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
     rows = _read_rows(path, trainer)
     fmt = dataset_format(rows[0], trainer, text_field)
     columns = {"text": (text_field,), "messages": ("messages",), "prompt-completion": ("prompt", "completion"),
-               "preference": ("prompt", "chosen", "rejected")}[fmt]
+               "preference": ("prompt", "chosen", "rejected"), "prompt-only": ("prompt",)}[fmt]
     if fmt == "text" and ({"label", "labels"} & set(rows[0])):
         label = "label" if "label" in rows[0] else "labels"
         raise MemfitError(f"`{path}` has a `{label}` column next to `{text_field}`: a classification dataset; "
@@ -201,7 +235,7 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
 
 @dataclass
 class TrlInputs:
-    """What `memfit train --trainer sft|dpo` asks for, every value checked (the fields that
+    """What `memfit train --trainer sft|dpo|grpo` asks for, every value checked (the fields that
     memfit.commands._train_common's `fit_and_report` and `set_aside_earlier_results` read are named as in the
     classification run's `_Inputs`)."""
 
@@ -213,8 +247,10 @@ class TrlInputs:
     use_cpu: bool | None
     budget_bytes: int | None
     data: TrlData
-    targs: Any  #: the SFTConfig / DPOConfig
+    targs: Any  #: the SFTConfig / DPOConfig / GRPOConfig
     eval_rows: list[dict[str, Any]] = field(default_factory=list)
+    #: GRPO: the checked --reward-func values (memfit.commands._reward_funcs.RewardFunc), in order
+    reward_funcs: list[Any] = field(default_factory=list)
     is_default: bool = False
     #: what the trainer writes into output_dir itself: TRL's model card (`_save_checkpoint` -> `create_model_card`
     #: writes `output_dir/README.md`), so an earlier README.md there is moved aside first, this run's kept
@@ -247,10 +283,10 @@ def _causal_lm_check(model_dir: str, trainer: str) -> Any:
 
 
 def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict[str, Any]) -> Any:
-    """SFTConfig / DPOConfig of `kwargs`, or a one-line MemfitError for what the config rejects.
+    """SFTConfig / DPOConfig / GRPOConfig of `kwargs`, or a one-line MemfitError for what the config rejects.
 
     Args:
-        trainer: `sft` or `dpo`.
+        trainer: `sft`, `dpo` or `grpo`.
         output_dir: TrainingArguments.output_dir.
         use_cpu: None: the CPU when CUDA is not available.
         kwargs: the other config kwargs (flags and --args).
@@ -264,7 +300,7 @@ def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict
     except ImportError:
         raise MemfitError(f"`--trainer {trainer}` needs TRL and datasets: `pip install trl datasets` "
                           "(memfit's `llm` extra)") from None
-    cls = trl.SFTConfig if trainer == "sft" else trl.DPOConfig
+    cls = getattr(trl, _CONFIGS[trainer])
     use_cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
     try:
         with warnings.catch_warnings():
@@ -300,18 +336,32 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     budget_bytes = read_budget(args.budget)
     check_resume(args.resume)
     positions = getattr(config, "max_position_embeddings", None)
-    if "max_length" not in kwargs and isinstance(positions, int) and positions < TRL_DEFAULT_MAX_LENGTH:
+    if trainer != "grpo" and "max_length" not in kwargs and isinstance(positions, int) \
+            and positions < TRL_DEFAULT_MAX_LENGTH:
         kwargs["max_length"] = positions
         notes.append(f"max_length {positions}: the model's positions (max_position_embeddings), below TRL's default "
                      f"{TRL_DEFAULT_MAX_LENGTH}")
+    if trainer == "grpo" and "max_completion_length" not in kwargs and isinstance(positions, int) \
+            and positions <= GRPO_DEFAULT_MAX_COMPLETION_LENGTH:
+        kwargs["max_completion_length"] = positions // 2
+        notes.append(f"max_completion_length {positions // 2}: half the model's {positions} positions "
+                     f"(max_position_embeddings), the rest for the prompt; GRPOConfig's default is "
+                     f"{GRPO_DEFAULT_MAX_COMPLETION_LENGTH}")
     targs = trl_config(trainer, output_dir, use_cpu, kwargs)  # every setting checked before the data is read
     from memfit.train_setup import TrainSetup
 
     TrainSetup.from_training_args(targs, model=config)  # memfit's checks of the TRL settings (packing_strategy, ...)
-    max_length = targs.max_length
+    max_length = getattr(targs, "max_length", None)
     if isinstance(positions, int) and isinstance(max_length, int) and max_length > positions:
         raise MemfitError(f"`--max-length {max_length}` is longer than the model's {positions} positions "
                           f"(max_position_embeddings); pass --max-length {positions} or less")
+    completion = getattr(targs, "max_completion_length", None) if trainer == "grpo" else None
+    if isinstance(positions, int) and isinstance(completion, int) and completion >= positions:
+        given = (f"`{flag_name(args, 'max_completion_length')} {completion}`" if args.max_completion_length is not None
+                 else f"`max_completion_length: {completion}` of `{args.args_file}`")
+        raise MemfitError(f"{given} leaves no room for a prompt in the model's "
+                          f"{positions} positions (max_position_embeddings); pass --max-completion-length "
+                          f"{positions // 2} or less")
     text_field = getattr(targs, "dataset_text_field", None) or "text"
     data = read_trl_data(args.data, trainer, text_field)
     if getattr(targs, "completion_only_loss", None) and data.format != "prompt-completion":
@@ -321,7 +371,17 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     if getattr(targs, "assistant_only_loss", False) and not data.conversational:
         raise MemfitError(f"`--assistant-only-loss` needs conversational data (lists of chat messages); `{args.data}` "
                           f"holds strings ({data.format} format)")
-    if targs.activation_offloading:
+    reward_funcs: list[Any] = []
+    if trainer == "grpo":
+        from memfit.commands._reward_funcs import read_reward_funcs
+
+        columns = tuple(sorted({k for row in data.rows for k in row} - {"prompt", "completion", "completion_ids"}))
+        reward_funcs = read_reward_funcs(args.reward_funcs, columns)
+        weights = getattr(targs, "reward_weights", None)
+        if weights is not None and len(weights) != len(reward_funcs):
+            raise MemfitError(f"`reward_weights` of `{args.args_file}` has {len(weights)} weights for "
+                              f"{len(reward_funcs)} --reward-func; give one weight per reward function")
+    if getattr(targs, "activation_offloading", False):
         import torch
 
         if getattr(torch, "accelerator", None) is not None and torch.accelerator.current_accelerator() is None:
@@ -341,7 +401,8 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
         n_eval = max(1, len(data.rows) // 5)
         eval_rows = data.rows[-n_eval:]
         data = TrlData(data.path, data.format, data.rows[:-n_eval], data.conversational)
-    return TrlInputs(trainer, model_dir, kwargs, notes, output_dir, use_cpu, budget_bytes, data, targs, eval_rows)
+    return TrlInputs(trainer, model_dir, kwargs, notes, output_dir, use_cpu, budget_bytes, data, targs, eval_rows,
+                     reward_funcs=reward_funcs)
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -360,8 +421,10 @@ def _tokenizer(inputs: TrlInputs) -> Any:
                           f"`{inputs.data.path}` need (TRL applies it to every example): add `chat_template` to its "
                           "tokenizer_config.json (or a chat_template.jinja), or give the data as strings")
     if getattr(tok, "eos_token", None) is None:
-        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` has no EOS token, which TRL appends to every "
-                          "example (`add_eos`); set `eos_token` in its tokenizer_config.json")
+        use = ("GRPOTrainer stops each completion at (and pads with, without a pad token)" if inputs.trainer == "grpo"
+               else "TRL appends to every example (`add_eos`)")
+        raise MemfitError(f"the tokenizer of `{inputs.model_dir}` has no EOS token, which {use}; set `eos_token` in "
+                          "its tokenizer_config.json")
     return tok
 
 
@@ -381,7 +444,8 @@ def _peft_config(args: argparse.Namespace) -> Any:
 
 
 def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
-    """SFTConfig / DPOConfig, the model, the datasets and TRL's trainer (its printer callback removed)."""
+    """The model, the datasets and TRL's trainer of `inputs.targs` (its printer callback removed); GRPO's with the
+    reward functions of --reward-func (a reward model directory as its path: GRPOTrainer loads it)."""
     import warnings
 
     import torch
@@ -417,14 +481,18 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
     except Exception as err:  # noqa: BLE001 - pyarrow's type errors: mixed types in a column
         raise MemfitError(f"the examples of `{inputs.data.path}` cannot be made a dataset ({first_line(err)}); give "
                           "each column one type in every example") from None
-    cls = trl.SFTTrainer if inputs.trainer == "sft" else trl.DPOTrainer
+    cls = getattr(trl, _TRAINERS[inputs.trainer])
+    extra = {"reward_funcs": [r.value for r in inputs.reward_funcs]} if inputs.trainer == "grpo" else {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = cls(model=model, args=targs, train_dataset=train_ds, eval_dataset=eval_ds,
-                          processing_class=tokenizer, peft_config=_peft_config(args))
+                          processing_class=tokenizer, peft_config=_peft_config(args), **extra)
     except (ValueError, KeyError, TypeError) as err:  # TRL's own checks (a template without generation markers, ...)
         raise MemfitError(f"{cls.__name__} rejected the setup: {first_line(err)}") from None
+    except ImportError as err:  # GRPOConfig.use_vllm without vLLM installed (GRPOTrainer.__init__)
+        raise MemfitError(f"{cls.__name__} needs a package that is not installed: {first_line(err)}; install it or "
+                          "remove the setting that needs it (use_vllm: vLLM) from --args") from None
     trainer.remove_callback(PrinterCallback)
     from memfit.fitting.resume import resolve_checkpoint
 
@@ -438,27 +506,41 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
     from memfit.units import format_bytes
 
     targs, trainer = run.targs, run.trainer
-    name = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}[inputs.trainer]
+    name = _TRAINERS[inputs.trainer]
     n_train = len(trainer.train_dataset)
     console.print(f"[bold]memfit train[/bold] {os.path.basename(inputs.model_dir.rstrip('/'))} with TRL's {name} on "
                   f"`{os.path.basename(inputs.data.path)}` ({len(inputs.data.rows)} examples, {inputs.data.format}"
                   + (", conversational" if inputs.data.conversational else "") + f"; {n_train} "
-                  + ("packs" if getattr(targs, "packing", False) else "train rows")
+                  + ("packs" if getattr(targs, "packing", False) else "prompts" if inputs.trainer == "grpo"
+                     else "train rows")
                   + (f" / {len(inputs.eval_rows)} eval" if inputs.eval_rows else "") + ")")
     lora = f", LoRA r={args.lora_r}" if getattr(args, "lora_r", None) else ""
+    if inputs.trainer == "grpo":  # GRPOConfig's derived sizes (grpo_config.py __post_init__)
+        lengths = (f"{targs.num_generations} completions per prompt of up to {targs.max_completion_length} tokens, "
+                   f"{targs.generation_batch_size} generated at once, beta {targs.beta:g}")
+    else:
+        lengths = f"max_length {targs.max_length}"
     console.print(f"batch {targs.per_device_train_batch_size} x accumulation {targs.gradient_accumulation_steps}, "
-                  f"max_length {targs.max_length}, {targs.num_train_epochs:g} epochs{lora}"
+                  f"{lengths}, {targs.num_train_epochs:g} epochs{lora}"
                   + (f", emulated GPU of {format_bytes(inputs.budget_bytes)} (memory_budget)" if inputs.budget_bytes
                      else "") + (f", GPU {args.gpu}" if args.gpu else ""))
+    if inputs.reward_funcs:
+        console.print("rewards: " + ", ".join(f"{r.name} ({'reward model' if r.kind == 'model' else 'function'})"
+                                              for r in inputs.reward_funcs))
     for note in inputs.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+    for r in inputs.reward_funcs:
+        if r.kind == "model":  # memfit.sim.grpo_steps: a reward model on the GPU is not modelled
+            console.print(f"[yellow]note:[/yellow] the reward model `{r.name}` sits on the GPU beside the policy; "
+                          "memfit's prediction leaves its weights and its scoring pass out", soft_wrap=True)
     pre = mf.preflight(trainer, gpu=args.gpu, budget_bytes=inputs.budget_bytes)
     print_preflight(console, pre, no_plan=args.no_plan)
     return pre
 
 
 def train_trl_command(args: argparse.Namespace, trainer: str, console: Any) -> int:
-    """`memfit train --trainer sft|dpo`: check every input, build TRL's trainer, preflight, `memfit.fit`, report."""
+    """`memfit train --trainer sft|dpo|grpo`: check every input, build TRL's trainer, preflight, `memfit.fit`,
+    report."""
     inputs = read_trl_inputs(args, trainer)
     run = build_trl_trainer(args, inputs)
     pre = _preflight(console, args, inputs, run)

@@ -73,9 +73,14 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def dataset_format(row: dict[str, Any], trainer: str, text_field: str = "text") -> str:
-    """`text`, `messages`, `prompt-completion` (SFT) or `preference` (DPO), or a MemfitError listing the columns."""
+    """`text`, `messages`, `prompt-completion` (SFT), `preference` (DPO) or `prompt-only` (GRPO: a `prompt` column;
+    GRPOTrainer passes the others to the reward functions), or a MemfitError listing the columns."""
     keys = set(row)
-    if trainer == "dpo":
+    if trainer == "grpo":
+        if "prompt" in keys:
+            return "prompt-only"
+        need = "a `prompt` column of strings or chat messages"
+    elif trainer == "dpo":
         if {"prompt", "chosen", "rejected"} <= keys:
             return "preference"
         need = "`prompt`, `chosen` and `rejected`"

@@ -1,0 +1,200 @@
+"""`memfit train --trainer grpo`: TRL's real GRPOTrainer on the CPU under memfit.fit, with reward functions named
+as `--reward-func SPEC` (memfit.commands._reward_funcs): a 2-layer Llama built from a config with a character
+tokenizer built in code (no hub), prompts in TRL's prompt-only format; every bad SPEC a one-line error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
+
+from memfit.cli import main  # noqa: E402
+
+PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
+CHARS = "abcdefghijklmnopqrstuvwxyz "
+
+#: The reward of the run: a completion's length, each length also written to `lengths.txt` beside this file, so
+#: the test sees what GRPOTrainer generated and scored.
+LENGTH_REWARD = '''
+import os
+
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lengths.txt")
+
+
+def length(prompts, completions, target, **kwargs):
+    assert len(target) == len(completions)  # the dataset's other column, passed by GRPOTrainer by name
+    with open(LOG, "a") as fh:
+        fh.write("".join(f"{len(c)}\\n" for c in completions))
+    return [float(len(c)) for c in completions]
+'''
+
+
+def _tokenizer(extra: str = ""):
+    """A character-level tokenizer: pad 0, bos 1, eos 2, then the characters (and `extra` ones)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS + extra)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   model_max_length=64)
+
+
+def _config(vocab_size: int, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       max_position_embeddings=64, **kw)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The policy, a reward model, and reward model directories that are wrong in one way each."""
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    root = tmp_path_factory.mktemp("grpo")
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    out = {}
+    for name, model, tokenizer in [
+        ("policy", LlamaForCausalLM(_config(len(tok))), tok),
+        ("rm", LlamaForSequenceClassification(_config(len(tok), num_labels=1)), tok),
+        # its tokenizer has uppercase letters too: ids past the 30 embeddings the reward model was trained with
+        ("rm_other_tok", LlamaForSequenceClassification(_config(len(tok), num_labels=1)),
+         _tokenizer("ABCDEFGHIJKLMNOPQRSTUVWXYZ")),
+        ("rm_two_labels", LlamaForSequenceClassification(_config(len(tok), num_labels=2)), tok),
+        ("rm_causal", LlamaForCausalLM(_config(len(tok))), tok),
+        ("rm_no_tok", LlamaForSequenceClassification(_config(len(tok), num_labels=1)), None),
+    ]:
+        path = root / name
+        model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        out[name] = path
+    (root / "empty").mkdir()
+    out["empty"] = root / "empty"
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo-files")
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "target": len(p)}) + "\n" for p in PROMPTS))
+    (d / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    (d / "rewards.py").write_text(LENGTH_REWARD)
+    (d / "syntax.py").write_text("def length(completions, **kwargs)\n    return [0.0]\n")
+    (d / "raises.py").write_text("import json\nraise RuntimeError('no reward server at localhost:9000')\n")
+    (d / "imports.py").write_text("import no_such_reward_lib\n")
+    (d / "misc.py").write_text("THRESHOLD = 0.5\n\n\ndef strict(completions):\n    return [0.0] * len(completions)\n"
+                               "\n\ndef needs_answer(completions, answer, **kwargs):\n    return [0.0]\n")
+    return {p.stem: p for p in d.iterdir()}
+
+
+def _run(argv, capsys):
+    code = main(["train"] + [str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
+    """Each bad `--reward-func` (and GRPO flag) is one line on stderr, exit 2, no traceback, before a model loads."""
+    base = [dirs["policy"], "--trainer", "grpo", "--data", files["prompts"], "--output-dir", tmp_path / "out"]
+    f = files
+    cases = [
+        ([], "`--trainer grpo` needs a reward: give `--reward-func SPEC`"),
+        (["--reward-func", f["rewards"].parent / "nope.py:length"], "does not exist; give an existing .py file"),
+        (["--reward-func", f"{f['rewards']}:lenght"], "has no `lenght`; did you mean"),
+        (["--reward-func", f"{f['misc']}:THRESHOLD"], "`THRESHOLD` in "),
+        (["--reward-func", f"{f['misc']}:strict"], "it takes no `prompts`; GRPOTrainer calls a reward function as"),
+        (["--reward-func", f"{f['misc']}:needs_answer"], "needs `answer`, which GRPOTrainer passes only from a data"),
+        (["--reward-func", f"{f['syntax']}:length"], "has a syntax error at line 1"),
+        (["--reward-func", f"{f['raises']}:length"], "raised RuntimeError: no reward server at localhost:9000"),
+        (["--reward-func", f"{f['imports']}:length"], "raised ModuleNotFoundError: No module named 'no_such_rew"),
+        (["--reward-func", "no_such_reward_pkg.rewards:f"], "module `no_such_reward_pkg.rewards` cannot be imported"),
+        (["--reward-func", "trl.rewards:think_format"], "did you mean `trl.rewards:think_format_reward`?"),
+        (["--reward-func", "trl.rewards:get_soft_overlong_punishment"], "builds a reward function, it is not one"),
+        (["--reward-func", "trl.rewards:accuracy_reward"], "needs `solution`"),
+        (["--reward-func", f["rewards"]], "names a file but no function"),
+        (["--reward-func", "OpenAssistant/reward-model-deberta"], "is not a local directory"),
+        (["--reward-func", "nothing-here"], "is neither a function nor an existing directory"),
+        (["--reward-func", dirs["empty"]], "is a directory without config.json"),
+        (["--reward-func", dirs["rm_causal"]], "is a `LlamaForCausalLM`, not a sequence-classification reward"),
+        (["--reward-func", dirs["rm_two_labels"]], "has 2 labels; GRPOTrainer loads a reward model with num_labels"),
+        (["--reward-func", dirs["rm_no_tok"]], "its tokenizer cannot be loaded"),
+        (["--reward-func", dirs["rm_other_tok"]], "its tokenizer has 56 tokens but the reward model has 30 token "
+                                                  "embeddings: another tokenizer"),
+        (["--reward-func", "trl.rewards:think_format_reward", "--max-length", "32"],
+         "does not go with `--trainer grpo`"),
+        (["--reward-func", "trl.rewards:think_format_reward", "--max-completion-length", "64"],
+         "leaves no room for a prompt in the model's 64 positions"),
+        (["--reward-func", "trl.rewards:think_format_reward", "--num-generations", "3", "--batch-size", "4"],
+         "invalid GRPOConfig"),
+        (["--reward-func", "trl.rewards:think_format_reward", "--packing"], "is for `--trainer sft`, not `--trainer "
+                                                                            "grpo`: GRPOConfig has no such setting"),
+    ]
+    for argv, match in cases:
+        code, res = _run(base + [str(a) for a in argv], capsys)
+        assert code == 2, (argv, res.err[-800:])
+        assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (argv, res.err[-800:])
+    other = [
+        ([dirs["policy"], "--trainer", "grpo", "--data", files["chat"], "--reward-func", f"{f['rewards']}:length"],
+         "the examples have the columns `messages`; a GRPO dataset needs a `prompt` column"),
+        ([dirs["policy"], "--trainer", "sft", "--data", files["prompts"], "--reward-func", "trl.rewards:x"],
+         "`--reward-func` is for `--trainer grpo`"),
+        (["--num-generations", "4"], "is a TRL setting; add `--trainer grpo`"),
+        (["--reward-func", "trl.rewards:x"], "`--reward-func` is for `--trainer grpo`"),
+        ([dirs["policy"], "--trainer", "dpo", "--data", files["prompts"], "--beta", "0.1"],
+         "is for `--trainer grpo`, not `--trainer dpo`"),
+        ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"]], "`memfit train --trainer rloo` is not "
+                                                                            "supported"),
+    ]
+    for argv, match in other:
+        code, res = _run(argv + ["--output-dir", tmp_path / "out"], capsys)
+        assert code == 2, (argv, res.err[-800:])
+        assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (argv, res.err[-800:])
+    assert not (tmp_path / "out").exists()  # every check ran before the run started
+
+
+def test_reward_specs_resolve_to_what_grpo_trainer_takes(dirs, files):
+    """A module function, a file's function (loaded from that file) and a reward model directory (its path: TRL
+    loads it)."""
+    from trl.rewards import think_format_reward
+
+    from memfit.commands._reward_funcs import read_reward_funcs
+
+    funcs = read_reward_funcs(["trl.rewards:think_format_reward", f"{files['rewards']}:length", str(dirs["rm"])],
+                              columns=("target",))
+    assert [(r.kind, r.name) for r in funcs] == [("function", "think_format_reward"), ("function", "length"),
+                                                 ("model", "rm")]
+    assert funcs[0].value is think_format_reward and funcs[2].value == str(dirs["rm"])
+    assert funcs[1].value(prompts=["a", "b"], completions=["xy", "xyz"], target=[1, 1]) == [2.0, 3.0]
+
+
+@pytest.mark.slow
+def test_grpo_run_with_a_file_reward_and_a_reward_model(dirs, files, tmp_path, capsys):
+    """Real GRPOTrainer for 2 optimizer steps under an emulated GPU, rewarded by a function of the user's file and
+    by a reward model directory: completes, the completions' lengths vary, checkpoint, report, model saved."""
+    log = files["rewards"].parent / "lengths.txt"
+    log.unlink(missing_ok=True)
+    out = tmp_path / "out"
+    code, res = _run([dirs["policy"], "--trainer", "grpo", "--data", files["prompts"],
+                      "--reward-func", f"{files['rewards']}:length", "--reward-func", dirs["rm"],
+                      "--num-generations", "4", "--max-completion-length", "8", "--batch-size", "4",
+                      "--grad-accum", "2", "--max-steps", "2", "--budget", "400MiB", "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = json.loads((out / "memfit-report.json").read_text())
+    assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
+    # GRPOConfig as TRL derives it: 8 completions per generation batch (batch 4 x accumulation 2), 4 per prompt
+    assert r["rl"]["generation_batch_size"] == 8 and r["rl"]["num_generations"] == 4
+    assert r["rl"]["generate_calls"] == 2  # one generation batch per optimizer step
+    assert r["preflight"]["fits"] is True and r["phases"]["generation"]["measured_bytes"] > 0
+    lengths = [int(x) for x in log.read_text().split()]
+    assert len(lengths) == 16 and len(set(lengths)) > 1  # 2 generation batches of 8, not all of one length
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert (out / "model.safetensors").exists()
+    assert "with TRL's GRPOTrainer" in res.out and "rewards: length (function), rm (reward model)" in res.out
+    assert "reward model `rm` sits on the GPU beside the policy" in res.out and "steps 2/2" in res.out
