@@ -10,6 +10,9 @@ import pytest
 
 pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 from memfit.cli import main  # noqa: E402
 
 PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
@@ -156,6 +159,20 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         code, res = _run(argv + ["--output-dir", tmp_path / "out"], capsys)
         assert code == 2, (argv, res.err[-800:])
         assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (argv, res.err[-800:])
+    for data, match in [({"loss_type": "grpoo"}, "is not a GRPOTrainer loss; use one of"),
+                        ({"temperature": "hot"}, "must be a positive number (the sampling temperature"),
+                        ({"reward_weights": [1.0, 2.0]}, "has 2 weights for 1 --reward-func"),
+                        ({"reward_weights": "ab"}, "must be a list of numbers, one per --reward-func"),
+                        ({"use_vllm": True}, "needs vLLM, which is not installed")]:
+        if "use_vllm" in data:
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is not None:
+                continue
+        (tmp_path / "a.json").write_text(json.dumps(data))
+        code, res = _run(base + ["--reward-func", f"{f['rewards']}:length", "--args", tmp_path / "a.json"], capsys)
+        assert code == 2, (data, res.err[-800:])
+        assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (data, res.err[-800:])
     assert not (tmp_path / "out").exists()  # every check ran before the run started
 
 
@@ -198,3 +215,51 @@ def test_grpo_run_with_a_file_reward_and_a_reward_model(dirs, files, tmp_path, c
     assert (out / "model.safetensors").exists()
     assert "with TRL's GRPOTrainer" in res.out and "rewards: length (function), rm (reward model)" in res.out
     assert "reward model `rm` sits on the GPU beside the policy" in res.out and "steps 2/2" in res.out
+
+
+_ARG_NAMES = ["num_generations", "max_completion_length", "generation_batch_size", "steps_per_generation", "beta",
+              "num_iterations", "loss_type", "reward_weights", "temperature", "use_vllm", "vllm_mode",
+              "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "max_length", "trainer"]
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 10**6), st.floats(allow_nan=True), st.text(max_size=8),
+                    st.lists(st.floats(-2, 2), max_size=3), st.sampled_from(["grpo", "dapo", "colocate", "server"]))
+_FLAGS = ["--num-generations", "--max-completion-length", "--generation-batch-size", "--steps-per-generation",
+          "--beta", "--num-iterations", "--batch-size", "--grad-accum", "--reward-func"]
+_FLAG_VALUES = st.one_of(st.integers(-2, 100).map(str), st.floats(allow_nan=True).map(str), st.text(max_size=8),
+                         st.sampled_from(["trl.rewards:think_format_reward", "os:path", "x.py:f", "."]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.dictionaries(st.sampled_from(_ARG_NAMES), _VALUES, max_size=4),
+       pairs=st.lists(st.tuples(st.sampled_from(_FLAGS), _FLAG_VALUES), max_size=3))
+def test_fuzz_grpo_args_and_flags(dirs, files, tmp_path_factory, data, pairs):
+    """Any GRPOConfig --args file and GRPO flag values: accepted (stopped before the model is loaded), or a one-line
+    error, never a traceback."""
+    import contextlib
+    import io
+
+    import memfit.commands.train_trl as tt
+
+    class Accepted(Exception):
+        pass
+
+    def accepted(*a, **k):
+        raise Accepted()
+
+    d = tmp_path_factory.mktemp("fuzz")
+    (d / "a.json").write_text(json.dumps(data))
+    argv = ["train", str(dirs["policy"]), "--trainer", "grpo", "--data", str(files["prompts"]), "--reward-func",
+            f"{files['rewards']}:length", "--args", str(d / "a.json"), "--output-dir", str(d / "o")]
+    for flag, value in pairs:
+        argv += [flag, value]
+    err = io.StringIO()
+    saved = tt.build_trl_trainer
+    tt.build_trl_trainer = accepted
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+    except Accepted:
+        return
+    finally:
+        tt.build_trl_trainer = saved
+    lines = [x for x in err.getvalue().splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (data, pairs, err.getvalue()[-800:])

@@ -428,7 +428,9 @@ def test_train_takes_the_trl_flags_of_estimate_and_plan(tmp_path):
     add_setup_arguments(est)
     train = train_command_parser(argparse.ArgumentParser().add_subparsers())
     names = ["--trainer", "--packing", "--padding-free", "--completion-only-loss", "--assistant-only-loss",
-             "--precompute-ref-log-probs", "--lora-r", "--lora-target-modules", "--max-length"]
+             "--precompute-ref-log-probs", "--lora-r", "--lora-target-modules", "--max-length", "--num-generations",
+             "--max-completion-length", "--beta", "--steps-per-generation", "--generation-batch-size",
+             "--num-iterations"]
     for name in names:
         a, b = (next(x for x in p._actions if name in x.option_strings) for p in (est, train))
         assert (a.dest, a.choices, a.nargs, a.const) == (b.dest, b.choices, b.nargs, b.const), name

@@ -314,6 +314,44 @@ def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict
             from None
 
 
+def _check_grpo_config(targs: Any, n_rewards: int, source: str | None) -> None:
+    """GRPOConfig values its __post_init__ accepts but GRPOTrainer fails on at the first step or in __init__:
+    `loss_type` (grpo_trainer.py `_compute_loss` raises "Unknown loss type"), `temperature` (transformers'
+    TemperatureLogitsWarper raises at the first generation), `use_vllm` without vLLM (GRPOTrainer.__init__ raises
+    ImportError), `reward_weights` (one number per reward function, GRPOTrainer.__init__)."""
+    import difflib
+    import math
+
+    from memfit.fitting.grpo_recovery import ROW_MEAN_LOSSES, SUM_LOSSES, TOKEN_MEAN_LOSSES
+
+    where = f" of `{source}`" if source else ""
+    losses = SUM_LOSSES + ROW_MEAN_LOSSES + TOKEN_MEAN_LOSSES
+    if targs.loss_type not in losses:
+        close = difflib.get_close_matches(str(targs.loss_type), losses, n=1)
+        raise MemfitError(f"`loss_type: {targs.loss_type!r}`{where} is not a GRPOTrainer loss; use one of "
+                          f"{', '.join(losses)}" + (f" (did you mean `{close[0]}`?)" if close else ""))
+    t = targs.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise MemfitError(f"`temperature: {t!r}`{where} must be a positive number (the sampling temperature of "
+                          "GRPO's generation); GRPOConfig's default is 1.0")
+    if targs.use_vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:  # GRPOTrainer.__init__ raises ImportError after loading
+            raise MemfitError(f"`use_vllm: true`{where} needs vLLM, which is not installed: `pip install trl[vllm]`, "
+                              "or remove use_vllm (transformers' generate generates the completions); `memfit "
+                              "estimate --trainer grpo --use-vllm` models vLLM without it")
+    weights = targs.reward_weights
+    if weights is not None:
+        if not isinstance(weights, (list, tuple)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+            raise MemfitError(f"`reward_weights: {weights!r}`{where} must be a list of numbers, one per "
+                              "--reward-func")
+        if len(weights) != n_rewards:
+            raise MemfitError(f"`reward_weights`{where} has {len(weights)} weights for {n_rewards} --reward-func; "
+                              "give one weight per reward function")
+
+
 def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     """Check the flags, the model directory, the --args file, the output dir, the budget, --resume and the data."""
     if args.model is None or args.data is None:
@@ -377,10 +415,7 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
 
         columns = tuple(sorted({k for row in data.rows for k in row} - {"prompt", "completion", "completion_ids"}))
         reward_funcs = read_reward_funcs(args.reward_funcs, columns)
-        weights = getattr(targs, "reward_weights", None)
-        if weights is not None and len(weights) != len(reward_funcs):
-            raise MemfitError(f"`reward_weights` of `{args.args_file}` has {len(weights)} weights for "
-                              f"{len(reward_funcs)} --reward-func; give one weight per reward function")
+        _check_grpo_config(targs, len(reward_funcs), args.args_file)
     if getattr(targs, "activation_offloading", False):
         import torch
 
