@@ -436,7 +436,8 @@ def render_parallel(r, *, chosen_kind: bool = False) -> None:
         for name, text in L.files.items():
             lines += [f"# {name}", text.rstrip()]
         lines += [f"export {k}={v}" for k, v in L.env.items()]
-        lines.append("TrainingArguments(..., " + ", ".join(f"{k}={v!r}" for k, v in L.training_args.items()) + ")")
+        lines.append(f"{getattr(r, 'config_class', 'TrainingArguments')}(..., "
+                     + ", ".join(f"{k}={v!r}" for k, v in L.training_args.items()) + ")")
         lines += L.code + L.commands
         c.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
     for n in r.notes:

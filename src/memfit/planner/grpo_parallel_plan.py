@@ -77,6 +77,7 @@ class GrpoParallelParts(NamedTuple):
     result_cls: Any  #: ParallelPlanResult
     model_facts: Any  #: parallel_plan._model_facts
     step: Any  #: parallel_plan._step
+    tie_fraction: float  #: parallel_plan.TIE_FRACTION
 
 
 @dataclass(frozen=True)
@@ -390,6 +391,19 @@ class _Planner:
         return global_sizes(self.setup, self.req.world_size, self.req.global_batch)
 
 
+def _could_beat(t: float, variant_order: int, best: Any, order: dict[str, int], tie: float) -> bool:
+    """A candidate of modelled time `t` would replace `best` (memfit.planner.parallel_plan.TIE_FRACTION, `tie`:
+    times within it are a tie that the simpler strategy, earlier in VARIANTS, wins)."""
+    b, mine = best.step.total_s, order[best.variant]
+    if variant_order < mine:
+        return t < b * (1 + tie)
+    return t < b * (1 - tie) if variant_order > mine else t < b
+
+
+def _better(x: Any, y: Any, order: dict[str, int], tie: float) -> bool:
+    return _could_beat(x.step.total_s, order[x.variant], y, order, tie)
+
+
 def _strategy_label(v: Any, ranks: int) -> str:
     return "1 GPU" if ranks == 1 else f"{v.label} on {ranks}"
 
@@ -454,10 +468,11 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
     from memfit import progress
 
     best_of: dict[str, Any] = {}  #: the fastest fitting candidate of each generation mode, so both are shown
+    order = {v.key: i for i, v in enumerate(variants)}
     for c in cands:
         mine = best_of.get(c.layout.mode)
-        if mine is not None and c.bound_s >= mine.step.total_s:
-            continue  # its mode already has a faster verified candidate
+        if mine is not None and not _could_beat(c.bound_s, order[c.variant.key], mine, order, parts.tie_fraction):
+            continue  # its mode already has a verified candidate it cannot beat
         if any(f.layout == c.layout and f.variant.key == c.variant.key and f.lean >= c.lean
                and f.changes["per_device_train_batch_size"] <= c.changes["per_device_train_batch_size"]
                for f in failed):
@@ -476,10 +491,10 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
         if not any(x.fits for x in found):
             failed.append(c)
         for x in found:
-            if x.fits and (best is None or x.step.total_s < best.step.total_s):
-                best = x
-            if x.fits and (mine is None or x.step.total_s < mine.step.total_s):
+            if x.fits and (mine is None or _better(x, mine, order, parts.tie_fraction)):
                 best_of[c.layout.mode] = mine = x
+            if x.fits and (best is None or _better(x, best, order, parts.tie_fraction)):
+                best = x
     if stopped:
         notes.append(f"stopped after {pl.sims} simulations (max_simulations); a faster plan may exist")
     chosen = None if best is None else pl.simulated.index(best)
@@ -490,7 +505,8 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
         per_rank_batch=e // (best.generation["training_ranks"] if best is not None else req.world_size),
         budget_bytes=req.budget_bytes, capacity_bytes=req.capacity_bytes, margin=req.margin,
         candidates=pl.simulated, chosen=chosen, launch=launch, simulations=pl.sims,
-        elapsed_s=round(time.perf_counter() - started, 2), notes=notes)
+        elapsed_s=round(time.perf_counter() - started, 2), notes=notes,
+        config_class=TRL_CONFIG_CLASS_NAMES[setup.trainer])
 
 
 def _launch(setup: TrainSetup, best: Any, variants: list[Any], pl: _Planner, script: str) -> Any:

@@ -40,6 +40,9 @@ Opt-ins (`allow`): the single-GPU remedies' truncation, LoRA, freezing and QLoRA
 only when nothing without them fits, verified per rank as the others; QLoRA under FSDP / ZeRO with its 4-bit
 storage in the compute dtype (`_sharded_qlora`).
 
+GRPO and RLOO (the trainers that generate) are planned by memfit.planner.grpo_parallel_plan: vLLM colocated on
+every rank against a `trl vllm-serve` server on k of the GPUs, with these strategies on the training ranks.
+
 Known limitations: the memory of a candidate is rank 0's (memfit.parallel); opt-ins are not combined with each
 other or with another optimizer; the step time is a model (its assumptions are in
 memfit.planner.throughput and memfit.planner.comm), meant to rank candidates, not to predict seconds.
@@ -120,6 +123,7 @@ class ParallelPlanResult:
     simulations: int
     elapsed_s: float
     notes: list[str]
+    config_class: str = "TrainingArguments"  #: the class the change is named in (GRPOConfig / RLOOConfig for those)
 
     @property
     def chosen_candidate(self) -> ParallelCandidate | None:
@@ -128,7 +132,7 @@ class ParallelPlanResult:
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("gpu", "world_size", "nodes", "interconnect", "global_batch",
                                               "per_rank_batch", "budget_bytes", "capacity_bytes", "margin",
-                                              "chosen", "simulations", "elapsed_s", "notes")}
+                                              "chosen", "simulations", "elapsed_s", "notes", "config_class")}
         out["candidates"] = [c.to_json() for c in self.candidates]
         out["launch"] = None if self.launch is None else self.launch.to_json()
         out["schema"] = "memfit.plan.parallel/1"
@@ -611,7 +615,7 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         from memfit.planner.grpo_parallel_plan import GrpoParallelParts, plan_grpo_parallel
 
         return plan_grpo_parallel(setup, req, variants, parts=GrpoParallelParts(ParallelCandidate, ParallelPlanResult,
-                                                                               _model_facts, _step),
+                                                                               _model_facts, _step, TIE_FRACTION),
                                   alloc_conf=alloc_conf, max_simulations=max_simulations, script=script,
                                   started=started, server_gpus=vllm_server_gpus)
     families = _families(setup, spec, req.allow)
