@@ -192,9 +192,20 @@ def test_reward_specs_resolve_to_what_grpo_trainer_takes(dirs, files):
 
 
 @pytest.mark.slow
-def test_grpo_run_with_a_file_reward_and_a_reward_model(dirs, files, tmp_path, capsys):
+def test_grpo_run_with_a_file_reward_and_a_reward_model(dirs, files, tmp_path, capsys, monkeypatch):
     """Real GRPOTrainer for 2 optimizer steps under an emulated GPU, rewarded by a function of the user's file and
-    by a reward model directory: completes, the completions' lengths vary, checkpoint, report, model saved."""
+    by a reward model directory (loaded by TRL, counted in the emulated GPU): completes, the completions' lengths
+    vary, checkpoint, report, model saved."""
+    import memfit.testing
+
+    counted = []
+    original = memfit.testing.memory_budget
+
+    def budget(limit, *, count=(), **kw):
+        counted.append(tuple(count))
+        return original(limit, count=count, **kw)
+
+    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
     log = files["rewards"].parent / "lengths.txt"
     log.unlink(missing_ok=True)
     out = tmp_path / "out"
@@ -213,6 +224,8 @@ def test_grpo_run_with_a_file_reward_and_a_reward_model(dirs, files, tmp_path, c
     assert len(lengths) == 16 and len(set(lengths)) > 1  # 2 generation batches of 8, not all of one length
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
     assert (out / "model.safetensors").exists()
+    # the emulated GPU holds the policy and the reward model TRL loaded from the directory (beta 0: no reference)
+    assert [type(m).__name__ for m in counted[-1]] == ["LlamaForCausalLM", "LlamaForSequenceClassification"]
     assert "with TRL's GRPOTrainer" in res.out and "rewards: length (function), rm (reward model)" in res.out
     assert "reward model `rm` sits on the GPU beside the policy" in res.out and "steps 2/2" in res.out
 

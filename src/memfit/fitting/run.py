@@ -428,8 +428,11 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
     if budget_bytes is not None:
         from memfit.testing import memory_budget
 
-        ref = getattr(trainer, "ref_model", None)  # TRL: DPOTrainer's reference copy is on the GPU too
-        budget = memory_budget(budget_bytes, count=(trainer.model,) + ((ref,) if ref is not None else ()))
+        from memfit.sim._trl_adapter import grpo_reward_models
+
+        ref = getattr(trainer, "ref_model", None)  # TRL: DPOTrainer's / GRPOTrainer's reference copy is on the GPU too
+        rewards = tuple(m for _, m, _ in grpo_reward_models(trainer))  # and GRPOTrainer's reward models
+        budget = memory_budget(budget_bytes, count=(trainer.model,) + ((ref,) if ref is not None else ()) + rewards)
     meter = Meter(budget)
     recoveries: list[Recovery] = []
     from memfit.sim._trl_adapter import trainer_kind
