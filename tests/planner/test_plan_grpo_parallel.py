@@ -106,14 +106,15 @@ def test_cli_flag_is_refused_without_gpus(capsys):
 
 # -- whole plans (simulated) -------------------------------------------------------------------------------------
 
-def _rank_estimate(setup: TrainSetup, r, cand):
+def _rank_estimate(setup: TrainSetup, r, cand, gpu: str = "A100-80GB"):
     """`memfit.estimate` of the candidate's per-rank setup, as its launch files configure it, at the capacity the
     plan replayed it with (a colocated share held all along is outside that capacity)."""
     from memfit.gpus.outside_pytorch import non_pytorch_bytes
     from memfit.parallel.nccl import nccl_buffer_bytes
     from memfit.planner.launch import VARIANTS, parallel_setup_for
 
-    spec = as_gpu_spec(r.gpu["name"])
+    spec = as_gpu_spec(gpu)
+    assert spec.total_bytes == r.gpu["total_bytes"]
     t = setup.replace(**cand.setup_changes)
     ranks = cand.generation["training_ranks"]
     v = next(x for x in VARIANTS if x.key == cand.variant)
@@ -193,3 +194,30 @@ def test_server_gpus_asked_for_and_the_launch_files():
     assert all(c.startswith("CUDA_VISIBLE_DEVICES=2,3 ") for c in r.launch.commands[1:])
     t, report = _rank_estimate(s, r, best)
     assert report.device_used_bytes == best.device_used_bytes and report.fits is True
+
+
+@pytest.mark.slow
+def test_a_server_is_chosen_where_a_colocated_vllm_cannot_start_beside_the_step():
+    """A 1.5M-token max_position_embeddings makes vLLM's smallest share (the weights and one max_model_len
+    sequence, memfit.planner.grpo_plan) most of a 1 GiB card: no colocated share leaves the step room, while the
+    server's 0.9 of its own GPU holds it; the plan chooses the server and trains on the other GPUs."""
+    from memfit.planner.grpo_time import kv_bytes_per_token
+    from memfit.planner.parallel_plan import plan_parallel
+
+    long = LlamaConfig(**{**LLAMA.to_dict(), "max_position_embeddings": 1_500_000})
+    s = _setup(model=long)
+    spec = as_gpu_spec("1GiB")
+    minimum = kv_bytes_per_token(long, 4) * 1_500_000  # the tiny config's weights are fp32
+    assert 0.7 * spec.total_bytes < minimum < 0.9 * spec.total_bytes
+    r = plan_parallel(s, gpus="2x1GiB", max_simulations=6)
+    colocated = [c for c in r.candidates if c.generation["mode"] == "colocate"]
+    assert colocated and not any(c.fits for c in colocated)
+    best = r.chosen_candidate
+    assert best is not None and best.generation["mode"] == "server"
+    assert best.generation["server_gpus"] == 1 and best.generation["training_ranks"] == 1
+    assert best.generation["server_kv_pool_bytes_per_replica"] >= minimum - best.generation["weights_bytes"]
+    t = s.replace(**best.setup_changes)
+    assert t.effective_batch_size == 2 * s.effective_batch_size  # one training rank takes both ranks' completions
+    assert r.launch.commands == [r.launch.commands[0], "CUDA_VISIBLE_DEVICES=1 python train.py"]
+    _, report = _rank_estimate(s, r, best, "1GiB")
+    assert report.fits is True and report.device_used_bytes == best.device_used_bytes
