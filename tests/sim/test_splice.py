@@ -45,6 +45,20 @@ def _summary(sim):
             "allocs": sum(ev.action == "alloc" for ev in sim.trace)}
 
 
+def _canonical(sim):
+    """The trace's events, each run of consecutive frees in a fixed order (an allocator ends such a run in the
+    same state whatever the order)."""
+    out, frees = [], []
+    for ev in sim.trace:
+        item = (ev.action, ev.size_bytes, ev.category, ev.phase)
+        if ev.action == "free":
+            frees.append(item)
+            continue
+        out += sorted(frees) + [item]
+        frees = []
+    return out + sorted(frees)
+
+
 def _eval_events(sim):
     return [(ev.action, ev.size_bytes, ev.category) for ev in sim.trace if ev.phase == "eval"]
 
@@ -55,6 +69,7 @@ def _compare(model_factory, task, runners, **kw):
     full = engine.simulate(_setup(model_factory(), task, **kw), splice=False)
     assert runners[-1].cut is None
     assert _summary(spliced) == _summary(full)
+    assert _canonical(spliced) == _canonical(full)
     # the evaluation (spliced too): the same events in the same order
     assert _eval_events(spliced) == _eval_events(full)
     assert (spliced.params, spliced.trainable_params) == (full.params, full.trainable_params)
@@ -79,6 +94,9 @@ CASES = [
     ("t5", 8, dict(eval_strategy="steps", eval_samples=4, prediction_loss_only=True)),
     ("t5", 8, dict(precision="bf16", eval_strategy="steps", eval_samples=4)),  # the decoder's cache freed at once
     ("llama", 8, dict(load_in_4bit=True, lora_r=4, precision="bf16", eval_strategy="steps", eval_samples=4)),
+    # half-precision weights: no op of block i saves block i - 1's output, which is freed between blocks i and i + 1
+    ("llama", 8, dict(weights_dtype="bf16", precision="bf16")),
+    ("gpt2", 9, dict(weights_dtype="fp16")),
 ]
 
 

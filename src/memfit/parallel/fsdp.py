@@ -22,9 +22,17 @@ and the reduce-scatter inputs of the backward all appear in the trace as FSDP2 a
 `foreach_reduce`). The fake process group's collectives move no data, so values are garbage and
 shapes exact.
 
-Known limitations: FSDP1 with CPU offload is refused (its pinned host shards do not run on fake tensors);
-layer splicing is off (each block runs: seconds for 7B models); with `cpu_offload` the sharded parameters and optimizer state are moved out of the trace
-(host), and the sharded gradients are still counted on the GPU (a bound).
+Layer splicing (memfit.sim.splice): FSDP2 runs the cut model (5 blocks per repeated stack), sharded as the model
+is, and writes the full model's trace; the blocks' tags enclose FSDP2's own hooks, so each block's all-gather,
+reshard and reduce-scatter belong to it, and the backward prefetch of block i - 1 from block i is a reference one
+block back, which the splice resolves by offset (tests/parallel/test_fsdp_splice.py: the spliced trace is the full
+model's, event for event). Not spliced (`splice_allowed`): FSDP1 (its FlatParameters span a unit's real storages),
+CPU offload, quantized weights, `no_sync` micro-steps (their unsharded gradients outlive the micro-step), and the
+trainers whose second model the splice does not tag (DPO, KTO, distillation).
+
+Known limitations: FSDP1 with CPU offload is refused (its pinned host shards do not run on fake tensors); with
+`cpu_offload` the sharded parameters and optimizer state are moved out of the trace (host), and the sharded
+gradients are still counted on the GPU (a bound).
 
 Gradient accumulation : the Trainer runs every micro-step but the window's last
 under `accelerator.no_sync(model)` unless `accelerator_config={"gradient_accumulation_kwargs":
@@ -52,7 +60,9 @@ from memfit.models.blocks import repeated_layer_lists
 from memfit.models.resolve import resolve
 from memfit.parallel import _dist_adapter as dadapter
 from memfit.parallel.setup import ParallelSetup
+from memfit.sim import trl_steps
 from memfit.sim.engine import Simulation, _Runner
+from memfit.sim.splice import SpliceRefused
 from memfit.sim.tracker import StorageTracker
 from memfit.sim.quiet import isolated_simulation
 from memfit.train_setup import TrainSetup
@@ -170,9 +180,13 @@ def _upcast_trainable(model: torch.nn.Module) -> int:
 
 
 class _FsdpRunner(_Runner):
-    def __init__(self, setup: TrainSetup, parallel: ParallelSetup, mesh, gpu: GpuSpec | None = None) -> None:
-        super().__init__(setup, fake=True, splice=False, gpu=gpu)
+    def __init__(self, setup: TrainSetup, parallel: ParallelSetup, mesh, gpu: GpuSpec | None = None, *,
+                 splice: bool = False) -> None:
+        super().__init__(setup, fake=True, splice=splice, gpu=gpu)
         self.tracker = ShardTracker()
+        if self.cut is not None:
+            self.tagger.tracker = self.tracker
+            self.tracker.tag_fn = self.tagger.current
         if parallel.param_dtype is None and parallel.reduce_dtype is None and setup.precision in ("fp16", "bf16"):
             # accelerate state.py: `fsdp_plugin.set_mixed_precision(mixed_precision)` unless a policy is given
             # (as parallel_from_training_args does; `--strategy fsdp` alone comes here without one)
@@ -197,13 +211,24 @@ class _FsdpRunner(_Runner):
             if whole:
                 kwargs["ignored_params"] = set(whole)
                 self.notes.append(_whole_4bit_note(len(whole), self.setup.bnb_4bit_quant_storage))
-        if self.setup.precision in ("fp16", "bf16") and not (self.quant is not None and self.quant.bits == 4):
+        upcast = self.setup.precision in ("fp16", "bf16") and not (self.quant is not None and self.quant.bits == 4)
+        if upcast:
             self._note_upcast(_upcast_trainable(self.model))
-        if p.auto_wrap == "transformer":  # NO_WRAP: the root only (accelerate fsdp2_prepare_auto_wrap_policy: None)
-            for _, blocks in repeated_layer_lists(self.model):
-                for block in blocks:
-                    dadapter.fully_shard(block, **kwargs)
-        dadapter.fully_shard(self.model, **kwargs)
+        for model in (self.model, self.cut):  # the cut model (spliced: `splice_allowed`) is sharded as the model is
+            if model is None:
+                continue
+            if model is self.cut and upcast:
+                _upcast_trainable(model)
+            if p.auto_wrap == "transformer":  # NO_WRAP: the root only (accelerate fsdp2_prepare_auto_wrap_policy: None)
+                for _, blocks in repeated_layer_lists(model):
+                    for block in blocks:
+                        dadapter.fully_shard(block, **kwargs)
+            dadapter.fully_shard(model, **kwargs)
+        if self.cut is not None:
+            # the blocks' tags enclose FSDP2's own hooks (its pre-forward hook is prepended, its post-forward hook
+            # appended: torch/distributed/fsdp/_fully_shard/_fsdp_state.py), so that each block's all-gather,
+            # reshard and post-backward reduce-scatter are tagged with the block
+            self.tagger.rehook()
 
     def _wrap_fsdp1(self) -> None:
         """FSDP1 on the materialized (fake) model: FlatParameters built and sharded by FSDP1's own code, with the
@@ -311,7 +336,7 @@ class _FsdpRunner(_Runner):
 
 
 def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps: int = 2,
-                  gpu: GpuSpec | None = None) -> Simulation:
+                  gpu: GpuSpec | None = None, splice: bool = True) -> Simulation:
     """Rank 0's simulated trace under FSDP2 or FSDP1 (module docstring); `gpu`: the target GPU's GpuSpec."""
     if parallel.fsdp_version == 1 and parallel.cpu_offload:
         # FSDP1's CPUOffload pins its host shards and gradients (`_flat_param.py` `pin_memory`), which a FakeTensor
@@ -319,16 +344,39 @@ def simulate_fsdp(setup: TrainSetup, parallel: ParallelSetup, *, optimizer_steps
         raise MemfitError("FSDP1 with CPU offload (`fsdp_offload_params` / `offload`) is not modelled by memfit; "
                           "estimate it with FSDP2 (`fsdp_version: 2`), whose CPUOffloadPolicy memfit models")
     setup = resolve(setup)
-    replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
-    with isolated_simulation(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
-        runner = _FsdpRunner(setup, parallel, mesh, gpu)
-        tracker = runner.tracker
-        with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed), \
-                dadapter.fsdp1_storage_hooks(tracker.storage_allocated, tracker.storage_freed):
-            sim = runner.run(optimizer_steps=optimizer_steps)
+    sim = None
+    if splice and splice_allowed(setup, parallel):
+        try:
+            sim = _simulate(setup, parallel, optimizer_steps, gpu, splice=True)
+        except SpliceRefused:
+            sim = None
+    if sim is None:
+        sim = _simulate(setup, parallel, optimizer_steps, gpu, splice=False)
     if setup.gradient_accumulation_steps > 1:
         sim.notes.append(accumulation_note(parallel, setup.gradient_accumulation_steps))
     return sim
+
+
+def splice_allowed(setup: TrainSetup, parallel: ParallelSetup) -> bool:
+    """Whether the cut model (memfit.sim.splice) may stand for the full one under `parallel` (module docstring):
+    FSDP2 without CPU offload or quantized weights, and without `no_sync` micro-steps (their unsharded gradients
+    outlive the micro-step, which the splice would free all at once)."""
+    if parallel.fsdp_version != 2 or parallel.cpu_offload or setup.load_in_4bit or setup.load_in_8bit:
+        return False
+    if setup.gradient_accumulation_steps > 1 and not parallel.sync_each_batch:
+        return False
+    return trl_steps.wants_splice(setup)
+
+
+def _simulate(setup: TrainSetup, parallel: ParallelSetup, optimizer_steps: int, gpu: GpuSpec | None, *,
+              splice: bool) -> Simulation:
+    replicas = parallel.world_size // parallel.shard_size if parallel.hybrid_shard else 1
+    with isolated_simulation(), dadapter.fake_process_group(parallel.world_size, replicas=replicas) as mesh:
+        runner = _FsdpRunner(setup, parallel, mesh, gpu, splice=splice)
+        tracker = runner.tracker
+        with dadapter.fsdp_storage_hooks(tracker.storage_allocated, tracker.storage_freed), \
+                dadapter.fsdp1_storage_hooks(tracker.storage_allocated, tracker.storage_freed):
+            return runner.run(optimizer_steps=optimizer_steps)
 
 
 def accumulation_note(parallel: ParallelSetup, accumulation: int) -> str:

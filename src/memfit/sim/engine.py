@@ -285,6 +285,9 @@ class _Runner:
         first_event = len(tr.events)
         if self.cut is not None:
             self.tagger.reset()
+            # block i - 1's output, when no op of block i saved it for the backward (half-precision weights: the
+            # norm saves its fp32 upcast), is freed between blocks i and i + 1, as in the evaluation's forward
+            self.tagger.gaps = True
         if self.host is not None:  # a vision-language model's host data (memfit.sim.host_values)
             self.host.active = True
         scaled_for_ga = False
@@ -323,6 +326,8 @@ class _Runner:
         for rec in tr.records[start:]:
             if rec.alive and rec.category == "temporaries":
                 rec.category = "activations"
+        if self.cut is not None:
+            self.tagger.gaps, self.tagger.trailing = False, None
         tr.phase = "backward"
         if self.setup.precision == "fp16":
             loss = loss * self.scale  # GradScaler.scale

@@ -124,12 +124,22 @@ class LayerTagger:
         self.gaps = False
         self.trailing: tuple[int, int] | None = None
         self.model, self.names = model, names
-        for j, name in names.items():
-            for i, block in enumerate(model.get_submodule(name)):
-                tag = (j, i)
-                self.handles.append(block.register_forward_pre_hook(self._pre(tag)))
-                self.handles.append(block.register_forward_hook(self._post(tag), always_call=True))
+        self._hook()
         self.index_params()
+
+    def _hook(self, *, prepend: bool = False) -> None:
+        for j, name in self.names.items():
+            for i, block in enumerate(self.model.get_submodule(name)):
+                tag = (j, i)
+                self.handles.append(block.register_forward_pre_hook(self._pre(tag), prepend=prepend))
+                self.handles.append(block.register_forward_hook(self._post(tag), always_call=True))
+
+    def rehook(self) -> None:
+        """Register the hooks again, the pre-forward hooks first and the forward hooks last, so that the block's
+        window encloses hooks registered since (FSDP2's all-gather before the block and reshard after it)."""
+        self.remove()
+        self.handles.clear()
+        self._hook(prepend=True)
 
     def index_params(self) -> None:
         """Map parameters to blocks; call again after `to_empty` (it replaces Parameter objects)."""
