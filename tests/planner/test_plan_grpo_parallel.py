@@ -71,7 +71,7 @@ def test_server_layouts_hold_the_weights_in_their_own_budget():
     big, notes = server_layouts(_setup(), 4, weight_bytes=weights, kv_per_token=kv, max_model_len=max_len,
                                 total_bytes=total, heads=32)
     assert [(x.server_gpus, x.tensor_parallel, x.data_parallel) for x in big] == [(2, 2, 1)]
-    assert len(notes) == 2 and all("does not hold the weights" in n for n in notes)  # k = 1 and k = 3 (odd)
+    assert len(notes) == 2 and all("holds the weights" in n for n in notes)  # k = 1 and k = 3 (odd)
     ok, _ = server_layouts(_setup(), 4, weight_bytes=weights - 1, kv_per_token=kv, max_model_len=max_len,
                            total_bytes=total, heads=32)
     assert ok[0].tensor_parallel == 1  # exactly 0.9 x the GPU holds them

@@ -31,7 +31,9 @@ with a note.
 
 Training strategies: memfit.planner.launch.VARIANTS on the GPUs (DDP, ZeRO-1/2, FSDP2 shard_grad_op / full_shard,
 ZeRO-3; no CPU offload), each rank simulated as `memfit.estimate(..., parallel=...)` simulates it; one training rank
-is a plain single-GPU run. Gradient checkpointing: the setup's, and on where it is off.
+is a plain single-GPU run. Gradient checkpointing: on and off (GRPOConfig's default is on), as the single-GPU
+GRPO plan searches it. A candidate is not simulated when one of its layout and strategy with a micro-batch no
+larger, and checkpointing on where it has it off (or as it has it), did not fit.
 
 Speed (modelled seconds per optimizer step; only ratios between candidates are used): a rank's step as
 memfit.planner.grpo_time models it (scoring, generation per optimizer step), its training part replaced by
@@ -145,9 +147,9 @@ def server_layouts(setup: TrainSetup, world_size: int, *, weight_bytes: int, kv_
         while t <= k and (k % t or (heads and heads % t) or t * int(u * total_bytes) < need):
             t *= 2
         if t > k:
-            why = (f"vLLM server on {k} GPU(s): {u:g} x {k} x {total_bytes} B does not hold the weights ({weight_bytes} "
-                   f"B) and one sequence of {max_model_len} tokens ({kv_per_token * max_model_len} B) with a tensor "
-                   "parallel size dividing the GPUs and the attention heads")
+            why = (f"vLLM server on {k} GPU(s): no tensor parallel size dividing {k} and the attention heads holds "
+                   f"the weights ({weight_bytes} B) and one sequence of {max_model_len} tokens "
+                   f"({kv_per_token * max_model_len} B) in {u:g} x its GPUs' {total_bytes} B")
             if server_gpus is not None:
                 raise MemfitError(why + "; give more --vllm-server-gpus or use colocate")
             notes.append(why)
@@ -263,7 +265,7 @@ class _Planner:
     def candidates(self, layouts: list[Layout], variants: list[Any]) -> tuple[list[_Cand], list[str]]:
         s = self.setup
         e, g = self.sizes
-        ckpts = [{}] if s.gradient_checkpointing else [{}, {"gradient_checkpointing": True}]
+        ckpts = [{}, {"gradient_checkpointing": not s.gradient_checkpointing}]  # as the single-GPU GRPO plan
         out, notes = [], []
         for lay in layouts:
             mbs = rank_settings(s, e, g, lay.training_ranks)
@@ -289,7 +291,8 @@ class _Planner:
                             from memfit.planner.grpo_plan import share_for
 
                             share = share_for(self.budget(lay.training_ranks).capacity_bytes, self.spec.total_bytes)
-                        out.append(_Cand(lay, v, ch, self.time_s(_Cand(lay, v, ch, 0, 0), rs, share), len(ck)))
+                        out.append(_Cand(lay, v, ch, self.time_s(_Cand(lay, v, ch, 0, 0), rs, share),
+                                         int(rs.gradient_checkpointing)))
         out.sort(key=lambda c: c.bound_s)
         return out, notes
 
@@ -412,8 +415,8 @@ def _check_server_gpus(setup: TrainSetup, world_size: int, server_gpus: Any) -> 
     t = setup.trainer.upper()
     if server_gpus is None:
         if setup.use_vllm and setup.vllm_mode == "server" and world_size < 2:
-            raise MemfitError(f"vllm_mode `server` on {world_size} GPU leaves no GPU for `trl vllm-serve`: give 2 or more "
-                              "GPUs (`--gpus 2xGPU`) or use `vllm_mode=colocate`")
+            raise MemfitError(f"vllm_mode `server` on {world_size} GPU leaves no GPU for `trl vllm-serve`: give 2 or "
+                              "more GPUs (`--gpus 2xGPU`) or use `vllm_mode=colocate`")
         return
     if isinstance(server_gpus, bool) or not isinstance(server_gpus, int) or server_gpus < 1:
         raise MemfitError(f"vllm server GPUs `{server_gpus!r}` must be a whole number of at least 1")
