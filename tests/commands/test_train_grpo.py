@@ -276,3 +276,36 @@ def test_fuzz_grpo_args_and_flags(dirs, files, tmp_path_factory, data, pairs):
         tt.build_trl_trainer = saved
     lines = [x for x in err.getvalue().splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (data, pairs, err.getvalue()[-800:])
+
+
+@pytest.mark.slow
+def test_grpo_run_with_a_reference_recovers_from_oom_without_losing_steps(dirs, files, tmp_path, capsys,
+                                                                          monkeypatch):
+    """`--beta 0.04`: TRL loads a reference copy from the model directory (counted in the emulated GPU); under 3 MiB
+    the scoring pass (old / reference log-probs) and a training micro-step run out of memory, memfit halves the
+    scoring chunks and splits the micro-batch, and every optimizer step is done with TRL's derived sizes kept."""
+    import memfit.testing
+
+    counted = []
+    original = memfit.testing.memory_budget
+
+    def budget(limit, *, count=(), **kw):
+        counted.append(tuple(count))
+        return original(limit, count=count, **kw)
+
+    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    out = tmp_path / "out"
+    code, res = _run([dirs["policy"], "--trainer", "grpo", "--data", files["prompts"],
+                      "--reward-func", f"{files['rewards']}:length", "--num-generations", "4",
+                      "--max-completion-length", "8", "--batch-size", "4", "--grad-accum", "2", "--beta", "0.04",
+                      "--max-steps", "2", "--budget", "3MiB", "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = json.loads((out / "memfit-report.json").read_text())
+    assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
+    assert {x["phase"] for x in r["oom_recoveries"]} == {"scoring", "train"}
+    assert r["rl"]["scoring_batch_size"] < 4 and r["micro_batch_chunks"] >= 2
+    assert (r["rl"]["generation_batch_size"], r["rl"]["steps_per_generation"], r["effective_batch_size"]) == (8, 2, 8)
+    models = counted[-1]  # the policy and TRL's reference copy, two models of the same size
+    assert len(models) == 2 and models[0] is not models[1]
+    assert sum(p.numel() for p in models[1].parameters()) == sum(p.numel() for p in models[0].parameters())
+    assert "OOM recoveries: 2 (scoring, train)" in res.out and "steps 2/2" in res.out
