@@ -21,7 +21,7 @@ _EXPECTED = {
     "vit": "image-cls", "dinov2": "image-cls", "convnext": "image-cls", "swin": "image-cls",
     "whisper": "speech-seq2seq", "wav2vec2": "ctc", "hubert": "ctc", "qwen2_5_vl": "image-text-to-text", "qwen3_vl": "image-text-to-text",
     "gemma3": "image-text-to-text", "llava": "image-text-to-text", "smolvlm": "image-text-to-text",
-    "mllama": "image-text-to-text", "paligemma": "image-text-to-text",
+    "mllama": "image-text-to-text", "paligemma": "image-text-to-text", "llava_next": "image-text-to-text",
 }
 
 #: Large bundled configs whose estimate takes 5-17 s each on the shared 2-core machine (measured with
@@ -37,7 +37,7 @@ _SLOW = {
     "facebook/wav2vec2-large-960h-lv60-self", "facebook/hubert-large-ls960-ft",
     "google/gemma-3-4b-it", "google/gemma-3-12b-it", "llava-hf/llava-1.5-7b-hf",
     "HuggingFaceTB/SmolVLM2-500M-Video-Instruct", "meta-llama/Llama-3.2-11B-Vision-Instruct",
-    "google/paligemma2-3b-pt-224", "HuggingFaceTB/SmolVLM2-2.2B-Instruct",
+    "google/paligemma2-3b-pt-224", "HuggingFaceTB/SmolVLM2-2.2B-Instruct", "llava-hf/llava-v1.6-mistral-7b-hf",
 }
 
 

@@ -312,3 +312,61 @@ def test_paligemma_tokens_are_the_features_its_vision_tower_makes():
     """image_seq_length is what the SigLIP tower makes of one 224-px image: (224 / 14)^2 patches, no CLS."""
     vision = load_bundled_config(PALIGEMMA).vision_config
     assert load_bundled_processor(PALIGEMMA)["image_seq_length"] == (vision.image_size // vision.patch_size) ** 2
+
+
+LLAVA_NEXT = "llava-hf/llava-v1.6-mistral-7b-hf"
+
+
+def test_llava_next_default_task_is_image_text_to_text():
+    task, why = default_task(LLAVA_NEXT)
+    assert task == "image-text-to-text" and "LlavaNextForConditionalGeneration" in why
+
+
+def _installed_llava_next_processor():
+    """The installed transformers' LlavaNextProcessor with the bundled settings (its tokenizer is not needed for
+    `_get_num_multimodal_tokens`, the count vLLM and transformers' own tests read)."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
+    data = load_bundled_processor(LLAVA_NEXT)
+    image_processor = get_image_processor_class_from_name(data["image_processor_type"])(**data)
+    processor = transformers.LlavaNextProcessor.__new__(transformers.LlavaNextProcessor)
+    processor.image_processor = image_processor
+    for key, value in bundled_processor_record(LLAVA_NEXT)["processor_config"].items():
+        setattr(processor, key, value)
+    return processor
+
+
+@pytest.mark.parametrize("size", [*SIZES, "336x1008", "1100x808"])
+def test_llava_next_image_tokens_are_what_the_installed_processor_returns(size):
+    """LLaVA-NeXT anyres: the installed LlavaNextImageProcessor's base view and tiles (pixel_values), and the
+    installed LlavaNextProcessor's own count for an image of that (height, width) (`_get_num_multimodal_tokens`)."""
+    width, height = map(int, size.split("x"))
+    pixels = _installed(LLAVA_NEXT, width, height)["pixel_values"]
+    expected = _installed_llava_next_processor()._get_num_multimodal_tokens(
+        image_sizes=[[height, width]])["num_image_tokens"][0]
+    example, summary, notes = _example(model=LLAVA_NEXT, image_size=size, max_length=32)
+    assert summary["image_tokens_per_image"] == expected
+    assert int((example["input_ids"] == 32000).sum()) == expected  # <image>, the config's image_token_index
+    assert tuple(example["pixel_values"].shape) == tuple(pixels.shape)
+    assert example["image_sizes"].tolist() == [[height, width]]
+    assert summary["sequence_length"] == expected + 32
+    assert f"becomes {expected} image tokens" in notes[-1]
+
+
+def test_llava_next_tiles_follow_the_image_size():
+    """A 1100x808 photo is cut into the 672x672 pinpoint's 2 x 2 tiles and the base view (pixel_values 5 x 3 x 336 x
+    336, as a public walk-through prints it for such an image); a tall 336x1008 strip into 1 x 3 tiles and the base
+    view; the token counts differ with the shape."""
+    wide, w, _ = _example(model=LLAVA_NEXT, image_size="1100x808", max_length=8)
+    tall, t, _ = _example(model=LLAVA_NEXT, image_size="336x1008", max_length=8)
+    assert tuple(wide["pixel_values"].shape) == (1, 5, 3, 336, 336)
+    assert tuple(tall["pixel_values"].shape) == (1, 4, 3, 336, 336)
+    assert w["image_tokens_per_image"] != t["image_tokens_per_image"]
+
+
+def test_llava_next_images_per_example_repeat_the_views():
+    one, s1, _ = _example(model=LLAVA_NEXT, image_size="1920x1080", max_length=8)
+    two, s2, _ = _example(model=LLAVA_NEXT, image_size="1920x1080", max_length=8, images_per_example=2)
+    assert s2["image_tokens"] == 2 * s1["image_tokens"]
+    assert two["pixel_values"].shape[0] == 2 * one["pixel_values"].shape[0]

@@ -1,4 +1,4 @@
-"""LLaVA 1.5, SmolVLM2, Llama 3.2 Vision (mllama), Qwen3-VL and PaliGemma 2: the step on FakeTensors, with the processor's real
+"""LLaVA 1.5, LLaVA-NeXT, SmolVLM2, Llama 3.2 Vision (mllama), Qwen3-VL and PaliGemma 2: the step on FakeTensors, with the processor's real
 host data (memfit.sim.host_values), allocates what the same step on real CPU tensors does, event for event.
 
 Each tiny model (two language blocks of width 64, two vision blocks of width 32) is saved with its image processor
@@ -11,7 +11,8 @@ on the host (the padding tiles it drops, the patch mask and the per-tile positio
 tiles through `cross_attention_mask`, which it reads with the `aspect_ratio_ids` / `aspect_ratio_mask` of each
 image. Qwen3-VL adds its vision tower's deepstack features to the image positions of its first language blocks'
 outputs, indexing them with the boolean mask of those positions (`hidden_states[visual_pos_masks, :]`).
-PaliGemma's processor takes the answer as a suffix: its `token_type_ids` mark it, and the language model's mask
+LLaVA-NeXT's tiles follow the image's size (its anyres pinpoints), and the model reads `image_sizes` on the host
+to unpad each image's features. PaliGemma's processor takes the answer as a suffix: its `token_type_ids` mark it, and the language model's mask
 lets the image and the prefix attend both ways (`block_sequence_ids`, read from those ids).
 """
 
@@ -116,7 +117,27 @@ def _paligemma(folder):
     return {"processor_class": "PaliGemmaProcessor"}
 
 
-MODELS = {"llava": _llava, "smolvlm": _smolvlm, "mllama": _mllama, "qwen3_vl": _qwen3_vl, "paligemma": _paligemma}
+def _llava_next(folder):
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    # LLaVA-NeXT anyres: a 28-px base view of 14-px patches and the tiles of the pinpoint resolution that fits the
+    # image best (a 100x80 image: 56x56, 2 x 2 tiles), unpadded and with a newline feature per row (image_newline)
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    transformers.LlavaNextConfig(
+        text_config={**_TEXT, "model_type": "mistral"},
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        image_grid_pinpoints=pinpoints, image_token_index=150, pad_token_id=151, vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        architectures=["LlavaNextForConditionalGeneration"]).save_pretrained(folder)
+    LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                               image_grid_pinpoints=pinpoints).save_pretrained(folder)
+    return {"image_token": "<image>", "num_additional_image_tokens": 1, "patch_size": 14,
+            "processor_class": "LlavaNextProcessor", "vision_feature_select_strategy": "default"}
+
+
+MODELS = {"llava": _llava, "smolvlm": _smolvlm, "mllama": _mllama, "qwen3_vl": _qwen3_vl, "paligemma": _paligemma,
+          "llava_next": _llava_next}
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +175,11 @@ CASES = [
     ("qwen3_vl", dict(lora_r=4, trainer="sft", precision="bf16"), []),
     ("qwen3_vl", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
     ("qwen3_vl", dict(images_per_example=2, precision="fp16", gradient_accumulation_steps=2, image_size="300x60"),
+     _SLOW),
+    ("llava_next", dict(), []),
+    ("llava_next", dict(lora_r=4, trainer="sft", precision="bf16"), []),
+    ("llava_next", dict(precision="bf16", gradient_checkpointing=True, eval_strategy="steps", eval_samples=4), _SLOW),
+    ("llava_next", dict(images_per_example=2, precision="fp16", gradient_accumulation_steps=2, image_size="300x60"),
      _SLOW),
     ("paligemma", dict(target_length=6), []),
     ("paligemma", dict(lora_r=4, trainer="sft", precision="bf16", target_length=4), []),
@@ -235,3 +261,28 @@ def test_splice_keeps_the_qwen3_vl_stacks_whole(tmp_path):
     full one."""
     settings = _qwen3_vl(tmp_path, text_layers=8, vision_depth=8, deepstack=(3, 7))
     _assert_spliced_is_full(tmp_path, settings)
+
+
+@pytest.mark.slow
+def test_splice_keeps_the_llava_next_vision_tower_whole(tmp_path):
+    """LLaVA-NeXT selects the CLIP tower's second-to-last hidden state too (vision_feature_layer -2), of the base
+    view and of every anyres tile: with eight blocks in each stack, the spliced trace has the full one's events and
+    its peaks. Their order differs at the end of the forward, where a few frees of the last language block come in
+    another order: the same holds for a text-only Mistral of the same size (its language model), so the order is
+    compared for LLaVA (a Llama language model) above, not here."""
+    import collections
+
+    from helpers import trace_key
+
+    settings = _llava_next(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    config.text_config.num_hidden_layers = 8
+    config.vision_config.num_hidden_layers = 8
+    config.save_pretrained(tmp_path)
+    with open(os.path.join(tmp_path, "processor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(settings, f)
+    setup = TrainSetup(model=str(tmp_path), image_size="100x80", max_length=16, per_device_train_batch_size=2,
+                       precision="bf16")
+    spliced, full = simulate(setup, splice=True).trace, simulate(setup, splice=False).trace
+    assert collections.Counter(trace_key(spliced)) == collections.Counter(trace_key(full))
+    assert peaks(spliced) == peaks(full)

@@ -81,6 +81,17 @@ FAMILIES: dict[str, ImageTextFamily] = {
         tokens={"<image>": "image_token_id"},
         image_token_attr="image_token_id",
     ),
+    # LLaVA-NeXT (1.6)'s chat template (llava-hf chat_template.json): `[INST] <image>\n... [/INST]`; LlavaNextProcessor
+    # repeats `<image>` as many times as the model's anyres features of the image: the base 336-px view's 24 x 24
+    # patches, the tiles of the image_grid_pinpoints resolution select_best_resolution picks for the image's size with
+    # the padding cut off, and one newline feature per row of them (processing_llava_next.py `_get_number_of_features`,
+    # one fewer for vision_feature_select_strategy "default"); pixel_values are the base view and the tiles
+    "llava_next": ImageTextFamily(
+        processor="LlavaNextProcessor",
+        placeholder="<image>",
+        tokens={"<image>": "image_token_index"},
+        image_token_attr="image_token_index",
+    ),
     # SmolVLM2's chat template writes `<image>` for each image of a user turn; SmolVLMProcessor replaces it with
     # one `<fake_token_around_image><row_r_col_c>` + `<image>` x image_seq_len (processor_config.json) per tile of
     # SmolVLMImageProcessor's split (rows x cols of max_image_size, a "\n" after each row), then
