@@ -120,7 +120,9 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         (["--reward-func", "no_such_reward_pkg.rewards:f"], "module `no_such_reward_pkg.rewards` cannot be imported"),
         (["--reward-func", "trl.rewards:think_format"], "did you mean `trl.rewards:think_format_reward`?"),
         (["--reward-func", "trl.rewards:get_soft_overlong_punishment"], "builds a reward function, it is not one"),
-        (["--reward-func", "trl.rewards:accuracy_reward"], "needs `solution`"),
+        (["--reward-func", "trl.rewards:accuracy_reward"], "takes conversational completions"),
+        (["--reward-func", "trl.rewards:think_format_reward"], "takes conversational completions (`completions: "
+                                                               "list[list[dict[str,str]]]`"),
         (["--reward-func", f["rewards"]], "names a file but no function"),
         (["--reward-func", "OpenAssistant/reward-model-deberta"], "is not a local directory"),
         (["--reward-func", "nothing-here"], "is neither a function nor an existing directory"),
@@ -130,13 +132,13 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         (["--reward-func", dirs["rm_no_tok"]], "its tokenizer cannot be loaded"),
         (["--reward-func", dirs["rm_other_tok"]], "its tokenizer has 56 tokens but the reward model has 30 token "
                                                   "embeddings: another tokenizer"),
-        (["--reward-func", "trl.rewards:think_format_reward", "--max-length", "32"],
+        (["--reward-func", f"{f['rewards']}:length", "--max-length", "32"],
          "does not go with `--trainer grpo`"),
-        (["--reward-func", "trl.rewards:think_format_reward", "--max-completion-length", "64"],
+        (["--reward-func", f"{f['rewards']}:length", "--max-completion-length", "64"],
          "leaves no room for a prompt in the model's 64 positions"),
-        (["--reward-func", "trl.rewards:think_format_reward", "--num-generations", "3", "--batch-size", "4"],
+        (["--reward-func", f"{f['rewards']}:length", "--num-generations", "3", "--batch-size", "4"],
          "invalid GRPOConfig"),
-        (["--reward-func", "trl.rewards:think_format_reward", "--packing"], "is for `--trainer sft`, not `--trainer "
+        (["--reward-func", f"{f['rewards']}:length", "--packing"], "is for `--trainer sft`, not `--trainer "
                                                                             "grpo`: GRPOConfig has no such setting"),
     ]
     for argv, match in cases:
@@ -182,6 +184,7 @@ def test_reward_specs_resolve_to_what_grpo_trainer_takes(dirs, files):
     from trl.rewards import think_format_reward
 
     from memfit.commands._reward_funcs import read_reward_funcs
+    from memfit.errors import MemfitError
 
     funcs = read_reward_funcs(["trl.rewards:think_format_reward", f"{files['rewards']}:length", str(dirs["rm"])],
                               columns=("target",))
@@ -189,6 +192,12 @@ def test_reward_specs_resolve_to_what_grpo_trainer_takes(dirs, files):
                                                  ("model", "rm")]
     assert funcs[0].value is think_format_reward and funcs[2].value == str(dirs["rm"])
     assert funcs[1].value(prompts=["a", "b"], completions=["xy", "xyz"], target=[1, 1]) == [2.0, 3.0]
+    # trl.rewards' accuracy reward: chat completions and a `solution` column
+    assert read_reward_funcs(["trl.rewards:accuracy_reward"], ("solution",), conversational=True)[0].kind == "function"
+    with pytest.raises(MemfitError, match="needs `solution`, which GRPOTrainer passes only from a dataset column"):
+        read_reward_funcs(["trl.rewards:accuracy_reward"], ("answer",), conversational=True)
+    with pytest.raises(MemfitError, match="takes conversational completions"):
+        read_reward_funcs(["trl.rewards:accuracy_reward"], ("solution",), conversational=False)
 
 
 @pytest.mark.slow

@@ -106,12 +106,28 @@ def _callable_names(module: Any) -> list[str]:
     return sorted(out)
 
 
-def _check_signature(spec: str, func: Callable, columns: tuple[str, ...]) -> None:
-    """GRPOTrainer calls `func` with keywords only: REWARD_CALL_NAMES and the dataset's other columns."""
+def _annotation_text(p: inspect.Parameter) -> str:
+    a = p.annotation
+    return "" if a is p.empty else (a if isinstance(a, str) else repr(a)).replace(" ", "").replace("typing.", "")
+
+
+def _check_signature(spec: str, func: Callable, columns: tuple[str, ...], conversational: bool | None) -> None:
+    """GRPOTrainer calls `func` with keywords only: REWARD_CALL_NAMES and the dataset's other columns; its
+    `completions` are strings for string prompts and lists of one message for chat prompts
+    (grpo_trainer.py `_generate` decodes them so), which an annotation of `completions` may say it needs."""
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable without a signature: TRL will call it as it is
         return
+    wants = next((_annotation_text(p) for p in params if p.name == "completions"), "")
+    if conversational is False and wants.startswith("list[list[dict"):  # trl.rewards' accuracy / format rewards
+        raise MemfitError(f"--reward-func `{spec}` takes conversational completions (`completions: {wants}`, "
+                          "lists of messages) but the prompts of --data are strings, so GRPOTrainer passes strings; "
+                          "give the prompts as chat messages, or a reward function of strings")
+    if conversational is True and wants in ("list[str]", "List[str]"):
+        raise MemfitError(f"--reward-func `{spec}` takes completions as strings (`completions: {wants}`) but the "
+                          "prompts of --data are chat messages, so GRPOTrainer passes lists of messages; give string "
+                          "prompts, or a reward function of messages")
     passed = (*REWARD_CALL_NAMES, *columns)
     for p in params:
         if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
@@ -130,7 +146,7 @@ def _check_signature(spec: str, func: Callable, columns: tuple[str, ...]) -> Non
                           f"as f({', '.join(f'{n}=...' for n in passed)}): add `**kwargs` to its parameters")
 
 
-def _function(spec: str, columns: tuple[str, ...]) -> RewardFunc:
+def _function(spec: str, columns: tuple[str, ...], conversational: bool | None) -> RewardFunc:
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
         raise MemfitError(f"--reward-func `{spec}` names no function; give {_FORMS}")
@@ -153,7 +169,7 @@ def _function(spec: str, columns: tuple[str, ...]) -> RewardFunc:
     if attr.startswith("get_") and _takes_no_completions(func):  # trl.rewards' factories
         raise MemfitError(f"--reward-func `{spec}`: `{attr}` builds a reward function, it is not one; call it in "
                           f"a file of your own (`reward = {attr}(...)`) and give `that_file.py:reward`")
-    _check_signature(spec, func, columns)
+    _check_signature(spec, func, columns, conversational)
     return RewardFunc(spec=spec, kind="function", value=func, name=getattr(func, "__name__", attr))
 
 
@@ -210,12 +226,13 @@ def _reward_model(spec: str) -> RewardFunc:
     return RewardFunc(spec=spec, kind="model", value=spec, name=os.path.basename(os.path.normpath(spec)))
 
 
-def read_reward_func(spec: str, columns: tuple[str, ...] = ()) -> RewardFunc:
+def read_reward_func(spec: str, columns: tuple[str, ...] = (), conversational: bool | None = None) -> RewardFunc:
     """One `--reward-func SPEC`, checked (see the module docstring); a one-line MemfitError otherwise.
 
     Args:
         spec: `module:function`, `path/to/file.py:function` or a local reward model directory.
         columns: the dataset's columns besides `prompt`, which GRPOTrainer passes to reward functions by name.
+        conversational: the prompts are chat messages (True), strings (False), or not known (None).
     """
     spec = str(spec).strip()
     if not spec:
@@ -223,7 +240,7 @@ def read_reward_func(spec: str, columns: tuple[str, ...] = ()) -> RewardFunc:
     if os.path.isdir(spec):
         return _reward_model(spec)
     if ":" in spec and not (len(spec) > 1 and spec[1] == ":" and spec.count(":") == 1):  # `C:\dir` is a path
-        return _function(spec, columns)
+        return _function(spec, columns, conversational)
     if spec.endswith(".py"):
         raise MemfitError(f"--reward-func `{spec}` names a file but no function; give `{spec}:function`")
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
@@ -233,6 +250,7 @@ def read_reward_func(spec: str, columns: tuple[str, ...] = ()) -> RewardFunc:
     raise MemfitError(f"--reward-func `{spec}` is neither a function nor an existing directory; give {_FORMS}")
 
 
-def read_reward_funcs(specs: list[str], columns: tuple[str, ...] = ()) -> list[RewardFunc]:
+def read_reward_funcs(specs: list[str], columns: tuple[str, ...] = (),
+                      conversational: bool | None = None) -> list[RewardFunc]:
     """Every `--reward-func`, in order, each checked (read_reward_func)."""
-    return [read_reward_func(s, columns) for s in specs]
+    return [read_reward_func(s, columns, conversational) for s in specs]

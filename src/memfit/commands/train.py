@@ -51,6 +51,7 @@ _TRAIN_DEFAULTS = {
     "per_device_eval_batch_size": "8; the built-in default 32; --trainer sft/dpo: the train batch size",
     "eval_strategy": "no; the built-in default epoch",
     "lora_target_modules": "all-linear",
+    "max_completion_length": "GRPOConfig's 512; half the model's positions when it has 512 or fewer",
 }
 
 
