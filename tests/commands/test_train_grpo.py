@@ -79,6 +79,11 @@ def dirs(tmp_path_factory):
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         out[name] = path
+    chat_tok = _tokenizer()
+    chat_tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    LlamaForCausalLM(_config(len(tok))).save_pretrained(root / "chat_policy")
+    chat_tok.save_pretrained(root / "chat_policy")
+    out["chat_policy"] = root / "chat_policy"
     (root / "empty").mkdir()
     out["empty"] = root / "empty"
     return out
@@ -89,10 +94,13 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo-files")
     (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "target": len(p)}) + "\n" for p in PROMPTS))
     (d / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    (d / "chat_prompts.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p}]}) + "\n"
+                                                  for p in PROMPTS[:4]))
     (d / "rewards.py").write_text(LENGTH_REWARD)
     (d / "syntax.py").write_text("def length(completions, **kwargs)\n    return [0.0]\n")
     (d / "raises.py").write_text("import json\nraise RuntimeError('no reward server at localhost:9000')\n")
     (d / "imports.py").write_text("import no_such_reward_lib\n")
+    (d / "strings.py").write_text("def length(completions: list[str], **kwargs):\n    return [0.0]\n")
     (d / "misc.py").write_text("THRESHOLD = 0.5\n\n\ndef strict(completions):\n    return [0.0] * len(completions)\n"
                                "\n\ndef needs_answer(completions, answer, **kwargs):\n    return [0.0]\n")
     return {p.stem: p for p in d.iterdir()}
@@ -148,6 +156,10 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
     other = [
         ([dirs["policy"], "--trainer", "grpo", "--data", files["chat"], "--reward-func", f"{f['rewards']}:length"],
          "the examples have the columns `messages`; a GRPO dataset needs a `prompt` column"),
+        ([dirs["chat_policy"], "--trainer", "grpo", "--data", files["chat_prompts"], "--reward-func", dirs["rm"]],
+         "its tokenizer has no chat template, which GRPOTrainer applies"),
+        ([dirs["chat_policy"], "--trainer", "grpo", "--data", files["chat_prompts"], "--reward-func",
+          f"{f['strings']}:length"], "takes completions as strings (`completions: list[str]`)"),
         ([dirs["policy"], "--trainer", "sft", "--data", files["prompts"], "--reward-func", "trl.rewards:x"],
          "`--reward-func` is for `--trainer grpo`"),
         (["--num-generations", "4"], "is a TRL setting; add `--trainer grpo`"),
@@ -318,3 +330,18 @@ def test_grpo_run_with_a_reference_recovers_from_oom_without_losing_steps(dirs, 
     assert len(models) == 2 and models[0] is not models[1]
     assert sum(p.numel() for p in models[1].parameters()) == sum(p.numel() for p in models[0].parameters())
     assert "OOM recoveries: 2 (scoring, train)" in res.out and "steps 2/2" in res.out
+
+
+@pytest.mark.slow
+def test_grpo_run_on_chat_prompts_with_trls_own_reward(dirs, files, tmp_path, capsys):
+    """Chat prompts (the tokenizer's chat template) rewarded by TRL 1.16's `trl.rewards:think_format_reward`, which
+    reads `completion[0]["content"]`: GRPOTrainer passes lists of one message, 2 optimizer steps complete."""
+    out = tmp_path / "out"
+    code, res = _run([dirs["chat_policy"], "--trainer", "grpo", "--data", files["chat_prompts"],
+                      "--reward-func", "trl.rewards:think_format_reward", "--num-generations", "4",
+                      "--max-completion-length", "8", "--batch-size", "4", "--max-steps", "2", "--budget", "400MiB",
+                      "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = json.loads((out / "memfit-report.json").read_text())
+    assert r["status"] == "completed" and r["steps_completed"] == 2 and r["rl"]["generate_calls"] == 2
+    assert "prompt-only, conversational" in res.out and "rewards: think_format_reward (function)" in res.out

@@ -181,7 +181,7 @@ def _takes_no_completions(func: Callable) -> bool:
     return not any(p.name == "completions" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _reward_model(spec: str) -> RewardFunc:
+def _reward_model(spec: str, conversational: bool | None) -> RewardFunc:
     """A local reward model directory, checked as GRPOTrainer will load it."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
@@ -219,6 +219,10 @@ def _reward_model(spec: str) -> RewardFunc:
                           f"{rows} token embeddings: another tokenizer than the one it was trained with "
                           "(ids past its embedding stop the run after the first generation); save the reward model's "
                           "own tokenizer in its directory")
+    if conversational and not getattr(tok, "chat_template", None):  # grpo_trainer.py `_calculate_rewards`
+        raise MemfitError(f"--reward-func `{spec}`: its tokenizer has no chat template, which GRPOTrainer applies to "
+                          "the chat prompt + completion before the reward model scores them; add `chat_template` to "
+                          "its tokenizer_config.json, or give string prompts")
     if tok.pad_token_id is None and tok.eos_token_id is None:
         raise MemfitError(f"--reward-func `{spec}`: its tokenizer has neither a pad nor an EOS token; GRPOTrainer "
                           "pads the scored texts with one (it sets pad to EOS when pad is missing): set `pad_token` "
@@ -238,7 +242,7 @@ def read_reward_func(spec: str, columns: tuple[str, ...] = (), conversational: b
     if not spec:
         raise MemfitError(f"--reward-func is empty; give {_FORMS}")
     if os.path.isdir(spec):
-        return _reward_model(spec)
+        return _reward_model(spec, conversational)
     if ":" in spec and not (len(spec) > 1 and spec[1] == ":" and spec.count(":") == 1):  # `C:\dir` is a path
         return _function(spec, columns, conversational)
     if spec.endswith(".py"):
