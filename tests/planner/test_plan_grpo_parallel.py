@@ -96,14 +96,6 @@ def test_bad_input_is_one_line():
         assert "\n" not in str(err.value)
 
 
-def test_cli_flag_is_refused_without_gpus(capsys):
-    from memfit.cli import main
-
-    rc = main(["plan", "--trainer", "grpo", "--gpu", "A100-80GB", "--vllm-server-gpus", "1", "Qwen/Qwen2.5-0.5B"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc != 0 and len(err) == 1 and "--vllm-server-gpus" in err[0] and "--gpus" in err[0]
-
-
 # -- whole plans (simulated) -------------------------------------------------------------------------------------
 
 def _rank_estimate(setup: TrainSetup, r, cand, gpu: str = "A100-80GB"):

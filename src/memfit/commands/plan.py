@@ -422,8 +422,13 @@ def render_parallel(r, *, chosen_kind: bool = False) -> None:
             "modelled time of one optimizer step; comm: its exposed communication and host copies[/dim]")
     best = r.chosen_candidate
     if best is None:
-        c.print("[red]Nothing fits[/red] on these GPUs (also with CPU offload); more or larger GPUs, or `--allow` "
-                "opt-in remedies (truncation, lora, qlora, freeze).")
+        if getattr(r, "config_class", "TrainingArguments") in ("GRPOConfig", "RLOOConfig"):
+            c.print("[red]Nothing fits[/red] on these GPUs (vLLM colocated or served); more or larger GPUs, or plan "
+                    "one rank with `--gpu GPU --allow ...` (fewer_generations, shorter_completions, no_reference, "
+                    "lora, qlora).")
+        else:
+            c.print("[red]Nothing fits[/red] on these GPUs (also with CPU offload); more or larger GPUs, or `--allow` "
+                    "opt-in remedies (truncation, lora, qlora, freeze).")
     else:
         per_step = sum(x["bytes_per_step"] for x in best.collectives)
         c.print(f"[bold]Chosen[/bold]: {best.strategy}, micro-batch {best.per_device_train_batch_size} x accumulation "
