@@ -166,7 +166,9 @@ def test_mllama_tiles_follow_the_aspect_ratio():
 
 
 @pytest.mark.parametrize(("hub_id", "tower"), [(LLAVA, True), (SMOLVLM, True), (MLLAMA, True),
-                                               ("Qwen/Qwen2.5-VL-3B-Instruct", False)])
+                                               ("Qwen/Qwen2.5-VL-3B-Instruct", False),
+                                               ("llava-hf/llava-v1.6-mistral-7b-hf", True),
+                                               ("google/paligemma2-3b-pt-224", True)])
 def test_lora_note_says_where_peft_puts_the_adapters(hub_id, tower):
     """peft matches target_modules by name: q_proj / v_proj are in LLaVA's CLIP, SmolVLM's SigLIP and mllama's
     vision encoder too, not in Qwen2.5-VL's tower (qkv / proj). The note says which, and peft agrees on a small
@@ -296,8 +298,9 @@ def test_paligemma_suffix_is_the_labels_and_token_type_ids():
 
 
 def test_paligemma_suffix_defaults_to_max_length():
-    _, summary, _ = _example(model=PALIGEMMA, image_size="224x224", max_length=12)
+    _, summary, notes = _example(model=PALIGEMMA, image_size="224x224", max_length=12)
     assert summary["suffix_tokens"] == 12 and summary["text_tokens"] == 24
+    assert any("no --target-length: a suffix" in n and " 12 tokens" in n for n in notes)
 
 
 def test_target_length_for_a_processor_without_a_suffix_is_one_line():

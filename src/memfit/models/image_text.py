@@ -239,6 +239,9 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
                "inputs": {k: list(v.shape) for k, v in example.items()}}
     if family.suffix:
         summary["suffix_tokens"] = suffix_tokens
+        if setup.target_length is None:
+            notes.append(f"no --target-length: a suffix (the answer, the labels) of {suffix_tokens} tokens, as many as "
+                         "the prefix (--max-length)")
     if "image_grid_thw" in example:
         summary["image_grid_thw"] = example["image_grid_thw"].tolist()
     pixels = example.get("pixel_values")
