@@ -38,6 +38,7 @@ _SLOW = {
     "google/gemma-3-4b-it", "google/gemma-3-12b-it", "llava-hf/llava-1.5-7b-hf",
     "HuggingFaceTB/SmolVLM2-500M-Video-Instruct", "meta-llama/Llama-3.2-11B-Vision-Instruct",
     "google/paligemma2-3b-pt-224", "HuggingFaceTB/SmolVLM2-2.2B-Instruct", "llava-hf/llava-v1.6-mistral-7b-hf",
+    "google/paligemma2-3b-pt-448",
 }
 
 

@@ -260,23 +260,27 @@ def test_qwen3_vl_weights_load_in_the_checkpoints_dtype():
 
 
 PALIGEMMA = "google/paligemma2-3b-pt-224"
+PALIGEMMA_448 = "google/paligemma2-3b-pt-448"
 
 
-def test_paligemma_default_task_is_image_text_to_text():
-    task, why = default_task(PALIGEMMA)
+@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448])
+def test_paligemma_default_task_is_image_text_to_text(hub_id):
+    task, why = default_task(hub_id)
     assert task == "image-text-to-text" and "PaliGemmaForConditionalGeneration" in why
 
 
+@pytest.mark.parametrize(("hub_id", "tokens"), [(PALIGEMMA, 256), (PALIGEMMA_448, 1024)])
 @pytest.mark.parametrize("size", SIZES)
-def test_paligemma_image_tokens_are_what_the_installed_processor_returns(size):
-    """PaliGemma 2 at 224 px: SiglipImageProcessor resizes every image to 224x224 (no crop, no tiles) and
-    PaliGemmaProcessor writes image_seq_length `<image>` tokens, one per 14-px patch the SigLIP tower embeds."""
+def test_paligemma_image_tokens_are_what_the_installed_processor_returns(size, hub_id, tokens):
+    """PaliGemma 2: SiglipImageProcessor resizes every image to the checkpoint's 224x224 or 448x448 (no crop, no
+    tiles) and PaliGemmaProcessor writes image_seq_length `<image>` tokens, one per 14-px patch the SigLIP tower
+    embeds: 256 at 224, 1024 at 448, at any image size."""
     width, height = map(int, size.split("x"))
-    pixels = _installed(PALIGEMMA, width, height)["pixel_values"]
-    patch = load_bundled_config(PALIGEMMA).vision_config.patch_size
+    pixels = _installed(hub_id, width, height)["pixel_values"]
+    patch = load_bundled_config(hub_id).vision_config.patch_size
     expected = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
-    assert expected == load_bundled_processor(PALIGEMMA)["image_seq_length"]
-    example, summary, notes = _example(model=PALIGEMMA, image_size=size, max_length=32, target_length=8)
+    assert expected == load_bundled_processor(hub_id)["image_seq_length"] == tokens
+    example, summary, notes = _example(model=hub_id, image_size=size, max_length=32, target_length=8)
     assert summary["image_tokens_per_image"] == expected
     assert int((example["input_ids"] == 257152).sum()) == expected  # <image>, the config's image_token_index
     assert tuple(example["pixel_values"].shape) == tuple(pixels.shape)
@@ -311,10 +315,27 @@ def test_target_length_for_a_processor_without_a_suffix_is_one_line():
     assert "\n" not in str(err.value)
 
 
-def test_paligemma_tokens_are_the_features_its_vision_tower_makes():
-    """image_seq_length is what the SigLIP tower makes of one 224-px image: (224 / 14)^2 patches, no CLS."""
-    vision = load_bundled_config(PALIGEMMA).vision_config
-    assert load_bundled_processor(PALIGEMMA)["image_seq_length"] == (vision.image_size // vision.patch_size) ** 2
+@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448])
+def test_paligemma_tokens_are_the_features_its_vision_tower_makes(hub_id):
+    """image_seq_length is what the SigLIP tower makes of one image at its input size: (size / 14)^2 patches, no
+    CLS; the processor resizes to that size."""
+    vision = load_bundled_config(hub_id).vision_config
+    data = load_bundled_processor(hub_id)
+    assert data["image_seq_length"] == (vision.image_size // vision.patch_size) ** 2
+    assert data["size"] == {"height": vision.image_size, "width": vision.image_size}
+
+
+def test_paligemma_448_differs_from_224_by_its_position_table():
+    """The two checkpoints share every weight but SigLIP's position embedding: (1024 - 256) x 1152 more at 448."""
+    import torch
+    import transformers
+
+    counts = []
+    for hub_id in (PALIGEMMA, PALIGEMMA_448):
+        with torch.device("meta"):
+            model = transformers.PaliGemmaForConditionalGeneration(load_bundled_config(hub_id))
+        counts.append(sum(p.numel() for p in model.parameters()))
+    assert counts[1] - counts[0] == (1024 - 256) * 1152
 
 
 LLAVA_NEXT = "llava-hf/llava-v1.6-mistral-7b-hf"
