@@ -282,3 +282,51 @@ def tiny_qwen2_5_vl_dir(folder, *, text_layers: int = 1, vision_depth: int = 1) 
     config.save_pretrained(folder)
     Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=200704).save_pretrained(folder)
     return str(folder)
+
+
+#: The characters of `char_tokenizer`, one token each after pad 0 and bos 1.
+CHARS = "abcdefghijklmnopqrstuvwxyz "
+
+
+def char_tokenizer():
+    """A character-level tokenizer built in code (no hub): pad 0, bos 1, the characters, and the EOS token last, one
+    id beyond the vocabulary of `eos_beyond_vocab_llama`: a model of that config never samples it, so every
+    completion it generates is `max_completion_length` long (the worst case memfit predicts)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    vocab["</s>"] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def eos_beyond_vocab_llama(hidden: int = 64, layers: int = 2) -> LlamaConfig:
+    """A tiny Llama over `char_tokenizer`'s ids whose EOS id is one beyond its vocabulary (never generated)."""
+    vocab = 2 + len(CHARS)
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=vocab,
+                       max_position_embeddings=512)
+
+
+def live_peaks(trace, phase=None) -> tuple[int, int]:
+    """(peak live bytes, peak live bytes before the first allocation of 1 MiB or more: for the tiny models of the RL
+    evaluation tests, the generation and scoring before the loss's `[tokens, 32768]` fp32 tiles of TRL's chunked
+    kernels), above the live bytes when `phase` starts and while it lasts (None: the whole trace), sizes as
+    recorded."""
+    cur = base = peak = pre = 0
+    started, before_tile = phase is None, True
+    for ev in trace:
+        if not started and ev.phase == phase:
+            started, base = True, cur
+        if started and phase is not None and ev.phase != phase:
+            break
+        if started and ev.action == "alloc" and ev.size_bytes >= 1 << 20:
+            before_tile = False
+        cur += ev.size_bytes if ev.action == "alloc" else -ev.size_bytes
+        if started:
+            peak = max(peak, cur - base)
+            pre = max(pre, cur - base) if before_tile else pre
+    return peak, pre
+

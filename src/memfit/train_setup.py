@@ -121,6 +121,8 @@ TRL_TRAINERS = ("sft", "dpo", "grpo", "rloo", "reward", "kto", "distill")
 #: The trainers that generate completions in their step (GRPOTrainer and RLOOTrainer share the generation batch,
 #: `num_generations`, vLLM and `steps_per_generation`: RLOOConfig has GRPOConfig's generation names, TRL 1.16).
 GENERATING_TRAINERS = ("grpo", "rloo")
+#: KTOConfig.loss_type choices (TRL 1.16 kto_config.py).
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 #: The TRL config classes of TRAINERS (for messages).
 TRL_CONFIG_CLASS_NAMES = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "rloo": "RLOOConfig",
                           "reward": "RewardConfig", "kto": "KTOConfig", "distill": "DistillationConfig"}
@@ -506,6 +508,10 @@ class TrainSetup:
     """SFTConfig.completion_only_loss (None: TRL's default, True for prompt/completion data)."""
     assistant_only_loss: bool = False
     """SFTConfig.assistant_only_loss: only assistant turns count in the loss."""
+    loss_type: str | None = None
+    """The TRL config's `loss_type` (SFTConfig, DPOConfig, GRPOConfig, KTOConfig). Memory depends on it for KTO:
+    `apo_zero_unpaired` has no KL batch (KTOTrainer `calculate_KL`, memfit.sim.kto_steps); the other trainers'
+    values are simulated as their defaults (DPO's sigmoid, GRPO's dapo). None: the trainer's default."""
     precompute_ref_log_probs: bool = False
     """DPOConfig.precompute_ref_log_probs: the reference forward runs before training, not in each step."""
     # -- GRPO: GRPOConfig's names and defaults (TRL 1.16 grpo_config.py), simulated by memfit.sim.grpo_steps --
@@ -772,7 +778,7 @@ _TRL_READ = {
     "rloo": ("num_generations", "num_generations_eval", "max_completion_length", "beta", "steps_per_generation", "num_iterations", "use_vllm",
              "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "use_liger_kernel"),
     "reward": ("max_length", "activation_offloading", "use_liger_kernel"),
-    "kto": ("max_length", "beta", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model",
+    "kto": ("max_length", "beta", "loss_type", "precompute_ref_log_probs", "activation_offloading", "sync_ref_model",
             "use_liger_kernel"),
     "distill": ("max_completion_length", "beta", "use_vllm", "use_liger_kernel", "teacher_model_name_or_path"),
 }
@@ -1110,6 +1116,9 @@ def _check_trl(setup: "TrainSetup") -> None:
     if sft_only and setup.trainer != "sft":
         raise MemfitError(f"`{sft_only[0]}` is an SFTTrainer setting but trainer is `{setup.trainer}`; "
                           "pass `trainer='sft'` (`--trainer sft`)")
+    if setup.loss_type is not None and "loss_type" not in TRL_CONFIG_NAMES.get(setup.trainer, ()):
+        raise MemfitError(f"`loss_type` is a setting of TRL's SFTConfig, DPOConfig, GRPOConfig and KTOConfig but "
+                          f"trainer is `{setup.trainer}`; pass the trainer it is for (`--trainer kto`) or drop it")
     if setup.precompute_ref_log_probs and setup.trainer not in ("dpo", "kto"):
         raise MemfitError("`precompute_ref_log_probs` is a DPOTrainer setting (KTOTrainer's too) but trainer is "
                           f"`{setup.trainer}`; pass `trainer='dpo'` (`--trainer dpo`) or `trainer='kto'`")
@@ -1167,11 +1176,18 @@ def _check_reward_and_kto(setup: "TrainSetup") -> None:
         b = setup.beta
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
             raise MemfitError(f"`beta` must be a finite number (KTOConfig's KL coefficient); got `{b!r}`")
-        if setup.per_device_train_batch_size <= 1:
-            # KTOTrainer.__init__ (loss_type "kto"): "Actual (not effective) batch size must be > 1"
+        if setup.loss_type is None:
+            setup.loss_type = "kto"  # KTOConfig's default
+        if setup.loss_type not in KTO_LOSS_TYPES:
+            raise MemfitError(f"loss_type `{setup.loss_type}` is not a KTOConfig loss type (TRL 1.16): use one of "
+                              f"{', '.join(KTO_LOSS_TYPES)}{suggest_name(setup.loss_type, set(KTO_LOSS_TYPES))}")
+        if setup.per_device_train_batch_size <= 1 and setup.loss_type != "apo_zero_unpaired":
+            # KTOTrainer.__init__ (`calculate_KL`: every loss type but apo_zero_unpaired): "Actual (not effective)
+            # batch size must be > 1"
             raise MemfitError(f"per_device_train_batch_size `{setup.per_device_train_batch_size}` is too small for KTO: "
                               "KTOTrainer needs at least 2 examples per micro-batch (its KL term pairs each prompt "
-                              "with another example's completion); use 2 or more")
+                              "with another example's completion); use 2 or more, or loss_type `apo_zero_unpaired` "
+                              "(no KL term)")
 
 
 def grpo_generation_sizes(per_device_train_batch_size: int, gradient_accumulation_steps: int,

@@ -17,12 +17,18 @@ within the batch), `[B, S]` too; the `label` of each example (`[B]` bool). `_com
   two `[B]` fp32 columns come with the batch);
 - the KL estimate (a scalar), `1 - sigmoid(beta x ...)` losses of each side, concatenated, `nanmean`.
 
+`loss_type="apo_zero_unpaired"` estimates no KL term (`calculate_KL = loss_type not in ["apo_zero_unpaired"]`,
+KTOTrainer.__init__): the dataset gets no `KL_completion_ids`, so the collator gives no `KL_*` tensors (and no
+`ref_KL_logps` when precomputed), neither the policy nor the reference runs the KL batch (`_compute_kl_logps`
+returns None), `kl` is `torch.zeros(1)`, and the losses are `1 - sigmoid(beta x chosen_logratios)` and
+`sigmoid(beta x rejected_logratios)`; one example per micro-batch is allowed.
+
 Trainer divides the loss by the accumulation (the batch has `label`, not `labels`: no `num_items_in_batch`), as
 memfit.sim.engine does; `activation_offloading=True` wraps the step in TRL's offloading context.
 
 Known limitations: the metrics (entropy and mean-logit sums, gathered counts: `[B, S]` temporaries under no_grad
-and device scalars) are not simulated; `loss_type="apo_zero_unpaired"` (no KL batch) is simulated as `kto`, an
-upper bound; the precompute pass before training (a no-grad forward) and evaluation are not simulated.
+and device scalars) are not simulated; the precompute pass before training (a no-grad forward) is not simulated;
+evaluation is simulated as Trainer's (memfit.sim.trl_steps.notes).
 """
 
 from __future__ import annotations
@@ -34,24 +40,30 @@ import torch.nn.functional as F
 
 from memfit.sim.autocast import cuda_autocast
 
-__all__ = ["kto_batch", "micro_loss"]
+__all__ = ["kto_batch", "micro_loss", "calculates_kl"]
 
 #: KTOConfig defaults (TRL 1.16 kto_config.py): desirable_weight / undesirable_weight 1.0 (values: no memory).
 _DESIRABLE_WEIGHT = _UNDESIRABLE_WEIGHT = 1.0
 
 
+def calculates_kl(setup: Any) -> bool:
+    """KTOTrainer.__init__: `calculate_kl = args.loss_type not in ["apo_zero_unpaired"]`."""
+    return setup.loss_type != "apo_zero_unpaired"
+
+
 def kto_batch(setup: Any) -> dict[str, torch.Tensor]:
-    """The tensors of DataCollatorForUnpairedPreference on the device (loss_type `kto`: with the KL batch)."""
+    """The tensors of DataCollatorForUnpairedPreference on the device (with the KL batch unless `apo_zero_unpaired`)."""
     b, seq = setup.per_device_train_batch_size, setup.sequence_length
     out: dict[str, torch.Tensor] = {}
-    for prefix in ("", "KL_"):
+    for prefix in ("", "KL_") if calculates_kl(setup) else ("",):
         out[f"{prefix}input_ids"] = torch.zeros(b, seq, dtype=torch.long)
         out[f"{prefix}attention_mask"] = torch.ones(b, seq, dtype=torch.long)
         out[f"{prefix}attention_mask"][-1, -1:].zero_()  # examples of different lengths: padded
         out[f"{prefix}completion_mask"] = torch.zeros(b, seq, dtype=torch.long)
     if setup.precompute_ref_log_probs:
         out["ref_logps"] = torch.zeros(b)
-        out["ref_KL_logps"] = torch.zeros(b)
+        if calculates_kl(setup):
+            out["ref_KL_logps"] = torch.zeros(b)
     label = torch.zeros(b, dtype=torch.bool)  # torch.tensor of the examples' bool labels
     label[: b - b // 2] = True
     out["label"] = label
@@ -70,8 +82,11 @@ def _fused(runner: Any, model: torch.nn.Module, input_ids, attention_mask, label
     return out
 
 
-def _kl_logps(runner: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """KTOTrainer._compute_kl_logps: the KL batch through `model` under no_grad, log-probs summed per example."""
+def _kl_logps(runner: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """KTOTrainer._compute_kl_logps: the KL batch through `model` under no_grad, log-probs summed per example (None
+    without a KL term)."""
+    if not calculates_kl(runner.setup):
+        return None
     kl_labels = batch["KL_input_ids"].masked_fill(batch["KL_completion_mask"] == 0, -100)
     with torch.no_grad():
         per_token = _fused(runner, model, batch["KL_input_ids"], batch["KL_attention_mask"], kl_labels).log_probs
@@ -92,7 +107,8 @@ def _split(labels: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(runner: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """KTOTrainer._compute_loss with `loss_type="kto"` (beta from the setup; values do not change the trace)."""
+    """KTOTrainer._compute_loss, `loss_type` `kto` or `apo_zero_unpaired` (beta from the setup; values do not change
+    the trace)."""
     s = runner.setup
     model = runner.fwd_model
     labels = batch["label"]
@@ -110,7 +126,7 @@ def _loss(runner: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if s.precompute_ref_log_probs:
         ref_chosen = batch["ref_logps"].index_select(0, chosen_idx)
         ref_rejected = batch["ref_logps"].index_select(0, rejected_idx)
-        ref_kl_logps = batch["ref_KL_logps"]
+        ref_kl_logps = batch.get("ref_KL_logps")
     else:
         from memfit.sim.grpo_steps import _checkpointing_off
 
@@ -129,13 +145,22 @@ def _loss(runner: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ref_chosen = ref_completion_logps.index_select(0, chosen_idx)
         ref_rejected = ref_completion_logps.index_select(0, rejected_idx)
         del ref_completion_logps
-    kl = (kl_logps - ref_kl_logps).mean().detach()
-    kl = kl.mean().clamp(min=0)  # accelerator.gather_for_metrics of one process: the tensor itself
+    if calculates_kl(s):
+        kl = (kl_logps - ref_kl_logps).mean().detach()
+        kl = kl.mean().clamp(min=0)  # accelerator.gather_for_metrics of one process: the tensor itself
+    else:
+        kl = torch.zeros(1)
     chosen_logratios = chosen_logps - ref_chosen
-    chosen_losses = 1 - F.sigmoid(s.beta * (chosen_logratios - kl))
+    if s.loss_type == "apo_zero_unpaired":
+        chosen_losses = 1 - F.sigmoid(s.beta * chosen_logratios)
+    else:
+        chosen_losses = 1 - F.sigmoid(s.beta * (chosen_logratios - kl))
     chosen_rewards = s.beta * chosen_logratios.detach()
     rejected_logratios = rejected_logps - ref_rejected
-    rejected_losses = 1 - F.sigmoid(s.beta * (kl - rejected_logratios))
+    if s.loss_type == "apo_zero_unpaired":
+        rejected_losses = F.sigmoid(s.beta * rejected_logratios)
+    else:
+        rejected_losses = 1 - F.sigmoid(s.beta * (kl - rejected_logratios))
     rejected_rewards = s.beta * rejected_logratios.detach()
     losses = torch.cat((_DESIRABLE_WEIGHT * chosen_losses, _UNDESIRABLE_WEIGHT * rejected_losses), 0)
     loss = losses.nanmean()
