@@ -33,7 +33,8 @@ from memfit.models.resolve import resolve
 from memfit.peaks import BREAKDOWN_KEYS, peaks
 from memfit.allocator.bounded import RESOLUTION_BYTES, SteadyState, bounded_reserved
 from memfit.trace import REPORT_PHASES, RL_PHASES, TraceEvent
-from memfit.train_setup import TRAINING_ARGS_NAMES, TrainSetup, suggest_name
+from memfit.train_setup import (GENERATING_TRAINERS, TRAINING_ARGS_NAMES, TrainSetup, grpo_generation_sizes,
+                                 suggest_name)
 
 # memfit.sim.engine (torch, transformers: seconds to import) is imported in `estimate` after the cache lookup.
 
@@ -349,6 +350,8 @@ def estimate(
     key = None
     if parallel is not None:  # multi-GPU: not in the cache's key, so not cached
         cache = False
+    if parallel is not None:
+        setup = _per_rank_generation(setup, parallel.world_size)
     zero = getattr(parallel, "zero", None) if getattr(parallel, "strategy", "").startswith("zero") else None
     if zero is not None and zero.dtype != "fp32" and setup.precision != zero.dtype:
         # DeepSpeed trains in its config's dtype (memfit.parallel.deepspeed_rules decides it from every source)
@@ -606,6 +609,20 @@ def _quantization_report(summary: dict[str, Any] | None, trace: list[TraceEvent]
         if i == peak_index:
             at_peak = total
     return {**summary, "dequant_temporaries_at_peak_bytes": at_peak, "dequant_temporaries_max_bytes": most}
+
+
+def _per_rank_generation(setup: TrainSetup, world_size: int) -> TrainSetup:
+    """GRPO / RLOO over `world_size` processes: GRPOConfig's `generation_batch_size` counts the completions of all
+    processes (TRL 1.16 grpo_config.py `__post_init__`: `steps_per_generation = generation_batch_size //
+    (per_device_train_batch_size * num_processes)`), and each rank generates its own share: the rank's setup
+    names the steps per generation instead."""
+    if setup.trainer not in GENERATING_TRAINERS or setup.generation_batch_size is None or world_size <= 1:
+        return setup
+    steps, total = grpo_generation_sizes(setup.per_device_train_batch_size, setup.gradient_accumulation_steps,
+                                         None, setup.generation_batch_size, num_processes=world_size)
+    note = (f"generation_batch_size {total} counts the completions of all {world_size} processes: each rank "
+            f"generates {total // world_size} (steps_per_generation {steps})")
+    return setup.replace(generation_batch_size=None, steps_per_generation=steps, notes=[*setup.notes, note])
 
 
 def _parallel_json(parallel, rank, device_used_bytes: int) -> dict[str, Any]:
