@@ -146,6 +146,8 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
          "leaves no room for a prompt in the model's 64 positions"),
         (["--reward-func", f"{f['rewards']}:length", "--num-generations", "3", "--batch-size", "4"],
          "invalid GRPOConfig"),
+        (["--reward-func", f"{f['rewards']}:length", "--num-generations", "0"], "`--num-generations` must be a "
+                                                                               "positive integer; got `0`"),
         (["--reward-func", f"{f['rewards']}:length", "--packing"], "is for `--trainer sft`, not `--trainer "
                                                                             "grpo`: GRPOConfig has no such setting"),
     ]
@@ -164,8 +166,10 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
          "`--reward-func` is for `--trainer grpo`"),
         (["--num-generations", "4"], "is a TRL setting; add `--trainer grpo`"),
         (["--reward-func", "trl.rewards:x"], "`--reward-func` is for `--trainer grpo`"),
-        ([dirs["policy"], "--trainer", "dpo", "--data", files["prompts"], "--beta", "0.1"],
+        ([dirs["policy"], "--trainer", "dpo", "--data", files["prompts"], "--num-generations", "4"],
          "is for `--trainer grpo`, not `--trainer dpo`"),
+        ([dirs["policy"], "--trainer", "sft", "--data", files["prompts"], "--beta", "0.1"],
+         "is for `--trainer dpo` or `--trainer grpo`, not `--trainer sft`: SFTConfig has no such setting"),
         ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"]], "`memfit train --trainer rloo` is not "
                                                                             "supported"),
     ]
@@ -174,6 +178,7 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         assert code == 2, (argv, res.err[-800:])
         assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (argv, res.err[-800:])
     for data, match in [({"loss_type": "grpoo"}, "is not a GRPOTrainer loss; use one of"),
+                        ({"num_generations": 0}, "`num_generations` in"),  # GRPOConfig would divide by it
                         ({"temperature": "hot"}, "must be a positive number (the sampling temperature"),
                         ({"reward_weights": [1.0, 2.0]}, "has 2 weights for 1 --reward-func"),
                         ({"reward_weights": "ab"}, "must be a list of numbers, one per --reward-func"),

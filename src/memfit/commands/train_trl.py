@@ -43,7 +43,8 @@ from memfit.train_setup import TRL_TRAINERS
 
 __all__ = ["TRL_TRAINERS", "TRL_DEFAULT_MAX_LENGTH", "check_trl_flags", "train_trl_command", "read_trl_data"]
 
-#: flag dest -> the trainer whose config has it (None: every TRL trainer memfit train runs, LoRA through peft_config)
+#: flag dest -> the trainer(s) whose config has it (None: every TRL trainer memfit train runs, LoRA through
+#: peft_config)
 _TRL_FLAGS = {
     "packing": "sft",
     "packing_strategy": "sft",
@@ -54,7 +55,7 @@ _TRL_FLAGS = {
     "precompute_ref_log_probs": "dpo",
     "num_generations": "grpo",
     "max_completion_length": "grpo",
-    "beta": "grpo",
+    "beta": ("dpo", "grpo"),  # DPOConfig.beta: the DPO loss's temperature; GRPOConfig.beta: the KL coefficient
     "steps_per_generation": "grpo",
     "generation_batch_size": "grpo",
     "num_iterations": "grpo",
@@ -64,8 +65,7 @@ _TRL_FLAGS = {
 
 #: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why.
 _ESTIMATE_ONLY = {"rloo": "memfit.fit recovers inside GRPOTrainer's generation, scoring and training "
-                          "(memfit.fitting.grpo_recovery), not RLOOTrainer's; run `--trainer grpo`, or RLOOTrainer "
-                          "under memfit.fit without recovery in its generation",
+                          "(memfit.fitting.grpo_recovery), not RLOOTrainer's (train with `--trainer grpo`)",
                   "reward": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (RewardTrainer is not wired)",
                   "kto": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (KTOTrainer is not wired)",
                   "distill": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (DistillationTrainer is not "
@@ -88,7 +88,7 @@ def check_trl_flags(args: argparse.Namespace) -> str:
     """The trainer `args` asks for (`trainer`, `sft`, `dpo`, `grpo`), or a MemfitError for a flag of another
     trainer."""
     trainer = getattr(args, "trainer", None) or "trainer"
-    if trainer in _ESTIMATE_ONLY:  # memfit estimate simulates them; memfit train runs SFT and DPO only
+    if trainer in _ESTIMATE_ONLY:  # memfit estimate simulates them; memfit train runs SFT, DPO and GRPO only
         raise MemfitError(f"`memfit train --trainer {trainer}` is not supported: {_ESTIMATE_ONLY[trainer]}; run "
                           f"`memfit estimate --trainer {trainer}` for its memory")
     for dest, owner in _TRL_FLAGS.items():
@@ -96,16 +96,19 @@ def check_trl_flags(args: argparse.Namespace) -> str:
         if value is None or (value is False and trainer == "trainer"):  # `--no-...` asks for nothing here
             continue
         flag = flag_name(args, dest)
+        owners = (owner,) if isinstance(owner, str) else owner
         if trainer == "trainer":
-            need = f"--trainer {owner}" if owner else "--trainer sft, dpo or grpo"
+            need = f"--trainer {' or '.join(owners)}" if owners else "--trainer sft, dpo or grpo"
             raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
                               "classifier with transformers' Trainer)")
-        if owner is not None and owner != trainer:
+        if owners is not None and trainer not in owners:
             why = {"sft": f"{_CONFIGS[trainer]} has no such setting"
                           + (" (DPOTrainer does not pack or flatten pairs)" if trainer == "dpo" else ""),
                    "dpo": "it is DPOConfig's (the reference model of DPO)",
-                   "grpo": "it is GRPOConfig's (the completions GRPO generates and scores)"}[owner]
-            raise MemfitError(f"`{flag}` is for `--trainer {owner}`, not `--trainer {trainer}`: {why}; remove it")
+                   "grpo": "it is GRPOConfig's (the completions GRPO generates and scores)"}[owners[0]] \
+                if len(owners) == 1 else f"{_CONFIGS[trainer]} has no such setting"
+            where = " or ".join(f"`--trainer {o}`" for o in owners)
+            raise MemfitError(f"`{flag}` is for {where}, not `--trainer {trainer}`: {why}; remove it")
     rewards = getattr(args, "reward_funcs", None)
     if rewards and trainer != "grpo":
         raise MemfitError("`--reward-func` is for `--trainer grpo` (GRPOTrainer's reward_funcs); "
@@ -309,7 +312,8 @@ def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict
     except TypeError as err:
         raise MemfitError(f"{cls.__name__} rejected the arguments: {str(err).splitlines()[0]}; fix the --args file") \
             from None
-    except (ValueError, KeyError, AttributeError) as err:  # enum names, TRL's __post_init__ checks
+    except (ValueError, KeyError, AttributeError, ZeroDivisionError) as err:  # enum names, TRL's __post_init__
+        # checks (GRPOConfig divides by num_generations before it checks it)
         raise MemfitError(f"invalid {cls.__name__}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")\
             from None
 
@@ -359,7 +363,8 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
                           "classification run); got " + ("neither" if args.model is None and args.data is None else
                                                           "no --data" if args.data is None else "no model"))
     check_counts(args, ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                        "max_length", "max_steps", "max_recoveries"))
+                        "max_length", "max_steps", "max_recoveries", "num_generations", "max_completion_length",
+                        "steps_per_generation", "generation_batch_size", "num_iterations"))
     check_model_dir(args.model, args.model)
     model_dir = args.model
     config = _causal_lm_check(model_dir, trainer)
@@ -385,6 +390,12 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
         notes.append(f"max_completion_length {positions // 2}: half the model's {positions} positions "
                      f"(max_position_embeddings), the rest for the prompt; GRPOConfig's default is "
                      f"{GRPO_DEFAULT_MAX_COMPLETION_LENGTH}")
+    if trainer == "grpo":  # GRPOConfig.__post_init__ divides by num_generations before it checks it
+        for name in ("num_generations", "steps_per_generation", "generation_batch_size", "num_iterations",
+                     "max_completion_length"):
+            value = kwargs.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise MemfitError(f"`{name}` in `{args.args_file}` must be a positive integer; got `{value!r}`")
     targs = trl_config(trainer, output_dir, use_cpu, kwargs)  # every setting checked before the data is read
     from memfit.train_setup import TrainSetup
 
