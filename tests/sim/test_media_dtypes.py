@@ -53,6 +53,7 @@ def test_no_fix_where_the_run_starts():
     assert dtype_fix(torch.float16, ints, "fp32", T4) is None
 
 
+@pytest.mark.slow
 def test_estimate_names_the_exact_flags(tmp_path):
     model = tiny_whisper(tmp_path)
     setup = TrainSetup(model=model, audio_seconds=1, max_length=8, compute_capability=T4)
