@@ -560,7 +560,9 @@ def _with_vllm_wakeup(report: MemoryReport, trace: list[TraceEvent], spec: GpuSp
     the training process holds then: the tensors alive when a generation's scoring starts, PyTorch's cache emptied
     first, vllm_generation.py `sync_weights`), and whether that fits the card too. The most over the trace's
     generations counts: the first holds the weights only, a later one also the optimizer state of the steps
-    before it. Without sleep mode the share is held all along and `device_used_bytes` counts it already."""
+    before it; an evaluation's (GRPOTrainer.prediction_step generates with vLLM too) holds the training step's
+    buffered generation batch besides. Without sleep mode the share is held all along and `device_used_bytes` counts
+    it already."""
     vllm = report.rl["vllm"]
     if vllm["mode"] != "colocate":
         return report
@@ -569,7 +571,7 @@ def _with_vllm_wakeup(report: MemoryReport, trace: list[TraceEvent], spec: GpuSp
     live: dict[int, int] = {}
     held, phase = 0, None
     for ev in trace:
-        if ev.phase == "scoring" and phase != "scoring":  # a generation: vLLM wakes up beside what is alive
+        if ev.phase in ("scoring", "eval") and phase != ev.phase:  # a generation: vLLM wakes up beside what is alive
             held = max(held, sum(live.values()))
         phase = ev.phase
         if ev.action == "alloc":

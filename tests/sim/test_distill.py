@@ -1,7 +1,7 @@
 """TRL's DistillationTrainer (memfit.sim.distill_steps): DistillationConfig's names against the installed TRL, the
 whole step (generation, the student's and the teacher's backbones, the chunked divergence) on real CPU tensors
-against FakeTensors, the divergence kernels' CUDA allocations, and the closed form: the teacher is exactly one
-copy of its own weights, with no gradients and no optimizer state."""
+against FakeTensors, the divergence kernels' CUDA allocations, the evaluation against TRL's real `evaluate()`, and the
+closed form: the teacher is exactly one copy of its own weights, with no gradients and no optimizer state."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
 import torch  # noqa: E402
-from helpers import real_and_fake  # noqa: E402
+from helpers import char_tokenizer, eos_beyond_vocab_llama, live_peaks, real_and_fake  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from memfit import TrainSetup, estimate  # noqa: E402
@@ -135,3 +135,49 @@ def test_teacher_is_one_copy_of_its_weights(teacher_dir):
     wa, wb = a.phase_breakdowns["optimizer"], b.phase_breakdowns["optimizer"]
     assert wa["weights"] - wb["weights"] == copy_bytes(TEACHER) - copy_bytes(STUDENT)
     assert wa["optimizer_state"] == wb["optimizer_state"] and wa["gradients"] == wb["gradients"]
+
+
+@pytest.mark.slow
+def test_eval_phase_matches_real_distillation_trainer_evaluate(tmp_path):
+    """DistillationTrainer.prediction_step (TRL 1.16) generates one completion per eval prompt, then the student's and
+    the teacher's backbones and the chunked divergence under no_grad: memfit's `eval` phase (after two simulated
+    optimizer steps) against TRL's real `evaluate()` of one eval batch measured by memfit's tracker on the CPU, above
+    what is alive when each starts: the peak before the divergence (generation, the padded batch) equal, the whole
+    phase's within 0.1% (the entropy metric's gather is not simulated)."""
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
+
+    from memfit.sim import engine
+
+    student, teacher = eos_beyond_vocab_llama(), eos_beyond_vocab_llama(hidden=96, layers=3)
+    for config in (student, teacher):
+        config._attn_implementation = "sdpa"
+    LlamaForCausalLM(teacher).save_pretrained(tmp_path / "teacher")
+    prompts = ["abcdefghijklmnop", "qrstuvw"] * 4  # 8 prompts, left-padded, the longest 16 tokens
+    torch.manual_seed(0)
+    args = DistillationConfig(str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                              per_device_eval_batch_size=8, max_completion_length=24, use_cpu=True, report_to="none",
+                              logging_strategy="no", save_strategy="no", eval_strategy="steps", bf16=False,
+                              gradient_checkpointing=False, disable_tqdm=True,
+                              teacher_model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"})
+    t = DistillationTrainer(model=LlamaForCausalLM(student), teacher_model=str(tmp_path / "teacher"), args=args,
+                            train_dataset=Dataset.from_dict({"prompt": prompts}),
+                            eval_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=char_tokenizer())
+    tr = StorageTracker()
+    with trl_adapter.divergence_kernels(), tr:
+        for m in (t.model, t.teacher_model):
+            for w in list(m.parameters()) + list(m.buffers()):
+                tr.register(w, "weights")
+        first = len(tr.events)
+        metrics = t.evaluate()
+    assert metrics["eval_completions/min_length"] == 24  # no completion stopped early: the worst case memfit predicts
+    real_peak, real_pre = live_peaks(tr.trace()[first:])
+    setup = TrainSetup(model=student, task="causal-lm", trainer="distill", teacher_model=str(tmp_path / "teacher"),
+                       per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=24,
+                       example_lengths=[len(p) for p in prompts], optim="adamw_torch", attn_implementation="sdpa",
+                       precision="fp32", eval_strategy="steps", per_device_eval_batch_size=8, eval_samples=len(prompts),
+                       gradient_checkpointing=False)
+    peak, pre = live_peaks(engine.simulate(setup, splice=False).trace, "eval")
+    assert pre == real_pre
+    assert abs(peak - real_peak) <= 0.001 * real_peak, (peak, real_peak)
+

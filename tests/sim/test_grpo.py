@@ -4,6 +4,7 @@ step on real tensors against FakeTensors, and the closed forms (KV cache, refere
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 
@@ -12,7 +13,7 @@ import pytest
 trl = pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
 import torch  # noqa: E402
-from helpers import real_and_fake, trace_key  # noqa: E402
+from helpers import char_tokenizer, eos_beyond_vocab_llama, live_peaks, real_and_fake, trace_key  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from memfit import TrainSetup, estimate  # noqa: E402
@@ -207,7 +208,9 @@ SPLICE_CASES = [pytest.param(dict(), id="default"),
                              marks=pytest.mark.slow),
                 pytest.param(dict(precision="bf16", gradient_checkpointing=True, beta=0.04), id="bf16-checkpointing",
                              marks=pytest.mark.slow),
-                pytest.param(dict(num_iterations=2, max_completion_length=1), id="one-token", marks=pytest.mark.slow)]
+                pytest.param(dict(num_iterations=2, max_completion_length=1), id="one-token", marks=pytest.mark.slow),
+                pytest.param(dict(eval_strategy="steps", per_device_eval_batch_size=8, beta=0.04), id="eval",
+                             marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kw", SPLICE_CASES)
@@ -228,7 +231,8 @@ def test_spliced_grpo_trace_equals_full_model_trace(kw, monkeypatch):
     a, b = trace_key(spliced.trace), trace_key(full.trace)
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     assert a == b, f"first difference at event {first}: spliced {a[first:first + 3]} full {b[first:first + 3]}"
-    assert peaks(spliced.trace).by_phase.keys() >= {"scoring", "forward", "backward"}
+    assert peaks(spliced.trace).by_phase.keys() >= {"scoring", "forward", "backward"} | (
+        {"eval"} if "eval_strategy" in kw else set())
 
 
 def test_old_log_probs_only_when_trl_computes_them():
@@ -295,3 +299,138 @@ def test_vllm_share_too_small_for_the_weights_does_not_fit():
     assert r.fits is False and any("vLLM fails at start-up" in n for n in r.notes)
 
 
+
+
+# -- evaluation: memfit's eval phase against TRL's real GRPOTrainer.evaluate on the CPU ---------------------------
+
+#: The eval prompts (one token per character), of different lengths: left-padded, the longest P = 16 tokens.
+EVAL_PROMPTS = ["abcdefghijklmnop", "qrstuvw"]
+EVAL_LLAMA = eos_beyond_vocab_llama()
+EVAL_BATCH, EVAL_COMPLETION = 8, 24
+
+
+def _real_evaluate(tmp_path, trainer: str, **kw):
+    """TRL's GRPOTrainer / RLOOTrainer `evaluate()` on the CPU (one eval step of EVAL_BATCH completions), under
+    memfit's tracker with TRL's log-prob kernels allocating as on CUDA (as memfit simulates them); the weights
+    registered first. Returns (the trace, the completions' lengths)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    from memfit.sim import _trl_adapter as trl_adapter
+
+    config_cls, trainer_cls = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}[trainer]
+    torch.manual_seed(0)
+    config = copy.deepcopy(EVAL_LLAMA)  # a model writes into its config (the attention implementation)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    if kw.get("beta", {"grpo": 0.0, "rloo": 0.05}[trainer]) > 0:  # the reference copy is loaded from the model's path
+        model.save_pretrained(tmp_path / "model")
+        model = str(tmp_path / "model")
+    args = config_cls(str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      num_generations=4, per_device_eval_batch_size=EVAL_BATCH, max_completion_length=EVAL_COMPLETION,
+                      use_cpu=True, report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="steps",
+                      bf16=False, gradient_checkpointing=False, disable_tqdm=True,
+                      model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"}, **kw)
+    t = trainer_cls(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+                    args=args, train_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS * 4}),
+                    eval_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS}), processing_class=char_tokenizer())
+    lengths = []
+    generate = t._generate_single_turn
+
+    def counted(*a, **k):
+        out = generate(*a, **k)
+        lengths.extend(len(ids) for ids in (out[0] if isinstance(out, tuple) else out))  # GRPO's: a tuple
+        return out
+
+    t._generate_single_turn = counted
+    tr = StorageTracker()
+    with trl_adapter.cuda_kernels(), tr:
+        weights = [t.model.parameters(), t.model.buffers()]
+        if getattr(t, "ref_model", None) is not None:
+            weights += [t.ref_model.parameters(), t.ref_model.buffers()]
+        for group in weights:
+            for w in group:
+                tr.register(w, "weights")
+        first = len(tr.events)
+        t.evaluate()
+    return tr.trace()[first:], lengths
+
+
+EVAL_CASES = [pytest.param("grpo", dict(), id="grpo"),
+              pytest.param("grpo", dict(beta=0.04), id="grpo-beta-reference-copy", marks=pytest.mark.slow),
+              pytest.param("rloo", dict(), id="rloo-reference-copy", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("trainer, kw", EVAL_CASES)
+def test_eval_phase_matches_real_trainer_evaluate(trainer, kw, tmp_path):
+    """GRPOTrainer / RLOOTrainer.prediction_step (TRL 1.16) generates the eval batch's completions, scores them and
+    computes the loss under no_grad: memfit's `eval` phase (after two simulated optimizer steps) against TRL's real
+    `evaluate()` measured by memfit's tracker on the CPU, above what is alive when each starts: the whole phase's
+    peak and the peak before the loss (generation and scoring) within 0.1%. (What differs: TRL's logging metrics,
+    a few scalars; the host copies a GPU run makes and a CPU run does not.)"""
+    real, lengths = _real_evaluate(tmp_path, trainer, **kw)
+    assert lengths == [EVAL_COMPLETION] * EVAL_BATCH  # no completion stopped early: the worst case memfit predicts
+    setup = TrainSetup(model=EVAL_LLAMA, task="causal-lm", trainer=trainer, per_device_train_batch_size=4,
+                       gradient_accumulation_steps=2, num_generations=4, max_completion_length=EVAL_COMPLETION,
+                       example_lengths=[len(p) for p in EVAL_PROMPTS], optim="adamw_torch", attn_implementation="sdpa",
+                       precision="fp32", eval_strategy="steps", per_device_eval_batch_size=EVAL_BATCH,
+                       eval_samples=len(EVAL_PROMPTS), gradient_checkpointing=False, **kw)
+    from memfit.sim import engine
+
+    sim = engine.simulate(setup, splice=False)
+    (peak, pre), (real_peak, real_pre) = live_peaks(sim.trace, "eval"), live_peaks(real)
+    assert abs(peak - real_peak) <= 0.001 * real_peak, (peak, real_peak)
+    assert abs(pre - real_pre) <= 0.001 * real_pre, (pre, real_pre)
+    # the eval batch's KV cache: per_device_eval_batch_size sequences of P + C - 1 tokens at the end
+    layer = EVAL_BATCH * 2 * (64 // 4) * (16 + EVAL_COMPLETION - 1) * 4
+    cache = [ev for ev in sim.trace if ev.phase == "eval" and ev.action == "alloc" and ev.size_bytes == layer]
+    assert sum(ev.size_bytes for ev in cache) == grpo_steps.kv_cache_bytes(
+        EVAL_LLAMA, sequences=EVAL_BATCH, tokens=16 + EVAL_COMPLETION - 1, dtype_bytes=4)
+
+
+def test_eval_with_vllm_holds_no_generation_tensors_and_wakes_vllm():
+    """With vLLM, prediction_step generates with vLLM too: the eval phase holds no KV cache of the training model
+    (the closed form's cache appears only without vLLM); in sleep mode vLLM wakes for the eval batch beside what
+    training holds then (the buffered generation batch, the weights, Adam's state), counted in what nvidia-smi shows."""
+    from memfit.sim import engine
+
+    layer = 8 * 2 * (64 // 4) * (16 + 24 - 1) * 4  # one cache layer's keys of 8 eval sequences, P + C - 1 tokens
+
+    def cache_allocs(sim):
+        return [ev for ev in sim.trace if ev.phase == "eval" and ev.action == "alloc" and ev.size_bytes == layer]
+
+    plain = engine.simulate(_setup(eval_strategy="steps", per_device_eval_batch_size=8), splice=False)
+    vllm = engine.simulate(_setup(eval_strategy="steps", per_device_eval_batch_size=8, use_vllm=True), splice=False)
+    assert len(cache_allocs(plain)) == 2 * LLAMA.num_hidden_layers and not cache_allocs(vllm)
+    phases = {ev.phase for ev in vllm.trace}
+    assert phases >= {"eval", "scoring"} and "generation" not in phases
+    r = estimate(_setup(eval_strategy="steps", per_device_eval_batch_size=8, use_vllm=True,
+                        vllm_enable_sleep_mode=True), gpu="A100-80GB")
+    assert r.phases["eval"] > 0
+    from memfit.peaks import rounded
+
+    live, phase, held = {}, None, {}
+    for ev in r.trace:  # what is alive (as the allocator rounds it) when each generation's vLLM wakes up
+        if ev.phase in ("scoring", "eval") and phase != ev.phase:
+            held.setdefault(ev.phase, []).append(sum(live.values()))
+        phase = ev.phase
+        if ev.action == "alloc":
+            live[ev.id] = rounded(ev.size_bytes)
+        elif ev.action == "free":
+            live.pop(ev.id, None)
+    v = r.rl["vllm"]
+    # the eval batch's generation comes after the optimizer steps, beside the buffered batch: it holds the most
+    assert held["eval"][0] > max(held["scoring"])
+    assert v["training_held_at_generation_bytes"] == held["eval"][0]
+    assert r.device_used_bytes >= v["device_used_at_generation_bytes"]
+
+
+def test_eval_batch_must_hold_whole_groups_of_num_generations_eval():
+    """GRPOConfig.__post_init__: with evaluation, per_device_eval_batch_size must be divisible by
+    `num_generations_eval or num_generations`."""
+    _setup(eval_strategy="steps", per_device_eval_batch_size=6, num_generations_eval=3)
+    with pytest.raises(MemfitError) as err:
+        _setup(eval_strategy="steps", per_device_eval_batch_size=6)
+    assert "num_generations `4`" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(MemfitError, match="num_generations_eval `4`"):
+        _setup(eval_strategy="steps", per_device_eval_batch_size=6, num_generations_eval=4)

@@ -28,9 +28,12 @@ position valid (the worst case: every completion `max_completion_length` long): 
 `index_select` of `N` rows, which allocates the same copy and saves the same `[N]` indices. The divergence kernels
 allocate as on CUDA (memfit.sim._trl_adapter.divergence_kernels).
 
-Known limitations: the entropy metric's gather, tool calls, vision inputs, vLLM generation and evaluation are
-not simulated; the teacher is loaded in the student's `weights_dtype` setting (`teacher_model_init_kwargs`'
-dtype is not read).
+Evaluation (phase `eval`, `evaluation`: prediction_step): `_prepare_inputs` in eval generates for the eval batch
+(`per_device_eval_batch_size` prompts, one completion each), pads it on the device and runs `compute_loss` under
+no_grad.
+
+Known limitations: the entropy metric's gather, tool calls, vision inputs and vLLM generation are not simulated;
+the teacher is loaded in the student's `weights_dtype` setting (`teacher_model_init_kwargs`' dtype is not read).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim import grpo_steps
 from memfit.trace import FORWARD, GENERATION
 
-__all__ = ["micro_loss", "divergence_loss", "last_hidden_state"]
+__all__ = ["micro_loss", "evaluation", "divergence_loss", "last_hidden_state"]
 
 
 def last_hidden_state(model: torch.nn.Module, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
@@ -81,7 +84,8 @@ def divergence_loss(student_hidden, teacher_hidden, student_head, teacher_head, 
     del h_s, h_t
     loss = per_token_divergence.sum()
     entropy_sum = per_token_entropy.sum()
-    loss = loss / num_items_in_batch
+    # None (evaluation: compute_loss passes it only in training): the mean over the local valid tokens
+    loss = loss / (n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
     return loss, entropy_sum, n_valid
 
 
@@ -96,10 +100,13 @@ def _window(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _loss(runner: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """DistillationTrainer.compute_loss / _compute_loss (module docstring)."""
+def _loss(runner: Any, inputs: dict[str, torch.Tensor], *, evaluation: bool = False) -> torch.Tensor:
+    """DistillationTrainer.compute_loss / _compute_loss (module docstring); `evaluation`: the model in eval mode,
+    no `num_items_in_batch` (compute_loss reads it only `if self.model.training`)."""
     s = runner.setup
-    num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0) / 1  # / accelerator.num_processes
+    num_items_in_batch = None
+    if not evaluation:
+        num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0) / 1  # / accelerator.num_processes
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     mask = inputs["completion_mask"]
@@ -138,3 +145,15 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     with trl_adapter.divergence_kernels():
         loss = _loss(runner, inputs)
     return loss, start
+
+
+def evaluation(runner: Any) -> torch.Tensor:
+    """DistillationTrainer.prediction_step on one eval batch (module docstring): the eval loss, a device scalar."""
+    s = runner.setup
+    g, p, c = s.per_device_eval_batch_size, s.sequence_length, s.max_completion_length
+    grpo_steps.generation(runner, g, p, c)
+    inputs = _window(runner, g, p, c)
+    with torch.no_grad(), trl_adapter.divergence_kernels():
+        out = _loss(runner, inputs, evaluation=True).mean().detach()
+    del inputs
+    return out

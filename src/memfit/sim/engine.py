@@ -108,17 +108,19 @@ def _media_batch(setup: TrainSetup, batch: int, media: MediaInputs, model: nn.Mo
     return out
 
 
-def _check_media_dtypes(model: nn.Module, media: MediaInputs, setup: TrainSetup) -> None:
+def _check_media_dtypes(model: nn.Module, media: MediaInputs, setup: TrainSetup,
+                        compute_capability: tuple[int, int]) -> None:
     """A one-line MemfitError for a run that fails on its first convolution: without autocast (fp32 precision) the
     processor's float32 pixel_values / input_features meet 16-bit weights, and F.conv1d / conv2d raise "Input type
-    (float) and bias type (c10::Half) should be the same", on a GPU as on the CPU."""
+    (float) and bias type (c10::Half) should be the same", on a GPU as on the CPU. The message names the flags of
+    the change that runs (memfit.sim.media_dtypes)."""
+    from memfit.sim.media_dtypes import dtype_fix
+
     weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    floats = [name for name, (_, dtype) in media.tensors.items() if dtype == torch.float32]
-    if setup.precision == "fp32" and weights != torch.float32 and floats:
-        dtype = str(weights).removeprefix("torch.")
-        raise MemfitError(f"the weights are {dtype} but precision is fp32: the processor's float32 `{floats[0]}` meets "
-                          f"{dtype} weights without autocast and the first convolution fails; use `--precision "
-                          f"{'bf16' if weights == torch.bfloat16 else 'fp16'}` (mixed precision) or `--weights-dtype fp32`")
+    fix = dtype_fix(weights, media, setup.precision, compute_capability)
+    if fix is not None:
+        raise MemfitError(f"{fix.cause}; use `{fix.flags}` ({fix.why_changes}), or `--weights-dtype fp32` alone to "
+                          "train in fp32")
 
 
 def _make_batch(model: nn.Module, setup: TrainSetup, batch: int, *, seq: int,
@@ -201,8 +203,7 @@ class _Runner:
             self.media = media_inputs(setup, self.spec, self.model)
         if self.media is not None:
             self.notes = [*self.notes, *self.media.notes]
-            if self.media.example is None:  # a vision-language model casts pixel_values to its tower's dtype itself
-                _check_media_dtypes(self.model, self.media, setup)
+            _check_media_dtypes(self.model, self.media, setup, self.compute_capability)
         self.eval_model = self.fwd_model  # the evaluation forward is spliced too
         self.host = None  # memfit.sim.host_values.HostValues of a vision-language model (`_cuda_emulation`)
         self.liger_log: list[str] = []
@@ -474,6 +475,8 @@ class _Runner:
             tr.tag_fn = self.tagger.current
         else:
             tr.tag_fn = lambda: None
+        if s.trainer in trl_steps.GENERATING_EVAL:  # its prediction_step generates and scores first
+            return self._generating_evaluate(first_event)
         batch = _make_batch(self.eval_model, s, s.per_device_eval_batch_size, seq=s.sequence_length, media=self.media)
         self._register_batch(batch)
         if self.host is not None:
@@ -520,7 +523,33 @@ class _Runner:
                 per_step += [t.untyped_storage().nbytes() for t in labels]
         if generated is not None:
             tr.synthetic_free(generated)
+        alive = [preds, labels, loss, batch]  # the loop's variables live on while the buffers grow
+        del preds, labels, loss, batch
+        return self._hold_eval_outputs(per_step, s.eval_samples or DEFAULT_EVAL_SAMPLES, first_event, alive)
+
+    def _generating_evaluate(self, first_event: int) -> int:
+        """GRPO / RLOO / distillation: `prediction_step` generates, scores and computes the loss of the eval batch
+        under no_grad (memfit.sim.trl_steps.eval_loss, which splices its own passes); the loop keeps the losses
+        (`losses.repeat(batch_size)`, no logits or labels). GRPO's and RLOO's eval sampler repeats each example
+        `num_generations_eval` times."""
+        s = self.setup
+        loss = trl_steps.eval_loss(self)
+        first_event = max(first_event, getattr(self, "grpo_spliced_events", first_event))
+        losses = loss.repeat(s.per_device_eval_batch_size)
+        per_step = [losses.untyped_storage().nbytes()]
+        alive = [loss, losses]
+        del loss, losses
         samples = s.eval_samples or DEFAULT_EVAL_SAMPLES
+        if s.trainer in ("grpo", "rloo"):
+            samples *= s.num_generations_eval or s.num_generations
+        return self._hold_eval_outputs(per_step, samples, first_event, alive)
+
+    def _hold_eval_outputs(self, per_step: list[int], samples: int, first_event: int, alive: list) -> int:
+        """EvalLoopContainer's device buffers over the eval steps (`per_step` bytes each step) while the last step's
+        tensors (`alive`, emptied here) are alive, then the splice of the evaluation and train mode back; the number
+        of eval steps the buffers hold."""
+        tr = self.tracker
+        s = self.setup
         n_steps = math.ceil(samples / s.per_device_eval_batch_size)
         held = min(n_steps, s.eval_accumulation_steps or n_steps)
         first = max(1, held - _MAX_EVAL_CONCAT_EVENTS + 1)
@@ -533,7 +562,7 @@ class _Runner:
                 if buffers[i] is not None:
                     tr.synthetic_free(buffers[i])
                 buffers[i] = new
-        del preds, labels, loss, batch
+        alive.clear()
         for b in buffers:
             if b is not None:
                 tr.synthetic_free(b)
@@ -679,8 +708,7 @@ class _Runner:
                 self.tracker.phase = "forward"
                 self.replay(first, last)
                 self.optimizer_step()
-            # GRPO's evaluation generates too (GRPOTrainer.prediction_step): not simulated (trl_steps.notes says so)
-            held = self.evaluate() if s.does_eval and not optimizer_only and s.trainer not in ("grpo", "rloo", "distill") else 0
+            held = self.evaluate() if s.does_eval and not optimizer_only else 0
             trace = [e for e in self.tracker.trace() if e.category not in ("host", "paged")]
             paged = sum(r.size_bytes for r in self.tracker.records if r.category == "paged")
         params = {id(p): p for p in self.model.parameters()}

@@ -45,8 +45,12 @@ the full model's.
 
 Known limitations: TRL's logging metrics (clip ratios, entropy means: `[B, C]` temporaries freed before the
 backward) are not simulated; other `loss_type`s are simulated as `dapo` (the same `[B, C]` element-wise ops);
-the reward functions run on the host (a reward *model* on the GPU is not modelled); evaluation is not
-simulated.
+the reward functions run on the host (a reward *model* on the GPU is not modelled).
+
+Evaluation (phase `eval`, `evaluation`: GRPOTrainer.prediction_step): the eval batch of `per_device_eval_batch_size`
+completions (whole groups of `num_generations_eval`) generated, scored and its loss computed under no_grad, the
+model in eval mode, beside the training step's buffered generation batch; the evaluation loop's losses are the
+engine's (memfit.sim.engine `_hold_eval_outputs`).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from memfit.sim.autocast import cuda_autocast
 from memfit.sim.splice import K, LayerTagger, SpliceCarry, SpliceRefused, close_carry, splice_events
 from memfit.trace import FORWARD, GENERATION, SCORING
 
-__all__ = ["micro_loss", "generation", "needs_old_log_probs", "kv_cache_bytes"]
+__all__ = ["micro_loss", "evaluation", "eval_generations", "generation", "needs_old_log_probs", "kv_cache_bytes"]
 
 
 def kv_cache_bytes(config: Any, *, sequences: int, tokens: int, dtype_bytes: int) -> int:
@@ -317,8 +321,10 @@ def _log_probs(runner: Any, model: torch.nn.Module, input_ids, attention_mask, c
     return trl_adapter.grpo_log_probs(_TrainerView(low), call, input_ids, attention_mask, c, **kwargs)
 
 
-def _score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
-    """GRPOTrainer._generate_and_score_completions on the device: the generation batch it returns."""
+def _score(runner: Any, g: int, p: int, c: int, *, evaluation: bool = False) -> dict[str, torch.Tensor]:
+    """GRPOTrainer._generate_and_score_completions on the device: the generation batch it returns. `evaluation`: the
+    eval batch (`mode == "eval"`: scored in chunks of `per_device_eval_batch_size`, groups of
+    `num_generations_eval`)."""
     s = runner.setup
     tr = runner.tracker
     batch = {"prompt_ids": _longs(g, p), "prompt_mask": _longs(g, p), "completion_ids": _longs(g, c),
@@ -329,9 +335,9 @@ def _score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
     batch["num_items_in_batch"] = batch["completion_mask"].sum()
     prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    b = s.per_device_train_batch_size
+    b = s.per_device_eval_batch_size if evaluation else s.per_device_train_batch_size
     with torch.no_grad(), _checkpointing_off(runner):
-        if needs_old_log_probs(s):
+        if needs_old_log_probs(s):  # GRPOTrainer tests the same condition in eval
             batch["old_per_token_logps"], _, _ = _log_probs(runner, runner.fwd_model, prompt_completion_ids,
                                                             attention_mask, c, batch_size=b, spliced=True)
         if s.use_vllm:  # vLLM's log-probs of the sampled tokens, and the importance sampling ratio from them
@@ -352,16 +358,18 @@ def _score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
                                                                     attention_mask, c, batch_size=b, spliced=True)
     del prompt_completion_ids, attention_mask
     # rewards [G, functions] on the device, grouped by prompt: the advantages [G]
+    n = eval_generations(s) if evaluation else s.num_generations
     rewards = torch.zeros(g, 1).sum(dim=1)
-    mean = rewards.view(-1, s.num_generations).mean(dim=1).repeat_interleave(s.num_generations, dim=0)
-    std = rewards.view(-1, s.num_generations).std(dim=1).repeat_interleave(s.num_generations, dim=0)
+    mean = rewards.view(-1, n).mean(dim=1).repeat_interleave(n, dim=0)
+    std = rewards.view(-1, n).std(dim=1).repeat_interleave(n, dim=0)
     batch["advantages"] = (rewards - mean) / (std + 1e-4)
     del rewards, mean, std
     return batch
 
 
-def _loss(runner: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """GRPOTrainer._compute_loss, default `loss_type="dapo"` (values do not change the trace)."""
+def _loss(runner: Any, inputs: dict[str, torch.Tensor], *, evaluation: bool = False) -> torch.Tensor:
+    """GRPOTrainer._compute_loss, default `loss_type="dapo"` (values do not change the trace). `evaluation`: under
+    prediction_step's no_grad, the forward spliced as it returns, the normalizer not rescaled for accumulation."""
     s = runner.setup
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -369,7 +377,7 @@ def _loss(runner: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     attention_mask = torch.cat([prompt_mask, mask], dim=1)
     c = completion_ids.size(1)
     per_token_logps, entropies, _ = _log_probs(runner, runner.fwd_model, input_ids, attention_mask, c,
-                                               compute_entropy=True)
+                                               compute_entropy=True, spliced=evaluation)
     del input_ids, attention_mask
     advantages = inputs["advantages"].unsqueeze(1)
     old = inputs.get("old_per_token_logps")
@@ -386,8 +394,10 @@ def _loss(runner: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
     if s.beta != 0.0:
         per_token_loss = per_token_loss + s.beta * per_token_kl
-    steps, _ = s.grpo_sizes
-    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) * s.gradient_accumulation_steps / steps
+    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / 1  # / accelerator.num_processes
+    if not evaluation:  # "in eval, the batch is neither split across steps nor accumulated"
+        steps, _ = s.grpo_sizes
+        normalizer = normalizer * s.gradient_accumulation_steps / steps
     loss = (per_token_loss * mask).sum() / normalizer
     del entropies
     return loss
@@ -421,3 +431,34 @@ def micro_loss(runner: Any, score: Callable[..., dict] | None = None,
     inputs = runner._grpo_buffer[step % steps]
     start = len(tr.records)
     return loss(runner, inputs), start
+
+
+def eval_generations(setup: Any) -> int:
+    """Completions per prompt in evaluation: GRPOTrainer / RLOOTrainer `num_generations_eval or num_generations`."""
+    return setup.num_generations_eval or setup.num_generations
+
+
+def evaluation(runner: Any, score: Callable[..., dict] | None = None,
+               loss: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """GRPOTrainer.prediction_step on one eval batch (TRL 1.16), the model in eval mode: `_prepare_inputs` in eval
+    neither buffers nor reuses, so `_generate_and_score_completions` generates one completion per row of the batch
+    (`per_device_eval_batch_size` rows, each prompt repeated `num_generations_eval` times by the eval sampler:
+    `generation` for that many sequences, or vLLM's) and scores it in chunks of `per_device_eval_batch_size`; then
+    `compute_loss` under no_grad on the whole batch, and `loss.mean().detach()`. Every pass of a cut model is spliced
+    as it ends (the training buffer stays alive: `_buffered_inputs`). Returns the eval loss (a device scalar).
+    `score` and `loss` replace GRPO's own (RLOO)."""
+    score = score or _score
+    loss = loss or _loss
+    s = runner.setup
+    tr = runner.tracker
+    g, p, c = s.per_device_eval_batch_size, s.sequence_length, s.max_completion_length
+    runner.grpo_spliced_events = len(tr.events)
+    if not s.use_vllm:
+        generation(runner, g, p, c)
+    inputs = score(runner, g, p, c, evaluation=True)
+    with torch.no_grad():
+        out = loss(runner, inputs, evaluation=True)
+        out = out.mean().detach()
+    del inputs
+    _splice(runner)
+    return out

@@ -20,7 +20,7 @@ RLOOConfig's defaults differ from GRPOConfig's where memory depends on them: `be
 default) and `num_generations=2` (memfit.train_setup resolves both when they are not given).
 
 Known limitations: as for GRPO, TRL's logging metrics (the KL and entropy means, clip ratios: device scalars and
-`[B, C]` temporaries freed at once) are not simulated, nor evaluation; rewards come from reward functions on the
+`[B, C]` temporaries freed at once) are not simulated; rewards come from reward functions on the
 host (a reward *model* on the GPU is not modelled); `normalize_advantages` and `reward_clip_range` change `[G]`
 tensors only. Unscorable rewards are marked with an in-place `masked_fill_` where TRL writes `rewards[mask] = nan`
 (an index_put with a boolean mask, whose `[k]` index tensor is data-dependent).
@@ -35,14 +35,15 @@ import torch
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim import grpo_steps
 
-__all__ = ["micro_loss", "score", "loss"]
+__all__ = ["micro_loss", "evaluation", "score", "loss"]
 
 #: RLOOConfig's clipping defaults (TRL 1.16 rloo_config.py: epsilon 0.2, epsilon_high None -> epsilon).
 _EPSILON_LOW = _EPSILON_HIGH = 0.2
 
 
-def score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
-    """RLOOTrainer._generate_and_score_completions on the device: the generation batch it returns."""
+def score(runner: Any, g: int, p: int, c: int, *, evaluation: bool = False) -> dict[str, torch.Tensor]:
+    """RLOOTrainer._generate_and_score_completions on the device: the generation batch it returns (`evaluation`:
+    the eval batch, scored in chunks of `per_device_eval_batch_size`, groups of `num_generations_eval`)."""
     s = runner.setup
     tr = runner.tracker
     batch = {"prompt_ids": grpo_steps._longs(g, p), "prompt_mask": grpo_steps._longs(g, p),
@@ -51,7 +52,7 @@ def score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
         tr.register(t, "inputs")
     prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # (G, P+C)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    b = s.per_device_train_batch_size
+    b = s.per_device_eval_batch_size if evaluation else s.per_device_train_batch_size
     mask = batch["completion_mask"]
     ref_per_token_logps = None
     with torch.no_grad(), grpo_steps._checkpointing_off(runner):
@@ -78,7 +79,7 @@ def score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
         kl = (per_token_kl * mask).sum(-1)
         rewards = rewards - s.beta * kl
         del per_token_kl, kl
-    grouped = rewards.view(-1, s.num_generations)
+    grouped = rewards.view(-1, grpo_steps.eval_generations(s) if evaluation else s.num_generations)
     mean_grouped = torch.nanmean(grouped, dim=1)
     std_rewards = trl_adapter.nanstd(grouped, dim=1)
     # the leave-one-out baseline over each group's scorable siblings
@@ -95,16 +96,16 @@ def score(runner: Any, g: int, p: int, c: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-def loss(runner: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def loss(runner: Any, inputs: dict[str, torch.Tensor], *, evaluation: bool = False) -> torch.Tensor:
     """RLOOTrainer._compute_loss: sequence-level ratio, clipped, the micro-batch mean (values do not change the
-    trace)."""
+    trace); `evaluation`: under prediction_step's no_grad, the forward spliced as it returns."""
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, mask], dim=1)
     c = completion_ids.size(1)
     per_token_logps, entropies, _ = grpo_steps._log_probs(runner, runner.fwd_model, input_ids, attention_mask, c,
-                                                          compute_entropy=True)
+                                                          compute_entropy=True, spliced=evaluation)
     del input_ids, attention_mask
     logps = (per_token_logps * mask).sum(1)
     log_ratio = logps - inputs["old_logps"]
@@ -121,3 +122,9 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
     """The loss of one RLOO micro-step: GRPOTrainer's buffer (`RLOOTrainer._prepare_inputs`) filled by RLOO's
     scoring, and RLOO's loss."""
     return grpo_steps.micro_loss(runner, score=score, loss=loss)
+
+
+def evaluation(runner: Any) -> torch.Tensor:
+    """RLOOTrainer.prediction_step (GRPOTrainer's, line for line): one eval batch generated, scored by RLOO's
+    scoring and its loss under no_grad (memfit.sim.grpo_steps.evaluation)."""
+    return grpo_steps.evaluation(runner, score=score, loss=loss)

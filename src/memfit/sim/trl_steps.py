@@ -38,8 +38,9 @@ DPOTrainer (dpo_trainer.py `DataCollatorForPreference.torch_call`, `_compute_los
 `activation_offloading=True`: the forward and the loss run inside TRL's offloading context
 (`activation_offloading`, memfit.sim.offload's rule of trl/models/activation_offloading.py).
 
-Not simulated: TRL's logging metrics (a few device scalars), evaluation (Trainer's evaluation loop is
-simulated, with full logits, an upper bound). Liger (`use_liger_kernel`) applies its layer kernels only, as TRL
+Not simulated: TRL's logging metrics (a few device scalars), SFT / DPO / KTO evaluation (Trainer's evaluation loop
+is simulated, with full logits, an upper bound; GRPO's, RLOO's and distillation's evaluation generates:
+GENERATING_EVAL, `eval_loss`). Liger (`use_liger_kernel`) applies its layer kernels only, as TRL
 applies it (`liger_config`).
 """
 
@@ -56,7 +57,8 @@ from memfit.errors import MemfitError
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
 
-__all__ = ["liger_config", "prepare_model", "prepare_cut", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch", "activation_offloading",
+__all__ = ["liger_config", "prepare_model", "GENERATING_EVAL", "eval_loss",
+           "prepare_cut", "build_reference", "materialize_reference", "kernels", "micro_loss", "sft_batch", "activation_offloading",
            "dpo_batch", "wants_splice", "notes", "LOSS_SCALED_FOR_GA"]
 
 #: The trainers that put TRL's fused LM head on the model (RewardTrainer trains a sequence-classification head).
@@ -89,10 +91,6 @@ def notes(setup: Any) -> list[str]:
                    f"or optimizer state) and generates {g} completions of {setup.max_completion_length} tokens every "
                    f"{setup.gradient_accumulation_steps} micro-steps (one per prompt); its loss runs outside autocast "
                    "(TRL's _ForwardRedirection bypasses accelerate's wrapper), in the weights' dtype")
-    if setup.trainer in ("grpo", "rloo", "distill") and setup.does_eval:
-        name = {"grpo": "GRPO", "rloo": "RLOO", "distill": "Distillation"}[setup.trainer]
-        out.append(f"{name}'s evaluation (which generates too, {name}Trainer.prediction_step) is not simulated: the "
-                   "estimate is of the training steps")
     if setup.trainer in ("sft", "dpo", "kto") and setup.does_eval:
         out.append(f"evaluation of the {setup.trainer.upper()} trainer is simulated as Trainer's (full logits), "
                    "an upper bound: TRL's fused head keeps no logits")
@@ -327,6 +325,18 @@ def micro_loss(runner: Any) -> tuple[torch.Tensor, int]:
             loss = _dpo_loss(runner, tensors, kwargs)
     del tensors, kwargs
     return loss, start
+
+
+#: The trainers whose `prediction_step` generates and scores the eval batch before its no-grad loss (TRL 1.16).
+GENERATING_EVAL = ("grpo", "rloo", "distill")
+
+
+def eval_loss(runner: Any) -> torch.Tensor:
+    """The eval loss of one eval batch of a generating trainer (GENERATING_EVAL), as its `prediction_step` computes
+    it: memfit.sim.grpo_steps / rloo_steps / distill_steps `evaluation`."""
+    from memfit.sim import distill_steps, grpo_steps, rloo_steps
+
+    return {"grpo": grpo_steps, "rloo": rloo_steps, "distill": distill_steps}[runner.setup.trainer].evaluation(runner)
 
 
 def activation_offloading(runner: Any):
