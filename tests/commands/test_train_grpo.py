@@ -34,16 +34,17 @@ def length(prompts, completions, target, **kwargs):
 '''
 
 
-def _tokenizer(extra: str = ""):
-    """A character-level tokenizer: pad 0, bos 1, eos 2, then the characters (and `extra` ones)."""
+def _tokenizer(extra: str = "", model_max_length: int | None = 64):
+    """A character-level tokenizer: pad 0, bos 1, eos 2, then the characters (and `extra` ones); without
+    `model_max_length`, transformers' "no maximum" (1e30)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS + extra)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   model_max_length=64)
+    limit = {} if model_max_length is None else {"model_max_length": model_max_length}
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", **limit)
 
 
 def _config(vocab_size: int, **kw):
@@ -79,7 +80,7 @@ def dirs(tmp_path_factory):
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         out[name] = path
-    chat_tok = _tokenizer()
+    chat_tok = _tokenizer(model_max_length=None)
     chat_tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     LlamaForCausalLM(_config(len(tok))).save_pretrained(root / "chat_policy")
     chat_tok.save_pretrained(root / "chat_policy")
@@ -350,3 +351,5 @@ def test_grpo_run_on_chat_prompts_with_trls_own_reward(dirs, files, tmp_path, ca
     r = json.loads((out / "memfit-report.json").read_text())
     assert r["status"] == "completed" and r["steps_completed"] == 2 and r["rl"]["generate_calls"] == 2
     assert "prompt-only, conversational" in res.out and "rewards: think_format_reward (function)" in res.out
+    # its tokenizer has no maximum length (1e30): no preflight flag, GRPOTrainer never truncates with the tokenizer
+    assert "no real maximum length" not in res.out

@@ -309,7 +309,11 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     args = trainer.args
     tok = _tokenizer(trainer)
     mml = getattr(tok, "model_max_length", None)
-    if mml is not None and mml > 1e6:
+    from memfit.sim._trl_adapter import trainer_kind
+
+    # GRPOTrainer never truncates with the tokenizer: prompts are kept whole (`_tokenize_prompts`), completions
+    # stop at max_completion_length
+    if mml is not None and mml > 1e6 and trainer_kind(trainer) != "grpo":
         flags.append(PreflightFlag(
             "no_max_length",
             f"the tokenizer has no real maximum length (model_max_length = {int(mml):.3g}): truncation=True "
