@@ -124,13 +124,14 @@ def test_other_rl_trainers_are_named_not_supported(trainer, name):
     assert name in str(err.value) and "not supported" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_memfit_train_refuses_grpo():
+def test_memfit_train_refuses_rloo():
+    """`memfit train --trainer grpo` runs GRPOTrainer (tests/commands/test_train_grpo.py); RLOO is estimate-only."""
     import argparse
 
     from memfit.commands.train_trl import check_trl_flags
 
-    with pytest.raises(MemfitError, match="not supported.*memfit estimate --trainer grpo"):
-        check_trl_flags(argparse.Namespace(trainer="grpo"))
+    with pytest.raises(MemfitError, match="not supported.*memfit estimate --trainer rloo"):
+        check_trl_flags(argparse.Namespace(trainer="rloo"))
 
 
 # -- generation: memfit against transformers' generate on real tensors ------------------------------------
