@@ -71,3 +71,18 @@ def test_a_vlm_plan_runs_and_says_why_liger_does_not_apply(qwen_vl):
     if broken is not None:
         assert REGISTRY["liger"].check(resolve(setup), None).reason == broken
         assert result.not_applicable["liger"] == broken
+
+
+def test_a_plan_searches_both_when_allowed(qwen_vl):
+    """Allowed, each is an axis of the search: a candidate with the images halved and one with the tower frozen are
+    ranked (and not without `allow`)."""
+    from memfit.planner.search import plan
+
+    setup = TrainSetup(model=qwen_vl, image_size="448x448", max_length=8, per_device_train_batch_size=2,
+                       eval_strategy="no")
+    allowed = plan(setup, gpu="A100-80GB", allow=("smaller_images", "freeze_vision_tower"))
+    changes = [c.setup_changes for c in allowed.searched]
+    assert {"image_size": "224x224"} in changes and {"freeze_vision_tower": True} in changes
+    plain = plan(setup, gpu="A100-80GB")
+    assert not any("image_size" in c.setup_changes or "freeze_vision_tower" in c.setup_changes
+                   for c in plain.searched)

@@ -482,7 +482,9 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
         + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]]
         + [{"gradient_checkpointing": True, **v} for v in axis("reentrant_checkpointing", {})[1:]],
         optimizers=axis("optimizer", {"optim": setup.optim}),
-        lengths=axis("truncation", {}), loras=axis("lora", {}), freezes=axis("freeze", {}),
+        # smaller images shorten the sequence as truncation does; freezing the vision tower is a freeze
+        lengths=axis("truncation", {}) + axis("smaller_images", {})[1:], loras=axis("lora", {}),
+        freezes=axis("freeze", {}) + axis("freeze_vision_tower", {})[1:],
         offloads=axis("offload", {}),
         micro_batches=[b for b in range(1, e + 1) if e % b == 0],
         kernels=_kernel_axis(setup, spec, verdicts, allow=allow, exclude=exclude),
