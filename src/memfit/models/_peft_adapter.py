@@ -110,3 +110,12 @@ def run_patches(*, quantized: bool = False) -> Iterator[None]:
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+def has_default_lora_targets(model_type: str) -> bool:
+    """Whether peft picks LoRA's target modules itself for `model_type` (peft/utils/constants.py
+    `TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`, which `LoraConfig(target_modules=None)` reads; without an
+    entry, get_peft_model raises "Please specify `target_modules` in `peft_config`")."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    return model_type in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING

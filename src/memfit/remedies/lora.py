@@ -1,6 +1,8 @@
 """LoRA (opt-in `lora`): train low-rank adapters (peft); the base model is frozen.
 
-Gradients and optimizer state shrink to the adapters'; activations mostly stay.
+Gradients and optimizer state shrink to the adapters'; activations mostly stay. The adapters go where peft puts
+them by default; for a model type peft has no default for (Whisper, ViT, Wav2Vec2, Qwen2.5-VL, ...), on every
+linear layer but the output head (peft's `all-linear`, as QLoRA's recipe trains them).
 """
 
 from memfit.remedies.base import Applicability, Remedy
@@ -14,17 +16,27 @@ def _check(setup, gpu):
     return Applicability(True, "gradients and optimizer state only for the adapters")
 
 
+def _variants(setup, gpu):
+    from memfit.models._peft_adapter import has_default_lora_targets
+    from memfit.remedies.liger import _model_type
+
+    if setup.lora_target_modules or has_default_lora_targets(_model_type(setup)):
+        return [{"lora_r": 16}]
+    return [{"lora_r": 16, "lora_target_modules": ["all-linear"]}]
+
+
 def _apply(changes, setup, **_):
     r = changes["lora_r"]
+    targets = ', target_modules="all-linear"' if changes.get("lora_target_modules") == ["all-linear"] else ""
     return {}, {}, [
         "from peft import LoraConfig, get_peft_model",
-        f"model = get_peft_model(model, LoraConfig(r={r}, lora_alpha={2 * r}, task_type=...))",
+        f"model = get_peft_model(model, LoraConfig(r={r}, lora_alpha={2 * r}{targets}, task_type=...))",
     ]
 
 
 REMEDY = Remedy(
     name="lora", title="LoRA", opt_in=True,
     saves="gradients and optimizer state of the base model", costs="a different method (adapters, not full fine-tuning)",
-    check=_check, variants=lambda setup, gpu: [{"lora_r": 16}], apply=_apply,
-    fields=("lora_r",), advice=("lora",),
+    check=_check, variants=_variants, apply=_apply,
+    fields=("lora_r", "lora_target_modules"), advice=("lora",),
 )
