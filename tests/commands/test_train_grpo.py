@@ -170,7 +170,7 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         ([dirs["policy"], "--trainer", "dpo", "--data", files["prompts"], "--num-generations", "4"],
          "is for `--trainer grpo`, not `--trainer dpo`"),
         ([dirs["policy"], "--trainer", "sft", "--data", files["prompts"], "--beta", "0.1"],
-         "is for `--trainer dpo` or `--trainer grpo`, not `--trainer sft`: SFTConfig has no such setting"),
+         "is for `--trainer dpo`, `--trainer grpo` or `--trainer kto`, not `--trainer sft`: SFTConfig has no such setting"),
         ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"]], "`memfit train --trainer rloo` is not "
                                                                             "supported"),
     ]

@@ -52,10 +52,11 @@ _TRL_FLAGS = {
     "completion_only_loss": "sft",
     "assistant_only_loss": "sft",
     "dataset_text_field": "sft",
-    "precompute_ref_log_probs": "dpo",
+    "precompute_ref_log_probs": ("dpo", "kto"),  # DPOConfig's and KTOConfig's: the reference's log-probs first
     "num_generations": "grpo",
     "max_completion_length": "grpo",
-    "beta": ("dpo", "grpo"),  # DPOConfig.beta: the DPO loss's temperature; GRPOConfig.beta: the KL coefficient
+    # DPOConfig.beta / KTOConfig.beta: the loss's temperature; GRPOConfig.beta: the KL coefficient
+    "beta": ("dpo", "grpo", "kto"),
     "steps_per_generation": "grpo",
     "generation_batch_size": "grpo",
     "num_iterations": "grpo",
@@ -66,14 +67,16 @@ _TRL_FLAGS = {
 #: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why.
 _ESTIMATE_ONLY = {"rloo": "memfit.fit recovers inside GRPOTrainer's generation, scoring and training "
                           "(memfit.fitting.grpo_recovery), not RLOOTrainer's (train with `--trainer grpo`)",
-                  "reward": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (RewardTrainer is not wired)",
-                  "kto": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (KTOTrainer is not wired)",
-                  "distill": "memfit train runs SFTTrainer, DPOTrainer and GRPOTrainer (DistillationTrainer is not "
-                             "wired)"}
+                  "distill": "memfit train runs SFTTrainer, DPOTrainer, GRPOTrainer, RewardTrainer and KTOTrainer "
+                             "(DistillationTrainer is not wired)"}
 
 #: The config class of each trainer memfit train runs (TRL 1.16).
-_CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}
-_TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer"}
+_CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "reward": "RewardConfig", "kto": "KTOConfig"}
+_TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer", "reward": "RewardTrainer",
+             "kto": "KTOTrainer"}
+#: The columns of each trainer's data format (trl_data.dataset_format), for messages.
+_DATA_COLUMNS = {"dpo": "`prompt`/`chosen`/`rejected`", "grpo": "`prompt`",
+                 "reward": "`chosen`/`rejected`, optionally `prompt`", "kto": "`prompt`/`completion`/`label`"}
 
 #: SFTConfig.max_length and DPOConfig.max_length default (TRL 1.16 sft_config.py / dpo_config.py)
 TRL_DEFAULT_MAX_LENGTH = 1024
@@ -98,16 +101,18 @@ def check_trl_flags(args: argparse.Namespace) -> str:
         flag = flag_name(args, dest)
         owners = (owner,) if isinstance(owner, str) else owner
         if trainer == "trainer":
-            need = f"--trainer {' or '.join(owners)}" if owners else "--trainer sft, dpo or grpo"
+            need = f"--trainer {' or '.join(owners)}" if owners else "--trainer sft, dpo, grpo, reward or kto"
             raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
                               "classifier with transformers' Trainer)")
         if owners is not None and trainer not in owners:
             why = {"sft": f"{_CONFIGS[trainer]} has no such setting"
                           + (" (DPOTrainer does not pack or flatten pairs)" if trainer == "dpo" else ""),
                    "dpo": "it is DPOConfig's (the reference model of DPO)",
+                   "kto": "it is KTOConfig's",
                    "grpo": "it is GRPOConfig's (the completions GRPO generates and scores)"}[owners[0]] \
                 if len(owners) == 1 else f"{_CONFIGS[trainer]} has no such setting"
-            where = " or ".join(f"`--trainer {o}`" for o in owners)
+            named = [f"`--trainer {o}`" for o in owners]
+            where = ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0]
             raise MemfitError(f"`{flag}` is for {where}, not `--trainer {trainer}`: {why}; remove it")
     rewards = getattr(args, "reward_funcs", None)
     if rewards and trainer != "grpo":
@@ -124,16 +129,21 @@ def check_trl_flags(args: argparse.Namespace) -> str:
     if trainer != "trainer":
         for dest in _CLS_FLAGS:
             if getattr(args, dest, None) is not None:
+                if trainer == "reward":  # RewardTrainer.__init__ sets num_labels=1 and reads chosen / rejected
+                    raise MemfitError(f"`{flag_name(args, dest)}` is a classification setting; `--trainer reward` "
+                                      "trains one score per sequence (num_labels=1) on `chosen`/`rejected` pairs; "
+                                      "remove it")
                 raise MemfitError(f"`{flag_name(args, dest)}` is a classification setting; `--trainer {trainer}` trains a causal "
                                   "language model" + (" (name the text column with --dataset-text-field)"
                                                       if dest == "text_column" else "") + "; remove it")
-        if args.task is not None and str(args.task).lower() not in ("seq-cls", "causal-lm", "causal_lm"):
+        if args.task is not None and str(args.task).lower() not in (
+                ("seq-cls",) if trainer == "reward" else ("seq-cls", "causal-lm", "causal_lm")):
             raise MemfitError(f"`--task {args.task}` does not go with `--trainer {trainer}`, which trains a causal "
                               "language model; remove --task")
         if getattr(args, "lora_r", None) is not None and args.lora_r <= 0:
             raise MemfitError(f"`{flag_name(args, 'lora_r')}` must be a positive integer; got `{args.lora_r}`")
     elif getattr(args, "lora_r", None) is not None:  # pragma: no cover - caught above
-        raise MemfitError("`--lora-r` needs `--trainer sft`, `dpo` or `grpo`")
+        raise MemfitError("`--lora-r` needs `--trainer sft`, `dpo`, `grpo`, `reward` or `kto`")
     return trainer
 
 
@@ -160,8 +170,7 @@ def _read_rows(path: str, trainer: str) -> list[dict[str, Any]]:
         raise MemfitError(f"data file `{path}` does not exist; pass a .jsonl file with --data")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".csv":
-        kinds = {"dpo": "`prompt`/`chosen`/`rejected`", "grpo": "`prompt`"}.get(
-            trainer, "`messages`, `prompt`/`completion` or `text`")
+        kinds = _DATA_COLUMNS.get(trainer, "`messages`, `prompt`/`completion` or `text`")
         raise MemfitError(f"`--trainer {trainer}` reads JSONL (one object per line: {kinds}); "
                           f"`{path}` is a CSV, the classification format: drop `--trainer` to train a classifier on "
                           "it, or convert it to JSONL")
@@ -202,7 +211,10 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
     rows = _read_rows(path, trainer)
     fmt = dataset_format(rows[0], trainer, text_field)
     columns = {"text": (text_field,), "messages": ("messages",), "prompt-completion": ("prompt", "completion"),
-               "preference": ("prompt", "chosen", "rejected"), "prompt-only": ("prompt",)}[fmt]
+               "preference": ("prompt", "chosen", "rejected"), "prompt-only": ("prompt",),
+               "unpaired-preference": ("prompt", "completion")}[fmt]
+    if fmt == "preference" and trainer == "reward" and "prompt" not in rows[0]:  # the prompt inside each sequence
+        columns = ("chosen", "rejected")
     if fmt == "text" and ({"label", "labels"} & set(rows[0])):
         label = "label" if "label" in rows[0] else "labels"
         raise MemfitError(f"`{path}` has a `{label}` column next to `{text_field}`: a classification dataset; "
@@ -230,6 +242,14 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
                 raise MemfitError(f"`{col}` of example {i} in `{path}` is "
                                   f"{'a list of messages' if conv else 'a string'} while earlier columns are "
                                   f"{'strings' if conv else 'messages'}; TRL needs all strings or all messages")
+    if fmt == "unpaired-preference":  # KTOTrainer: `label` True for a desirable completion (DataCollatorForUnpaired...)
+        for i, row in enumerate(rows, 1):
+            if "label" not in row:
+                raise MemfitError(f"example {i} of `{path}` has no `label` column, which the first example has "
+                                  "(unpaired-preference format); give every example the same columns")
+            if not isinstance(row["label"], bool):
+                raise MemfitError(f"`label` of example {i} in `{path}` is `{str(row['label'])[:40]}`; KTOTrainer "
+                                  "needs true (a desirable completion) or false (an undesirable one)")
     return TrlData(path=path, format=fmt, rows=rows, conversational=bool(conversational))
 
 
@@ -283,6 +303,34 @@ def _causal_lm_check(model_dir: str, trainer: str) -> Any:
                           "fine-tunes a causal LM (AutoModelForCausalLM: Llama, Qwen, GPT-2, ...): pass one, or drop "
                           "--trainer to fine-tune a classifier")
     return config
+
+
+def _reward_model_check(model_dir: str) -> tuple[Any, bool]:
+    """RewardTrainer's model: AutoModelForSequenceClassification with num_labels=1 (reward_trainer.py `__init__`:
+    `model_init_kwargs["num_labels"] = 1`, `create_model_from_path(model, AutoModelForSequenceClassification)`). A
+    causal LM's directory loads too: its body's weights, a new (random) one-score head. The config and whether the
+    head is new, or a MemfitError."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as err:
+        raise MemfitError(f"the config.json of `{model_dir}` cannot be read ({first_line(err)}); pass a Hugging "
+                          "Face model directory") from None
+    if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        raise MemfitError(f"model `{model_dir}` (model type `{config.model_type}`) has no sequence-classification "
+                          "class in transformers; `--trainer reward` loads AutoModelForSequenceClassification with "
+                          "num_labels=1 (RewardTrainer): pass a Llama, Qwen, GPT-2, ... directory")
+    classifiers = set(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
+    archs = list(getattr(config, "architectures", None) or [])
+    if any(a in classifiers for a in archs) and getattr(config, "num_labels", 1) != 1:
+        raise MemfitError(f"model `{model_dir}` is a `{archs[0]}` with {config.num_labels} labels; RewardTrainer "
+                          "loads it with num_labels=1 (one score per sequence), which does not fit its head: pass "
+                          "a one-label classifier or the causal LM it was fine-tuned from")
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return config, any(a in causal for a in archs) or not archs
 
 
 def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict[str, Any]) -> Any:
@@ -367,7 +415,10 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
                         "steps_per_generation", "generation_batch_size", "num_iterations"))
     check_model_dir(args.model, args.model)
     model_dir = args.model
-    config = _causal_lm_check(model_dir, trainer)
+    if trainer == "reward":
+        config, new_head = _reward_model_check(model_dir)
+    else:
+        config, new_head = _causal_lm_check(model_dir, trainer), False
     kwargs, notes = training_kwargs(args, False, trainer=trainer)
     if args.per_device_eval_batch_size is None and "per_device_eval_batch_size" not in kwargs:
         kwargs["per_device_eval_batch_size"] = kwargs["per_device_train_batch_size"]
@@ -447,6 +498,9 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
         n_eval = max(1, len(data.rows) // 5)
         eval_rows = data.rows[-n_eval:]
         data = TrlData(data.path, data.format, data.rows[:-n_eval], data.conversational)
+    if new_head:
+        notes.append(f"`{os.path.basename(model_dir.rstrip('/'))}` is a causal LM: RewardTrainer's "
+                     "AutoModelForSequenceClassification keeps its body and starts a new one-score head (random)")
     return TrlInputs(trainer, model_dir, kwargs, notes, output_dir, use_cpu, budget_bytes, data, targs, eval_rows,
                      reward_funcs=reward_funcs)
 
@@ -485,8 +539,9 @@ def _peft_config(args: argparse.Namespace) -> Any:
 
     defaults = TrainSetup()  # memfit's LoRA defaults, as `memfit estimate --lora-r` simulates them
     targets = split_list(args.lora_target_modules or "") or "all-linear"
+    # SEQ_CLS for RewardTrainer: peft trains the new score head in full (modules_to_save)
     return LoraConfig(r=args.lora_r, lora_alpha=defaults.lora_alpha, lora_dropout=defaults.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")
+                      target_modules=targets, task_type="SEQ_CLS" if args.trainer == "reward" else "CAUSAL_LM")
 
 
 def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
@@ -495,7 +550,7 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
     import warnings
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.trainer_callback import PrinterCallback
     from transformers.utils import logging as hf_logging
 
@@ -516,9 +571,15 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
     tokenizer = _tokenizer(inputs)
     torch.manual_seed(targs.seed)
     try:
-        model = AutoModelForCausalLM.from_pretrained(inputs.model_dir)
+        if inputs.trainer == "reward":  # as RewardTrainer loads a path: one score per sequence
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = AutoModelForSequenceClassification.from_pretrained(inputs.model_dir, num_labels=1)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(inputs.model_dir)
     except (OSError, ValueError) as err:
-        raise MemfitError(f"the model in `{inputs.model_dir}` cannot be loaded as a causal LM ({first_line(err)})") \
+        what = "a one-score sequence classifier" if inputs.trainer == "reward" else "a causal LM"
+        raise MemfitError(f"the model in `{inputs.model_dir}` cannot be loaded as {what} ({first_line(err)})") \
             from None
     check_budget_covers_model(model, inputs.budget_bytes)
     try:

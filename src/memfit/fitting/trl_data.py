@@ -73,8 +73,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def dataset_format(row: dict[str, Any], trainer: str, text_field: str = "text") -> str:
-    """`text`, `messages`, `prompt-completion` (SFT), `preference` (DPO) or `prompt-only` (GRPO: a `prompt` column;
-    GRPOTrainer passes the others to the reward functions), or a MemfitError listing the columns."""
+    """`text`, `messages`, `prompt-completion` (SFT), `preference` (DPO; reward: `prompt` optional),
+    `unpaired-preference` (KTO) or `prompt-only` (GRPO: a `prompt` column; GRPOTrainer passes the others to the
+    reward functions), or a MemfitError listing the columns."""
     keys = set(row)
     if trainer == "grpo":
         if "prompt" in keys:
@@ -84,6 +85,14 @@ def dataset_format(row: dict[str, Any], trainer: str, text_field: str = "text") 
         if {"prompt", "chosen", "rejected"} <= keys:
             return "preference"
         need = "`prompt`, `chosen` and `rejected`"
+    elif trainer == "reward":  # RewardTrainer `_prepare_dataset`: `prompt` optional (implicit in chosen/rejected)
+        if {"chosen", "rejected"} <= keys:
+            return "preference"
+        need = "`chosen` and `rejected` (and optionally `prompt`)"
+    elif trainer == "kto":  # KTOTrainer's unpaired preference format: one completion and a desirable flag
+        if {"prompt", "completion", "label"} <= keys:
+            return "unpaired-preference"
+        need = "`prompt`, `completion` and `label` (true: desirable, false: undesirable)"
     else:
         if {"prompt", "completion"} <= keys:
             return "prompt-completion"

@@ -1,0 +1,198 @@
+"""`memfit train --trainer reward|kto`: TRL's real RewardTrainer / KTOTrainer on the CPU under memfit.fit, a
+2-layer Llama built from a config with a character tokenizer built in code (no hub); reward data in TRL's
+preference format (`chosen`/`rejected`, `prompt` optional), KTO data unpaired (`prompt`/`completion`/`label`);
+every bad input a one-line error before a model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
+
+from memfit.cli import main  # noqa: E402
+
+CHARS = "abcdefghijklmnopqrstuvwxyz "
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+WORDS = ["abc", "de fgh", "ijk lmn op", "qr"]
+
+
+def _tokenizer():
+    """A character-level tokenizer: pad 0, bos 1, eos 2, then the characters; a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                  model_max_length=64)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _config(vocab_size: int, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       max_position_embeddings=64, **kw)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A causal LM, a one-label reward model, a two-label classifier and a vision encoder (no text classifier)."""
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification, ViTConfig, ViTModel
+
+    root = tmp_path_factory.mktemp("pref")
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    out = {}
+    for name, model in [("causal", LlamaForCausalLM(_config(len(tok)))),
+                        ("rm", LlamaForSequenceClassification(_config(len(tok), num_labels=1))),
+                        ("two_labels", LlamaForSequenceClassification(_config(len(tok), num_labels=2))),
+                        ("vit", ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                   intermediate_size=64, image_size=32, patch_size=16)))]:
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pref-data")
+    pairs = [{"prompt": WORDS[i % 4], "chosen": " " + WORDS[(i + 1) % 4] * 2, "rejected": " " + WORDS[(i + 2) % 4]}
+             for i in range(8)]
+    return {
+        "pairs": _jsonl(d / "pairs.jsonl", pairs),
+        "implicit": _jsonl(d / "implicit.jsonl", [{"chosen": p["prompt"] + p["chosen"],
+                                                    "rejected": p["prompt"] + p["rejected"]} for p in pairs]),
+        "chat_pairs": _jsonl(d / "chat_pairs.jsonl", [
+            {"chosen": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["chosen"]}],
+             "rejected": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["rejected"]}]}
+            for p in pairs]),
+        "unpaired": _jsonl(d / "unpaired.jsonl", [{"prompt": WORDS[i % 4], "completion": " " + WORDS[(i + 1) % 4],
+                                                   "label": i % 3 != 0} for i in range(8)]),
+        "int_label": _jsonl(d / "int_label.jsonl", [{"prompt": "ab", "completion": "cd", "label": 1}]),
+        "no_label": _jsonl(d / "no_label.jsonl", [{"prompt": "ab", "completion": "cd", "label": True},
+                                                  {"prompt": "ab", "completion": "cd"}]),
+        "pc": _jsonl(d / "pc.jsonl", [{"prompt": "ab", "completion": "cd"}]),
+        "csv": d / "pairs.csv",
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _csv(files):
+    files["csv"].write_text("text,label\nab,1\n")
+
+
+def _run(argv, capsys):
+    code = main(["train"] + [str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, capsys):
+    """Each bad input of `--trainer reward` / `kto` is one line on stderr, exit 2, no traceback, before a model
+    loads (no output folder)."""
+    out = ["--output-dir", tmp_path / "out"]
+    cases = [
+        ([dirs["causal"], "--trainer", "reward", "--data", files["unpaired"]],
+         "a REWARD dataset needs `chosen` and `rejected` (and optionally `prompt`)"),
+        ([dirs["causal"], "--trainer", "reward", "--data", files["csv"]],
+         "`--trainer reward` reads JSONL (one object per line: `chosen`/`rejected`, optionally `prompt`)"),
+        ([dirs["causal"], "--trainer", "kto", "--data", files["pairs"]],
+         "a KTO dataset needs `prompt`, `completion` and `label` (true: desirable"),
+        ([dirs["causal"], "--trainer", "kto", "--data", files["pc"]], "a KTO dataset needs `prompt`, `completion`"),
+        ([dirs["causal"], "--trainer", "kto", "--data", files["int_label"]],
+         "`label` of example 1 in "),
+        ([dirs["causal"], "--trainer", "kto", "--data", files["no_label"]], "example 2 of "),
+        ([dirs["two_labels"], "--trainer", "reward", "--data", files["pairs"]],
+         "with 2 labels; RewardTrainer loads it with num_labels=1"),
+        ([dirs["vit"], "--trainer", "reward", "--data", files["pairs"]], "(model type `vit`) has no sequence-"),
+        ([dirs["rm"], "--trainer", "kto", "--data", files["unpaired"]],
+         "is a `LlamaForSequenceClassification`, not a causal language model"),
+        ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--beta", "0.1"],
+         "is for `--trainer dpo`, `--trainer grpo` or `--trainer kto`, not `--trainer reward`"),
+        ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--precompute-ref-log-probs"],
+         "not `--trainer reward`: RewardConfig has no such setting"),
+        ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--packing"],
+         "is for `--trainer sft`, not `--trainer reward`: RewardConfig has no such setting"),
+        ([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--num-generations", "4"],
+         "is for `--trainer grpo`, not `--trainer kto`"),
+        ([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--reward-func", "trl.rewards:x"],
+         "`--reward-func` is for `--trainer grpo`"),
+        ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--num-labels", "2"],
+         "`--trainer reward` trains one score per sequence (num_labels=1)"),
+        # KTOTrainer.__init__: the KL term pairs the examples of a micro-batch
+        ([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--batch-size", "1"],
+         "KTOTrainer needs at least 2 examples per micro-batch"),
+        ([dirs["causal"], "--trainer", "distill", "--data", files["pc"]], "`memfit train --trainer distill` is not "
+                                                                          "supported"),
+    ]
+    for argv, match in cases:
+        code, res = _run(argv + out, capsys)
+        assert code == 2, (argv, res.err[-800:])
+        assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (argv, res.err[-800:])
+    assert not (tmp_path / "out").exists()  # every check ran before the run started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,data", [("causal", "pairs"), ("rm", "chat_pairs")])
+def test_reward_run(dirs, files, tmp_path, capsys, model, data):
+    """Real RewardTrainer for 2 optimizer steps under an emulated GPU: from a causal LM's directory (a new one-score
+    head, said in a note) on explicit-prompt pairs, and from a one-label reward model on chat pairs (implicit
+    prompt); checkpoint, report, model saved as a sequence classifier."""
+    out = tmp_path / "out"
+    code, res = _run([dirs[model], "--trainer", "reward", "--data", files[data], "--batch-size", "2",
+                      "--grad-accum", "2", "--max-steps", "2", "--budget", "400MiB", "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = json.loads((out / "memfit-report.json").read_text())
+    assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
+    assert r["preflight"]["fits"] is True
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
+    from transformers import AutoConfig
+
+    saved = AutoConfig.from_pretrained(out)
+    assert saved.architectures == ["LlamaForSequenceClassification"] and saved.num_labels == 1
+    text = " ".join(res.out.split())  # the console wraps long lines
+    assert "with TRL's RewardTrainer" in text and "steps 2/2" in text
+    assert ("starts a new one-score head" in text) == (model == "causal")
+    assert ("preference, conversational" in text) == (data == "chat_pairs")
+
+
+@pytest.mark.slow
+def test_kto_run_with_its_reference(dirs, files, tmp_path, capsys, monkeypatch):
+    """Real KTOTrainer for 2 optimizer steps under an emulated GPU on unpaired data: TRL loads the reference from
+    the model directory (counted in the emulated GPU beside the policy); checkpoint, report, model saved."""
+    import memfit.testing
+
+    counted = []
+    original = memfit.testing.memory_budget
+
+    def budget(limit, *, count=(), **kw):
+        counted.append(tuple(count))
+        return original(limit, count=count, **kw)
+
+    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    out = tmp_path / "out"
+    code, res = _run([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--batch-size", "2",
+                      "--grad-accum", "2", "--max-steps", "2", "--beta", "0.2", "--budget", "400MiB",
+                      "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = json.loads((out / "memfit-report.json").read_text())
+    assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert (out / "model.safetensors").exists()
+    models = counted[-1]  # the policy and TRL's reference copy, two models of the same size
+    assert len(models) == 2 and models[0] is not models[1]
+    assert [type(m).__name__ for m in models] == ["LlamaForCausalLM", "LlamaForCausalLM"]
+    text = " ".join(res.out.split())  # the console wraps long lines
+    assert "with TRL's KTOTrainer" in text and "unpaired-preference" in text and "steps 2/2" in text
