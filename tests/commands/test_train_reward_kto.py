@@ -145,23 +145,34 @@ def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,data", [("causal", "pairs"), ("rm", "chat_pairs")])
-def test_reward_run(dirs, files, tmp_path, capsys, model, data):
+@pytest.mark.parametrize("model,data,lora", [("causal", "pairs", False), ("rm", "chat_pairs", False),
+                                             ("causal", "implicit", True)])
+def test_reward_run(dirs, files, tmp_path, capsys, model, data, lora):
     """Real RewardTrainer for 2 optimizer steps under an emulated GPU: from a causal LM's directory (a new one-score
-    head, said in a note) on explicit-prompt pairs, and from a one-label reward model on chat pairs (implicit
-    prompt); checkpoint, report, model saved as a sequence classifier."""
+    head, said in a note) on explicit-prompt pairs, from a one-label reward model on chat pairs (implicit prompt),
+    and with LoRA on string pairs with an implicit prompt (peft's SEQ_CLS task: the score head saved in full beside
+    the adapters); checkpoint, report, model saved as a sequence classifier."""
     out = tmp_path / "out"
     code, res = _run([dirs[model], "--trainer", "reward", "--data", files[data], "--batch-size", "2",
-                      "--grad-accum", "2", "--max-steps", "2", "--budget", "400MiB", "--output-dir", out], capsys)
+                      "--grad-accum", "2", "--max-steps", "2", "--budget", "400MiB", "--output-dir", out]
+                     + (["--lora-r", "4"] if lora else []), capsys)
     assert code == 0, res.err[-2000:]
     r = json.loads((out / "memfit-report.json").read_text())
     assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
     assert r["preflight"]["fits"] is True
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
-    from transformers import AutoConfig
+    if lora:
+        from safetensors import safe_open
 
-    saved = AutoConfig.from_pretrained(out)
-    assert saved.architectures == ["LlamaForSequenceClassification"] and saved.num_labels == 1
+        with safe_open(out / "adapter_model.safetensors", "pt") as f:
+            keys = list(f.keys())
+        assert "base_model.model.score.weight" in keys and any("lora_A" in k for k in keys)
+        assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+    else:
+        from transformers import AutoConfig
+
+        saved = AutoConfig.from_pretrained(out)
+        assert saved.architectures == ["LlamaForSequenceClassification"] and saved.num_labels == 1
     text = " ".join(res.out.split())  # the console wraps long lines
     assert "with TRL's RewardTrainer" in text and "steps 2/2" in text
     assert ("starts a new one-score head" in text) == (model == "causal")
