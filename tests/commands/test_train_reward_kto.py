@@ -207,3 +207,66 @@ def test_kto_run_with_its_reference(dirs, files, tmp_path, capsys, monkeypatch):
     assert [type(m).__name__ for m in models] == ["LlamaForCausalLM", "LlamaForCausalLM"]
     text = " ".join(res.out.split())  # the console wraps long lines
     assert "with TRL's KTOTrainer" in text and "unpaired-preference" in text and "steps 2/2" in text
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _max_diff(a, b) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+#: SGD, so that the update is linear in the gradient (Adam's first step is about lr * sign(g) for every weight)
+SGD = {"optim": "sgd", "learning_rate": 0.05}
+
+
+@pytest.mark.slow
+def test_reward_oom_recovery_splits_pairs(dirs, files, tmp_path, capsys):
+    """Under a 600 KiB emulated GPU (no plan) a RewardTrainer micro-batch of 4 pairs runs out of memory and memfit
+    splits it into chunks of whole pairs (RewardTrainer's batch holds the chosen rows, then the rejected ones, and
+    its loss pairs the two halves): the weights are those of the run that did not run out of memory (within 1e-4;
+    chunks of rows, which pair a chosen with a chosen, ended 2.6e-3 away when tried)."""
+    (tmp_path / "a.json").write_text(json.dumps(SGD))
+    runs = {}
+    for name, budget in (("whole", "400MiB"), ("split", "600KiB")):
+        out = tmp_path / name
+        code, res = _run([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--batch-size", "4",
+                          "--max-steps", "2", "--no-plan", "--budget", budget, "--args", tmp_path / "a.json",
+                          "--output-dir", out], capsys)
+        assert code == 0, res.err[-2000:]
+        runs[name] = json.loads((out / "memfit-report.json").read_text())
+    assert runs["whole"]["oom_recoveries"] == [] and runs["split"]["oom_recoveries"]
+    assert runs["split"]["steps_completed"] == 2 and runs["split"]["micro_batch_chunks"] >= 2
+    whole, start = _weights(tmp_path / "whole"), _weights(dirs["causal"])
+    body = {k: v for k, v in whole.items() if k in start}  # the causal LM's lm_head is not the new score head
+    assert _max_diff(body, {k: start[k] for k in body}) > 1e-3  # the steps moved the weights
+    assert _max_diff(_weights(tmp_path / "split"), whole) < 1e-4
+
+
+@pytest.mark.slow
+def test_kto_oom_recovery(dirs, files, tmp_path, capsys):
+    """Under a 3 MiB emulated GPU (no plan) a KTO micro-batch of 4 runs out of memory. With loss_type
+    apo_zero_unpaired (a mean of per-example losses) memfit splits it and the weights are those of the run that did
+    not run out of memory (within 1e-4); with the default loss (each example's loss uses the KL estimate of the
+    whole micro-batch) it does not split it: the run stops with one line saying why."""
+    runs = {}
+    for name, budget, loss in (("whole", "400MiB", "apo_zero_unpaired"), ("split", "3MiB", "apo_zero_unpaired"),
+                               ("kl", "3MiB", "kto")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**SGD, "loss_type": loss}))
+        out = tmp_path / name
+        code, res = _run([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--batch-size", "4",
+                          "--max-steps", "2", "--no-plan", "--budget", budget, "--args", tmp_path / f"{name}.json",
+                          "--output-dir", out], capsys)
+        runs[name] = (code, res, json.loads((out / "memfit-report.json").read_text()))
+    assert runs["whole"][0] == runs["split"][0] == 0, runs["split"][1].err[-2000:]
+    assert runs["whole"][2]["oom_recoveries"] == [] and runs["split"][2]["oom_recoveries"]
+    assert runs["split"][2]["steps_completed"] == 2
+    assert _max_diff(_weights(tmp_path / "split"), _weights(tmp_path / "whole")) < 1e-4
+    code, res, report = runs["kl"]
+    assert code != 0 and report["status"] != "completed" and report["oom_recoveries"] == []
+    assert "in a KTO micro-batch of 4, which memfit does not split: KTOTrainer's loss uses the KL estimate" in res.err
+    assert "Traceback" not in res.err

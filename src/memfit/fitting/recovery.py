@@ -13,7 +13,9 @@ data order are unchanged. The loss reported for the earlier micro-steps was alre
 counted and is not counted again.
 
 TRL's batches: a padding-free row (SFTTrainer with padding_free or bfd packing) is split into
-chunks of whole examples, a DPO batch into chunks of preference pairs (chosen and rejected together), a
+chunks of whole examples, a DPO or reward batch into chunks of preference pairs (chosen and rejected together),
+a KTO batch into chunks of examples with loss_type apo_zero_unpaired and not at all with its KL term (each
+example's loss uses the KL estimate of the whole micro-batch: the OOM is raised with one line saying why), a
 GRPO micro-batch into chunks of completions (memfit.fitting.grpo_recovery, which also recovers in GRPO's
 generation and scoring).
 
@@ -43,6 +45,7 @@ from memfit.fitting import _trainer as adapter
 from memfit.fitting import distributed as dist_sync
 from memfit.fitting import engines
 from memfit import oom_text
+from memfit.sim import _trl_adapter as trl_adapter
 
 logger = logging.getLogger("memfit.fit")
 
@@ -139,10 +142,11 @@ def _batch_size(inputs: dict[str, Any]) -> int:
     return 1
 
 
-def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
+def _split(inputs: dict[str, Any], c: int, kind: str = "trainer") -> list[dict[str, Any]]:
+    """Up to `c` chunks of a micro-batch; `kind` the trainer's (memfit.sim._trl_adapter.trainer_kind)."""
     if _is_padding_free(inputs):  # TRL: one flattened row of several examples
         return _split_padding_free(inputs, c)
-    if _is_dpo_batch(inputs):  # TRL: a DPO batch, chosen then rejected
+    if _is_paired(inputs, kind):  # TRL: a DPO / reward batch, chosen then rejected
         return _split_pairs(inputs, c)
     n = _batch_size(inputs)
     c = max(1, min(c, n))
@@ -158,14 +162,24 @@ def _split(inputs: dict[str, Any], c: int) -> list[dict[str, Any]]:
 
 # -- TRL: micro-batches that are not split along their first dimension -------------------------
 
-def _splittable(inputs: dict[str, Any]) -> int:
-    """The most chunks a micro-batch splits into: examples of a padding-free row, pairs of a DPO batch,
+def _splittable(inputs: dict[str, Any], kind: str = "trainer") -> int:
+    """The most chunks a micro-batch splits into: examples of a padding-free row, pairs of a DPO or reward batch,
     else its batch size."""
     if _is_padding_free(inputs):
         return int(inputs["cu_seq_lens_q"].numel()) - 1
-    if _is_dpo_batch(inputs):
+    if _is_paired(inputs, kind):
         return max(1, _batch_size(inputs) // 2)
     return _batch_size(inputs)
+
+
+def _is_paired(inputs: dict[str, Any], kind: str) -> bool:
+    """Rows [chosen_0..chosen_B-1, rejected_0..rejected_B-1]: DPOTrainer's batch, and RewardTrainer's
+    (reward_trainer.py DataCollatorForPreference: input_ids / attention_mask (/ margin) only; `compute_loss`
+    chunks the scores in two halves). KTOTrainer's unpaired batch has a completion mask and no labels like DPO's,
+    but each row is its own example (kto_trainer.py DataCollatorForUnpairedPreference)."""
+    if kind == "reward":
+        return True
+    return kind != "kto" and _is_dpo_batch(inputs)
 
 
 def _is_dpo_batch(inputs: dict[str, Any]) -> bool:
@@ -272,6 +286,11 @@ class ChunkedTrainingStep:
         self.micro_steps = 0
         self._vote: tuple[engines.AgreedChunks, int, Any] | None = None  #: engine runs: (state, remaining, chunk)
         self._voted = False  #: engine runs: this chunk's forward was voted on (an OOM now is in its backward)
+        self.kind = trl_adapter.trainer_kind(trainer)  #: how a micro-batch splits (`_split`)
+        #: KTOTrainer with its KL term (every loss_type but apo_zero_unpaired, kto_trainer.py `calculate_KL`): the
+        #: loss of each example uses the KL estimate of the whole micro-batch (`_compute_loss`: `kl = (KL_logps -
+        #: ref_KL_logps).mean()`), so a chunk's loss is not its share of the micro-batch's: not split
+        self.whole_batch_loss = self.kind == "kto" and bool(getattr(trainer, "calculate_KL", False))
         trainer.compute_loss = self._compute_loss
         trainer.training_step = self
 
@@ -321,7 +340,7 @@ class ChunkedTrainingStep:
             self._voted = True  # every rank goes on to this chunk's backward
             return out
         free_memory()
-        why = engines.check_can_split(state, part, _splittable)
+        why = engines.check_can_split(state, part, lambda p: 1 if self.whole_batch_loss else _splittable(p, self.kind))
         if why:
             engines.forward_vote(failure=failure, fatal=True, wanted_chunks=state.chunks, remaining=remaining)
             raise torch.OutOfMemoryError(
@@ -346,7 +365,7 @@ class ChunkedTrainingStep:
         return [c / total for c in counts]
 
     def _run(self, model, inputs, num_items, chunks: int):
-        parts = _split(inputs, chunks) if chunks > 1 else [inputs]
+        parts = _split(inputs, chunks, self.kind) if chunks > 1 else [inputs]
         weights = self._weights(parts, num_items, model)
         total = None
         for part, w in zip(parts, weights):
@@ -455,7 +474,14 @@ class ChunkedTrainingStep:
         device = trainer.args.device
         while True:
             cause, tried = failure
-            micro = _splittable(self.window[-1][0])
+            micro = _splittable(self.window[-1][0], self.kind)
+            if self.whole_batch_loss:
+                raise torch.OutOfMemoryError(
+                    f"memfit: out of memory at optimizer step {trainer.state.global_step} in a KTO micro-batch of "
+                    f"{micro}, which memfit does not split: KTOTrainer's loss uses the KL estimate of the whole "
+                    "micro-batch (kto_trainer.py `_compute_loss`); resume from the last checkpoint with a smaller "
+                    "per_device_train_batch_size (at least 2) or loss_type apo_zero_unpaired (no KL term); last "
+                    f"error: {cause}")
             if len(self.recoveries) >= self.max_recoveries or self.chunks >= micro:
                 raise torch.OutOfMemoryError(
                     f"memfit: out of memory at optimizer step {trainer.state.global_step} even with the micro-batch "

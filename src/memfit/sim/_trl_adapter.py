@@ -183,22 +183,19 @@ def chunked_divergence(*args: Any) -> Any:
 
 
 def trainer_kind(trainer: Any) -> str:
-    """`sft`, `dpo`, `grpo` or `trainer` for a trainer object, by class (TRL need not be importable)."""
+    """`sft`, `dpo`, `grpo`, `reward`, `kto` or `trainer` for a trainer object, by class (TRL need not be
+    importable)."""
     names = {c.__name__ for c in type(trainer).__mro__}
-    if "SFTTrainer" in names:
-        return "sft"
-    if "DPOTrainer" in names:
-        return "dpo"
-    if "GRPOTrainer" in names:
-        return "grpo"
+    for cls, kind in (("SFTTrainer", "sft"), ("DPOTrainer", "dpo"), ("GRPOTrainer", "grpo"),
+                      ("RewardTrainer", "reward"), ("KTOTrainer", "kto")):
+        if cls in names:
+            return kind
     # MemfitCallback sees no trainer, only its arguments: SFTConfig / DPOConfig say which trainer it is
     arg_names = {c.__name__ for c in type(getattr(trainer, "args", None)).__mro__}
-    if "SFTConfig" in arg_names:
-        return "sft"
-    if "DPOConfig" in arg_names:
-        return "dpo"
-    if "GRPOConfig" in arg_names:
-        return "grpo"
+    for cls, kind in (("SFTConfig", "sft"), ("DPOConfig", "dpo"), ("GRPOConfig", "grpo"), ("RewardConfig", "reward"),
+                      ("KTOConfig", "kto")):
+        if cls in arg_names:
+            return kind
     return "trainer"
 
 
