@@ -134,8 +134,9 @@ def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, ca
         # KTOTrainer.__init__: the KL term pairs the examples of a micro-batch
         ([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--batch-size", "1"],
          "KTOTrainer needs at least 2 examples per micro-batch"),
+        (["--beta", "0.1"], "`--beta` is a TRL setting; add `--trainer dpo, grpo or kto`"),
         ([dirs["causal"], "--trainer", "distill", "--data", files["pc"]], "`memfit train --trainer distill` is not "
-                                                                          "supported"),
+                                                                          "supported: memfit.fit does not recover"),
     ]
     for argv, match in cases:
         code, res = _run(argv + out, capsys)

@@ -105,7 +105,7 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
                         "settings memfit saved in it")
     p.add_argument("--output-dir", default=None, help="where the model, checkpoints and report go (default memfit-train-out)")
     # TRL: SFTTrainer / DPOTrainer, the flag names of `memfit estimate` / `plan`
-    g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer / GRPOTrainer (a causal LM on JSONL data)")
+    g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer / GRPOTrainer / RewardTrainer / KTOTrainer (JSONL data)")
     add_setup_flags(g, TRL_FIELDS, defaults=_TRAIN_DEFAULTS)
     g.add_argument("--dataset-text-field", default=None, help="SFT text column of text data (default text)")
     g.add_argument("--reward-func", "--reward-funcs", dest="reward_funcs", action="append", default=None,

@@ -1,9 +1,12 @@
-"""`memfit train --trainer sft|dpo|grpo`: TRL's real SFTTrainer / DPOTrainer / GRPOTrainer under memfit.fit.
+"""`memfit train --trainer sft|dpo|grpo|reward|kto`: TRL's real SFTTrainer / DPOTrainer / GRPOTrainer /
+RewardTrainer / KTOTrainer under memfit.fit.
 
     memfit train ./my-llm --trainer sft --data chat.jsonl --packing --budget 2GiB
     memfit train ./my-llm --trainer sft --data pc.jsonl --completion-only-loss --lora-r 8
     memfit train ./my-llm --trainer dpo --data pairs.jsonl --precompute-ref-log-probs
     memfit train ./my-llm --trainer grpo --data prompts.jsonl --reward-func rewards.py:length --num-generations 4
+    memfit train ./my-llm --trainer reward --data pairs.jsonl --lora-r 8
+    memfit train ./my-llm --trainer kto --data unpaired.jsonl --beta 0.1
 
 The same run as the classification default (memfit.commands.train: preflight, the plan applied when the
 setup does not fit, OOM recovery without lost steps, atomic checkpoints, the report and the console
@@ -13,14 +16,18 @@ is loaded, each bad one a one-line MemfitError:
 - data: JSONL (or a JSON list) in one of TRL 1.16's dataset formats (trl.data_utils): `text` (the column
   `--dataset-text-field` names), `messages` (chat, through the tokenizer's chat template),
   `prompt`/`completion` (strings or messages); for DPO `prompt`/`chosen`/`rejected`; for GRPO `prompt`
-  (strings or messages; GRPOTrainer passes the other columns to the reward functions by name). A CSV, or text
+  (strings or messages; GRPOTrainer passes the other columns to the reward functions by name); for reward
+  `chosen`/`rejected`, `prompt` optional (RewardTrainer `_prepare_dataset`); for KTO `prompt`/`completion`/`label`
+  (`label` true or false, KTOTrainer's unpaired format). A CSV, or text
   with a `label` column, is a classification dataset: the error says to drop `--trainer`.
 - GRPO's reward functions: `--reward-func SPEC`, repeatable (memfit.commands._reward_funcs: `module:function`,
   `file.py:function` or a local reward model directory), each checked before the model is loaded.
 - model: a causal LM (its config's `architectures` in transformers' causal-LM auto mapping); TRL loads
   DPO's reference from the same directory (`DPOTrainer.__init__`: `create_model_from_path(
   get_config_model_id(model.config))`) unless LoRA (adapter disabled) or `--precompute-ref-log-probs`;
-  GRPO's likewise when `--beta` is above 0.
+  GRPO's likewise when `--beta` is above 0, KTO's as DPO's. Reward: a model type with a sequence-classification
+  class, loaded as RewardTrainer loads a path (AutoModelForSequenceClassification, num_labels=1): a one-label
+  classifier, or a causal LM whose body gets a new one-score head (a note says so).
 - flags: each TRL setting only with the trainer that reads it (`--packing` is SFTConfig's, DPOConfig has
   no packing; `--precompute-ref-log-probs` is DPOConfig's), `--completion-only-loss` only with
   prompt/completion data (SFTTrainer's collator raises at the first batch otherwise:
@@ -67,8 +74,10 @@ _TRL_FLAGS = {
 #: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why.
 _ESTIMATE_ONLY = {"rloo": "memfit.fit recovers inside GRPOTrainer's generation, scoring and training "
                           "(memfit.fitting.grpo_recovery), not RLOOTrainer's (train with `--trainer grpo`)",
-                  "distill": "memfit train runs SFTTrainer, DPOTrainer, GRPOTrainer, RewardTrainer and KTOTrainer "
-                             "(DistillationTrainer is not wired)"}
+                  # distillation_trainer.py `_prepare_inputs`: on-policy generation of a buffered generation batch
+                  "distill": "memfit.fit does not recover inside DistillationTrainer's on-policy generation (only "
+                             "GRPOTrainer's, memfit.fitting.grpo_recovery) and does not count its teacher in "
+                             "--budget"}
 
 #: The config class of each trainer memfit train runs (TRL 1.16).
 _CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "reward": "RewardConfig", "kto": "KTOConfig"}
@@ -88,7 +97,7 @@ _CLS_FLAGS = ("text_column", "label_column", "num_labels")
 
 
 def check_trl_flags(args: argparse.Namespace) -> str:
-    """The trainer `args` asks for (`trainer`, `sft`, `dpo`, `grpo`), or a MemfitError for a flag of another
+    """The trainer `args` asks for (`trainer`, `sft`, `dpo`, `grpo`, `reward`, `kto`), or a MemfitError for a flag of another
     trainer."""
     trainer = getattr(args, "trainer", None) or "trainer"
     if trainer in _ESTIMATE_ONLY:  # memfit estimate simulates them; memfit train runs SFT, DPO and GRPO only
@@ -101,7 +110,8 @@ def check_trl_flags(args: argparse.Namespace) -> str:
         flag = flag_name(args, dest)
         owners = (owner,) if isinstance(owner, str) else owner
         if trainer == "trainer":
-            need = f"--trainer {' or '.join(owners)}" if owners else "--trainer sft, dpo, grpo, reward or kto"
+            need = (f"--trainer {', '.join(owners[:-1])} or {owners[-1]}" if owners and len(owners) > 1 else
+                    f"--trainer {owners[0]}" if owners else "--trainer sft, dpo, grpo, reward or kto")
             raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
                               "classifier with transformers' Trainer)")
         if owners is not None and trainer not in owners:
@@ -198,12 +208,12 @@ def _is_messages(value: Any) -> bool:
 
 
 def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
-    """The examples of `path` for TRL's `trainer` (`sft` / `dpo` / `grpo`), every row checked; MemfitError on bad
-    input.
+    """The examples of `path` for TRL's `trainer` (`sft` / `dpo` / `grpo` / `reward` / `kto`), every row checked;
+    MemfitError on bad input.
 
     Args:
         path: a .jsonl (or .json list) file.
-        trainer: `sft`, `dpo` or `grpo`.
+        trainer: `sft`, `dpo`, `grpo`, `reward` or `kto`.
         text_field: SFTConfig.dataset_text_field.
     """
     from memfit.fitting.trl_data import dataset_format
@@ -258,7 +268,7 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
 
 @dataclass
 class TrlInputs:
-    """What `memfit train --trainer sft|dpo|grpo` asks for, every value checked (the fields that
+    """What `memfit train --trainer sft|dpo|grpo|reward|kto` asks for, every value checked (the fields that
     memfit.commands._train_common's `fit_and_report` and `set_aside_earlier_results` read are named as in the
     classification run's `_Inputs`)."""
 
@@ -337,7 +347,7 @@ def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict
     """SFTConfig / DPOConfig / GRPOConfig of `kwargs`, or a one-line MemfitError for what the config rejects.
 
     Args:
-        trainer: `sft`, `dpo` or `grpo`.
+        trainer: `sft`, `dpo`, `grpo`, `reward` or `kto`.
         output_dir: TrainingArguments.output_dir.
         use_cpu: None: the CPU when CUDA is not available.
         kwargs: the other config kwargs (flags and --args).
@@ -646,7 +656,7 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
 
 
 def train_trl_command(args: argparse.Namespace, trainer: str, console: Any) -> int:
-    """`memfit train --trainer sft|dpo|grpo`: check every input, build TRL's trainer, preflight, `memfit.fit`,
+    """`memfit train --trainer sft|dpo|grpo|reward|kto`: check every input, build TRL's trainer, preflight, `memfit.fit`,
     report."""
     inputs = read_trl_inputs(args, trainer)
     run = build_trl_trainer(args, inputs)
