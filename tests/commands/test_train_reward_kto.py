@@ -11,6 +11,9 @@ import pytest
 
 pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 from memfit.cli import main  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz "
@@ -271,3 +274,45 @@ def test_kto_oom_recovery(dirs, files, tmp_path, capsys):
     assert code != 0 and report["status"] != "completed" and report["oom_recoveries"] == []
     assert "in a KTO micro-batch of 4, which memfit does not split: KTOTrainer's loss uses the KL estimate" in res.err
     assert "Traceback" not in res.err
+
+
+_ARG_NAMES = ["beta", "loss_type", "max_length", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight",
+              "center_rewards_coefficient", "per_device_train_batch_size", "train_sampling_strategy", "trainer",
+              "bf16", "disable_dropout", "packing", "num_labels"]
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 10**6), st.floats(allow_nan=True), st.text(max_size=8),
+                    st.sampled_from(["kto", "apo_zero_unpaired", "reward", "sequential", "random", "sigmoid"]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(trainer=st.sampled_from(["reward", "kto"]),
+       data=st.dictionaries(st.sampled_from(_ARG_NAMES), _VALUES, min_size=1, max_size=4))
+def test_fuzz_reward_kto_args_files(dirs, files, tmp_path_factory, trainer, data):
+    """Any RewardConfig / KTOConfig --args file: accepted (stopped before the model is loaded), or a one-line error,
+    never a traceback."""
+    import contextlib
+    import io
+
+    import memfit.commands.train_trl as tt
+
+    class Accepted(Exception):
+        pass
+
+    def accepted(*a, **k):
+        raise Accepted()
+
+    d = tmp_path_factory.mktemp("fuzz")
+    (d / "a.json").write_text(json.dumps(data))
+    err = io.StringIO()
+    saved = tt.build_trl_trainer
+    tt.build_trl_trainer = accepted
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(["train", str(dirs["causal"]), "--trainer", trainer, "--data",
+                         str(files["pairs" if trainer == "reward" else "unpaired"]), "--args", str(d / "a.json"),
+                         "--output-dir", str(d / "o")])
+    except Accepted:
+        return
+    finally:
+        tt.build_trl_trainer = saved
+    lines = [x for x in err.getvalue().splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (data, err.getvalue()[-800:])
