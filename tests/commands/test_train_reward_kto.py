@@ -164,6 +164,10 @@ def test_reward_run(dirs, files, tmp_path, capsys, model, data, lora):
     r = json.loads((out / "memfit-report.json").read_text())
     assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
     assert r["preflight"]["fits"] is True
+    rows = [json.loads(x) for x in files[data].read_text().splitlines()]
+    if data != "chat_pairs":  # preflight's length: the longest sequence RewardTrainer tokenized (EOS appended)
+        longest = max(len(x.get("prompt", "") + x[k]) + 1 for x in rows for k in ("chosen", "rejected"))
+        assert r["preflight"]["sequence_length"] == longest < 64
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
     if lora:
         from safetensors import safe_open
@@ -206,6 +210,11 @@ def test_kto_run_with_its_reference(dirs, files, tmp_path, capsys, monkeypatch):
     assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
     assert (out / "model.safetensors").exists()
+    # preflight's length: an example's or its KL sequence's (its prompt with another example's completion), EOS
+    rows = [json.loads(x) for x in files["unpaired"].read_text().splitlines()]
+    own = max(len(x["prompt"] + x["completion"]) + 1 for x in rows)
+    most = max(len(x["prompt"]) for x in rows) + max(len(x["completion"]) for x in rows) + 1
+    assert own <= r["preflight"]["sequence_length"] <= most < 64
     models = counted[-1]  # the policy and TRL's reference copy, two models of the same size
     assert len(models) == 2 and models[0] is not models[1]
     assert [type(m).__name__ for m in models] == ["LlamaForCausalLM", "LlamaForCausalLM"]

@@ -153,8 +153,9 @@ def setup_from_trainer(trainer: Any) -> tuple[TrainSetup, list[int] | None]:
 
 
 def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None) -> list[int] | None:
-    """TRL: the SFTTrainer / DPOTrainer / GRPOTrainer settings and token lengths; updates `fields`, returns the
-    lengths preflight reports (packs for a packed SFT dataset, the longer sequence of each pair for DPO, the
+    """TRL: the SFTTrainer / DPOTrainer / GRPOTrainer / RewardTrainer / KTOTrainer settings and token lengths;
+    updates `fields`, returns the lengths preflight reports (packs for a packed SFT dataset, the longer sequence of
+    each pair for DPO and reward, of each example and its KL sequence for KTO, the
     prompts as GRPOTrainer tokenizes them for GRPO).
     A peft model's LoRA settings are read for every trainer (DPO's reference depends on them)."""
     from memfit.sim import _trl_adapter as trl_adapter
@@ -187,6 +188,15 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
         fields["precompute_ref_log_probs"] = trl_adapter.dpo_state(trainer)["precompute_ref_log_probs"]
         max_length = getattr(trainer.args, "max_length", None)
         lengths = trl_adapter.dpo_example_lengths(trainer.train_dataset, max_length)
+        if lengths:
+            fields["example_lengths"] = lengths
+            fields["max_length"] = int(max_length) if max_length else max(lengths)
+        return lengths
+    if kind in ("reward", "kto"):  # the real token lengths of the prepared dataset, as DPO's
+        fields["trainer"] = kind
+        max_length = getattr(trainer.args, "max_length", None)
+        lengths = (trl_adapter.reward_example_lengths(trainer.train_dataset) if kind == "reward"
+                   else trl_adapter.kto_example_lengths(trainer.train_dataset, max_length))
         if lengths:
             fields["example_lengths"] = lengths
             fields["max_length"] = int(max_length) if max_length else max(lengths)

@@ -234,6 +234,35 @@ def dpo_example_lengths(dataset: Any, max_length: int | None, limit: int = 200_0
     return out or None
 
 
+def reward_example_lengths(dataset: Any, limit: int = 200_000) -> list[int] | None:
+    """Per pair of a prepared RewardTrainer dataset, the longer of chosen and rejected (the prompt is already in
+    each; reward_trainer.py `_prepare_dataset` drops pairs longer than max_length rather than truncating them)."""
+    try:
+        cols = {k: dataset[k][:limit] for k in ("chosen_ids", "rejected_ids")}
+    except Exception:
+        return None
+    return [max(len(c), len(r)) for c, r in zip(cols["chosen_ids"], cols["rejected_ids"])] or None
+
+
+def kto_example_lengths(dataset: Any, max_length: int | None, limit: int = 200_000) -> list[int] | None:
+    """Per example of a prepared KTOTrainer dataset, the longer of prompt+completion and prompt+KL completion (the
+    KL batch's, when the loss has one), truncated to `max_length` as DataCollatorForUnpairedPreference truncates
+    each sequence (kto_trainer.py `torch_call`)."""
+    try:
+        names = set(dataset.column_names)
+        cols = {k: dataset[k][:limit] for k in ("prompt_ids", "completion_ids", "KL_completion_ids") if k in names}
+    except Exception:
+        return None
+    if "prompt_ids" not in cols or "completion_ids" not in cols:
+        return None
+    kl = cols.get("KL_completion_ids") or [[] for _ in cols["prompt_ids"]]
+    out = []
+    for p, c, k in zip(cols["prompt_ids"], cols["completion_ids"], kl):
+        n = len(p) + max(len(c), len(k))
+        out.append(min(n, max_length) if max_length else n)
+    return out or None
+
+
 def tokenize(tokenizer: Any, value: Any) -> list[int]:
     """The token ids TRL's dataset preparation gives `value` (a string, or a list of chat messages)."""
     from trl.data_utils import _tokenize
