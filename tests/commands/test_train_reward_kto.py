@@ -138,6 +138,8 @@ def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, ca
         ([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--batch-size", "1"],
          "KTOTrainer needs at least 2 examples per micro-batch"),
         (["--beta", "0.1"], "`--beta` is a TRL setting; add `--trainer dpo, grpo or kto`"),
+        ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--task", "causal-lm"],
+         "does not go with `--trainer reward`, which trains a one-score sequence classifier (seq-cls)"),
         ([dirs["causal"], "--trainer", "distill", "--data", files["pc"]], "`memfit train --trainer distill` is not "
                                                                           "supported: memfit.fit does not recover"),
     ]

@@ -148,8 +148,10 @@ def check_trl_flags(args: argparse.Namespace) -> str:
                                                       if dest == "text_column" else "") + "; remove it")
         if args.task is not None and str(args.task).lower() not in (
                 ("seq-cls",) if trainer == "reward" else ("seq-cls", "causal-lm", "causal_lm")):
-            raise MemfitError(f"`--task {args.task}` does not go with `--trainer {trainer}`, which trains a causal "
-                              "language model; remove --task")
+            trains = ("a one-score sequence classifier (seq-cls)" if trainer == "reward"
+                      else "a causal language model")
+            raise MemfitError(f"`--task {args.task}` does not go with `--trainer {trainer}`, which trains {trains}; "
+                              "remove --task")
         if getattr(args, "lora_r", None) is not None and args.lora_r <= 0:
             raise MemfitError(f"`{flag_name(args, 'lora_r')}` must be a positive integer; got `{args.lora_r}`")
     elif getattr(args, "lora_r", None) is not None:  # pragma: no cover - caught above
