@@ -111,7 +111,7 @@ def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, ca
          "a REWARD dataset needs `chosen` and `rejected` (and optionally `prompt`)"),
         ([dirs["causal"], "--trainer", "reward", "--data", files["csv"]],
          "`--trainer reward` reads JSONL (one object per line: `chosen`/`rejected`, optionally `prompt`)"),
-        ([dirs["causal"], "--trainer", "kto", "--data", files["pairs"]],
+        ([dirs["causal"], "--trainer", "kto", "--data", files["implicit"]],
          "a KTO dataset needs `prompt`, `completion` and `label` (true: desirable"),
         ([dirs["causal"], "--trainer", "kto", "--data", files["pc"]], "a KTO dataset needs `prompt`, `completion`"),
         ([dirs["causal"], "--trainer", "kto", "--data", files["int_label"]],
@@ -327,3 +327,16 @@ def test_fuzz_reward_kto_args_files(dirs, files, tmp_path_factory, trainer, data
         tt.build_trl_trainer = saved
     lines = [x for x in err.getvalue().splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (data, err.getvalue()[-800:])
+
+
+@pytest.mark.slow
+def test_kto_run_on_pairs(dirs, files, tmp_path, capsys):
+    """Paired data (`prompt`/`chosen`/`rejected`): KTOTrainer unpairs it (`unpair_preference_dataset`: each pair a
+    desirable and an undesirable example), 2 optimizer steps complete."""
+    out = tmp_path / "out"
+    code, res = _run([dirs["causal"], "--trainer", "kto", "--data", files["pairs"], "--batch-size", "2",
+                      "--max-steps", "2", "--budget", "400MiB", "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = json.loads((out / "memfit-report.json").read_text())
+    assert r["status"] == "completed" and r["steps_completed"] == 2
+    assert "(8 examples, preference; 16 train rows)" in " ".join(res.out.split())

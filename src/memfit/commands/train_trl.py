@@ -18,7 +18,8 @@ is loaded, each bad one a one-line MemfitError:
   `prompt`/`completion` (strings or messages); for DPO `prompt`/`chosen`/`rejected`; for GRPO `prompt`
   (strings or messages; GRPOTrainer passes the other columns to the reward functions by name); for reward
   `chosen`/`rejected`, `prompt` optional (RewardTrainer `_prepare_dataset`); for KTO `prompt`/`completion`/`label`
-  (`label` true or false, KTOTrainer's unpaired format). A CSV, or text
+  (`label` true or false, KTOTrainer's unpaired format) or `prompt`/`chosen`/`rejected` (KTOTrainer unpairs it).
+  A CSV, or text
   with a `label` column, is a classification dataset: the error says to drop `--trainer`.
 - GRPO's reward functions: `--reward-func SPEC`, repeatable (memfit.commands._reward_funcs: `module:function`,
   `file.py:function` or a local reward model directory), each checked before the model is loaded.

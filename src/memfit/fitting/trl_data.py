@@ -92,7 +92,10 @@ def dataset_format(row: dict[str, Any], trainer: str, text_field: str = "text") 
     elif trainer == "kto":  # KTOTrainer's unpaired preference format: one completion and a desirable flag
         if {"prompt", "completion", "label"} <= keys:
             return "unpaired-preference"
-        need = "`prompt`, `completion` and `label` (true: desirable, false: undesirable)"
+        if {"prompt", "chosen", "rejected"} <= keys:  # kto_trainer.py `_prepare_dataset`: unpair_preference_dataset
+            return "preference"
+        need = ("`prompt`, `completion` and `label` (true: desirable, false: undesirable), or `prompt`, `chosen` "
+                "and `rejected` (KTOTrainer unpairs them)")
     else:
         if {"prompt", "completion"} <= keys:
             return "prompt-completion"
