@@ -150,7 +150,10 @@ def test_16_bit_weights_without_autocast_is_one_line(capsys):
     """whisper-large-v3 loads in float16 (its config's torch_dtype); without autocast the float32 input_features
     meet float16 conv weights, which F.conv1d refuses on a GPU as on the CPU."""
     err = _one_line_error(["estimate", "openai/whisper-large-v3", "--batch-size", "1"], capsys)
-    assert "float16" in err and "--precision fp16" in err and len(err.splitlines()) == 1
+    # no --gpu: compute capability 8.0 is assumed, which has bf16 mixed precision (memfit.sim.media_dtypes)
+    assert "float16" in err and "--precision bf16" in err and len(err.splitlines()) == 1
+    err = _one_line_error(["estimate", "openai/whisper-large-v3", "--batch-size", "1", "--gpu", "T4"], capsys)
+    assert "float16" in err and "--precision fp16" in err and len(err.splitlines()) == 1  # a T4 (7.5): fp16
 
 
 @pytest.mark.parametrize("hub_id", ["facebook/dinov2-base", "facebook/convnext-base-224",

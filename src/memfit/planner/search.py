@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from memfit import progress
 from memfit.allocator.conf import parse_alloc_conf
@@ -43,13 +43,15 @@ from memfit.estimator import MemoryReport
 from memfit.gpus.catalog import CATALOG, GpuSpec, as_gpu_spec
 from memfit.models.resolve import resolve
 from memfit.remedies import OPT_IN, REGISTRY, conflict, implied_changes, remedy_id
-from memfit.sim.media_dtypes import DtypeFix, setup_dtype_fix
 from memfit.allocator.bounded import bounded_reserved
 from memfit.planner.memory_model import Axes, Budget, Simulations, fit_memory_model, planned_simulations
 from memfit.planner.ranking import Candidate, StepTimer, rank
 from memfit.planner.throughput import paged_traffic_bytes
 from memfit.planner.workers import WorkerPool, worker_count
 from memfit.train_setup import GENERATING_TRAINERS, TrainSetup
+
+if TYPE_CHECKING:
+    from memfit.sim.media_dtypes import DtypeFix
 
 __all__ = ["Plan", "PlanResult", "SearchedCandidate", "plan", "DEFAULT_MARGIN"]
 
@@ -260,6 +262,8 @@ def plan(
             if hit is not None:
                 return dataclasses.replace(hit, cached=True, elapsed_s=round(time.perf_counter() - started, 2))
     budget = _budget_for(spec, margin, non_pytorch_bytes)
+    from memfit.sim.media_dtypes import setup_dtype_fix  # imports torch: not on the warm (cached) path above
+
     typed, fix = setup, setup_dtype_fix(setup, spec.compute_capability)
     if fix is not None:  # the setup as given stops at its first convolution: plan from the change that runs
         setup = setup.replace(**fix.changes)
@@ -316,7 +320,7 @@ def plan(
     return result
 
 
-def _started_from(typed: TrainSetup, fix: DtypeFix, result: PlanResult) -> PlanResult:
+def _started_from(typed: TrainSetup, fix: "DtypeFix", result: PlanResult) -> PlanResult:
     """`result`, searched from `typed` with `fix` applied, as a plan of `typed`: the fix is in the baseline and in
     every plan (its changes first), the setup as given does not fit (it does not run), and when no faster plan
     was chosen the fix alone is the chosen plan, where it fits."""
