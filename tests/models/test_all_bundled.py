@@ -39,6 +39,9 @@ _SLOW = {
     "HuggingFaceTB/SmolVLM2-500M-Video-Instruct", "meta-llama/Llama-3.2-11B-Vision-Instruct",
     "google/paligemma2-3b-pt-224", "HuggingFaceTB/SmolVLM2-2.2B-Instruct", "llava-hf/llava-v1.6-mistral-7b-hf",
     "google/paligemma2-3b-pt-448",
+    # the 32-block vision tower runs whole (its full-attention blocks differ from the windowed ones):
+    # 140-175 s each under a load of 5
+    "Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct",
 }
 
 

@@ -73,6 +73,7 @@ def test_a_vlm_plan_runs_and_says_why_liger_does_not_apply(qwen_vl):
         assert result.not_applicable["liger"] == broken
 
 
+@pytest.mark.slow
 def test_a_plan_searches_both_when_allowed(qwen_vl):
     """Allowed, each is an axis of the search: a candidate with the images halved and one with the tower frozen are
     ranked (and not without `allow`)."""
