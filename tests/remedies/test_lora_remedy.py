@@ -33,5 +33,8 @@ def test_a_model_type_without_peft_defaults_gets_all_linear(tmp_path):
     report = estimate(whisper.replace(**variant), gpu="T4")  # peft takes it: the variant is simulated, not refused
     assert 0 < report.trainable_params < report.params
     assert any('target_modules="all-linear"' in line for line in lora.apply(variant, whisper)[2])
+    # a vision-language model keeps memfit's own default (the language model's q_proj / v_proj)
+    vlm = TrainSetup(model=tiny_config("llama"), task="causal-lm").replace(task="image-text-to-text")
+    assert lora.variants(vlm, None) == [{"lora_r": 16}]
     # a user's own target modules are kept
     assert lora.variants(whisper.replace(lora_target_modules=["q_proj"]), None) == [{"lora_r": 16}]

@@ -1,8 +1,9 @@
 """LoRA (opt-in `lora`): train low-rank adapters (peft); the base model is frozen.
 
 Gradients and optimizer state shrink to the adapters'; activations mostly stay. The adapters go where peft puts
-them by default; for a model type peft has no default for (Whisper, ViT, Wav2Vec2, Qwen2.5-VL, ...), on every
-linear layer but the output head (peft's `all-linear`, as QLoRA's recipe trains them).
+them by default (a vision-language model: memfit.models.peft_methods.VLM_LORA_TARGETS, the language model's
+q_proj / v_proj); for a model type peft has no default for (Whisper, ViT, Wav2Vec2, XLNet, ...), on every linear
+layer but the output head (peft's `all-linear`, as QLoRA's recipe trains them).
 """
 
 from memfit.remedies.base import Applicability, Remedy
@@ -20,7 +21,8 @@ def _variants(setup, gpu):
     from memfit.models._peft_adapter import has_default_lora_targets
     from memfit.remedies.liger import _model_type
 
-    if setup.lora_target_modules or has_default_lora_targets(_model_type(setup)):
+    own = setup.lora_target_modules or setup.task == "image-text-to-text"  # a VLM: memfit's own default targets
+    if own or has_default_lora_targets(_model_type(setup)):
         return [{"lora_r": 16}]
     return [{"lora_r": 16, "lora_target_modules": ["all-linear"]}]
 
