@@ -3,6 +3,7 @@ for a model type peft has no default for: a LoRA variant the planner proposes al
 
 from __future__ import annotations
 
+import pytest
 import transformers
 
 from helpers import tiny_config
@@ -29,7 +30,8 @@ def test_a_model_type_without_peft_defaults_gets_all_linear(tmp_path):
     assert lora.variants(llama, None) == [{"lora_r": 16}]  # peft's default q_proj / v_proj
     whisper = _whisper(tmp_path)
     (variant,) = lora.variants(whisper, None)
-    assert variant == {"lora_r": 16, "lora_target_modules": ["all-linear"]}
+    assert variant == {"lora_r": 16, "lora_target_modules": "all-linear"}  # a string: it keys the planner's fits
+    assert whisper.replace(**variant).lora_target_modules == ["all-linear"]
     report = estimate(whisper.replace(**variant), gpu="T4")  # peft takes it: the variant is simulated, not refused
     assert 0 < report.trainable_params < report.params
     assert any('target_modules="all-linear"' in line for line in lora.apply(variant, whisper)[2])
@@ -38,3 +40,15 @@ def test_a_model_type_without_peft_defaults_gets_all_linear(tmp_path):
     assert lora.variants(vlm, None) == [{"lora_r": 16}]
     # a user's own target modules are kept
     assert lora.variants(whisper.replace(lora_target_modules=["q_proj"]), None) == [{"lora_r": 16}]
+
+
+@pytest.mark.slow
+def test_a_plan_with_lora_allowed_runs_for_a_model_peft_has_no_default_for():
+    """XLNet (the seed case's model) is not in peft's mapping: the plan tries LoRA on all linear layers, and its
+    fitted model keys the variant's values (a list there was an unhashable key: a traceback)."""
+    from memfit.planner.search import plan
+
+    setup = TrainSetup(model=tiny_config("xlnet"), task="seq-cls", per_device_train_batch_size=2, max_length=16,
+                       eval_strategy="no")
+    result = plan(setup, gpu="T4", allow=("lora",))
+    assert any(c.setup_changes.get("lora_target_modules") == "all-linear" for c in result.searched)

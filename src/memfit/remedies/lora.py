@@ -24,12 +24,14 @@ def _variants(setup, gpu):
     own = setup.lora_target_modules or setup.task == "image-text-to-text"  # a VLM: memfit's own default targets
     if own or has_default_lora_targets(_model_type(setup)):
         return [{"lora_r": 16}]
-    return [{"lora_r": 16, "lora_target_modules": ["all-linear"]}]
+    # peft's shorthand as a string (TrainSetup makes it ["all-linear"]): a variant's values key the planner's fits
+    return [{"lora_r": 16, "lora_target_modules": "all-linear"}]
 
 
 def _apply(changes, setup, **_):
     r = changes["lora_r"]
-    targets = ', target_modules="all-linear"' if changes.get("lora_target_modules") == ["all-linear"] else ""
+    targets = ', target_modules="all-linear"' if changes.get("lora_target_modules") in ("all-linear", ["all-linear"]) \
+        else ""
     return {}, {}, [
         "from peft import LoraConfig, get_peft_model",
         f"model = get_peft_model(model, LoraConfig(r={r}, lora_alpha={2 * r}{targets}, task_type=...))",
