@@ -234,6 +234,21 @@ def trace_key(trace):
     return out
 
 
+def canonical_events(trace) -> list[tuple]:
+    """(action, size, category, phase) per event, each run of consecutive frees in a fixed order: an allocator ends
+    such a run in the same state whatever the order (a spliced and a full simulation's zero_grad drop their
+    gradients in different orders: tests/sim/test_splice.py, tests/parallel/test_fsdp_splice.py)."""
+    out, frees = [], []
+    for ev in trace:
+        item = (ev.action, ev.size_bytes, ev.category, ev.phase)
+        if ev.action == "free":
+            frees.append(item)
+            continue
+        out += sorted(frees) + [item]
+        frees = []
+    return out + sorted(frees)
+
+
 def trace_digest(trace) -> str:
     """A hash of the whole trace (every field of every event): two runs with the same digest wrote the same trace."""
     return hashlib.sha256(repr(trace).encode()).hexdigest()
@@ -308,6 +323,13 @@ def eos_beyond_vocab_llama(hidden: int = 64, layers: int = 2) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=vocab,
                        max_position_embeddings=512)
+
+
+def trl_llama_config(vocab_size: int, **kw) -> LlamaConfig:
+    """The tiny Llama of the `memfit train --trainer ...` runs (2 layers, 64 positions) over `vocab_size` ids."""
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       max_position_embeddings=64, **kw)
 
 
 def live_peaks(trace, phase=None) -> tuple[int, int]:

@@ -13,6 +13,7 @@ pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from helpers import trl_llama_config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 
 PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
@@ -47,14 +48,6 @@ def _tokenizer(extra: str = "", model_max_length: int | None = 64):
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", **limit)
 
 
-def _config(vocab_size: int, **kw):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                       max_position_embeddings=64, **kw)
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """The policy, a reward model, and reward model directories that are wrong in one way each."""
@@ -66,14 +59,14 @@ def dirs(tmp_path_factory):
     torch.manual_seed(0)
     out = {}
     for name, model, tokenizer in [
-        ("policy", LlamaForCausalLM(_config(len(tok))), tok),
-        ("rm", LlamaForSequenceClassification(_config(len(tok), num_labels=1)), tok),
+        ("policy", LlamaForCausalLM(trl_llama_config(len(tok))), tok),
+        ("rm", LlamaForSequenceClassification(trl_llama_config(len(tok), num_labels=1)), tok),
         # its tokenizer has uppercase letters too: ids past the 30 embeddings the reward model was trained with
-        ("rm_other_tok", LlamaForSequenceClassification(_config(len(tok), num_labels=1)),
+        ("rm_other_tok", LlamaForSequenceClassification(trl_llama_config(len(tok), num_labels=1)),
          _tokenizer("ABCDEFGHIJKLMNOPQRSTUVWXYZ")),
-        ("rm_two_labels", LlamaForSequenceClassification(_config(len(tok), num_labels=2)), tok),
-        ("rm_causal", LlamaForCausalLM(_config(len(tok))), tok),
-        ("rm_no_tok", LlamaForSequenceClassification(_config(len(tok), num_labels=1)), None),
+        ("rm_two_labels", LlamaForSequenceClassification(trl_llama_config(len(tok), num_labels=2)), tok),
+        ("rm_causal", LlamaForCausalLM(trl_llama_config(len(tok))), tok),
+        ("rm_no_tok", LlamaForSequenceClassification(trl_llama_config(len(tok), num_labels=1)), None),
     ]:
         path = root / name
         model.save_pretrained(path)
@@ -82,7 +75,7 @@ def dirs(tmp_path_factory):
         out[name] = path
     chat_tok = _tokenizer(model_max_length=None)
     chat_tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    LlamaForCausalLM(_config(len(tok))).save_pretrained(root / "chat_policy")
+    LlamaForCausalLM(trl_llama_config(len(tok))).save_pretrained(root / "chat_policy")
     chat_tok.save_pretrained(root / "chat_policy")
     out["chat_policy"] = root / "chat_policy"
     (root / "empty").mkdir()

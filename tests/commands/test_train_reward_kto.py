@@ -14,6 +14,7 @@ pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from helpers import trl_llama_config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz "
@@ -35,14 +36,6 @@ def _tokenizer():
     return tok
 
 
-def _config(vocab_size: int, **kw):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                       max_position_embeddings=64, **kw)
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """A causal LM, a one-label reward model, a two-label classifier and a vision encoder (no text classifier)."""
@@ -53,9 +46,9 @@ def dirs(tmp_path_factory):
     tok = _tokenizer()
     torch.manual_seed(0)
     out = {}
-    for name, model in [("causal", LlamaForCausalLM(_config(len(tok)))),
-                        ("rm", LlamaForSequenceClassification(_config(len(tok), num_labels=1))),
-                        ("two_labels", LlamaForSequenceClassification(_config(len(tok), num_labels=2))),
+    for name, model in [("causal", LlamaForCausalLM(trl_llama_config(len(tok)))),
+                        ("rm", LlamaForSequenceClassification(trl_llama_config(len(tok), num_labels=1))),
+                        ("two_labels", LlamaForSequenceClassification(trl_llama_config(len(tok), num_labels=2))),
                         ("vit", ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                                    intermediate_size=64, image_size=32, patch_size=16)))]:
         model.save_pretrained(root / name)

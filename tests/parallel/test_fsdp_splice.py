@@ -11,7 +11,7 @@ import pytest
 from memfit.parallel import fsdp
 from memfit.parallel.setup import ParallelSetup
 from memfit.train_setup import TrainSetup
-from helpers import tiny_config
+from helpers import canonical_events, tiny_config
 
 
 @pytest.fixture
@@ -28,17 +28,6 @@ def cut_used(monkeypatch):
     return seen
 
 
-def _canonical(sim) -> list[tuple]:
-    out, frees = [], []
-    for ev in sim.trace:
-        item = (ev.action, ev.size_bytes, ev.category, ev.phase)
-        if ev.action == "free":
-            frees.append(item)
-            continue
-        out += sorted(frees) + [item]
-        frees = []
-    return out + sorted(frees)
-
 
 def _compare(cut_used, arch="llama", layers=8, par=None, **kw):
     task = {"llama": "causal-lm", "bert": "seq-cls"}[arch]
@@ -49,7 +38,7 @@ def _compare(cut_used, arch="llama", layers=8, par=None, **kw):
     spliced = fsdp.simulate_fsdp(setup, parallel, splice=True)
     full = fsdp.simulate_fsdp(setup, parallel, splice=False)
     assert cut_used == [True, False]
-    assert _canonical(spliced) == _canonical(full)
+    assert canonical_events(spliced.trace) == canonical_events(full.trace)
     assert (spliced.params, spliced.trainable_params) == (full.params, full.trainable_params)
 
 

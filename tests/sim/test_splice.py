@@ -15,7 +15,7 @@ from transformers import AlbertConfig
 from memfit.peaks import peaks
 from memfit.sim import engine
 from memfit.train_setup import TrainSetup
-from helpers import TINY_TASK as TASK, tiny_config as _config  # noqa: E402
+from helpers import TINY_TASK as TASK, canonical_events, tiny_config as _config  # noqa: E402
 
 
 @pytest.fixture
@@ -45,19 +45,6 @@ def _summary(sim):
             "allocs": sum(ev.action == "alloc" for ev in sim.trace)}
 
 
-def _canonical(sim):
-    """The trace's events, each run of consecutive frees in a fixed order (an allocator ends such a run in the
-    same state whatever the order)."""
-    out, frees = [], []
-    for ev in sim.trace:
-        item = (ev.action, ev.size_bytes, ev.category, ev.phase)
-        if ev.action == "free":
-            frees.append(item)
-            continue
-        out += sorted(frees) + [item]
-        frees = []
-    return out + sorted(frees)
-
 
 def _eval_events(sim):
     return [(ev.action, ev.size_bytes, ev.category) for ev in sim.trace if ev.phase == "eval"]
@@ -69,7 +56,7 @@ def _compare(model_factory, task, runners, **kw):
     full = engine.simulate(_setup(model_factory(), task, **kw), splice=False)
     assert runners[-1].cut is None
     assert _summary(spliced) == _summary(full)
-    assert _canonical(spliced) == _canonical(full)
+    assert canonical_events(spliced.trace) == canonical_events(full.trace)
     # the evaluation (spliced too): the same events in the same order
     assert _eval_events(spliced) == _eval_events(full)
     assert (spliced.params, spliced.trainable_params) == (full.params, full.trainable_params)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Remedy", "Applicability", "TrainerAdapter", "apply_fields"]
+__all__ = ["Remedy", "Applicability", "TrainerAdapter", "apply_fields", "model_type"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,14 @@ def apply_fields(changes: dict[str, Any], setup: Any, **_: Any) -> tuple[dict[st
     """`Remedy.apply` of a remedy whose variant is only TrainingArguments / config fields: the change is the
     variant itself, with no environment variable and no code line."""
     return dict(changes), {}, []
+
+
+def model_type(setup: Any) -> str:
+    """The config's `model_type` of the setup's model, for the checks of remedies that depend on it (Liger's kernels,
+    peft's default LoRA targets); "" when the model does not resolve (the estimate itself fails with a clear error)."""
+    from memfit.models.build import resolve_config
+
+    try:
+        return str(getattr(resolve_config(setup.model).config, "model_type", ""))
+    except Exception:
+        return ""

@@ -10,16 +10,7 @@ Triton launches emulated (memfit.sim.kernels.liger), so the variant is simulated
 
 import importlib.util
 
-from memfit.remedies.base import Applicability, Remedy
-
-
-def _model_type(setup) -> str:
-    from memfit.models.build import resolve_config
-
-    try:
-        return str(getattr(resolve_config(setup.model).config, "model_type", ""))
-    except Exception:  # an unresolvable model fails the estimate itself with a clear error
-        return ""
+from memfit.remedies.base import Applicability, Remedy, model_type
 
 
 def _check(setup, gpu):
@@ -32,12 +23,12 @@ def _check(setup, gpu):
                                     "(pip install liger-kernel, or memfit[llm])")
     from memfit.sim.kernels.liger import liger_supported_model_types
 
-    model_type = _model_type(setup)
-    if model_type not in liger_supported_model_types():
-        return Applicability(False, f"Liger has no kernels for model type `{model_type}`")
+    mtype = model_type(setup)
+    if mtype not in liger_supported_model_types():
+        return Applicability(False, f"Liger has no kernels for model type `{mtype}`")
     from memfit.sim.kernels.liger import liger_import_error
 
-    broken = liger_import_error(model_type)
+    broken = liger_import_error(mtype)
     if broken is not None:
         return Applicability(False, broken)
     return Applicability(True, "no B x S x V logits with the fused linear cross-entropy; leaner norms and MLPs")

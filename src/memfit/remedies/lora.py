@@ -6,7 +6,7 @@ q_proj / v_proj); for a model type peft has no default for (Whisper, ViT, Wav2Ve
 layer but the output head (peft's `all-linear`, as QLoRA's recipe trains them).
 """
 
-from memfit.remedies.base import Applicability, Remedy
+from memfit.remedies.base import Applicability, Remedy, model_type
 
 
 def _check(setup, gpu):
@@ -19,10 +19,9 @@ def _check(setup, gpu):
 
 def _variants(setup, gpu):
     from memfit.models._peft_adapter import has_default_lora_targets
-    from memfit.remedies.liger import _model_type
 
     own = setup.lora_target_modules or setup.task == "image-text-to-text"  # a VLM: memfit's own default targets
-    if own or has_default_lora_targets(_model_type(setup)):
+    if own or has_default_lora_targets(model_type(setup)):
         return [{"lora_r": 16}]
     # peft's shorthand as a string (TrainSetup makes it ["all-linear"]): a variant's values key the planner's fits
     return [{"lora_r": 16, "lora_target_modules": "all-linear"}]
