@@ -56,7 +56,7 @@ def _block(out: str, title: str) -> list[str]:
         start += 1
     block = []
     for line in lines[start + 1:]:
-        if not line.startswith((" ", ">")) and not line[:1].isdigit() and not line.startswith("as is"):
+        if not line.startswith((" ", ">")) and not line[:1].isdigit() and not line.startswith(("as is", "start")):
             break
         block.append(line)
     return block
@@ -96,3 +96,31 @@ def test_the_parallel_candidates_as_lines_when_piped(parallel, capsys, monkeypat
     assert heads[parallel.chosen].startswith(f">{parallel.chosen} DDP: per GPU ")
     wide = _out(capsys, monkeypatch, render_parallel, parallel, columns=WIDE_COLUMNS, terminal=True)
     assert "│" in wide or "┃" in wide
+
+
+def _hand_plan(changes: dict, *, reserved: int, fits: bool, verified: bool = True):
+    from memfit.planner.search import Plan
+
+    return Plan(remedies=list(changes), setup_changes=changes, changes={}, env={}, code=[],
+                peak_allocated_bytes=reserved, peak_reserved_bytes=reserved, device_used_bytes=reserved,
+                headroom_bytes=2**30 - reserved, relative_step_time=1.0, fits=fits, verified=verified)
+
+
+@pytest.mark.parametrize("fix_alone_chosen", [True, False])
+def test_a_started_plan_shows_the_start_once(capsys, monkeypatch, fix_alone_chosen):
+    """When the change the search started from is itself the chosen plan 0, the table has its row once (plan 0),
+    not a `start` row repeated as plan 0; when a faster plan is chosen, the start keeps its own row."""
+    from memfit.planner.search import PlanResult
+
+    fix = {"weights_dtype": "fp32", "precision": "fp16"}
+    base = _hand_plan(fix, reserved=2**29, fits=True)
+    other = _hand_plan({**fix, "gradient_checkpointing": True}, reserved=2**28, fits=True)
+    plans, chosen = ([base, other], 0) if fix_alone_chosen else ([other], 0)
+    result = PlanResult(fits_as_is=False, baseline=base, plans=plans, chosen=chosen,
+                        gpu={"name": "T4", "total_bytes": 2**30}, margin=0.05, budget_bytes=2**30, miss_bytes=None,
+                        suggestions=[], not_applicable={}, elapsed_s=0.0, simulations=1,
+                        started_from={"changes": fix, "flags": "--weights-dtype fp32 --precision fp16",
+                                      "cause": "float16 weights meet float32 inputs", "why": "no bf16 on a T4"})
+    out = _out(capsys, monkeypatch, render, result, columns=80, terminal=False)
+    labels = [line.split(":")[0] for line in _block(out, "Plans (") if not line.startswith(" ")]
+    assert labels == ([">0*", "1*"] if fix_alone_chosen else ["start", ">0*"])

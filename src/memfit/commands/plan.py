@@ -238,6 +238,8 @@ def render(result, *, is_seed: bool = False) -> None:
     rows = [("start" if start else "as is", short(b.setup_changes) if start else "(as is)",
              format_bytes(b.peak_reserved_bytes), format_bytes(b.device_used_bytes),
              format_bytes(b.headroom_bytes), "1.00x", "yes" if b.fits else "no")]
+    if start and result.plans and result.plans[0] == b:  # the start alone is the chosen plan 0: one row, not two
+        rows = []
     for i, p in enumerate(result.plans):
         mark = ">" if i == result.chosen else ""
         desc = short(p.setup_changes, p.env)
