@@ -32,11 +32,21 @@ this file:
   `step_time` metric; `grpo_micro_step` runs `Trainer.training_step` on a prepared micro-batch instead), and the
   attributes that decide whether a micro-batch can be chunked (`loss_type`, `_entropy_bonus_enabled`,
   `top_entropy_quantile`, `aux_loss_enabled`, `use_vllm`, `use_transformers_continuous_batching`, `rollout_func`).
+- RLOOTrainer under memfit.fit (memfit.fitting.rloo_recovery): the same `_prepare_inputs`, `training_step`
+  bookkeeping, `_get_per_token_logps_and_entropies` and `_tokenize_prompts` as GRPOTrainer's (rloo_trainer.py: the
+  same code), its own `_generate_single_turn(prompt_ids, images, multimodal_fields)` (no `num_generations`, returns
+  the completion ids only), and `rloo_state`'s attributes (`aux_loss_enabled`, `use_vllm`,
+  `use_transformers_continuous_batching`, `beta`).
 - RLOOTrainer / KTOTrainer (memfit.sim.rloo_steps, memfit.sim.kto_steps): their fused heads' outputs
   (`RLOO_FUSED_OUTPUTS`, `KTO_FUSED_OUTPUTS`), `trl.trainer.utils.nanstd` (RLOO's group standard deviation).
 - DistillationTrainer (memfit.sim.distill_steps): `trl.kernels.chunked_divergence.ChunkedDivergenceFunction`
   (`chunked_divergence`), and `divergence_kernels()`, which replaces the torch fallbacks of its Triton kernels
   (`_stats_tile`, `_jsd_tile`, `_backward_tile`), its `_addmm_fp32` and `_project` by what the CUDA path allocates.
+- DistillationTrainer under memfit.fit (memfit.fitting.distill_recovery): the same `_prepare_inputs` buffer (`_step`,
+  `_buffered_inputs`) and `training_step` bookkeeping as GRPOTrainer's (distillation_trainer.py: the same code, so
+  `grpo_prepare_inputs` / `grpo_micro_step` / `grpo_step_done` serve it), `_tokenize_prompts` (the prompt lengths),
+  its own `_generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images=False)` (returns the
+  completion ids only), and `distill_state`'s attributes (`use_vllm`, `_is_vlm`, `tools`, `teacher_model`).
 - trainer attributes read by preflight: `SFTTrainer.padding_free` (bfd packing implies it),
   `SFTTrainer.completion_only_loss`, `DPOTrainer.ref_model`, `DPOTrainer.precompute_ref_logps`.
 """
@@ -51,7 +61,7 @@ from typing import Any
 __all__ = ["tokenize", "add_fused_lm_head", "cuda_kernels", "trainer_kind", "sft_state", "dpo_state", "dpo_example_lengths",
            "SFT_FUSED_OUTPUTS", "DPO_FUSED_OUTPUTS", "GRPO_FUSED_OUTPUTS", "RLOO_FUSED_OUTPUTS", "KTO_FUSED_OUTPUTS", "nanstd",
            "divergence_kernels", "chunked_divergence", "grpo_log_probs", "shuffle_sequence_dict",
-           "split_tensor_dict", "disable_gradient_checkpointing", "grpo_state", "grpo_prompt_lengths",
+           "split_tensor_dict", "disable_gradient_checkpointing", "grpo_state", "rloo_state", "distill_state", "grpo_prompt_lengths",
            "grpo_prepare_inputs", "grpo_micro_step", "grpo_step_done", "wrap_grpo_method", "grpo_reward_models"]
 
 #: `outputs=` of add_fused_lm_head in SFTTrainer.__init__ and DPOTrainer.__init__ (TRL 1.16).
@@ -183,17 +193,17 @@ def chunked_divergence(*args: Any) -> Any:
 
 
 def trainer_kind(trainer: Any) -> str:
-    """`sft`, `dpo`, `grpo`, `reward`, `kto` or `trainer` for a trainer object, by class (TRL need not be
+    """`sft`, `dpo`, `grpo`, `rloo`, `reward`, `kto`, `distill` or `trainer` for a trainer object, by class (TRL need not be
     importable)."""
     names = {c.__name__ for c in type(trainer).__mro__}
-    for cls, kind in (("SFTTrainer", "sft"), ("DPOTrainer", "dpo"), ("GRPOTrainer", "grpo"),
-                      ("RewardTrainer", "reward"), ("KTOTrainer", "kto")):
+    for cls, kind in (("SFTTrainer", "sft"), ("DPOTrainer", "dpo"), ("GRPOTrainer", "grpo"), ("RLOOTrainer", "rloo"),
+                      ("RewardTrainer", "reward"), ("KTOTrainer", "kto"), ("DistillationTrainer", "distill")):
         if cls in names:
             return kind
     # MemfitCallback sees no trainer, only its arguments: SFTConfig / DPOConfig say which trainer it is
     arg_names = {c.__name__ for c in type(getattr(trainer, "args", None)).__mro__}
-    for cls, kind in (("SFTConfig", "sft"), ("DPOConfig", "dpo"), ("GRPOConfig", "grpo"), ("RewardConfig", "reward"),
-                      ("KTOConfig", "kto")):
+    for cls, kind in (("SFTConfig", "sft"), ("DPOConfig", "dpo"), ("GRPOConfig", "grpo"), ("RLOOConfig", "rloo"),
+                      ("RewardConfig", "reward"), ("KTOConfig", "kto"), ("DistillationConfig", "distill")):
         if cls in arg_names:
             return kind
     return "trainer"
@@ -294,6 +304,25 @@ def grpo_state(trainer: Any) -> dict[str, Any]:
     }
 
 
+def rloo_state(trainer: Any) -> dict[str, Any]:
+    """What an RLOOTrainer decided in __init__ that decides how memfit may split its work (TRL 1.16 rloo_trainer.py
+    attributes; RLOOConfig has no loss_type, entropy bonus or top_entropy_quantile: `_compute_loss` is a mean over the
+    micro-batch's completions of their per-sequence losses)."""
+    args = trainer.args
+    return {
+        "num_generations": int(getattr(trainer, "num_generations", args.num_generations)),
+        "steps_per_generation": int(args.steps_per_generation),
+        "generation_batch_size": int(args.generation_batch_size),
+        "num_iterations": int(getattr(trainer, "num_iterations", getattr(args, "num_iterations", 1))),
+        "max_completion_length": int(args.max_completion_length),
+        "beta": float(getattr(trainer, "beta", args.beta)),
+        "aux_loss": bool(getattr(trainer, "aux_loss_enabled", False)),
+        "use_vllm": bool(getattr(trainer, "use_vllm", False)),
+        "continuous_batching": bool(getattr(trainer, "use_transformers_continuous_batching", False)),
+        "has_ref_model": getattr(trainer, "ref_model", None) is not None,
+    }
+
+
 def grpo_prompt_lengths(trainer: Any, limit: int = 2_000, chunk: int = 256) -> list[int] | None:
     """Token lengths of the training prompts as GRPOTrainer tokenizes them for generation (`_tokenize_prompts`:
     the chat template with the generation prompt for conversational prompts, the processing class for text);
@@ -367,14 +396,15 @@ def grpo_step_done(trainer: Any, seconds: float) -> None:
         trainer._current_train_step_time = 0.0
 
 
-#: GRPOTrainer methods memfit.fit wraps on the instance: the one generate call of a batch, the log-prob passes.
+#: GRPOTrainer (and RLOOTrainer) methods memfit.fit wraps on the instance: the one generate call of a batch, the
+#: log-prob passes.
 GRPO_WRAPPED = ("_generate_single_turn", "_get_per_token_logps_and_entropies")
 
 
 def wrap_grpo_method(trainer: Any, name: str, make: Any):
     """Replace `trainer.<name>` (one of GRPO_WRAPPED) by `make(original)` on the instance; returns the undo."""
     if name not in GRPO_WRAPPED:
-        raise ValueError(f"{name} is not a GRPOTrainer method memfit wraps")
+        raise ValueError(f"{name} is not a GRPOTrainer / RLOOTrainer method memfit wraps")
     original = getattr(trainer, name)
     setattr(trainer, name, make(original))
 
@@ -395,3 +425,24 @@ def grpo_reward_models(trainer: Any) -> list[tuple[int, Any, Any]]:
     classes = list(getattr(trainer, "reward_processing_classes", None) or [None] * len(funcs))
     return [(i, f, c) for i, (f, c) in enumerate(zip(funcs, classes))
             if isinstance(f, torch.nn.Module) and c is not None]
+
+
+# -- DistillationTrainer under memfit.fit (TRL 1.16 distillation_trainer.py) ----------------------------------------
+
+def distill_state(trainer: Any) -> dict[str, Any]:
+    """What a DistillationTrainer decided in __init__ that decides how memfit may split its work (TRL 1.16
+    attributes). Its generation batch is `per_device_train_batch_size x gradient_accumulation_steps` prompts (one
+    completion each, `_get_train_sampler`), buffered as `gradient_accumulation_steps` micro-batches."""
+    args = trainer.args
+    teacher = getattr(trainer, "teacher_model", None)
+    return {
+        "generation_batch_size": int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps),
+        "steps_per_generation": int(args.gradient_accumulation_steps),
+        "num_generations": 1,
+        "max_completion_length": int(args.max_completion_length),
+        "beta": float(getattr(trainer, "beta", args.beta)),
+        "use_vllm": bool(getattr(trainer, "use_vllm", False)),
+        "vlm": bool(getattr(trainer, "_is_vlm", False)),
+        "tools": bool(getattr(trainer, "tools", None)),
+        "teacher": teacher,
+    }
