@@ -34,6 +34,10 @@ per forward); generation in vLLM (its memory is its pre-allocated share: lower `
 or the batch), with transformers' continuous batching, a `rollout_func` or images. Several processes (DDP,
 FSDP, DeepSpeed): GRPO's loss and generation hold collectives (metric gathers, parameter gathers) that a rank
 retrying alone would leave unmatched, so memfit.fit does not recover inside GRPO there (a note says so).
+
+RLOOTrainer runs the same `_prepare_inputs`, scoring and `training_step` (rloo_trainer.py): `GrpoTrainingStep` is
+the step of both, and memfit.fitting.rloo_recovery's subclass holds what differs (its generate call, its loss's
+weights, what it refuses to split).
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ from memfit.trace import GENERATION, SCORING
 
 logger = logging.getLogger("memfit.fit")
 
-__all__ = ["GrpoTrainingStep", "chunk_weights", "chunk_refusal", "split_bounds", "SUM_LOSSES", "ROW_MEAN_LOSSES",
-           "TOKEN_MEAN_LOSSES"]
+__all__ = ["GrpoTrainingStep", "chunk_weights", "chunk_refusal", "row_shares", "split_bounds", "SUM_LOSSES",
+           "ROW_MEAN_LOSSES", "TOKEN_MEAN_LOSSES"]
 
 #: GRPOTrainer `_compute_loss` (TRL 1.16): how each loss_type reduces a micro-batch of B completions.
 #: sum over tokens / num_items_in_batch of the whole generation batch: a chunk's loss is its share already
@@ -86,12 +90,19 @@ def chunk_refusal(state: dict[str, Any]) -> str | None:
     return None
 
 
+def row_shares(parts: list[dict[str, Any]]) -> list[float]:
+    """Each chunk's share of the micro-batch's completions: the weights of a loss that is a mean over completions."""
+    counts = [_batch_size(p) for p in parts]
+    total = sum(counts) or 1
+    return [c / total for c in counts]
+
+
 def chunk_weights(parts: list[dict[str, Any]], loss_type: str) -> list[float]:
     """The weight of each chunk's loss so that their sum is the micro-batch's loss (see the module docstring)."""
     if len(parts) == 1 or loss_type in SUM_LOSSES:
         return [1.0] * len(parts)
     if loss_type in ROW_MEAN_LOSSES:
-        counts = [_batch_size(p) for p in parts]
+        return row_shares(parts)
     else:  # TOKEN_MEAN_LOSSES: the loss mask of _compute_loss (completion_mask x tool_mask)
         counts = []
         for p in parts:
@@ -104,11 +115,25 @@ def chunk_weights(parts: list[dict[str, Any]], loss_type: str) -> list[float]:
 class GrpoTrainingStep(ChunkedTrainingStep):
     """The replacement for a GRPOTrainer's `training_step`; see the module docstring."""
 
+    #: the trainer's name in messages
+    name = "GRPO"
+    #: what lowers the scoring pass's memory besides its chunks (GRPOTrainer scores nothing with beta=0 and
+    #: num_iterations=1: grpo_trainer.py `_generate_and_score_completions`)
+    scoring_advice = "lower max_completion_length, or set beta=0 and num_iterations=1 so that nothing is scored"
+
+    @staticmethod
+    def read_state(trainer: Any) -> dict[str, Any]:
+        return trl_adapter.grpo_state(trainer)
+
+    def chunk_refusal(self) -> str | None:
+        """Why this trainer's training micro-batch cannot be split without changing its loss (None: it can)."""
+        return chunk_refusal(self.state)
+
     def __init__(self, trainer: Any, *, max_recoveries: int, meter: Meter, recoveries: list[Recovery],
                  on_change: Callable[[str], None], on_note: Callable[[str], None] | None = None) -> None:
         super().__init__(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
                          on_change=on_change)
-        self.state = trl_adapter.grpo_state(trainer)
+        self.state = self.read_state(trainer)
         self.original = self._prepared_micro_step  # what ChunkedTrainingStep runs per chunk
         self.generation_parts = 1  #: calls the generation batch is generated in
         self.scoring_batch_size: int | None = None  #: None: TRL's own (per_device_train_batch_size)
@@ -117,9 +142,9 @@ class GrpoTrainingStep(ChunkedTrainingStep):
         self._undo: list[Callable[[], None]] = []
         if not self.guarded:
             if on_note is not None:
-                on_note("GRPO with several processes or under DeepSpeed / FSDP: memfit.fit does not recover from an "
-                        "out-of-memory error inside generation, scoring or a GRPO micro-step there (their "
-                        "collectives would be left unmatched by a rank that retries alone)")
+                on_note(f"{self.name} with several processes or under DeepSpeed / FSDP: memfit.fit does not recover "
+                        f"from an out-of-memory error inside generation, scoring or a {self.name} micro-step there "
+                        "(their collectives would be left unmatched by a rank that retries alone)")
             return
         self._undo.append(trl_adapter.wrap_grpo_method(trainer, "_generate_single_turn", self._guard_generation))
         self._undo.append(trl_adapter.wrap_grpo_method(trainer, "_get_per_token_logps_and_entropies",
@@ -158,10 +183,10 @@ class GrpoTrainingStep(ChunkedTrainingStep):
         return chunk_weights(parts, self.state["loss_type"])
 
     def _recover(self, model, failure):
-        why = chunk_refusal(self.state)
+        why = self.chunk_refusal()
         if why:
             raise torch.OutOfMemoryError(
-                f"memfit: out of memory in a GRPO micro-step at optimizer step {self.trainer.state.global_step}; its "
+                f"memfit: out of memory in a {self.name} micro-step at optimizer step {self.trainer.state.global_step}; its "
                 f"micro-batch cannot be split without changing the loss ({why}): lower per_device_train_batch_size "
                 f"and raise steps_per_generation by the same factor. Last error: {failure[0]}")
         return super()._recover(model, failure)
@@ -178,25 +203,35 @@ class GrpoTrainingStep(ChunkedTrainingStep):
         return None
 
     def _guard_generation(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """GRPOTrainer's `_generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, ...)`, which
+        returns (completion ids, log-probs or None)."""
         def generate(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
-            why = self._generation_refusal(images, multimodal_fields)
-            if why:
-                self.generation_calls += 1
-                try:
-                    return original(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
-                except Exception as exc:  # noqa: BLE001
-                    if not is_oom_error(exc):
-                        raise
-                    cause = oom_cause(exc)[0]
-                raise torch.OutOfMemoryError(
-                    f"memfit: out of memory in GRPO generation at optimizer step {self.trainer.state.global_step}; "
-                    f"not split ({why}). Last error: {cause}")
-            # the retry draws as a run generating in this many calls from the start
-            return self._until_it_fits(
-                GENERATION, lambda: self._generate_in_parts(original, prompt_ids, num_generations, args, kwargs),
-                lambda cause, tried: self._split_generation(len(prompt_ids), cause, tried))
+            return self._generate_guarded(
+                lambda ids, imgs, fields: original(ids, imgs, fields, num_generations, *args, **kwargs),
+                prompt_ids, images, multimodal_fields)
 
         return generate
+
+    def _generate_guarded(self, call: Callable[..., tuple[list[Any], Any]], prompt_ids: list[Any], images: Any,
+                          multimodal_fields: Any) -> tuple[list[Any], Any]:
+        """`call(prompt_ids, images, multimodal_fields) -> (completion ids, log-probs or None)` for the generation
+        batch, in `generation_parts` calls of its rows when it can be split."""
+        why = self._generation_refusal(images, multimodal_fields)
+        if why:
+            self.generation_calls += 1
+            try:
+                return call(prompt_ids, images, multimodal_fields)
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom_error(exc):
+                    raise
+                cause = oom_cause(exc)[0]
+            raise torch.OutOfMemoryError(
+                f"memfit: out of memory in {self.name} generation at optimizer step {self.trainer.state.global_step}; "
+                f"not split ({why}). Last error: {cause}")
+        # the retry draws as a run generating in this many calls from the start
+        return self._until_it_fits(
+            GENERATION, lambda: self._generate_in_parts(call, prompt_ids),
+            lambda cause, tried: self._split_generation(len(prompt_ids), cause, tried))
 
     def _until_it_fits(self, phase: str, attempt: Callable[[], Any],
                        shrink: Callable[[str, int | None], None]) -> Any:
@@ -219,12 +254,12 @@ class GrpoTrainingStep(ChunkedTrainingStep):
             shrink(cause, tried)
             _set_rng_state(rng)
 
-    def _generate_in_parts(self, original, prompt_ids, num_generations, args, kwargs):
+    def _generate_in_parts(self, call, prompt_ids):
         completion_ids: list[Any] = []
         logprobs: list[Any] | None = []
         for a, b in split_bounds(len(prompt_ids), self.generation_parts):
             self.generation_calls += 1
-            ids, lps = original(prompt_ids[a:b], None, {}, num_generations, *args, **kwargs)
+            ids, lps = call(prompt_ids[a:b], None, {})
             completion_ids.extend(ids)
             logprobs = None if lps is None or logprobs is None else logprobs + list(lps)
         return completion_ids, logprobs
@@ -234,7 +269,7 @@ class GrpoTrainingStep(ChunkedTrainingStep):
         used = sum(1 for r in self.recoveries if r.phase == GENERATION)
         if self.generation_parts >= n or used >= self.max_recoveries:
             raise torch.OutOfMemoryError(
-                f"memfit: out of memory in GRPO generation at optimizer step {step} even generating the {n} "
+                f"memfit: out of memory in {self.name} generation at optimizer step {step} even generating the {n} "
                 f"sequences in {self.generation_parts} calls (recoveries: {used} of {self.max_recoveries}); lower "
                 f"max_completion_length or generation_batch_size. Last error: {cause}")
         old = self.generation_parts
@@ -267,9 +302,8 @@ class GrpoTrainingStep(ChunkedTrainingStep):
         used = sum(1 for r in self.recoveries if r.phase == SCORING)
         if rows <= 1 or used >= self.max_recoveries:
             raise torch.OutOfMemoryError(
-                f"memfit: out of memory scoring GRPO completions at optimizer step {step} even {rows} at a time "
-                f"(recoveries: {used} of {self.max_recoveries}); lower max_completion_length, or set beta=0 and "
-                f"num_iterations=1 so that nothing is scored. Last error: {cause}")
+                f"memfit: out of memory scoring {self.name} completions at optimizer step {step} even {rows} at a "
+                f"time (recoveries: {used} of {self.max_recoveries}); {self.scoring_advice}. Last error: {cause}")
         self.scoring_batch_size = max(1, rows // 2)
         change = (f"log-probs of the completions (old / reference) scored {self.scoring_batch_size} sequences at a "
                   f"time (was {rows}), in TRL's own chunks; the log-probs are unchanged")

@@ -201,12 +201,14 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
             fields["example_lengths"] = lengths
             fields["max_length"] = int(max_length) if max_length else max(lengths)
         return lengths
-    if kind == "grpo":
-        fields["trainer"] = "grpo"
+    if kind in ("grpo", "rloo"):
+        fields["trainer"] = kind
         args = trainer.args
-        # GRPOConfig.__post_init__ has resolved bf16 (its default: on unless fp16); an explicit bf16=False is fp32
+        # GRPOConfig.__post_init__ (and RLOOConfig's) has resolved bf16 (its default: on unless fp16); an explicit
+        # bf16=False is fp32
         fields["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-        prompts = trl_adapter.grpo_prompt_lengths(trainer)  # GRPOTrainer does not truncate prompts
+        # GRPOTrainer does not truncate prompts; RLOOTrainer's `_tokenize_prompts` is the same code
+        prompts = trl_adapter.grpo_prompt_lengths(trainer)
         if prompts:
             fields["example_lengths"] = prompts
             fields["max_length"] = max(prompts)
@@ -321,9 +323,9 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
     mml = getattr(tok, "model_max_length", None)
     from memfit.sim._trl_adapter import trainer_kind
 
-    # GRPOTrainer never truncates with the tokenizer: prompts are kept whole (`_tokenize_prompts`), completions
-    # stop at max_completion_length
-    if mml is not None and mml > 1e6 and trainer_kind(trainer) != "grpo":
+    # GRPOTrainer (and RLOOTrainer) never truncates with the tokenizer: prompts are kept whole (`_tokenize_prompts`),
+    # completions stop at max_completion_length
+    if mml is not None and mml > 1e6 and trainer_kind(trainer) not in ("grpo", "rloo"):
         flags.append(PreflightFlag(
             "no_max_length",
             f"the tokenizer has no real maximum length (model_max_length = {int(mml):.3g}): truncation=True "

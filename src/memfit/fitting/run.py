@@ -95,7 +95,7 @@ class FitReport:
     interrupted: str | None = None
     #: the checkpoint folders this run wrote and kept, oldest first
     checkpoints: list[str] = field(default_factory=list)
-    #: GRPO: generation_batch_size, steps_per_generation, num_generations, generation_calls_per_batch,
+    #: GRPO / RLOO: generation_batch_size, steps_per_generation, num_generations, generation_calls_per_batch,
     #: scoring_batch_size, generate_calls (memfit.fitting.grpo_recovery); None for other trainers
     rl: dict[str, Any] | None = None
 
@@ -112,9 +112,10 @@ def steps_expected(trainer: Any) -> int:
         return int(args.max_steps)
     from memfit.sim._trl_adapter import trainer_kind
 
-    if trainer_kind(trainer) == "grpo":
-        # GRPOTrainer's dataloader yields each generation batch steps_per_generation x num_iterations times
-        # (grpo_trainer.py `get_train_dataloader`, RepeatSampler): its length is the micro-steps of an epoch
+    if trainer_kind(trainer) in ("grpo", "rloo"):
+        # GRPOTrainer's (and RLOOTrainer's) dataloader yields each generation batch steps_per_generation x
+        # num_iterations times (grpo_trainer.py / rloo_trainer.py `get_train_dataloader`, RepeatSampler): its length
+        # is the micro-steps of an epoch
         batches = len(trainer.get_train_dataloader())
         per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
         return int(math.ceil(args.num_train_epochs * per_epoch))
@@ -437,11 +438,14 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
     recoveries: list[Recovery] = []
     from memfit.sim._trl_adapter import trainer_kind
 
-    if trainer_kind(trainer) == "grpo":  # generation, scoring and GRPO micro-batches (memfit.fitting.grpo_recovery)
+    kind = trainer_kind(trainer)
+    if kind in ("grpo", "rloo"):  # generation, scoring and RL micro-batches (memfit.fitting.grpo_recovery)
         from memfit.fitting.grpo_recovery import GrpoTrainingStep
+        from memfit.fitting.rloo_recovery import RlooTrainingStep
 
-        step = GrpoTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
-                                on_change=log.change, on_note=log.note)
+        step = (GrpoTrainingStep if kind == "grpo" else RlooTrainingStep)(
+            trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries, on_change=log.change,
+            on_note=log.note)
     else:
         step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
                                    on_change=log.change)
