@@ -254,7 +254,7 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
     """
     trainer = trainer if trainer is not None else data.get("trainer")
     trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if isinstance(trainer, str) else frozenset()
-    valid = TRAINING_ARGS_NAMES | _setup_field_names() | trl_names | {"quantization_config"}
+    valid = TRAINING_ARGS_NAMES | _setup_field_names() | trl_names | {"quantization_config"} | set(_PROCESSOR_ARG_NAMES)
     out: dict[str, Any] = {}
     notes: list[str] = []
     for key, value in data.items():
@@ -274,6 +274,10 @@ def normalize_arg_names(data: dict[str, Any], *, source: str = "the arguments",
             if new in data:
                 raise MemfitError(f"{source} gives both `{key}` and its new name `{new}`; keep only `{new}`")
             key = new
+        elif key in _PROCESSOR_ARG_NAMES:
+            if _PROCESSOR_ARG_NAMES[key] in data:
+                raise MemfitError(f"{source} gives both `{key}` and `{_PROCESSOR_ARG_NAMES[key]}`; keep one")
+            key = _PROCESSOR_ARG_NAMES[key]
         elif key not in valid:
             trl = [t for t, names in TRL_CONFIG_NAMES.items() if key in names]
             if trl:  # TRL: an SFTConfig / DPOConfig name without the trainer that reads it
@@ -308,6 +312,9 @@ _ARG_TO_FIELD = {
     "liger_kernel_config": "liger_kernel_config",
     "teacher_model_name_or_path": "teacher_model",  # DistillationConfig (TRL)
 }
+#: Processor settings an arguments file may give by the processor's own name -> TrainSetup field
+#: (Gemma3Processor's `do_pan_and_scan`, transformers models/gemma3/processing_gemma3.py `images_kwargs`).
+_PROCESSOR_ARG_NAMES = {"do_pan_and_scan": "pan_and_scan"}
 
 # -- attention, Liger kernels, activation memory ------------------------------------
 #: `attn_implementation` values memfit simulates (memfit.sim.kernels.flash_attn emulates the flash kernels).
@@ -376,6 +383,14 @@ class TrainSetup:
     the processor's own output size. Image models only."""
     images_per_example: int = 1
     """Images in each example (image classification takes one; a vision-language model any number)."""
+    video_frames: int | None = None
+    """Frames of the one video clip in each example, each of `image_size`, given to the model's video processor
+    as decoded frames (Qwen2.5-VL's `Qwen2VLVideoProcessor`, memfit.models.video_inputs); None: no video. A
+    vision-language model that takes video only."""
+    pan_and_scan: bool = False
+    """Gemma 3: each image is also cut into crops along its longer side, each one more block of image tokens
+    (Gemma3Processor's `do_pan_and_scan`, with its own crop settings; `do_pan_and_scan` in --args is read as
+    this). Gemma 3 only."""
     audio_seconds: float | None = None
     """Length of the longest audio clip of a batch in seconds; None: 30 (Whisper's window), 20 for ctc (the
     longest clip run_speech_recognition_ctc.py keeps). Speech models only."""
@@ -545,6 +560,11 @@ class TrainSetup:
     """GRPOConfig.vllm_gpu_memory_utilization: the share of the GPU's total memory a colocated vLLM takes."""
     vllm_enable_sleep_mode: bool = False
     """GRPOConfig.vllm_enable_sleep_mode: vLLM sleeps (level 2: weights and KV cache released) outside generation."""
+    reward_model: str | None = None
+    """A reward model among GRPOTrainer's / RLOOTrainer's `reward_funcs` (a hub id with a bundled config, or a
+    directory with config.json): TRL loads it with AutoModelForSequenceClassification (`num_labels=1`), keeps it on
+    the GPU for the whole run and scores every generation batch with one forward (memfit.sim.grpo_steps
+    `reward_scores`). None: the rewards are functions on the host."""
     # -- distillation: DistillationConfig (TRL 1.16 distillation_config.py), simulated by memfit.sim.distill_steps --
     teacher_model: str | None = None
     """DistillationConfig.teacher_model_name_or_path: the teacher DistillationTrainer keeps in memory beside the
@@ -839,6 +859,10 @@ def _check_media(setup: "TrainSetup") -> None:
                               "`--image-size 1024x768`")
         setup.image_size = text
     _positive_int("images_per_example", setup.images_per_example)
+    if setup.video_frames is not None:
+        _positive_int("video_frames", setup.video_frames)
+    if not isinstance(setup.pan_and_scan, bool):
+        raise MemfitError(f"`pan_and_scan` must be true or false; got `{setup.pan_and_scan!r}`")
     seconds = setup.audio_seconds
     if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                 or not math.isfinite(seconds) or seconds <= 0):
@@ -866,6 +890,12 @@ def _check_media(setup: "TrainSetup") -> None:
     elif setup.images_per_example != 1 and setup.task == "image-cls":
         raise MemfitError(f"image classification takes one image per example; got `images_per_example` "
                           f"{setup.images_per_example}: drop --images-per-example")
+    if setup.video_frames is not None and setup.task != "image-text-to-text":
+        raise MemfitError(f"`--video-frames` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no video; "
+                          "drop --video-frames, or choose a vision-language model that takes video")
+    if setup.pan_and_scan and setup.task != "image-text-to-text":
+        raise MemfitError(f"`--pan-and-scan` is set but `{name}` is fine-tuned as `{setup.task}`; it crops the images "
+                          "of Gemma 3's processor (image-text-to-text): drop --pan-and-scan")
     if setup.task not in AUDIO_TASKS and (setup.audio_seconds is not None or setup.sampling_rate is not None):
         flag = "--audio-seconds" if setup.audio_seconds is not None else "--sampling-rate"
         raise MemfitError(f"`{flag}` is set but `{name}` is fine-tuned as `{setup.task}`, which takes no audio; "
@@ -1214,11 +1244,16 @@ def _check_grpo(setup: "TrainSetup") -> None:
     """GRPO / RLOO: the GRPOConfig / RLOOConfig values, and what their `__post_init__` (TRL 1.16 grpo_config.py,
     rloo_config.py: the same checks) refuses, as one-line errors."""
     if setup.trainer not in GENERATING_TRAINERS:
+        if setup.reward_model is not None:
+            raise MemfitError(f"`reward_model` is a GRPOTrainer / RLOOTrainer reward function but trainer is "
+                              f"`{setup.trainer}`; pass `trainer='grpo'` (`--trainer grpo`) or `trainer='rloo'`")
         if setup.use_vllm and setup.trainer != "distill":  # DistillationConfig has it too: memfit.train_setup refuses it
             raise MemfitError(f"`use_vllm` is a GRPOTrainer setting (RLOOTrainer's too) but trainer is `{setup.trainer}`; "
                               "pass `trainer='grpo'` (`--trainer grpo`) or `trainer='rloo'`")
         return
     cfg, kind = TRL_CONFIG_CLASS_NAMES[setup.trainer], setup.trainer.upper()
+    if setup.reward_model is not None and not isinstance(setup.reward_model, str):
+        raise MemfitError(f"`reward_model` must be a hub id or a directory; got `{setup.reward_model!r}`")
     for name in ("num_generations", "max_completion_length", "num_iterations"):
         _positive_int(name, getattr(setup, name))
     for name in ("steps_per_generation", "generation_batch_size"):
