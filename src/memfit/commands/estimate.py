@@ -316,8 +316,9 @@ def _example_text(report) -> str:
         return f"{s['sequence_length']} tokens"
     if media.get("kind") == "image-text":  # a vision-language model: the sequence its processor made
         n = media["images_per_example"]
+        crops = f"1 + {media['crops_per_image']} pan-and-scan crops, " if "crops_per_image" in media else ""
         return (f"{media['sequence_length']} tokens ({n} {media['image_size']} image{'s' if n > 1 else ''} -> "
-                f"{media['image_tokens_per_image']} image tokens each + {media['text_tokens']} text)")
+                f"{crops}{media['image_tokens_per_image']} image tokens each + {media['text_tokens']} text)")
     if media.get("kind") == "image":
         shape = "x".join(map(str, media["inputs"].get("pixel_values", [])))
         return f"{media['image_size']} image -> pixel_values {shape}"

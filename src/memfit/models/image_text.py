@@ -49,6 +49,8 @@ class ImageTextFamily:
     """Text the processor writes around the image tokens that the model's tokenizer makes one token of (Gemma 3's
     `\n\n`: one token, 108, of its 262,144-token vocabulary, whose ids 107 onwards are runs of newlines); the stub
     tokenizer gives each an id of its own, so the sequence has the length the real tokenizer gives it."""
+    pan_and_scan: bool = False
+    """Whether the processor takes `do_pan_and_scan` (Gemma3Processor: each image and its crops, TrainSetup.pan_and_scan)."""
     suffix: bool = False
     """Whether the processor takes the answer as a `suffix` beside the prompt (PaliGemma's prefix-LM: the suffix's
     positions are `token_type_ids` 1 and the only labels; the prefix attends bidirectionally)."""
@@ -119,8 +121,12 @@ FAMILIES: dict[str, ImageTextFamily] = {
     # Gemma 3's chat template writes `<start_of_image>` for each image of a user turn; Gemma3Processor replaces it
     # with `\n\n<start_of_image>` + `<image_soft_token>` x image_seq_length (processor_config.json: 256) +
     # `<end_of_image>\n\n` (processing_gemma3.py `full_image_sequence`), reading the tokens from the tokenizer's
-    # boi_token / image_token / eoi_token; each image is resized to 896x896 (Gemma3ImageProcessor, pan-and-scan
-    # off unless `do_pan_and_scan`).
+    # boi_token / image_token / eoi_token; each image is resized to 896x896 (Gemma3ImageProcessor). With
+    # `do_pan_and_scan` (a call kwarg: the processor's own `images_kwargs` default, False, outranks the image
+    # processor's setting, processing_utils.py `_merge_kwargs`) the image processor also cuts the image into crops
+    # along its longer side (its `pan_and_scan`, with the processor's crop settings), each resized alike, and the
+    # processor writes `Here is the original image <seq> and here are some crops to help you see better <seq> ...`
+    # (`replace_image_token`), one image sequence per crop; the stub tokenizer makes each of those words one token.
     "gemma3": ImageTextFamily(
         processor="Gemma3Processor",
         placeholder="<start_of_image>",
@@ -129,6 +135,7 @@ FAMILIES: dict[str, ImageTextFamily] = {
         image_token_attr="image_token_index",
         attributes={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
         literals=("\n\n",),
+        pan_and_scan=True,
     ),
     # PaliGemma (2) has no chat template: the prompt is `<image>` per image then the prefix; PaliGemmaProcessor
     # repeats `<image>` image_seq_length times (preprocessor_config.json: (image_size / 14)^2, 256 at 224 px),
@@ -197,6 +204,13 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         known = ", ".join(sorted(FAMILIES))
         raise MemfitError(f"memfit does not run the processor of model type `{config.model_type}` yet (it does for "
                           f"{known}); estimate its language model alone (its `text_config`)")
+    if getattr(setup, "pan_and_scan", False) and not family.pan_and_scan:
+        raise MemfitError(f"`--pan-and-scan` crops the images of Gemma 3 (Gemma3Processor's `do_pan_and_scan`); "
+                          f"{family.processor} of `{spec.name}` has no such setting: drop --pan-and-scan")
+    if getattr(setup, "video_frames", None) is not None:  # one clip: its video processor (models.video_inputs)
+        from memfit.models.video_inputs import video_text_example
+
+        return video_text_example(setup, spec, family)
     image_processor, source = load_processor(spec, "image")
     notes = []
     if setup.image_wh is None:
@@ -220,6 +234,8 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         text = family.placeholder * n + " " + " ".join([TEXT_WORD] * setup.max_length)
         suffix_tokens = _suffix_tokens(setup, family)
         kwargs = {"suffix": [" ".join([TEXT_WORD] * suffix_tokens)]} if family.suffix else {}
+        if getattr(setup, "pan_and_scan", False):
+            kwargs["do_pan_and_scan"] = True
         image = np.zeros((height, width, 3), dtype=np.uint8)  # HWC, as a decoded PIL image becomes an array
         try:
             out = processor(images=[[image] * n], text=[text], return_tensors="pt", **kwargs)
@@ -242,6 +258,8 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         if setup.target_length is None:
             notes.append(f"no --target-length: a suffix (the answer, the labels) of {suffix_tokens} tokens, as many as "
                          "the prefix (--max-length)")
+    if getattr(setup, "pan_and_scan", False):
+        _pan_and_scan_summary(example, summary, notes, n, width, height)
     if "image_grid_thw" in example:
         summary["image_grid_thw"] = example["image_grid_thw"].tolist()
     pixels = example.get("pixel_values")
@@ -251,7 +269,8 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
                  f"from {source}); the sequence is {length} tokens: {image_tokens} image, {setup.max_length} text "
                  f"(--max-length)" + (f", {suffix_tokens} suffix (--target-length: the labels)" if family.suffix
                                       else "")
-                 + f", {length - image_tokens - text_tokens} the template's image markers")
+                 + f", {length - image_tokens - text_tokens} the template's image markers"
+                 + (" and pan-and-scan's words" if getattr(setup, "pan_and_scan", False) else ""))
     if "aspect_ratio_mask" in example:
         # mllama: an image is tiles the language model cross-attends to (cross_attention_mask), not tokens in the
         # sequence; MllamaImageProcessor pads every image to max_image_tiles, and the vision tower runs them all
@@ -271,6 +290,21 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         notes.append(f"LoRA on {where} (the Hugging Face VLM fine-tuning recipe's modules); --lora-target-modules "
                      "names others")
     return example, summary, notes
+
+
+def _pan_and_scan_summary(example: dict[str, torch.Tensor], summary: dict[str, Any], notes: list[str], n: int,
+                          width: int, height: int) -> None:
+    """Gemma 3's pan-and-scan: the crops each image became, read off the processor's `pixel_values` (one row for
+    the whole image and one per crop: Gemma3ImageProcessor's `_preprocess`)."""
+    rows = int(example["pixel_values"].shape[0])
+    crops = rows // n - 1
+    per_view = summary["image_tokens_per_image"] // (crops + 1)
+    summary.update(pan_and_scan=True, crops_per_image=crops, image_tokens_per_crop=per_view)
+    side = "x".join(map(str, example["pixel_values"].shape[-1:-3:-1]))
+    notes.append(f"pan-and-scan: each {width}x{height} image is the whole image and {crops} crop"
+                 f"{'s' if crops != 1 else ''} (Gemma3ImageProcessor `pan_and_scan`), each resized to {side} and "
+                 f"{per_view} image tokens" + ("" if crops else "; the image is too square or too small to be "
+                                                "cropped (pan_and_scan_min_ratio_to_activate / _min_crop_size)"))
 
 
 def _suffix_tokens(setup: Any, family: ImageTextFamily) -> int:
