@@ -1,10 +1,11 @@
-"""`memfit train --trainer sft|dpo|grpo|reward|kto`: TRL's real SFTTrainer / DPOTrainer / GRPOTrainer /
-RewardTrainer / KTOTrainer under memfit.fit.
+"""`memfit train --trainer sft|dpo|grpo|rloo|reward|kto`: TRL's real SFTTrainer / DPOTrainer / GRPOTrainer /
+RLOOTrainer / RewardTrainer / KTOTrainer under memfit.fit.
 
     memfit train ./my-llm --trainer sft --data chat.jsonl --packing --budget 2GiB
     memfit train ./my-llm --trainer sft --data pc.jsonl --completion-only-loss --lora-r 8
     memfit train ./my-llm --trainer dpo --data pairs.jsonl --precompute-ref-log-probs
     memfit train ./my-llm --trainer grpo --data prompts.jsonl --reward-func rewards.py:length --num-generations 4
+    memfit train ./my-llm --trainer rloo --data prompts.jsonl --reward-func rewards.py:length --num-generations 4
     memfit train ./my-llm --trainer reward --data pairs.jsonl --lora-r 8
     memfit train ./my-llm --trainer kto --data unpaired.jsonl --beta 0.1
 
@@ -21,7 +22,7 @@ is loaded, each bad one a one-line MemfitError:
   (`label` true or false, KTOTrainer's unpaired format) or `prompt`/`chosen`/`rejected` (KTOTrainer unpairs it).
   A CSV, or text
   with a `label` column, is a classification dataset: the error says to drop `--trainer`.
-- GRPO's reward functions: `--reward-func SPEC`, repeatable (memfit.commands._reward_funcs: `module:function`,
+- GRPO's (and RLOO's: the same prompt-only data and reward call) reward functions: `--reward-func SPEC`, repeatable (memfit.commands._reward_funcs: `module:function`,
   `file.py:function` or a local reward model directory), each checked before the model is loaded.
 - model: a causal LM (its config's `architectures` in transformers' causal-LM auto mapping); TRL loads
   DPO's reference from the same directory (`DPOTrainer.__init__`: `create_model_from_path(
@@ -61,36 +62,38 @@ _TRL_FLAGS = {
     "assistant_only_loss": "sft",
     "dataset_text_field": "sft",
     "precompute_ref_log_probs": ("dpo", "kto"),  # DPOConfig's and KTOConfig's: the reference's log-probs first
-    "num_generations": "grpo",
-    "max_completion_length": "grpo",
-    # DPOConfig.beta / KTOConfig.beta: the loss's temperature; GRPOConfig.beta: the KL coefficient
-    "beta": ("dpo", "grpo", "kto"),
-    "steps_per_generation": "grpo",
-    "generation_batch_size": "grpo",
-    "num_iterations": "grpo",
+    "num_generations": ("grpo", "rloo"),
+    "max_completion_length": ("grpo", "rloo"),
+    # DPOConfig.beta / KTOConfig.beta: the loss's temperature; GRPOConfig.beta / RLOOConfig.beta: the KL coefficient
+    "beta": ("dpo", "grpo", "rloo", "kto"),
+    "steps_per_generation": ("grpo", "rloo"),
+    "generation_batch_size": ("grpo", "rloo"),
+    "num_iterations": ("grpo", "rloo"),
     "lora_r": None,
     "lora_target_modules": None,
 }
 
 #: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why.
-_ESTIMATE_ONLY = {"rloo": "memfit.fit recovers inside GRPOTrainer's generation, scoring and training "
-                          "(memfit.fitting.grpo_recovery), not RLOOTrainer's (train with `--trainer grpo`)",
-                  # distillation_trainer.py `_prepare_inputs`: on-policy generation of a buffered generation batch
+_ESTIMATE_ONLY = {  # distillation_trainer.py `_prepare_inputs`: on-policy generation of a buffered generation batch
                   "distill": "memfit.fit does not recover inside DistillationTrainer's on-policy generation (only "
                              "GRPOTrainer's, memfit.fitting.grpo_recovery) and does not count its teacher in "
                              "--budget"}
 
 #: The config class of each trainer memfit train runs (TRL 1.16).
-_CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "reward": "RewardConfig", "kto": "KTOConfig"}
-_TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer", "reward": "RewardTrainer",
-             "kto": "KTOTrainer"}
+_CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "rloo": "RLOOConfig",
+            "reward": "RewardConfig", "kto": "KTOConfig"}
+_TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer",
+             "reward": "RewardTrainer", "kto": "KTOTrainer"}
+#: The trainers that generate and reward completions (RLOOTrainer takes GRPOTrainer's reward_funcs, prompt-only data
+#: and generation settings, TRL 1.16 rloo_trainer.py / rloo_config.py).
+_RL = ("grpo", "rloo")
 #: The columns of each trainer's data format (trl_data.dataset_format), for messages.
-_DATA_COLUMNS = {"dpo": "`prompt`/`chosen`/`rejected`", "grpo": "`prompt`",
+_DATA_COLUMNS = {"dpo": "`prompt`/`chosen`/`rejected`", "grpo": "`prompt`", "rloo": "`prompt`",
                  "reward": "`chosen`/`rejected`, optionally `prompt`", "kto": "`prompt`/`completion`/`label`"}
 
 #: SFTConfig.max_length and DPOConfig.max_length default (TRL 1.16 sft_config.py / dpo_config.py)
 TRL_DEFAULT_MAX_LENGTH = 1024
-#: GRPOConfig.max_completion_length default (TRL 1.16 grpo_config.py)
+#: GRPOConfig.max_completion_length default (TRL 1.16 grpo_config.py; RLOOConfig's, rloo_config.py, is the same)
 GRPO_DEFAULT_MAX_COMPLETION_LENGTH = 512
 
 #: classification-only flags of `memfit train` (dests)
@@ -101,7 +104,7 @@ def check_trl_flags(args: argparse.Namespace) -> str:
     """The trainer `args` asks for (`trainer`, `sft`, `dpo`, `grpo`, `reward`, `kto`), or a MemfitError for a flag of another
     trainer."""
     trainer = getattr(args, "trainer", None) or "trainer"
-    if trainer in _ESTIMATE_ONLY:  # memfit estimate simulates them; memfit train runs SFT, DPO and GRPO only
+    if trainer in _ESTIMATE_ONLY:  # memfit estimate simulates them; memfit train does not run them
         raise MemfitError(f"`memfit train --trainer {trainer}` is not supported: {_ESTIMATE_ONLY[trainer]}; run "
                           f"`memfit estimate --trainer {trainer}` for its memory")
     for dest, owner in _TRL_FLAGS.items():
@@ -126,17 +129,18 @@ def check_trl_flags(args: argparse.Namespace) -> str:
             where = ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0]
             raise MemfitError(f"`{flag}` is for {where}, not `--trainer {trainer}`: {why}; remove it")
     rewards = getattr(args, "reward_funcs", None)
-    if rewards and trainer != "grpo":
-        raise MemfitError("`--reward-func` is for `--trainer grpo` (GRPOTrainer's reward_funcs); "
-                          + ("add `--trainer grpo`" if trainer == "trainer" else f"remove it from `--trainer {trainer}`"))
-    if trainer == "grpo" and not rewards:
-        raise MemfitError("`--trainer grpo` needs a reward: give `--reward-func SPEC` (repeatable), SPEC "
+    if rewards and trainer not in _RL:
+        raise MemfitError("`--reward-func` is for `--trainer grpo` or `rloo` (GRPOTrainer's / RLOOTrainer's "
+                          "reward_funcs); " + ("add `--trainer grpo`" if trainer == "trainer"
+                                               else f"remove it from `--trainer {trainer}`"))
+    if trainer in _RL and not rewards:
+        raise MemfitError(f"`--trainer {trainer}` needs a reward: give `--reward-func SPEC` (repeatable), SPEC "
                           "`module:function` (e.g. trl.rewards:think_format_reward), `path/to/file.py:function` or "
                           "a local reward model directory")
-    if trainer == "grpo" and getattr(args, "max_length", None) is not None:
-        raise MemfitError(f"`{flag_name(args, 'max_length')}` does not go with `--trainer grpo`: GRPOConfig has no "
-                          "max_length (GRPOTrainer 1.16 does not truncate prompts); the completions' length is "
-                          "--max-completion-length: remove it")
+    if trainer in _RL and getattr(args, "max_length", None) is not None:
+        raise MemfitError(f"`{flag_name(args, 'max_length')}` does not go with `--trainer {trainer}`: "
+                          f"{_CONFIGS[trainer]} has no max_length ({_TRAINERS[trainer]} 1.16 does not truncate "
+                          "prompts); the completions' length is --max-completion-length: remove it")
     if trainer != "trainer":
         for dest in _CLS_FLAGS:
             if getattr(args, dest, None) is not None:
@@ -380,10 +384,10 @@ def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict
 
 
 def _check_grpo_config(targs: Any, n_rewards: int, source: str | None) -> None:
-    """GRPOConfig values its __post_init__ accepts but GRPOTrainer fails on at the first step or in __init__:
-    `loss_type` (grpo_trainer.py `_compute_loss` raises "Unknown loss type"), `temperature` (transformers'
-    TemperatureLogitsWarper raises at the first generation), `use_vllm` without vLLM (GRPOTrainer.__init__ raises
-    ImportError), `reward_weights` (one number per reward function, GRPOTrainer.__init__)."""
+    """GRPOConfig (and RLOOConfig) values its __post_init__ accepts but the trainer fails on at the first step or in
+    __init__: `loss_type` (GRPO only: grpo_trainer.py `_compute_loss` raises "Unknown loss type"), `temperature`
+    (transformers' TemperatureLogitsWarper raises at the first generation), `use_vllm` without vLLM (GRPOTrainer /
+    RLOOTrainer.__init__ raise ImportError), `reward_weights` (one number per reward function, their __init__)."""
     import difflib
     import math
 
@@ -391,14 +395,14 @@ def _check_grpo_config(targs: Any, n_rewards: int, source: str | None) -> None:
 
     where = f" of `{source}`" if source else ""
     losses = SUM_LOSSES + ROW_MEAN_LOSSES + TOKEN_MEAN_LOSSES
-    if targs.loss_type not in losses:
+    if hasattr(targs, "loss_type") and targs.loss_type not in losses:  # RLOOConfig has no loss_type
         close = difflib.get_close_matches(str(targs.loss_type), losses, n=1)
         raise MemfitError(f"`loss_type: {targs.loss_type!r}`{where} is not a GRPOTrainer loss; use one of "
                           f"{', '.join(losses)}" + (f" (did you mean `{close[0]}`?)" if close else ""))
     t = targs.temperature
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
         raise MemfitError(f"`temperature: {t!r}`{where} must be a positive number (the sampling temperature of "
-                          "GRPO's generation); GRPOConfig's default is 1.0")
+                          f"the generation); {type(targs).__name__}'s default is 1.0")
     if targs.use_vllm:
         import importlib.util
 
@@ -443,18 +447,18 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     budget_bytes = read_budget(args.budget)
     check_resume(args.resume)
     positions = getattr(config, "max_position_embeddings", None)
-    if trainer != "grpo" and "max_length" not in kwargs and isinstance(positions, int) \
+    if trainer not in _RL and "max_length" not in kwargs and isinstance(positions, int) \
             and positions < TRL_DEFAULT_MAX_LENGTH:
         kwargs["max_length"] = positions
         notes.append(f"max_length {positions}: the model's positions (max_position_embeddings), below TRL's default "
                      f"{TRL_DEFAULT_MAX_LENGTH}")
-    if trainer == "grpo" and "max_completion_length" not in kwargs and isinstance(positions, int) \
+    if trainer in _RL and "max_completion_length" not in kwargs and isinstance(positions, int) \
             and positions <= GRPO_DEFAULT_MAX_COMPLETION_LENGTH:
         kwargs["max_completion_length"] = positions // 2
         notes.append(f"max_completion_length {positions // 2}: half the model's {positions} positions "
-                     f"(max_position_embeddings), the rest for the prompt; GRPOConfig's default is "
+                     f"(max_position_embeddings), the rest for the prompt; {_CONFIGS[trainer]}'s default is "
                      f"{GRPO_DEFAULT_MAX_COMPLETION_LENGTH}")
-    if trainer == "grpo":  # GRPOConfig.__post_init__ divides by num_generations before it checks it
+    if trainer in _RL:  # GRPOConfig.__post_init__ (RLOOConfig's too) divides by num_generations before it checks it
         for name in ("num_generations", "steps_per_generation", "generation_batch_size", "num_iterations",
                      "max_completion_length"):
             value = kwargs.get(name)
@@ -468,7 +472,7 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     if isinstance(positions, int) and isinstance(max_length, int) and max_length > positions:
         raise MemfitError(f"`--max-length {max_length}` is longer than the model's {positions} positions "
                           f"(max_position_embeddings); pass --max-length {positions} or less")
-    completion = getattr(targs, "max_completion_length", None) if trainer == "grpo" else None
+    completion = getattr(targs, "max_completion_length", None) if trainer in _RL else None
     if isinstance(positions, int) and isinstance(completion, int) and completion >= positions:
         given = (f"`{flag_name(args, 'max_completion_length')} {completion}`" if args.max_completion_length is not None
                  else f"`max_completion_length: {completion}` of `{args.args_file}`")
@@ -485,7 +489,7 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
         raise MemfitError(f"`--assistant-only-loss` needs conversational data (lists of chat messages); `{args.data}` "
                           f"holds strings ({data.format} format)")
     reward_funcs: list[Any] = []
-    if trainer == "grpo":
+    if trainer in _RL:
         from memfit.commands._reward_funcs import read_reward_funcs
 
         columns = tuple(sorted({k for row in data.rows for k in row} - {"prompt", "completion", "completion_ids"}))
@@ -534,7 +538,8 @@ def _tokenizer(inputs: TrlInputs) -> Any:
                           f"`{inputs.data.path}` need (TRL applies it to every example): add `chat_template` to its "
                           "tokenizer_config.json (or a chat_template.jinja), or give the data as strings")
     if getattr(tok, "eos_token", None) is None:
-        use = ("GRPOTrainer stops each completion at (and pads with, without a pad token)" if inputs.trainer == "grpo"
+        use = (f"{_TRAINERS[inputs.trainer]} stops each completion at (and pads with, without a pad token)"
+               if inputs.trainer in _RL
                else "TRL appends to every example (`add_eos`)")
         raise MemfitError(f"the tokenizer of `{inputs.model_dir}` has no EOS token, which {use}; set `eos_token` in "
                           "its tokenizer_config.json")
@@ -602,7 +607,7 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
         raise MemfitError(f"the examples of `{inputs.data.path}` cannot be made a dataset ({first_line(err)}); give "
                           "each column one type in every example") from None
     cls = getattr(trl, _TRAINERS[inputs.trainer])
-    extra = {"reward_funcs": [r.value for r in inputs.reward_funcs]} if inputs.trainer == "grpo" else {}
+    extra = {"reward_funcs": [r.value for r in inputs.reward_funcs]} if inputs.trainer in _RL else {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -631,11 +636,11 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
     console.print(f"[bold]memfit train[/bold] {os.path.basename(inputs.model_dir.rstrip('/'))} with TRL's {name} on "
                   f"`{os.path.basename(inputs.data.path)}` ({len(inputs.data.rows)} examples, {inputs.data.format}"
                   + (", conversational" if inputs.data.conversational else "") + f"; {n_train} "
-                  + ("packs" if getattr(targs, "packing", False) else "prompts" if inputs.trainer == "grpo"
+                  + ("packs" if getattr(targs, "packing", False) else "prompts" if inputs.trainer in _RL
                      else "train rows")
                   + (f" / {len(inputs.eval_rows)} eval" if inputs.eval_rows else "") + ")")
     lora = f", LoRA r={args.lora_r}" if getattr(args, "lora_r", None) else ""
-    if inputs.trainer == "grpo":  # GRPOConfig's derived sizes (grpo_config.py __post_init__)
+    if inputs.trainer in _RL:  # GRPOConfig's (RLOOConfig's) derived sizes (grpo_config.py __post_init__)
         lengths = (f"{targs.num_generations} completions per prompt of up to {targs.max_completion_length} tokens, "
                    f"{targs.generation_batch_size} generated at once, beta {targs.beta:g}")
     else:
