@@ -183,3 +183,75 @@ def test_gemma_images_per_example_repeat_the_image_sequence():
     _, s1, _ = _example(model=GEMMA[0], image_size="448x448", max_length=8)
     two, s2, _ = _example(model=GEMMA[0], image_size="448x448", max_length=8, images_per_example=2)
     assert s2["image_tokens"] == 2 * s1["image_tokens"] and two["pixel_values"].shape[0] == 2
+
+
+# -- Gemma 3 pan-and-scan: the image and its crops, each one image sequence ------------------------------------
+
+#: Square images (never cropped: under pan_and_scan_min_ratio_to_activate) and landscape / portrait ones.
+PAN_AND_SCAN_SIZES = ["224x224", "896x896", "1920x1080", "1080x1920", "3000x1000"]
+
+
+def _installed_gemma_pan_and_scan(hub_id: str, width: int, height: int):
+    """(crops, image tokens, input_ids) of one black image with pan-and-scan, from the installed transformers: its
+    Gemma3ImageProcessor's `num_crops` with Gemma3Processor's own crop settings (its `images_kwargs`), times the
+    `<image_soft_token>`s of one image sequence; and the installed Gemma3Processor's input_ids for the image and 32
+    text words."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
+    from memfit.models._processor_adapter import processor_class, stub_tokenizer
+    from memfit.models.processors import bundled_processor_record
+
+    data = load_bundled_processor(hub_id)
+    image_processor = get_image_processor_class_from_name(data["image_processor_type"])(**data)
+    settings = {k: v for k, v in transformers.Gemma3Processor.images_kwargs.items() if k.startswith("pan_and_scan")}
+    image = np.zeros((height, width, 3), dtype=np.uint8)
+    crops = int(image_processor(images=[image], do_pan_and_scan=True, return_tensors="pt", **settings)["num_crops"][0])
+    tokenizer = stub_tokenizer({"<start_of_image>": 255999, "<end_of_image>": 256000, "<image_soft_token>": 262144},
+                               {"boi_token": "<start_of_image>", "boi_token_id": 255999, "eoi_token": "<end_of_image>",
+                                "image_token": "<image_soft_token>", "image_token_id": 262144}, literals=("\n\n",))
+    processor = processor_class(transformers.Gemma3Processor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                              **bundled_processor_record(hub_id)["processor_config"])
+    per_crop = processor.full_image_sequence.count("<image_soft_token>")
+    out = processor(images=[[image]], text=["<start_of_image> " + " ".join(["a"] * 32)], do_pan_and_scan=True,
+                    return_tensors="pt")
+    return crops, (1 + crops) * per_crop, out["input_ids"]
+
+
+@pytest.mark.parametrize("size", PAN_AND_SCAN_SIZES)
+def test_gemma_pan_and_scan_crops_are_what_the_installed_processor_returns(size):
+    width, height = map(int, size.split("x"))
+    crops, expected, input_ids = _installed_gemma_pan_and_scan(GEMMA[0], width, height)
+    example, summary, notes = _example(model=GEMMA[0], image_size=size, max_length=32, pan_and_scan=True)
+    assert (crops > 0) == (width != height)  # the non-square sizes are cropped, so the crops are exercised
+    assert summary["crops_per_image"] == crops and summary["pan_and_scan"] is True
+    assert summary["image_tokens_per_image"] == expected == int((example["input_ids"] == 262144).sum())
+    assert summary["image_tokens_per_crop"] * (1 + crops) == expected
+    assert example["pixel_values"].shape[0] == 1 + crops  # the whole image and each crop, 896 x 896
+    assert example["input_ids"].tolist() == input_ids.tolist()  # the crops' image sequences and the processor's words
+    assert summary["sequence_length"] == example["input_ids"].shape[1]
+    assert any(f"the whole image and {crops} crop" in n for n in notes)
+
+
+def test_gemma_without_pan_and_scan_keeps_one_view_of_a_wide_image():
+    _, summary, _ = _example(model=GEMMA[0], image_size="3000x1000", max_length=8)
+    assert summary["image_tokens_per_image"] == 256 and "crops_per_image" not in summary
+
+
+def test_pan_and_scan_on_another_model_is_one_line(capsys):
+    with pytest.raises(MemfitError, match=r"--pan-and-scan.*Qwen2_5_VLProcessor.*drop --pan-and-scan"):
+        _example(model=QWEN[1], image_size="448x448", pan_and_scan=True)
+    for argv in (["estimate", "openai-community/gpt2", "--pan-and-scan"],
+                 ["estimate", "google/paligemma2-3b-pt-224", "--pan-and-scan"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--pan-and-scan" in err and "Traceback" not in err
+
+
+def test_do_pan_and_scan_in_an_args_file_is_the_field(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"do_pan_and_scan": True, "per_device_train_batch_size": 1}))
+    assert TrainSetup.from_json(path, model=GEMMA[0]).pan_and_scan is True
+    path.write_text(json.dumps({"do_pan_and_scan": True, "pan_and_scan": False}))
+    with pytest.raises(MemfitError, match="both `do_pan_and_scan` and `pan_and_scan`"):
+        TrainSetup.from_json(path, model=GEMMA[0])
