@@ -1,0 +1,197 @@
+"""The inputs of a vision-language model for one video clip, made by the model's own video processor.
+
+How many tokens a clip becomes is decided by the model's video processor and processor, not by memfit:
+Qwen2.5-VL's `Qwen2VLVideoProcessor` resizes each frame as its image processor resizes an image (`smart_resize`
+within `min_pixels` / `max_pixels`), groups `temporal_patch_size` frames into one temporal patch (repeating the
+last frame when the count is not a multiple of it, `patchify`), and `Qwen2_5_VLProcessor` repeats
+`<|video_pad|>` `video_grid_thw.prod() // merge_size**2` times (processing_qwen2_5_vl.py `replace_video_token`).
+memfit builds that video processor (the class transformers' AutoVideoProcessor maps the model type to, with the
+settings of the model's preprocessor config, which AutoVideoProcessor reads when a model ships no
+`video_preprocessor_config.json`) and runs the processor on one example: `video_frames` decoded black frames of
+`image_size` (a clip the data pipeline has already decoded and sampled: the processor samples no frames of it,
+`do_sample_frames` off) and a prompt of `max_length` one-token words after the clip's placeholder, as the chat
+template writes it. The example's tensors come back real, as an image example's do (memfit.models.image_text):
+the model reads `video_grid_thw` and `second_per_grid_ts` on the host (its vision windows, its 3D positions).
+
+transformers' video processors are torchvision code (`BaseVideoProcessor` resizes with
+torchvision.transforms.v2): without an importable torchvision a clip is refused in one line.
+
+    memfit estimate Qwen/Qwen2.5-VL-7B-Instruct --video-frames 16 --image-size 640x360 --lora-r 16 --trainer sft
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.errors import MemfitError
+
+__all__ = ["VIDEO_FAMILIES", "VideoFamily", "video_text_example", "video_model_ids", "load_video_processor"]
+
+
+@dataclass(frozen=True)
+class VideoFamily:
+    """How memfit writes one clip for a model type (beside memfit.models.image_text.FAMILIES' image recipe)."""
+
+    placeholder: str
+    """What the model's chat template writes for one video in a user turn (the processor expands it)."""
+    video_token_attr: str
+    """The config attribute of the id of the tokens the video features replace (counted in `input_ids`)."""
+
+
+VIDEO_FAMILIES: dict[str, VideoFamily] = {
+    # Qwen2.5-VL's chat template writes each video of a user turn as `<|vision_start|><|video_pad|><|vision_end|>`;
+    # Qwen2_5_VLProcessor repeats `<|video_pad|>` video_grid_thw.prod() // merge_size**2 times
+    # (processing_qwen2_5_vl.py `replace_video_token`) and adds `second_per_grid_ts` (temporal_patch_size / fps)
+    "qwen2_5_vl": VideoFamily(placeholder="<|vision_start|><|video_pad|><|vision_end|>",
+                              video_token_attr="video_token_id"),
+}
+
+#: Model types whose processors write text of their own for each frame, which memfit's stub tokenizer (one token
+#: per whitespace-separated word) cannot count as the model's tokenizer does: Qwen3-VL writes a timestamp
+#: `<t seconds>` before each temporal patch (processing_qwen3_vl.py `replace_video_token`), SmolVLM2
+#: `You are provided the following series of ...` and `\nFrame from MM:SS:` before each frame
+#: (processing_smolvlm.py `expand_text_with_video_tokens`, DEFAULT_VIDEO_INTRO / FRAME_TIMESTAMP_MESSAGE).
+_TEXT_PER_FRAME = {"qwen3_vl": "a `<t seconds>` timestamp before each temporal patch (Qwen3VLProcessor)",
+                   "smolvlm": "an introduction and a `Frame from MM:SS:` line before each frame (SmolVLMProcessor)"}
+
+
+def video_model_ids() -> list[str]:
+    """The bundled models memfit runs a clip through: those of a model type in VIDEO_FAMILIES."""
+    from memfit.models.catalog import bundled_model_ids, load_bundled_config
+    from memfit.models.processors import bundled_processor_ids
+
+    with_processor = set(bundled_processor_ids())
+    return [hub_id for hub_id in bundled_model_ids()
+            if hub_id in with_processor and load_bundled_config(hub_id).model_type in VIDEO_FAMILIES]
+
+
+def _refuse(spec: Any, why: str) -> MemfitError:
+    return MemfitError(f"`{spec.name}` takes no --video-frames in memfit: {why}; the bundled models that do are "
+                       f"{', '.join(video_model_ids())}")
+
+
+def load_video_processor(spec: Any) -> tuple[Any, str]:
+    """The video processor of the model `spec` (memfit.models.build.ModelSpec), and where its settings came
+    from (a phrase for the notes). Raises MemfitError (one line) where transformers has none for the model type
+    or torchvision, which every video processor runs on, cannot be imported."""
+    import os
+
+    import transformers
+    from transformers.models.auto import video_processing_auto
+
+    model_type = spec.config.model_type
+    names = video_processing_auto.VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type)
+    if names is None:
+        raise _refuse(spec, f"transformers {transformers.__version__} has no video processor for model type "
+                            f"`{model_type}`")
+    try:
+        import torchvision  # noqa: F401  (transformers' BaseVideoProcessor: torchvision.transforms.v2)
+    except (ImportError, RuntimeError, OSError) as err:
+        raise MemfitError(f"--video-frames runs the model's video processor, which transformers builds on torchvision "
+                          f"(BaseVideoProcessor), and torchvision cannot be imported here ({str(err).splitlines()[0]}); "
+                          "install the torchvision release built for your torch") from err
+    name = names.get("torchvision") if isinstance(names, dict) else names
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None:
+        raise _refuse(spec, f"transformers {transformers.__version__} has no video processor class for model type "
+                            f"`{model_type}`")
+    from memfit.models.processors import load_bundled_processor, quiet_transformers
+
+    with quiet_transformers():
+        if spec.source == "bundled":
+            from memfit.models.catalog import find_bundled
+
+            hub_id = find_bundled(spec.name) or spec.name
+            data = load_bundled_processor(hub_id)
+            if data is not None:
+                # AutoVideoProcessor reads preprocessor_config.json where a model has no video_preprocessor_config
+                # (video_processing_auto.py `get_video_processor_config`): the image processor's settings
+                settings = {k: v for k, v in data.items() if not k.endswith("_type") and k != "processor_class"}
+                return cls(**settings), f"the bundled preprocessor config of `{hub_id}`"
+        if spec.source in ("local", "hub"):
+            where = spec.name if spec.source == "hub" else os.path.dirname(spec.name) if spec.name.endswith(".json") \
+                else spec.name
+            offline = spec.source == "local" or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+            try:
+                return (transformers.AutoVideoProcessor.from_pretrained(where, local_files_only=offline),
+                        f"the (video) preprocessor config of `{where}`")
+            except (OSError, ValueError, KeyError):  # none there: the class's defaults
+                pass
+        return cls(), f"`{name}`'s defaults (no preprocessor config found for `{spec.name}`)"
+
+
+def video_text_example(setup: Any, spec: Any, family: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any],
+                                                                   list[str]]:
+    """The processor's output for one example of one clip of `setup.video_frames` frames (real tensors), a
+    summary for the report and its JSON, and notes (memfit.models.image_text.image_text_example's contract).
+
+    Args:
+        setup: the resolved run (video_frames, image_size: each frame's, max_length: the text's words).
+        spec: the model (memfit.models.build.ModelSpec).
+        family: its memfit.models.image_text.ImageTextFamily (the processor class and its special tokens).
+    """
+    import numpy as np
+    import transformers
+
+    from memfit.models._processor_adapter import TEXT_WORD, processor_class, stub_tokenizer
+    from memfit.models.image_text import DEFAULT_IMAGE_WH, _config_id, _processor_settings
+    from memfit.models.processors import load_processor, quiet_transformers
+
+    model_type = spec.config.model_type
+    video = VIDEO_FAMILIES.get(model_type)
+    if video is None:
+        why = (f"its processor writes {_TEXT_PER_FRAME[model_type]}, which memfit's stand-in tokenizer cannot count as "
+               "the model's tokenizer does" if model_type in _TEXT_PER_FRAME
+               else f"memfit has no video recipe for model type `{model_type}`")
+        raise _refuse(spec, why)
+    if setup.images_per_example != 1:
+        raise MemfitError(f"an example of --video-frames holds one clip and no image; drop --images-per-example "
+                          f"{setup.images_per_example} (or estimate the images without --video-frames)")
+    video_processor, source = load_video_processor(spec)
+    image_processor, _ = load_processor(spec, "image")
+    notes = []
+    if setup.image_wh is None:
+        width, height = DEFAULT_IMAGE_WH
+        notes.append(f"no --image-size: frames of {width}x{height} assumed")
+    else:
+        width, height = setup.image_wh
+    frames = setup.video_frames
+    tokens = {token: _config_id(spec.config, attr) for token, attr in family.tokens.items()}
+    tokenizer = stub_tokenizer(tokens, literals=family.literals)
+    with quiet_transformers():
+        processor = processor_class(getattr(transformers, family.processor))(
+            image_processor=image_processor, video_processor=video_processor, tokenizer=tokenizer,
+            **_processor_settings(spec))
+        text = video.placeholder + " " + " ".join([TEXT_WORD] * setup.max_length)
+        clip = np.zeros((frames, height, width, 3), dtype=np.uint8)  # decoded frames, THWC
+        try:
+            out = processor(videos=[clip], text=[text], return_tensors="pt", do_sample_frames=False)
+        except (ValueError, RuntimeError, TypeError) as err:
+            raise MemfitError(f"{family.processor} refuses a clip of {frames} frames of {width}x{height}: "
+                              f"{str(err).splitlines()[0][:200]}; choose another --video-frames or --image-size") \
+                from err
+    example = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    video_tokens = int((example["input_ids"] == _config_id(spec.config, video.video_token_attr)).sum())
+    length = int(example["input_ids"].shape[-1])
+    vp = type(video_processor).__name__
+    summary = {"kind": "video-text", "image_size": f"{width}x{height}", "given": setup.image_size,
+               "video_frames": frames, "video_tokens_per_clip": video_tokens, "text_tokens": setup.max_length,
+               "sequence_length": length, "processor": f"{family.processor} ({vp})", "processor_settings": source,
+               "inputs": {k: list(v.shape) for k, v in example.items()}}
+    grid = example.get("video_grid_thw")
+    if grid is not None:
+        summary["video_grid_thw"] = grid.tolist()
+        step = int(getattr(video_processor, "temporal_patch_size", 1) or 1)
+        seen = int(grid[0, 0]) * step  # frames the vision tower reads: the processor's temporal patches
+        summary["frames_processed"] = seen
+        if seen != frames:
+            notes.append(f"{frames} frames become {seen} ({int(grid[0, 0])} temporal patches of {step} frames, "
+                         f"{vp}'s temporal_patch_size: it repeats the last frame to fill the last patch)")
+    notes.append(f"each clip of {frames} frames of {width}x{height} becomes {video_tokens} video tokens "
+                 f"({family.processor} with {vp}, settings from {source}); the sequence is {length} tokens: "
+                 f"{video_tokens} video, {setup.max_length} text (--max-length), "
+                 f"{length - video_tokens - setup.max_length} the template's video markers")
+    return example, summary, notes
