@@ -319,6 +319,9 @@ def _example_text(report) -> str:
         crops = f"1 + {media['crops_per_image']} pan-and-scan crops, " if "crops_per_image" in media else ""
         return (f"{media['sequence_length']} tokens ({n} {media['image_size']} image{'s' if n > 1 else ''} -> "
                 f"{crops}{media['image_tokens_per_image']} image tokens each + {media['text_tokens']} text)")
+    if media.get("kind") == "video-text":  # one clip through the model's video processor (models.video_inputs)
+        return (f"{media['sequence_length']} tokens (a clip of {media['video_frames']} {media['image_size']} frames -> "
+                f"{media['video_tokens_per_clip']} video tokens + {media['text_tokens']} text)")
     if media.get("kind") == "image":
         shape = "x".join(map(str, media["inputs"].get("pixel_values", [])))
         return f"{media['image_size']} image -> pixel_values {shape}"
