@@ -159,3 +159,31 @@ def test_gemma3_fake_trace_equals_real_cpu_run(gemma_dir, fields):
     # the processor's count: image_seq_length <image_soft_token>s per image
     assert fake.media_inputs["image_tokens_per_image"] == 4
     assert peaks(real.trace) == peaks(fake.trace)
+
+
+@pytest.mark.slow  # 11 s on 2 busy cores
+def test_gemma3_pan_and_scan_fake_trace_equals_real_cpu_run(gemma_dir):
+    """Pan-and-scan: a 1200x400 image is the whole image and 3 crops of 400 x 400 (Gemma3Processor's crop
+    settings: ratio 3 >= 1.2, crops of at least 256 px), each resized to 56 x 56 and 4 image tokens: the vision
+    tower runs 4 views an image on both runs."""
+    setup = TrainSetup(model=gemma_dir, image_size="1200x400", pan_and_scan=True, max_length=16,
+                       per_device_train_batch_size=2)
+    real, fake = real_and_fake(setup, real_masks_like_fake=False)
+    assert real.media_inputs == fake.media_inputs
+    assert fake.media_inputs["crops_per_image"] == 3 and fake.media_inputs["image_tokens_per_image"] == 4 * 4
+    assert peaks(real.trace) == peaks(fake.trace)
+
+
+def test_gemma3_pan_and_scan_report_and_json_say_the_crops(gemma_dir, capsys):
+    import json
+
+    from memfit.cli import main
+
+    argv = ["estimate", gemma_dir, "--image-size", "1200x400", "--pan-and-scan", "--max-length", "16",
+            "--batch-size", "1"]
+    assert main([*argv, "--json"]) == 0
+    media = json.loads(capsys.readouterr().out)["media_inputs"]
+    assert (media["crops_per_image"], media["image_tokens_per_crop"], media["image_tokens_per_image"]) == (3, 4, 16)
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1200x400 image -> 1 + 3 pan-and-scan crops, 16 image tokens each" in out
