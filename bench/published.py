@@ -6,7 +6,7 @@ Run from the repository root:
     python bench/published.py --data FILE.json       # another copy of the records
     python bench/published.py --no-implied-length    # skip the length search behind the padding reason
     python bench/published.py --liger-e2e            # also Liger's end-to-end FSDP examples (published_liger.py)
-    python bench/published.py --multimodal           # also the vision-language and speech records
+    python bench/published.py --multimodal           # also the vision-language, speech and GRPO records
 
 The records (`measurements.json`, see its README) are figures from peft's MetaMathQA method
 comparison, Liger-Kernel's benchmark data, torchtune's README and peft's README, each with its
@@ -41,8 +41,9 @@ Which memfit figure is compared with which measured one:
   (`memfit.gpus.outside_pytorch.cublas_workspace_bytes`, forward and autograd thread) are alive
   from the start: the script's speed benchmark ran first in the same process.
 
-* Vision-language and speech records (`bench/data/published_multimodal.json`, `--multimodal`): figures from
-  example scripts and READMEs that state neither what they measured nor the data's lengths. Each record carries
+* Vision-language, speech and GRPO records (`bench/data/published_multimodal.json`, `--multimodal`): figures from
+  example scripts, READMEs and notebook outputs that do not state the data's lengths (most do not state what they
+  measured either; TRL's notebooks print `torch.cuda.max_memory_reserved()`). Each record carries
   the TrainSetup fields memfit runs for it (`memfit.setup`), what was assumed for what its source leaves out
   (`memfit.assumed`) and what the run did that those fields do not express (`memfit.differs`, the reason printed
   for a gap). Predicted: `peak_reserved_bytes` of the training step. They count as records whose data lengths are
@@ -84,10 +85,11 @@ PEFT_BATCH = 4
 _PLAIN_LORA = re.compile(r"^lora/llama-3\.2-3B-rank(\d+)(-target-mlp|-rslora)?$")
 #: adapter_config.json / training_params.json of each experiment (peft's repository at the records' commits).
 EXPERIMENTS = REPO / "bench" / "data" / "metamathqa_experiments.json"
-#: Vision-language and speech records, each with the memfit inputs it is run with (`--multimodal`).
+#: Vision-language, speech and GRPO records, each with the memfit inputs it is run with (`--multimodal`).
 MULTIMODAL = REPO / "bench" / "data" / "published_multimodal.json"
 #: Source kinds whose records give memfit's inputs themselves (`memfit.setup`).
-_GIVEN_KINDS = ("ms_swift_example_comment", "whisper_peft_readme_table")
+_GIVEN_KINDS = ("ms_swift_example_comment", "whisper_peft_readme_table", "trl_notebook_output",
+                "axolotl_example_readme")
 #: What the other LoRA experiments add that TrainSetup cannot say.
 _LORA_VARIANTS = {
     "lorafa": "LoRA-FA (frozen A, peft.optimizers.create_lorafa_optimizer: training_params.json "
@@ -717,7 +719,8 @@ def run(records: list[dict[str, Any]], *, implied: bool = True) -> tuple[list[Ro
 _SOURCE_SHORT = {"peft_method_comparison_json": "peft MetaMathQA", "kernel_microbenchmark": "Liger op bench",
                  "torchtune_readme_table": "torchtune README", "peft_readme_table": "peft README",
                  "peft_readme_log": "peft README log", "ms_swift_example_comment": "ms-swift example",
-                 "whisper_peft_readme_table": "Whisper PEFT README"}
+                 "whisper_peft_readme_table": "Whisper PEFT README", "trl_notebook_output": "TRL notebook",
+                 "axolotl_example_readme": "axolotl example"}
 
 
 def format_tables(rows: list[Row], missing: list[tuple[int, Missing]], records: list[dict[str, Any]]) -> str:
@@ -768,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also Liger-Kernel's end-to-end FSDP examples (bench/published_liger.py: 16 simulations "
                              "of 7B-8B models on 4 ranks, about a minute each)")
     parser.add_argument("--multimodal", action="store_true",
-                        help="also the vision-language and speech records (bench/data/published_multimodal.json)")
+                        help="also the vision-language, speech and GRPO records (bench/data/published_multimodal.json)")
     args = parser.parse_args(argv)
     records = load_records(args.data)
     started = time.perf_counter()
@@ -786,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         media = load_multimodal()
         media_rows, media_missing, media_est = run(media, implied=False)
         print()
-        print(f"Vision-language and speech records ({MULTIMODAL.name}; id: index in its `records`):")
+        print(f"Vision-language, speech and GRPO records ({MULTIMODAL.name}; id: index in its `records`):")
         print()
         print(format_tables(media_rows, media_missing, media))
         print()

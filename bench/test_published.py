@@ -185,13 +185,15 @@ def test_multimodal_records_run_the_inputs_they_state():
         if isinstance(fields.get("lora_target_modules"), tuple):
             fields["lora_target_modules"] = list(fields["lora_target_modules"])
         setup = TrainSetup(**fields)
-        assert setup.task in ("image-text-to-text", "speech-seq2seq")
+        assert setup.task in ("image-text-to-text", "speech-seq2seq") or setup.trainer == "grpo"
         assert record["memfit"]["assumed"] and record["memfit"]["differs"]
         from memfit.gpus.catalog import CATALOG
 
         assert record["memfit"]["gpu"] in CATALOG  # the run's GPU, for the reserved and nvidia-smi figures
     vlm = dict(published.express(records[0]).setup_fields)
     assert json.loads(vlm["peft_config"])["modules_to_save"] == ["visual"]  # the run trains the ViT too
+    grpo = next(r for r in records if r["source_kind"] == "trl_notebook_output")
+    assert "max_memory_reserved" in grpo["notes"] and published.express(grpo).metric == "reserved"
 
 
 def test_multimodal_records_file_errors_in_one_line(tmp_path):
