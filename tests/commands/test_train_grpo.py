@@ -158,14 +158,23 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
           f"{f['strings']}:length"], "takes completions as strings (`completions: list[str]`)"),
         ([dirs["policy"], "--trainer", "sft", "--data", files["prompts"], "--reward-func", "trl.rewards:x"],
          "`--reward-func` is for `--trainer grpo`"),
-        (["--num-generations", "4"], "is a TRL setting; add `--trainer grpo`"),
+        (["--num-generations", "4"], "is a TRL setting; add `--trainer grpo or rloo`"),
         (["--reward-func", "trl.rewards:x"], "`--reward-func` is for `--trainer grpo`"),
         ([dirs["policy"], "--trainer", "dpo", "--data", files["prompts"], "--num-generations", "4"],
-         "is for `--trainer grpo`, not `--trainer dpo`"),
+         "is for `--trainer grpo` or `--trainer rloo`, not `--trainer dpo`: DPOConfig has no such setting"),
         ([dirs["policy"], "--trainer", "sft", "--data", files["prompts"], "--beta", "0.1"],
-         "is for `--trainer dpo`, `--trainer grpo` or `--trainer kto`, not `--trainer sft`: SFTConfig has no such setting"),
-        ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"]], "`memfit train --trainer rloo` is not "
-                                                                            "supported"),
+         "is for `--trainer dpo`, `--trainer grpo`, `--trainer rloo` or `--trainer kto`, not `--trainer sft`: SFTConfig has no "
+         "such setting"),
+        # RLOOTrainer takes GRPOTrainer's reward functions and generation settings: the same checks
+        ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"]], "`--trainer rloo` needs a reward"),
+        ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"], "--reward-func", f"{f['rewards']}:length",
+          "--max-length", "32"], "does not go with `--trainer rloo`: RLOOConfig has no max_length"),
+        ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"], "--reward-func", f"{f['rewards']}:lenght"],
+         "has no `lenght`; did you mean"),
+        ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"], "--reward-func", f"{f['rewards']}:length",
+          "--num-generations", "1"], "invalid RLOOConfig: RLOO requires at least 2 generations per prompt"),
+        ([dirs["policy"], "--trainer", "rloo", "--data", files["chat"], "--reward-func", f"{f['rewards']}:length"],
+         "RLOO dataset needs a `prompt` column"),
     ]
     for argv, match in other:
         code, res = _run(argv + ["--output-dir", tmp_path / "out"], capsys)
