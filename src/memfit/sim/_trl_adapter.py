@@ -402,14 +402,18 @@ GRPO_WRAPPED = ("_generate_single_turn", "_get_per_token_logps_and_entropies")
 
 
 def wrap_grpo_method(trainer: Any, name: str, make: Any):
-    """Replace `trainer.<name>` (one of GRPO_WRAPPED) by `make(original)` on the instance; returns the undo."""
+    """Replace `trainer.<name>` (one of GRPO_WRAPPED) by `make(original)` on the instance; returns the undo, which
+    puts back what the instance had (a caller's own wrapper on the instance stays after the run)."""
     if name not in GRPO_WRAPPED:
         raise ValueError(f"{name} is not a GRPOTrainer / RLOOTrainer method memfit wraps")
+    own = name in vars(trainer)
     original = getattr(trainer, name)
     setattr(trainer, name, make(original))
 
     def undo() -> None:
-        if name in vars(trainer):
+        if own:
+            setattr(trainer, name, original)
+        elif name in vars(trainer):
             delattr(trainer, name)
 
     return undo
