@@ -43,11 +43,12 @@ Which memfit figure is compared with which measured one:
 
 * Vision-language, speech and GRPO records (`bench/data/published_multimodal.json`, `--multimodal`): figures from
   example scripts, READMEs and notebook outputs that do not state the data's lengths (most do not state what they
-  measured either; TRL's notebooks print `torch.cuda.max_memory_reserved()`). Each record carries
+  measured either; TRL's notebooks print `torch.cuda.max_memory_reserved()`, the GRPO VRAM probe of
+  jsboige/CoursIA writes `max_memory_allocated()` and `max_memory_reserved()`, a record each). Each record carries
   the TrainSetup fields memfit runs for it (`memfit.setup`), what was assumed for what its source leaves out
   (`memfit.assumed`) and what the run did that those fields do not express (`memfit.differs`, the reason printed
-  for a gap). Predicted: `peak_reserved_bytes` of the training step. They count as records whose data lengths are
-  assumed.
+  for a gap). Predicted: `peak_reserved_bytes` of the training step (`peak_allocated_bytes` for a record of
+  `max_memory_allocated()`). They count as records whose data lengths are assumed.
 
 The script only reads the records; it writes nothing.
 """
@@ -89,7 +90,7 @@ EXPERIMENTS = REPO / "bench" / "data" / "metamathqa_experiments.json"
 MULTIMODAL = REPO / "bench" / "data" / "published_multimodal.json"
 #: Source kinds whose records give memfit's inputs themselves (`memfit.setup`).
 _GIVEN_KINDS = ("ms_swift_example_comment", "whisper_peft_readme_table", "trl_notebook_output",
-                "axolotl_example_readme")
+                "axolotl_example_readme", "grpo_probe_jsonl")
 #: What the other LoRA experiments add that TrainSetup cannot say.
 _LORA_VARIANTS = {
     "lorafa": "LoRA-FA (frozen A, peft.optimizers.create_lorafa_optimizer: training_params.json "
@@ -457,7 +458,8 @@ def predict_train(est: Estimator, case: TrainCase, record: dict[str, Any], recor
     import transformers
 
     report = est.report(case.setup_fields, gpu=(record.get("memfit") or {}).get("gpu"))
-    predicted = report.peak_reserved_bytes / MIB
+    given_allocated = record.get("source_kind") in _GIVEN_KINDS and record.get("metric") == "allocated"
+    predicted = (report.peak_allocated_bytes if given_allocated else report.peak_reserved_bytes) / MIB
     error = predicted / case.measured_mib - 1.0
     if record.get("source_kind") in _GIVEN_KINDS:  # the record says how its run differs from memfit's inputs
         given = record.get("memfit") or {}
@@ -720,7 +722,7 @@ _SOURCE_SHORT = {"peft_method_comparison_json": "peft MetaMathQA", "kernel_micro
                  "torchtune_readme_table": "torchtune README", "peft_readme_table": "peft README",
                  "peft_readme_log": "peft README log", "ms_swift_example_comment": "ms-swift example",
                  "whisper_peft_readme_table": "Whisper PEFT README", "trl_notebook_output": "TRL notebook",
-                 "axolotl_example_readme": "axolotl example"}
+                 "axolotl_example_readme": "axolotl example", "grpo_probe_jsonl": "GRPO VRAM probe"}
 
 
 def format_tables(rows: list[Row], missing: list[tuple[int, Missing]], records: list[dict[str, Any]]) -> str:

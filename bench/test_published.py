@@ -203,3 +203,24 @@ def test_multimodal_records_file_errors_in_one_line(tmp_path):
         published.load_multimodal(bad)
     with pytest.raises(SystemExit, match="cannot read records file"):
         published.load_multimodal(tmp_path / "missing.json")
+
+
+def test_multimodal_allocated_records_compare_the_allocated_peak():
+    """A record of `max_memory_allocated()` is compared with memfit's peak allocated, its reserved twin (the same run)
+    with the peak reserved; both come from one estimate of the same setup."""
+    from types import SimpleNamespace
+
+    records = published.load_multimodal()
+    pair = [r for r in records if r["source_kind"] == "grpo_probe_jsonl"][:2]
+    assert [r["metric"] for r in pair] == ["allocated", "reserved"]
+    assert pair[0]["memfit"]["setup"] == pair[1]["memfit"]["setup"]
+    report = SimpleNamespace(peak_allocated_bytes=100 * MIB, peak_reserved_bytes=200 * MIB,
+                             device_used_bytes=300 * MIB, trainable_params=1)
+
+    class Stub:
+        def report(self, fields, gpu=None):
+            assert gpu == pair[0]["memfit"]["gpu"]
+            return report
+
+    predicted = [published.predict_train(Stub(), published.express(r), r, records, False)[0] for r in pair]
+    assert predicted == [100.0, 200.0]
