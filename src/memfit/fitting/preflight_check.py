@@ -8,6 +8,8 @@ batch is the longest example; with padding="max_length" it is the collator's max
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -213,7 +215,43 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
             fields["example_lengths"] = prompts
             fields["max_length"] = max(prompts)
         return prompts
+    if kind == "distill":  # DistillationTrainer: its prompts as GRPO's (`_tokenize_prompts`, never truncated)
+        fields["trainer"] = "distill"
+        args = trainer.args
+        fields["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"  # _BaseConfig resolved bf16
+        path = _teacher_path(trainer)
+        if path:  # the teacher memfit's simulation builds beside the student (memfit.sim.trl_steps)
+            fields["teacher_model"] = path
+        prompts = trl_adapter.grpo_prompt_lengths(trainer)
+        if prompts:
+            fields["example_lengths"] = prompts
+            fields["max_length"] = max(prompts)
+        return prompts
     return lengths
+
+
+def _teacher_path(trainer: Any) -> str | None:
+    """Where memfit's simulation reads DistillationTrainer's teacher config from: the directory it was loaded from
+    (`config._name_or_path`, or DistillationConfig.teacher_model_name_or_path), else its config written to a
+    folder of its own (a teacher built in code), named by the config's hash so that it is written once."""
+    import hashlib
+    import tempfile
+
+    teacher = getattr(trainer, "teacher_model", None)
+    config = getattr(getattr(teacher, "module", teacher), "config", None)
+    for path in (getattr(config, "_name_or_path", None), getattr(trainer.args, "teacher_model_name_or_path", None)):
+        if isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    if config is None:
+        path = getattr(trainer.args, "teacher_model_name_or_path", None)
+        return str(path) if path else None
+    text = config.to_json_string(use_diff=False)
+    folder = os.path.join(tempfile.gettempdir(), "memfit-teacher-configs",
+                          hashlib.sha256(text.encode()).hexdigest()[:16])
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        os.makedirs(folder, exist_ok=True)
+        config.to_json_file(os.path.join(folder, "config.json"), use_diff=False)
+    return folder
 
 
 def budget_spec(budget_bytes: int):
@@ -270,12 +308,13 @@ def check_budget(budget_bytes: Any) -> int | None:
     return budget_bytes
 
 
-def check_budget_covers_model(model: Any, budget_bytes: int | None) -> None:
+def check_budget_covers_model(model: Any, budget_bytes: int | None, frozen: tuple[Any, ...] = ()) -> None:
     """A clear error when an emulated budget cannot hold the model's weights and gradients.
 
     Below weights + gradients (each storage as `memory_budget` counts it) nothing memfit can
     apply trains: the plan changes batches, precision of the computation, checkpointing and the
     optimizer, never the weights (LoRA / freezing are opt-ins of `memfit plan --allow`).
+    `frozen`: models on the GPU beside it without gradients (DistillationTrainer's teacher), their weights counted.
     """
     if budget_bytes is None:
         return
@@ -283,11 +322,12 @@ def check_budget_covers_model(model: Any, budget_bytes: int | None) -> None:
     from memfit.units import format_bytes
 
     base = getattr(model, "module", model)
-    weights = counted_bytes(base)
+    weights = counted_bytes(base, *frozen)
     grads = counted_bytes([p for p in base.parameters() if p.requires_grad])
     if budget_bytes >= weights + grads:
         return
-    lead = (f"is less than the model's weights alone ({format_bytes(weights)})" if budget_bytes < weights else
+    lead = (f"is less than the model's weights alone ({format_bytes(weights)}"
+            + (", the teacher's included" if frozen else "") + ")" if budget_bytes < weights else
             f"holds the model's weights ({format_bytes(weights)}) but not their gradients ({format_bytes(grads)})")
     raise MemfitError(f"memory budget `{format_bytes(budget_bytes)}` {lead}; no setup trains in less than "
                       f"{format_bytes(weights + grads)} (weights + gradients, before activations and optimizer "
@@ -325,7 +365,7 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
 
     # GRPOTrainer (and RLOOTrainer) never truncates with the tokenizer: prompts are kept whole (`_tokenize_prompts`),
     # completions stop at max_completion_length
-    if mml is not None and mml > 1e6 and trainer_kind(trainer) not in ("grpo", "rloo"):
+    if mml is not None and mml > 1e6 and trainer_kind(trainer) not in ("grpo", "rloo", "distill"):
         flags.append(PreflightFlag(
             "no_max_length",
             f"the tokenizer has no real maximum length (model_max_length = {int(mml):.3g}): truncation=True "

@@ -17,7 +17,7 @@ chunks of whole examples, a DPO or reward batch into chunks of preference pairs 
 a KTO batch into chunks of examples with loss_type apo_zero_unpaired and not at all with its KL term (each
 example's loss uses the KL estimate of the whole micro-batch: the OOM is raised with one line saying why), a
 GRPO micro-batch into chunks of completions (memfit.fitting.grpo_recovery, which also recovers in GRPO's
-generation and scoring).
+generation and scoring), a DistillationTrainer micro-batch likewise (memfit.fitting.distill_recovery).
 
 With DDP, the micro-steps run without collectives and memfit averages the gradients after
 the window (memfit.fitting.distributed), so a rank that recovers does not leave the others
@@ -176,10 +176,11 @@ def _is_paired(inputs: dict[str, Any], kind: str) -> bool:
     """Rows [chosen_0..chosen_B-1, rejected_0..rejected_B-1]: DPOTrainer's batch, and RewardTrainer's
     (reward_trainer.py DataCollatorForPreference: input_ids / attention_mask (/ margin) only; `compute_loss`
     chunks the scores in two halves). KTOTrainer's unpaired batch has a completion mask and no labels like DPO's,
-    but each row is its own example (kto_trainer.py DataCollatorForUnpairedPreference)."""
+    but each row is its own example (kto_trainer.py DataCollatorForUnpairedPreference), as in DistillationTrainer's
+    micro-batch of prompts and their completions (distillation_trainer.py `_generate_and_score_completions`)."""
     if kind == "reward":
         return True
-    return kind != "kto" and _is_dpo_batch(inputs)
+    return kind not in ("kto", "distill") and _is_dpo_batch(inputs)
 
 
 def _is_dpo_batch(inputs: dict[str, Any]) -> bool:

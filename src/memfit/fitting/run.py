@@ -96,7 +96,8 @@ class FitReport:
     #: the checkpoint folders this run wrote and kept, oldest first
     checkpoints: list[str] = field(default_factory=list)
     #: GRPO / RLOO: generation_batch_size, steps_per_generation, num_generations, generation_calls_per_batch,
-    #: scoring_batch_size, generate_calls (memfit.fitting.grpo_recovery); None for other trainers
+    #: scoring_batch_size, generate_calls (memfit.fitting.grpo_recovery); distillation the same but scoring's
+    #: (memfit.fitting.distill_recovery); None for other trainers
     rl: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -112,10 +113,11 @@ def steps_expected(trainer: Any) -> int:
         return int(args.max_steps)
     from memfit.sim._trl_adapter import trainer_kind
 
-    if trainer_kind(trainer) in ("grpo", "rloo"):
+    if trainer_kind(trainer) in ("grpo", "rloo", "distill"):
         # GRPOTrainer's (and RLOOTrainer's) dataloader yields each generation batch steps_per_generation x
-        # num_iterations times (grpo_trainer.py / rloo_trainer.py `get_train_dataloader`, RepeatSampler): its length
-        # is the micro-steps of an epoch
+        # num_iterations times (grpo_trainer.py / rloo_trainer.py `get_train_dataloader`, RepeatSampler), and
+        # DistillationTrainer's gradient_accumulation_steps times (distillation_trainer.py `_get_train_sampler`): its
+        # length is the micro-steps of an epoch
         batches = len(trainer.get_train_dataloader())
         per_epoch = max(batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1)
         return int(math.ceil(args.num_train_epochs * per_epoch))
@@ -433,7 +435,9 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
 
         ref = getattr(trainer, "ref_model", None)  # TRL: DPOTrainer's / GRPOTrainer's reference copy is on the GPU too
         rewards = tuple(m for _, m, _ in grpo_reward_models(trainer))  # and GRPOTrainer's reward models
-        budget = memory_budget(budget_bytes, count=(trainer.model,) + ((ref,) if ref is not None else ()) + rewards)
+        teacher = getattr(trainer, "teacher_model", None)  # and DistillationTrainer's teacher
+        budget = memory_budget(budget_bytes, count=(trainer.model,) + ((ref,) if ref is not None else ()) + rewards
+                               + ((teacher,) if teacher is not None else ()))
     meter = Meter(budget)
     recoveries: list[Recovery] = []
     from memfit.sim._trl_adapter import trainer_kind
@@ -446,6 +450,11 @@ def _install_guards(trainer: Any, *, budget_bytes: int | None, max_recoveries: i
         step = (GrpoTrainingStep if kind == "grpo" else RlooTrainingStep)(
             trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries, on_change=log.change,
             on_note=log.note)
+    elif kind == "distill":  # on-policy generation and distillation micro-batches (memfit.fitting.distill_recovery)
+        from memfit.fitting.distill_recovery import DistillTrainingStep
+
+        step = DistillTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
+                                   on_change=log.change, on_note=log.note)
     else:
         step = ChunkedTrainingStep(trainer, max_recoveries=max_recoveries, meter=meter, recoveries=recoveries,
                                    on_change=log.change)
