@@ -87,7 +87,7 @@ def test_bad_input_is_one_line():
         (dict(setup=_setup(use_vllm=False), gpus="4xA100-80GB", vllm_server_gpus=1), "use_vllm off"),
         (dict(setup=TrainSetup(model=LLAMA, task="causal-lm"), gpus="4xA100-80GB", vllm_server_gpus=1),
          "are for GRPO / RLOO"),
-        (dict(setup=_setup(), gpus="4xA100-80GB", allow=("lora",)), "is not searched for GRPO"),
+        (dict(setup=_setup(), gpus="4xA100-80GB", allow=("truncation",)), "is not searched for GRPO; its opt-ins"),
     ]
     for kw, text in cases:
         setup = kw.pop("setup")
@@ -98,7 +98,7 @@ def test_bad_input_is_one_line():
 
 # -- whole plans (simulated) -------------------------------------------------------------------------------------
 
-def _rank_estimate(setup: TrainSetup, r, cand, gpu: str = "A100-80GB"):
+def _rank_estimate(setup: TrainSetup, r, cand, gpu: str = "A100-80GB", config=LLAMA):
     """`memfit.estimate` of the candidate's per-rank setup, as its launch files configure it, at the capacity the
     plan replayed it with (a colocated share held all along is outside that capacity)."""
     from memfit.gpus.outside_pytorch import non_pytorch_bytes
@@ -110,7 +110,7 @@ def _rank_estimate(setup: TrainSetup, r, cand, gpu: str = "A100-80GB"):
     t = setup.replace(**cand.setup_changes)
     ranks = cand.generation["training_ranks"]
     v = next(x for x in VARIANTS if x.key == cand.variant)
-    par = None if ranks == 1 else parallel_setup_for(v, world_size=ranks, nodes=1, hidden_size=LLAMA.hidden_size,
+    par = None if ranks == 1 else parallel_setup_for(v, world_size=ranks, nodes=1, hidden_size=config.hidden_size,
                                                      precision=t.precision)
     outside = non_pytorch_bytes(spec).total_bytes
     capacity = r.budget_bytes - outside - nccl_buffer_bytes(ranks, 1)
@@ -213,3 +213,76 @@ def test_a_server_is_chosen_where_a_colocated_vllm_cannot_start_beside_the_step(
     assert r.launch.commands == [r.launch.commands[0], "CUDA_VISIBLE_DEVICES=1 python train.py"]
     _, report = _rank_estimate(s, r, best, "1GiB")
     assert report.fits is True and report.device_used_bytes == best.device_used_bytes
+
+
+# -- `--allow` across GPUs ---------------------------------------------------------------------------------------
+
+def test_fewer_generations_halve_the_completions_and_the_generation_batch_on_every_layout():
+    """`--allow fewer_generations` across GPUs: the single-GPU remedy's variant (num_generations halved, the same
+    prompts), so every layout's ranks split E / 2 completions per step and a generation batch of G / 2, as
+    memfit.planner.grpo_plan.grpo_micro_batches scales them on one GPU (no simulation: the candidates only)."""
+    from memfit.planner.grpo_parallel_plan import Layout, _opt_ins, _Planner
+    from memfit.planner.grpo_plan import opt_in_methods
+    from memfit.planner.launch import VARIANTS
+    from memfit.planner.parallel_plan import (TIE_FRACTION, ParallelCandidate, ParallelPlanResult, _model_facts,
+                                              _request, _step)
+    from memfit.planner.grpo_parallel_plan import GrpoParallelParts
+    from memfit.remedies import REGISTRY
+
+    s = _setup(num_generations=4)
+    kw = dict(gpus="4xA100-80GB", world_size=None, nodes=1, global_batch=None, margin=None, strategies=("ddp",),
+              interconnect=None, network_gbps=None, max_simulations=4)
+    req = _request(s, gpu=None, allow=("fewer_generations",), **kw)
+    spec = req.spec
+    assert _opt_ins(s, req) == opt_in_methods(s, spec, ["fewer_generations"]) == \
+        REGISTRY["fewer_generations"].variants(s, spec) == [{"num_generations": 2}]
+    assert _opt_ins(s, _request(s, gpu=None, allow=(), **kw)) == []
+    pl = _Planner(s, req, GrpoParallelParts(ParallelCandidate, ParallelPlanResult, _model_facts, _step, TIE_FRACTION),
+                  None)
+    e, g = global_sizes(s, 4)
+    layouts = [Layout("colocate", 4), Layout("server", 2, 2, 1, 2)]
+    cands, _ = pl.candidates(layouts, [v for v in VARIANTS if v.key == "ddp"], {"num_generations": 2})
+    assert {c.layout for c in cands} == set(layouts)
+    for c in cands:
+        t = s.replace(**c.changes)
+        ranks = c.layout.training_ranks
+        assert t.num_generations == 2 and c.method == (("num_generations", 2),)
+        assert t.effective_batch_size * ranks == e // 2
+        assert t.per_device_train_batch_size * t.grpo_sizes[0] * ranks == g // 2
+        assert (g // 2 // ranks) % t.num_generations == 0  # whole prompt groups per rank
+
+
+@pytest.mark.slow
+def test_lora_allowed_fits_two_gpus_where_nothing_fits_as_typed():
+    """On 2 cards of 1 GiB a 37M-parameter Llama (fp32 weights, AdamW, beta 0.04) fits no layout as typed: neither
+    vLLM colocated on both nor a server on one and training on the other; the plan says nothing fits. With
+    `--allow lora` the same as-typed candidates are simulated first, none fits, and then the layouts are weighed
+    with LoRA on every rank: the chosen one fits, its per-rank figures are memfit.estimate's of its per-rank setup,
+    its change is said as the single-GPU plan says it (`LoRA r16` in the changes, peft's code in the launch, no
+    `lora_r` among the GRPOConfig names) and a note names the opt-in."""
+    from memfit.commands.plan import short
+    from memfit.parallel.rank import shared_simulations
+    from memfit.planner.parallel_plan import plan_parallel
+
+    big = LlamaConfig(**{**LLAMA.to_dict(), "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1024,
+                         "max_position_embeddings": 64})
+    # E = 2 completions per step, G = 4: colocated on 2 (b 1) and a server on 1 + training on 1 (b 1 or 2)
+    s = _setup(model=big, per_device_train_batch_size=1, gradient_accumulation_steps=1, steps_per_generation=2,
+               num_generations=2, max_completion_length=16, beta=0.04)
+    with shared_simulations():
+        typed = plan_parallel(s, gpus="2x1GiB", strategies=("ddp",))
+        r = plan_parallel(s, gpus="2x1GiB", strategies=("ddp",), allow=("lora",))
+    assert typed.chosen is None and typed.candidates and not any(c.fits for c in typed.candidates)
+    assert {c.generation["mode"] for c in typed.candidates} == {"colocate", "server"}
+    n = len(typed.candidates)
+    assert [c.to_json() for c in r.candidates[:n]] == [c.to_json() for c in typed.candidates]  # the as-typed search
+    assert all(c.setup_changes.get("lora_r") == 16 for c in r.candidates[n:]) and len(r.candidates) > n
+    best = r.chosen_candidate
+    assert best is not None and best.fits and r.chosen >= n
+    assert "LoRA r16" in short(best.setup_changes)
+    assert any("with --allow: lora (LoRA" in x for x in r.notes)
+    assert "lora_r" not in r.launch.training_args and any("LoraConfig(r=16" in x for x in r.launch.code)
+    t, report = _rank_estimate(s, r, best, "1GiB", big)
+    assert t.lora_r == 16 and report.fits is True
+    assert report.peak_reserved_bytes == best.peak_reserved_bytes
+    assert report.peak_allocated_bytes == best.peak_allocated_bytes

@@ -51,6 +51,16 @@ collectives of memfit.planner.comm), plus, per generation:
 Candidates are simulated best modelled time first (the colocated ones bounded by the largest share their budget
 could give); the search stops when no candidate left can beat the best that fits, or after `max_simulations`.
 
+Opt-ins (`allow`, as the single-GPU GRPO plan takes them: memfit.planner.grpo_plan.GRPO_OPT_IN, its variants from
+memfit.planner.grpo_plan.opt_in_methods, so one remedy and one variant per change): `fewer_generations`
+(`num_generations` halved: `E` and `G` halve, the same prompts, as grpo_plan.grpo_micro_batches scales them),
+`shorter_completions`, `no_reference` (`beta=0`), `lora`, `qlora` (with LoRA's adapters), each alone and, where
+several are allowed, all together; applied to every training rank of every layout and simulated per rank as the
+others. As on one GPU (where an opt-in's tier ranks after every plan that keeps the method), they are searched
+only when nothing fits as typed, within the same `max_simulations`; a note names the opt-in chosen. QLoRA is
+searched with DDP and one training rank only (not sharded: ZeRO / FSDP2 would store the 4-bit weights otherwise,
+memfit.planner.parallel_plan `_sharded_qlora`).
+
 Known limitations: tensor parallelism's all-reduces in the server, vLLM's `max_num_seqs`, its CUDA graphs and
 activations (inside its share), and the server's own memory outside its share are not modelled; the server runs
 on the first k GPUs of one node (several nodes: colocate only); the memory is rank 0's, as for the other
@@ -188,9 +198,10 @@ def server_generation_s(setup: TrainSetup, spec: Any, *, params: int, weight_byt
 class _Cand:
     layout: Layout
     variant: Any  #: memfit.planner.launch.Variant
-    changes: dict[str, Any]  #: TrainSetup changes of the rank (batch settings, checkpointing, vLLM mode)
+    changes: dict[str, Any]  #: TrainSetup changes of the rank (batch settings, checkpointing, vLLM mode, opt-in)
     bound_s: float
     lean: int  #: 1 with checkpointing on
+    method: tuple = ()  #: the `--allow` opt-in's changes, sorted (memfit.planner.grpo_plan.opt_in_methods)
 
 
 class _Planner:
@@ -205,6 +216,26 @@ class _Planner:
         self.outside_table = non_pytorch_bytes(self.spec).total_bytes
         self.sims = 0
         self.simulated: list[Any] = []
+        self._facts_of: dict[tuple, Any] = {}
+
+    def m_of(self, s: TrainSetup) -> Any:
+        """parallel_plan's model facts of the rank setup `s` (with LoRA: the adapters train, the base is frozen)."""
+        key = (s.lora_r, s.lora_target_modules and tuple(s.lora_target_modules), s.load_in_4bit)
+        base = (self.setup.lora_r, self.setup.lora_target_modules and tuple(self.setup.lora_target_modules),
+                self.setup.load_in_4bit)
+        if key == base:
+            return self.m
+        if key not in self._facts_of:
+            self._facts_of[key] = self.parts.model_facts(s, self.spec)
+        return self._facts_of[key]
+
+    def sizes_of(self, num_generations: int) -> tuple[int, int]:
+        """(E, G) of the rank setup with `num_generations` completions per prompt: the setup's global sizes, scaled
+        as the single-GPU plan scales them for fewer generations (the same prompts, fewer completions each:
+        memfit.planner.grpo_plan.grpo_micro_batches)."""
+        e, g = self.sizes
+        n = self.setup.num_generations
+        return (e, g) if num_generations == n else (e * num_generations // n, g * num_generations // n)
 
     # -- per training-rank count ------------------------------------------------------------------------------
     def outside(self, ranks: int) -> int:
@@ -233,7 +264,7 @@ class _Planner:
         from memfit.planner.comm import gpu_link_bytes_per_s
         from memfit.planner.grpo_time import grpo_step_time
 
-        lay, f, m = c.layout, self.facts, self.m
+        lay, f, m = c.layout, self.facts, self.m_of(s)
         trainable = m.trainable_params if trainable is None else trainable
         pool = None
         if lay.mode == "colocate":
@@ -254,7 +285,7 @@ class _Planner:
         if lay.mode == "server":
             from memfit.gpus.vllm import VLLM_SERVE_DEFAULT_UTILIZATION
 
-            _, g = self.sizes
+            _, g = self.sizes_of(s.num_generations)
             gen_s, _, _ = server_generation_s(s, self.spec, params=m.params, weight_bytes=f.weight_bytes,
                                               kv_per_token=kv, layout=lay, generation_batch=g,
                                               utilization=VLLM_SERVE_DEFAULT_UTILIZATION)
@@ -262,26 +293,33 @@ class _Planner:
         return st.total_s + gt.scoring_s + generation_s + gather_s * per_step
 
     # -- candidates -------------------------------------------------------------------------------------------
-    def candidates(self, layouts: list[Layout], variants: list[Any]) -> tuple[list[_Cand], list[str]]:
+    def candidates(self, layouts: list[Layout], variants: list[Any], method: dict[str, Any] | None = None
+                   ) -> tuple[list[_Cand], list[str]]:
+        """The candidates of the layouts with the setup's method, or with an `--allow` opt-in's `method` changes
+        applied to every rank (QLoRA: DDP and one training rank only, module docstring)."""
+        method = method or {}
         s = self.setup
-        e, g = self.sizes
+        sm = s.replace(**method)
+        e, g = self.sizes_of(sm.num_generations)
         ckpts = [{}, {"gradient_checkpointing": not s.gradient_checkpointing}]  # as the single-GPU GRPO plan
         out, notes = [], []
         for lay in layouts:
-            mbs = rank_settings(s, e, g, lay.training_ranks)
-            mbs = [mb for mb in mbs if (g // lay.training_ranks) % s.num_generations == 0]
+            mbs = rank_settings(sm, e, g, lay.training_ranks)
+            mbs = [mb for mb in mbs if (g // lay.training_ranks) % sm.num_generations == 0]
             if not mbs:
                 notes.append(f"{lay.label}: {lay.training_ranks} training ranks do not split {e} completions per step "
-                             f"and a generation batch of {g} into whole prompt groups of {s.num_generations}")
+                             f"and a generation batch of {g} into whole prompt groups of {sm.num_generations}")
                 continue
             mode = {} if lay.mode == "generate" else {"use_vllm": True, "vllm_mode": lay.mode}
             if lay.mode == "server":
                 mode["vllm_enable_sleep_mode"] = False
             vs = variants if lay.training_ranks > 1 else variants[:1]  # one rank: a plain run (DDP's step, no peers)
+            if method.get("load_in_4bit") and lay.training_ranks > 1:
+                vs = [v for v in vs if v.strategy == "ddp"]
             for v in vs:
                 for ck in ckpts:
                     for mb in mbs:
-                        ch = {**mode, **ck, **mb}
+                        ch = {**method, **mode, **ck, **mb}
                         try:
                             rs = s.replace(**ch)
                         except MemfitError:
@@ -291,8 +329,10 @@ class _Planner:
                             from memfit.planner.grpo_plan import share_for
 
                             share = share_for(self.budget(lay.training_ranks).capacity_bytes, self.spec.total_bytes)
-                        out.append(_Cand(lay, v, ch, self.time_s(_Cand(lay, v, ch, 0, 0), rs, share),
-                                         int(rs.gradient_checkpointing)))
+                        # a lower bound: with LoRA, as if nothing trained (as the single-GPU GRPO plan bounds it)
+                        trainable = 0 if method.get("lora_r") else None
+                        out.append(_Cand(lay, v, ch, self.time_s(_Cand(lay, v, ch, 0, 0), rs, share, trainable),
+                                         int(rs.gradient_checkpointing), tuple(sorted(method.items()))))
         out.sort(key=lambda c: c.bound_s)
         return out, notes
 
@@ -362,14 +402,15 @@ class _Planner:
 
         par = self.par(c.variant, c.layout.training_ranks, s.precision) or ParallelSetup(world_size=1)
         train = s.replace(max_length=s.sequence_length + s.max_completion_length, example_lengths=None)
-        st, colls = self.parts.step(c.variant, par, train, self.m, self.spec, self.req.interconnect, self.req.nodes)
+        st, colls = self.parts.step(c.variant, par, train, self.m_of(s), self.spec, self.req.interconnect,
+                                    self.req.nodes)
         return replace(st, total_s=total_s), [x.to_json(s.gradient_accumulation_steps) for x in colls]
 
     def generation_json(self, lay: Layout, share: float | None, sleep: bool, s: TrainSetup) -> dict[str, Any]:
         from memfit.gpus.vllm import VLLM_SERVE_DEFAULT_UTILIZATION
 
         f, total = self.facts, self.spec.total_bytes
-        e, g = self.sizes
+        e, g = self.sizes_of(s.num_generations)
         out: dict[str, Any] = {"mode": lay.mode, "training_ranks": lay.training_ranks, "server_gpus": lay.server_gpus,
                                "completions_per_step": e, "generation_batch_size": g,
                                "completions_per_rank_per_step": e // lay.training_ranks,
@@ -379,7 +420,7 @@ class _Planner:
         elif lay.mode == "server":
             u = VLLM_SERVE_DEFAULT_UTILIZATION
             per_gpu = int(u * total)
-            _, conc, waves = server_generation_s(s, self.spec, params=self.m.params, weight_bytes=f.weight_bytes,
+            _, conc, waves = server_generation_s(s, self.spec, params=self.m_of(s).params, weight_bytes=f.weight_bytes,
                                                  kv_per_token=f.kv_per_token, layout=lay, generation_batch=g,
                                                  utilization=u)
             out.update(gpu_memory_utilization=u, tensor_parallel=lay.tensor_parallel,
@@ -435,10 +476,10 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
     memfit.planner.parallel_plan's checked request; `variants`: the strategies asked for."""
     from memfit.models.build import resolve_config
 
+    from memfit.planner.grpo_plan import check_grpo_allow
+
     _check_server_gpus(setup, req.world_size, server_gpus)
-    if req.allow:
-        raise MemfitError(f"`--allow {req.allow[0]}` with --gpus is not searched for {setup.trainer.upper()}; plan one "
-                          f"rank with `memfit plan --trainer {setup.trainer} --gpu GPU --allow ...`")
+    check_grpo_allow(req.allow)
     pl = _Planner(setup, req, parts, alloc_conf)
     e, g = pl.sizes
     if g % setup.num_generations:
@@ -465,18 +506,73 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
             notes.append("vLLM server layouts are planned on one node; several nodes: colocate only")
     cands, why = pl.candidates(layouts, variants)
     notes += [f"not searched: {w}" for w in why]
+    order = {v.key: i for i, v in enumerate(variants)}
+    best, stopped = _search(pl, cands, order, parts.tie_fraction, max_simulations, notes)
+    methods = _opt_ins(setup, req)
+    if best is None and not stopped and methods:
+        # as the single-GPU GRPO plan ranks them (memfit.planner.grpo_plan: an opt-in's tier after every plan that
+        # keeps the method): the `--allow` opt-ins are searched only when nothing fits as typed
+        cands, why = [], []
+        for method in methods:
+            found, w = pl.candidates(layouts, variants, method)
+            cands += found
+            why += [x for x in w if x not in why]
+        cands.sort(key=lambda c: c.bound_s)
+        notes += [f"not searched: {w}" for w in why]
+        if any(dict(m).get("load_in_4bit") for m in methods) and any(v.strategy != "ddp" for v in variants):
+            notes.append("not searched: QLoRA under ZeRO / FSDP2 for GRPO (DDP and one training rank only)")
+        best, stopped = _search(pl, cands, order, parts.tie_fraction, max_simulations, notes)
+        if best is not None:
+            notes.append("nothing fits as typed; " + _opt_in_note(setup, best.setup_changes))
+    if stopped:
+        notes.append(f"stopped after {pl.sims} simulations (max_simulations); a faster plan may exist")
+    chosen = None if best is None else pl.simulated.index(best)
+    launch = None if best is None else _launch(setup, best, variants, pl, script)
+    return parts.result_cls(
+        gpu={"name": req.spec.name, "total_bytes": req.spec.total_bytes}, world_size=req.world_size, nodes=req.nodes,
+        interconnect=req.interconnect.to_json(),
+        global_batch=e if best is None else best.generation["completions_per_step"],
+        per_rank_batch=(e // req.world_size if best is None else best.generation["completions_per_rank_per_step"]),
+        budget_bytes=req.budget_bytes, capacity_bytes=req.capacity_bytes, margin=req.margin,
+        candidates=pl.simulated, chosen=chosen, launch=launch, simulations=pl.sims,
+        elapsed_s=round(time.perf_counter() - started, 2), notes=notes,
+        config_class=TRL_CONFIG_CLASS_NAMES[setup.trainer])
+
+
+def _opt_ins(setup: TrainSetup, req: Any) -> list[dict[str, Any]]:
+    """The `--allow` opt-ins' method changes (memfit.planner.grpo_plan.opt_in_methods: the single-GPU plan's)."""
+    from memfit.planner.grpo_plan import GRPO_OPT_IN, opt_in_methods
+    from memfit.remedies import REGISTRY
+
+    usable = [n for n in GRPO_OPT_IN if n in req.allow and REGISTRY[n].check(setup, req.spec).applies]
+    return opt_in_methods(setup, req.spec, usable)
+
+
+def _opt_in_note(setup: TrainSetup, changes: dict[str, Any]) -> str:
+    """What the chosen candidate's opt-ins change, named as memfit.remedies names and describes them."""
+    from memfit.planner.grpo_plan import GRPO_OPT_IN
+    from memfit.remedies import REGISTRY
+
+    used = [REGISTRY[n] for n in GRPO_OPT_IN
+            if any(k in changes and changes[k] != getattr(setup, k) for k in REGISTRY[n].fields)]
+    return "with --allow: " + "; ".join(f"{r.name} ({r.title}: {r.costs})" for r in used)
+
+
+def _search(pl: _Planner, cands: list[_Cand], order: dict[str, int], tie: float, max_simulations: int,
+            notes: list[str]) -> tuple[Any, bool]:
+    """Simulate `cands` best bound first (module docstring); (the fastest fitting candidate or None, whether it
+    stopped at max_simulations). What it simulated goes to `pl.simulated`, refusals to `notes`."""
+    from memfit import progress
+
     best = None
     failed: list[_Cand] = []
     stopped = False
-    from memfit import progress
-
     best_of: dict[str, Any] = {}  #: the fastest fitting candidate of each generation mode, so both are shown
-    order = {v.key: i for i, v in enumerate(variants)}
     for c in cands:
         mine = best_of.get(c.layout.mode)
-        if mine is not None and not _could_beat(c.bound_s, order[c.variant.key], mine, order, parts.tie_fraction):
+        if mine is not None and not _could_beat(c.bound_s, order[c.variant.key], mine, order, tie):
             continue  # its mode already has a verified candidate it cannot beat
-        if any(f.layout == c.layout and f.variant.key == c.variant.key and f.lean >= c.lean
+        if any(f.layout == c.layout and f.variant.key == c.variant.key and f.method == c.method and f.lean >= c.lean
                and f.changes["per_device_train_batch_size"] <= c.changes["per_device_train_batch_size"]
                for f in failed):
             continue  # a leaner one with a smaller micro-batch did not fit
@@ -494,22 +590,11 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
         if not any(x.fits for x in found):
             failed.append(c)
         for x in found:
-            if x.fits and (mine is None or _better(x, mine, order, parts.tie_fraction)):
+            if x.fits and (mine is None or _better(x, mine, order, tie)):
                 best_of[c.layout.mode] = mine = x
-            if x.fits and (best is None or _better(x, best, order, parts.tie_fraction)):
+            if x.fits and (best is None or _better(x, best, order, tie)):
                 best = x
-    if stopped:
-        notes.append(f"stopped after {pl.sims} simulations (max_simulations); a faster plan may exist")
-    chosen = None if best is None else pl.simulated.index(best)
-    launch = None if best is None else _launch(setup, best, variants, pl, script)
-    return parts.result_cls(
-        gpu={"name": req.spec.name, "total_bytes": req.spec.total_bytes}, world_size=req.world_size, nodes=req.nodes,
-        interconnect=req.interconnect.to_json(), global_batch=e,
-        per_rank_batch=e // (best.generation["training_ranks"] if best is not None else req.world_size),
-        budget_bytes=req.budget_bytes, capacity_bytes=req.capacity_bytes, margin=req.margin,
-        candidates=pl.simulated, chosen=chosen, launch=launch, simulations=pl.sims,
-        elapsed_s=round(time.perf_counter() - started, 2), notes=notes,
-        config_class=TRL_CONFIG_CLASS_NAMES[setup.trainer])
+    return best, stopped
 
 
 def _launch(setup: TrainSetup, best: Any, variants: list[Any], pl: _Planner, script: str) -> Any:
@@ -520,8 +605,12 @@ def _launch(setup: TrainSetup, best: Any, variants: list[Any], pl: _Planner, scr
 
     gen = best.generation
     ranks, k = gen["training_ranks"], gen["server_gpus"]
+    from memfit.remedies import REGISTRY
+
     _, args, env, code = _describe(setup, best.setup_changes, best.checkpointing)
-    args.update(best.setup_changes)  # every change is a GRPOConfig / RLOOConfig name
+    # every other change is a GRPOConfig / RLOOConfig name; LoRA and QLoRA are peft / bitsandbytes code (_describe)
+    peft = {*REGISTRY["lora"].fields, *REGISTRY["qlora"].fields}
+    args.update({k: v for k, v in best.setup_changes.items() if k not in peft})
     if gen["mode"] == "server":
         args.update(vllm_server_host="0.0.0.0", vllm_server_port=8000)  # GRPOConfig defaults, written out
     if best.alloc_conf:

@@ -51,7 +51,7 @@ from memfit.remedies import REGISTRY, Applicability
 from memfit.train_setup import TRL_CONFIG_CLASS_NAMES, TrainSetup
 
 __all__ = ["plan_grpo", "GRPO_OPT_IN", "MAX_SIMULATIONS", "share_for", "GrpoFacts", "grpo_facts",
-           "held_when_vllm_wakes", "grpo_micro_batches"]
+           "held_when_vllm_wakes", "grpo_micro_batches", "opt_in_methods", "check_grpo_allow"]
 
 #: The `--allow` names a GRPO plan searches (memfit.remedies ids).
 GRPO_OPT_IN = ("fewer_generations", "shorter_completions", "no_reference", "lora", "qlora")
@@ -140,9 +140,7 @@ def plan_grpo(setup: TrainSetup, budget: Budget, *, allow: tuple[str, ...], excl
               max_simulations: int = MAX_SIMULATIONS) -> Any:
     """The PlanResult of a GRPO setup on one GPU (module docstring); memfit.planner.search.plan calls it with
     `parts` (memfit.planner.search.GrpoParts: its Plan and PlanResult classes, `_describe` and `_miss`)."""
-    bad = [a for a in allow if a not in GRPO_OPT_IN]
-    if bad:
-        raise MemfitError(f"`--allow {bad[0]}` is not searched for GRPO; its opt-ins are: {', '.join(GRPO_OPT_IN)}")
+    check_grpo_allow(allow)
     spec = budget.spec
     sims = Simulations()
     base_report = sims.estimate(setup, budget, alloc_conf)
@@ -200,6 +198,29 @@ def plan_grpo(setup: TrainSetup, budget: Budget, *, allow: tuple[str, ...], excl
         elapsed_s=round(time.perf_counter() - started, 2), simulations=sims.count,
         config_class=TRL_CONFIG_CLASS_NAMES[setup.trainer],
     )
+
+
+def check_grpo_allow(allow: tuple[str, ...]) -> None:
+    """A one-line MemfitError for an `--allow` name a GRPO / RLOO plan does not search."""
+    bad = [a for a in allow if a not in GRPO_OPT_IN]
+    if bad:
+        raise MemfitError(f"`--allow {bad[0]}` is not searched for GRPO; its opt-ins are: {', '.join(GRPO_OPT_IN)}")
+
+
+def opt_in_methods(setup: TrainSetup, spec: Any, usable: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    """The method changes of the `usable` opt-ins (GRPO_OPT_IN names that apply and were allowed): each remedy's
+    variants alone (memfit.remedies), QLoRA with LoRA's adapters (a 4-bit base trains only through them), and,
+    where there are several, all of them together, the last resort; [] when none is usable. The single-GPU and
+    the multi-GPU GRPO plans search the same ones."""
+    methods: list[dict[str, Any]] = []
+    for name in ("fewer_generations", "shorter_completions", "no_reference", "lora"):
+        if name in usable:
+            methods += REGISTRY[name].variants(setup, spec)
+    if "qlora" in usable:
+        methods.append({**REGISTRY["qlora"].variants(setup, spec)[0], **REGISTRY["lora"].variants(setup, spec)[0]})
+    if len(methods) > 1:  # every allowed opt-in together, the last resort
+        methods.append({k: v for m in methods for k, v in m.items()})
+    return methods
 
 
 def grpo_micro_batches(setup: TrainSetup, num_generations: int | None = None) -> list[dict[str, Any]]:
@@ -275,15 +296,8 @@ class _Search:
                         if "gradient_checkpointing" not in exclude else [])
         optims = [{}] + (REGISTRY["optimizer"].variants(s, self.budget.spec) if usable("optimizer") else [])
         kernels = [{}] + (REGISTRY["liger"].variants(s, self.budget.spec) if usable("liger") else [])
-        methods: list[dict[str, Any]] = [{}]
-        for name in ("fewer_generations", "shorter_completions", "no_reference", "lora"):
-            if usable(name):
-                methods += REGISTRY[name].variants(s, self.budget.spec)
-        if usable("qlora"):
-            methods.append({**REGISTRY["qlora"].variants(s, self.budget.spec)[0],
-                            **REGISTRY["lora"].variants(s, self.budget.spec)[0]})
-        if len(methods) > 2:  # every allowed opt-in together, the last resort
-            methods.append({k: v for m in methods for k, v in m.items()})
+        methods: list[dict[str, Any]] = [{}] + opt_in_methods(s, self.budget.spec, [n for n in GRPO_OPT_IN
+                                                                                   if usable(n)])
         out: list[_Candidate] = []
         seen = set()
         for method in methods:
