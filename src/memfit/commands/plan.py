@@ -425,9 +425,8 @@ def render_parallel(r, *, chosen_kind: bool = False) -> None:
     best = r.chosen_candidate
     if best is None:
         if getattr(r, "config_class", "TrainingArguments") in ("GRPOConfig", "RLOOConfig"):
-            c.print("[red]Nothing fits[/red] on these GPUs (vLLM colocated or served); more or larger GPUs, or plan "
-                    "one rank with `--gpu GPU --allow ...` (fewer_generations, shorter_completions, no_reference, "
-                    "lora, qlora).")
+            c.print("[red]Nothing fits[/red] on these GPUs (vLLM colocated or served); more or larger GPUs, or "
+                    "`--allow` opt-ins (fewer_generations, shorter_completions, no_reference, lora, qlora).")
         else:
             c.print("[red]Nothing fits[/red] on these GPUs (also with CPU offload); more or larger GPUs, or `--allow` "
                     "opt-in remedies (truncation, lora, qlora, freeze).")

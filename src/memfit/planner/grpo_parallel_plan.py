@@ -509,6 +509,12 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
     order = {v.key: i for i, v in enumerate(variants)}
     best, stopped = _search(pl, cands, order, parts.tie_fraction, max_simulations, notes)
     methods = _opt_ins(setup, req)
+    from memfit.remedies import REGISTRY
+
+    for name in req.allow:  # an allowed opt-in that does not apply, and why (as the single-GPU plan's not-applicable)
+        verdict = REGISTRY[name].check(setup, req.spec)
+        if not verdict.applies:
+            notes.append(f"not searched: --allow {name}: {verdict.reason}")
     if best is None and not stopped and methods:
         # as the single-GPU GRPO plan ranks them (memfit.planner.grpo_plan: an opt-in's tier after every plan that
         # keeps the method): the `--allow` opt-ins are searched only when nothing fits as typed
@@ -524,6 +530,8 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
         best, stopped = _search(pl, cands, order, parts.tie_fraction, max_simulations, notes)
         if best is not None:
             notes.append("nothing fits as typed; " + _opt_in_note(setup, best.setup_changes))
+        elif not stopped:
+            notes.append(f"nothing fits with the opt-ins allowed either ({', '.join(req.allow)})")
     if stopped:
         notes.append(f"stopped after {pl.sims} simulations (max_simulations); a faster plan may exist")
     chosen = None if best is None else pl.simulated.index(best)
