@@ -261,20 +261,21 @@ def test_qwen3_vl_weights_load_in_the_checkpoints_dtype():
 
 PALIGEMMA = "google/paligemma2-3b-pt-224"
 PALIGEMMA_448 = "google/paligemma2-3b-pt-448"
+PALIGEMMA_896 = "google/paligemma2-3b-pt-896"
 
 
-@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448])
+@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448, PALIGEMMA_896])
 def test_paligemma_default_task_is_image_text_to_text(hub_id):
     task, why = default_task(hub_id)
     assert task == "image-text-to-text" and "PaliGemmaForConditionalGeneration" in why
 
 
-@pytest.mark.parametrize(("hub_id", "tokens"), [(PALIGEMMA, 256), (PALIGEMMA_448, 1024)])
+@pytest.mark.parametrize(("hub_id", "tokens"), [(PALIGEMMA, 256), (PALIGEMMA_448, 1024), (PALIGEMMA_896, 4096)])
 @pytest.mark.parametrize("size", SIZES)
 def test_paligemma_image_tokens_are_what_the_installed_processor_returns(size, hub_id, tokens):
-    """PaliGemma 2: SiglipImageProcessor resizes every image to the checkpoint's 224x224 or 448x448 (no crop, no
-    tiles) and PaliGemmaProcessor writes image_seq_length `<image>` tokens, one per 14-px patch the SigLIP tower
-    embeds: 256 at 224, 1024 at 448, at any image size."""
+    """PaliGemma 2: SiglipImageProcessor resizes every image to the checkpoint's 224x224, 448x448 or 896x896 (no
+    crop, no tiles) and PaliGemmaProcessor writes image_seq_length `<image>` tokens, one per 14-px patch the SigLIP
+    tower embeds: 256 at 224, 1024 at 448, 4096 at 896, at any image size."""
     width, height = map(int, size.split("x"))
     pixels = _installed(hub_id, width, height)["pixel_values"]
     patch = load_bundled_config(hub_id).vision_config.patch_size
@@ -315,7 +316,7 @@ def test_target_length_for_a_processor_without_a_suffix_is_one_line():
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448])
+@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448, PALIGEMMA_896])
 def test_paligemma_tokens_are_the_features_its_vision_tower_makes(hub_id):
     """image_seq_length is what the SigLIP tower makes of one image at its input size: (size / 14)^2 patches, no
     CLS; the processor resizes to that size."""
@@ -325,17 +326,18 @@ def test_paligemma_tokens_are_the_features_its_vision_tower_makes(hub_id):
     assert data["size"] == {"height": vision.image_size, "width": vision.image_size}
 
 
-def test_paligemma_448_differs_from_224_by_its_position_table():
-    """The two checkpoints share every weight but SigLIP's position embedding: (1024 - 256) x 1152 more at 448."""
+def test_paligemma_448_and_896_differ_from_224_by_their_position_tables():
+    """The three checkpoints share every weight but SigLIP's position embedding: (1024 - 256) x 1152 more at 448,
+    (4096 - 1024) x 1152 more again at 896."""
     import torch
     import transformers
 
     counts = []
-    for hub_id in (PALIGEMMA, PALIGEMMA_448):
+    for hub_id in (PALIGEMMA, PALIGEMMA_448, PALIGEMMA_896):
         with torch.device("meta"):
             model = transformers.PaliGemmaForConditionalGeneration(load_bundled_config(hub_id))
         counts.append(sum(p.numel() for p in model.parameters()))
-    assert counts[1] - counts[0] == (1024 - 256) * 1152
+    assert counts[1] - counts[0] == (1024 - 256) * 1152 and counts[2] - counts[1] == (4096 - 1024) * 1152
 
 
 LLAVA_NEXT = "llava-hf/llava-v1.6-mistral-7b-hf"
