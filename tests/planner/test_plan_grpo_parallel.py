@@ -286,3 +286,24 @@ def test_lora_allowed_fits_two_gpus_where_nothing_fits_as_typed():
     assert t.lora_r == 16 and report.fits is True
     assert report.peak_reserved_bytes == best.peak_reserved_bytes
     assert report.peak_allocated_bytes == best.peak_allocated_bytes
+
+
+def test_the_server_decodes_at_most_vllm_serve_max_num_seqs_at_once():
+    """trl vllm-serve passes no --max-num-seqs, so a replica schedules at most vllm serve's default (vllm
+    arg_utils.py `get_batch_defaults`: 256, or 1024 on a GPU of 70 GiB or more that is not an A100): 600
+    completions of the tiny model, whose KV cache pool holds them all, take 3 waves on an A100-80GB and one on an
+    H100-80GB; the cap changes the waves, not the server's memory (its pool is the same 0.9 of the GPU)."""
+    from memfit.gpus.vllm import vllm_serve_max_num_seqs
+    from memfit.planner.grpo_parallel_plan import Layout, server_generation_s
+
+    s = _setup()
+    lay = Layout("server", 2, 1, 1, 1)
+    out = {}
+    for gpu in ("A100-80GB", "H100-80GB"):
+        spec = as_gpu_spec(gpu)
+        out[gpu] = server_generation_s(s, spec, params=10**6, weight_bytes=4 * 10**6, kv_per_token=1024, layout=lay,
+                                       generation_batch=600, utilization=0.9)
+    assert vllm_serve_max_num_seqs("A100-80GB", as_gpu_spec("A100-80GB").total_bytes) == 256
+    assert vllm_serve_max_num_seqs("H100-80GB", as_gpu_spec("H100-80GB").total_bytes) == 1024
+    assert vllm_serve_max_num_seqs("L40S", as_gpu_spec("L40S").total_bytes) == 256  # under 70 GiB
+    assert out["A100-80GB"][1:] == (256, 3) and out["H100-80GB"][1:] == (600, 1)

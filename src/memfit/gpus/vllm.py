@@ -39,12 +39,24 @@ from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 
-__all__ = ["VllmShare", "vllm_share", "VLLM_SLEEP_LEVEL", "VLLM_SERVE_DEFAULT_UTILIZATION"]
+__all__ = ["VllmShare", "vllm_share", "VLLM_SLEEP_LEVEL", "VLLM_SERVE_DEFAULT_UTILIZATION", "vllm_serve_max_num_seqs"]
 
 #: trl/generation/vllm_generation.py: `self.llm.sleep(level=2)` (TRL 1.16).
 VLLM_SLEEP_LEVEL = 2
 #: trl/scripts/vllm_serve.py `ScriptArguments.gpu_memory_utilization` default (TRL 1.16).
 VLLM_SERVE_DEFAULT_UTILIZATION = 0.9
+
+
+def vllm_serve_max_num_seqs(gpu_name: str, total_bytes: int) -> int:
+    """Sequences `trl vllm-serve`'s engine schedules at once: trl/scripts/vllm_serve.py (TRL 1.16) passes no
+    `--max-num-seqs`, so `vllm serve` takes its default, vllm/engine/arg_utils.py `EngineArgs.get_batch_defaults`
+    (UsageContext.OPENAI_API_SERVER): 1024 on a GPU of 70 GiB or more whose name does not contain "a100" (H100,
+    H200, MI300x), else 256 (then at most `max_num_batched_tokens`, 8192 / 2048 there: not lower). It caps the
+    server's concurrency, not its memory: the KV cache pool is what `gpu_memory_utilization` leaves beside the
+    weights whatever the cap. (Colocated, TRL passes `max_num_seqs = per_device_train_batch_size x
+    vllm_tensor_parallel_size x steps_per_generation`, the rank's generation batch, grpo_trainer.py: what
+    memfit.planner.grpo_time already caps a wave at.)"""
+    return 1024 if total_bytes >= 70 * 2**30 and "a100" not in gpu_name.lower() else 256
 
 
 @dataclass(frozen=True)

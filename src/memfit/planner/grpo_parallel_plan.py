@@ -61,8 +61,13 @@ only when nothing fits as typed, within the same `max_simulations`; a note names
 searched with DDP and one training rank only (not sharded: ZeRO / FSDP2 would store the 4-bit weights otherwise,
 memfit.planner.parallel_plan `_sharded_qlora`).
 
-Known limitations: tensor parallelism's all-reduces in the server, vLLM's `max_num_seqs`, its CUDA graphs and
-activations (inside its share), and the server's own memory outside its share are not modelled; the server runs
+vLLM's `max_num_seqs` caps the sequences decoded at once, not its memory: colocated, TRL sets it to the rank's
+generation batch (grpo_trainer.py), which grpo_time's waves never exceed; the server takes `vllm serve`'s default
+(memfit.gpus.vllm.vllm_serve_max_num_seqs: 256, or 1024 on a GPU of 70 GiB or more other than an A100), which
+caps each replica's concurrency here.
+
+Known limitations: tensor parallelism's all-reduces in the server, vLLM's CUDA graphs and activations (inside its
+share), and the server's own memory outside its share are not modelled; the server runs
 on the first k GPUs of one node (several nodes: colocate only); the memory is rank 0's, as for the other
 multi-GPU plans.
 """
@@ -172,6 +177,7 @@ def server_generation_s(setup: TrainSetup, spec: Any, *, params: int, weight_byt
                         layout: Layout, generation_batch: int, utilization: float) -> tuple[float, int, int]:
     """(seconds, sequences decoded at once per replica, waves) of one generation of `generation_batch` completions
     by the server (module docstring); a replica on `t` GPUs is one GPU with t x bandwidth, compute and memory."""
+    from memfit.gpus.vllm import vllm_serve_max_num_seqs
     from memfit.planner.grpo_time import _BANDWIDTH_FRACTION, vllm_concurrency
     from memfit.planner.throughput import _rate_flops
 
@@ -179,7 +185,9 @@ def server_generation_s(setup: TrainSetup, spec: Any, *, params: int, weight_byt
     p, c = setup.sequence_length, setup.max_completion_length
     per_replica = -(-generation_batch // d)
     pool = t * int(utilization * spec.total_bytes) - weight_bytes
-    concurrency = vllm_concurrency(pool, kv_per_token, p + c, per_replica)
+    # at most vllm serve's default max_num_seqs (trl vllm-serve passes none): memfit.gpus.vllm
+    concurrency = min(vllm_concurrency(pool, kv_per_token, p + c, per_replica),
+                      vllm_serve_max_num_seqs(spec.name, spec.total_bytes))
     if concurrency <= 0:
         return math.inf, 0, 0
     bandwidth = t * spec.memory_bandwidth_gbps * 1e9 * _BANDWIDTH_FRACTION

@@ -18,7 +18,8 @@ Step time = training + (generations per optimizer step) x (generation + scoring)
   plus the prefill (2 N per prompt token). transformers' `generate` decodes the whole generation batch at
   once (one wave), dequantizing every 4/8-bit weight at every step (as throughput models QLoRA's matmuls);
   a colocated vLLM decodes as many sequences at once as its KV cache pool holds at full length (pool = share -
-  weights, memfit.gpus.vllm; at most `max_num_seqs`, which TRL sets to the generation batch), in
+  weights, memfit.gpus.vllm; at most `max_num_seqs`, which TRL sets to the generation batch; a server at most
+  `vllm serve`'s default max_num_seqs, memfit.gpus.vllm.vllm_serve_max_num_seqs), in
   `ceil(G / that)` waves, and TRL copies the trained weights into it once per generation (`sync_weights`:
   read and written at the same bandwidth). In server mode vLLM decodes on its own GPU (taken as one of the
   same kind at `trl vllm-serve`'s default share).
@@ -98,7 +99,7 @@ def grpo_step_time(setup: Any, spec: GpuSpec, timer: Any, params: int, trainable
             generate, or vLLM in server mode.
         paged_traffic: a paged optimizer's bytes over the host link per step (memfit.planner.throughput).
     """
-    from memfit.gpus.vllm import VLLM_SERVE_DEFAULT_UTILIZATION
+    from memfit.gpus.vllm import VLLM_SERVE_DEFAULT_UTILIZATION, vllm_serve_max_num_seqs
     from memfit.sim.grpo_steps import needs_old_log_probs
 
     steps, g = setup.grpo_sizes
@@ -122,11 +123,13 @@ def grpo_step_time(setup: Any, spec: GpuSpec, timer: Any, params: int, trainable
             quantized = params - trainable_params
             read_weights += quantized * 4  # the 16-bit copy written and read by the matmul (throughput: QLoRA)
     else:
+        cap = g  # colocate: TRL's max_num_seqs, the generation batch
         if pool_bytes is None:  # server mode: vLLM at `trl vllm-serve`'s share of a GPU of this kind
             pool_bytes = int(VLLM_SERVE_DEFAULT_UTILIZATION * spec.total_bytes) - weight_bytes
+            cap = vllm_serve_max_num_seqs(spec.name, spec.total_bytes)  # vllm serve's default (memfit.gpus.vllm)
         else:  # colocate: TRL pushes the trained weights into vLLM before each generation
             sync_s = 2 * weight_bytes / bandwidth
-        concurrency = vllm_concurrency(pool_bytes, kv_per_token, total_tokens, g)
+        concurrency = min(cap, vllm_concurrency(pool_bytes, kv_per_token, total_tokens, g))
     if concurrency <= 0:
         return GrpoTime(math.inf, training_s, math.inf, scoring_s * per_step, 0, 0)
     waves = -(-g // concurrency)
