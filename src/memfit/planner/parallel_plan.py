@@ -588,7 +588,8 @@ def plan_parallel(setup: TrainSetup | str, *, gpus: str | None = None, gpu: str 
         max_simulations: stop after this many per-rank simulations with the best found.
         script: the training script named in the commands.
         allow: opt-in remedies (`truncation`, `lora`, `qlora`, `freeze`; `qlora` allows `lora` too) the search may
-            use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched).
+            use when nothing else fits; `offload` is an error (the engines' own CPU offload is searched). GRPO /
+            RLOO: the single-GPU GRPO plan's opt-ins (memfit.planner.grpo_plan.GRPO_OPT_IN), on every layout.
         vllm_server_gpus: GRPO / RLOO only: plan `trl vllm-serve` on exactly this many of the GPUs (None: colocate
             on all and every server size are weighed, memfit.planner.grpo_parallel_plan).
     """
