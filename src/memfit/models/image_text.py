@@ -207,10 +207,6 @@ def image_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     if getattr(setup, "pan_and_scan", False) and not family.pan_and_scan:
         raise MemfitError(f"`--pan-and-scan` crops the images of Gemma 3 (Gemma3Processor's `do_pan_and_scan`); "
                           f"{family.processor} of `{spec.name}` has no such setting: drop --pan-and-scan")
-    if getattr(setup, "video_frames", None) is not None:  # one clip: its video processor (models.video_inputs)
-        from memfit.models.video_inputs import video_text_example
-
-        return video_text_example(setup, spec, family)
     image_processor, source = load_processor(spec, "image")
     notes = []
     if setup.image_wh is None:

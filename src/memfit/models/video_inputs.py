@@ -28,7 +28,8 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["VIDEO_FAMILIES", "VideoFamily", "video_text_example", "video_model_ids", "load_video_processor"]
+__all__ = ["VIDEO_FAMILIES", "VideoFamily", "video_text_example", "video_text_inputs", "video_model_ids",
+           "load_video_processor"]
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,14 @@ _TEXT_PER_FRAME = {"qwen3_vl": "a `<t seconds>` timestamp before each temporal p
 
 
 def video_model_ids() -> list[str]:
-    """The bundled models memfit runs a clip through: those of a model type in VIDEO_FAMILIES."""
-    from memfit.models.catalog import bundled_model_ids, load_bundled_config
-    from memfit.models.processors import bundled_processor_ids
+    """The bundled models memfit runs a clip through: those whose bundled preprocessor config names the processor
+    class of a model type in VIDEO_FAMILIES (its `processor_class`)."""
+    from memfit.models.image_text import FAMILIES
+    from memfit.models.processors import bundled_processor_ids, load_bundled_processor
 
-    with_processor = set(bundled_processor_ids())
-    return [hub_id for hub_id in bundled_model_ids()
-            if hub_id in with_processor and load_bundled_config(hub_id).model_type in VIDEO_FAMILIES]
+    classes = {FAMILIES[model_type].processor for model_type in VIDEO_FAMILIES}
+    return [hub_id for hub_id in bundled_processor_ids()
+            if (load_bundled_processor(hub_id) or {}).get("processor_class") in classes]
 
 
 def _refuse(spec: Any, why: str) -> MemfitError:
@@ -123,26 +125,24 @@ def load_video_processor(spec: Any) -> tuple[Any, str]:
         return cls(), f"`{name}`'s defaults (no preprocessor config found for `{spec.name}`)"
 
 
-def video_text_example(setup: Any, spec: Any, family: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any],
-                                                                   list[str]]:
+def video_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
     """The processor's output for one example of one clip of `setup.video_frames` frames (real tensors), a
     summary for the report and its JSON, and notes (memfit.models.image_text.image_text_example's contract).
 
     Args:
         setup: the resolved run (video_frames, image_size: each frame's, max_length: the text's words).
         spec: the model (memfit.models.build.ModelSpec).
-        family: its memfit.models.image_text.ImageTextFamily (the processor class and its special tokens).
     """
     import numpy as np
     import transformers
 
     from memfit.models._processor_adapter import TEXT_WORD, processor_class, stub_tokenizer
-    from memfit.models.image_text import DEFAULT_IMAGE_WH, _config_id, _processor_settings
+    from memfit.models.image_text import DEFAULT_IMAGE_WH, FAMILIES, _config_id, _processor_settings
     from memfit.models.processors import load_processor, quiet_transformers
 
-    model_type = spec.config.model_type
-    video = VIDEO_FAMILIES.get(model_type)
-    if video is None:
+    model_type = getattr(spec.config, "model_type", "")
+    video, family = VIDEO_FAMILIES.get(model_type), FAMILIES.get(model_type)
+    if video is None or family is None:
         why = (f"its processor writes {_TEXT_PER_FRAME[model_type]}, which memfit's stand-in tokenizer cannot count as "
                "the model's tokenizer does" if model_type in _TEXT_PER_FRAME
                else f"memfit has no video recipe for model type `{model_type}`")
@@ -195,3 +195,13 @@ def video_text_example(setup: Any, spec: Any, family: Any) -> tuple[dict[str, to
                  f"{video_tokens} video, {setup.max_length} text (--max-length), "
                  f"{length - video_tokens - setup.max_length} the template's video markers")
     return example, summary, notes
+
+
+def video_text_inputs(setup: Any, spec: Any) -> Any:
+    """`video_text_example` as the simulator takes it: a memfit.models.processors.MediaInputs holding the real
+    example (its `tensors` the example's shapes and dtypes)."""
+    from memfit.models.processors import MediaInputs
+
+    example, summary, notes = video_text_example(setup, spec)
+    tensors = {name: (tuple(t.shape), t.dtype) for name, t in example.items()}
+    return MediaInputs(tensors, summary, notes, example=example)

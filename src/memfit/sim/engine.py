@@ -190,12 +190,17 @@ class _Runner:
         self.quant, self.quant_summary = prepared.quant, prepared.quant_summary
         self.ref_model = prepared.ref_model
         self.ref_cut = prepared.ref_cut
+        self.reward_model = prepared.reward_model
         self.model = prepared.model
         self.cut, self.sizes, self.names = prepared.cut, prepared.sizes, prepared.names
         self.checkpointing = prepared.checkpointing
         self.fwd_model = self.cut if self.cut is not None else self.model
         # image / audio inputs: the model's own processor runs here, on real arrays, before any fake mode
-        if setup.task == "image-text-to-text":  # images and text: real host data (memfit.sim.host_values)
+        if setup.task == "image-text-to-text" and getattr(setup, "video_frames", None) is not None:  # a clip
+            from memfit.models.video_inputs import video_text_inputs
+
+            self.media = video_text_inputs(setup, self.spec)
+        elif setup.task == "image-text-to-text":  # images and text: real host data (memfit.sim.host_values)
             from memfit.models.image_text import image_text_inputs
 
             self.media = image_text_inputs(setup, self.spec)
@@ -684,6 +689,7 @@ class _Runner:
             stack.enter_context(self.tracker.module_scope(self.fwd_model, self.model, self.ref_model))
             self._materialize()
             trl_steps.materialize_reference(self)  # TRL: DPO's reference copy
+            trl_steps.materialize_reward_model(self)  # TRL: GRPO's / RLOO's reward model
             self.optimizer = build_optimizer(self.model, s.optim, s.weight_decay)
             if optimizer_only:
                 for _ in range(optimizer_steps):

@@ -1,0 +1,168 @@
+"""memfit.models.video_inputs: one clip of `--video-frames` decoded frames, made into a vision-language model's
+example by its own video processor.
+
+The video-token counts are compared with what the installed transformers' video processor returns for the same
+synthetic clip, computed here at test time from its own output (`video_grid_thw`, divided by the merge of
+`merge_size` x `merge_size` patches into one token as Qwen2_5_VLProcessor does), never a table. A tiny
+Qwen2.5-VL's step with a clip is simulated on FakeTensors and on real CPU tensors, event for event, as the image
+steps are (tests/sim/test_vlm_exactness.py). transformers' video processors need torchvision: those tests skip
+where it cannot be imported (PyPI's torchvision beside the CPU build of torch fails to load its operators), and
+the refusal there is tested instead.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from memfit.cli import main
+from memfit.errors import MemfitError
+from memfit.models.build import resolve_config
+from memfit.models.processors import load_bundled_processor
+from memfit.models.resolve import resolve
+from memfit.models.video_inputs import video_text_example
+from memfit.train_setup import TrainSetup
+
+QWEN = ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
+
+
+def _torchvision_imports() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError, OSError):
+        return False
+    return True
+
+
+TORCHVISION = _torchvision_imports()
+needs_torchvision = pytest.mark.skipif(not TORCHVISION, reason="transformers' video processors need torchvision, "
+                                                               "which cannot be imported here")
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _example(**fields):
+    setup = resolve(TrainSetup(**fields))
+    return video_text_example(setup, resolve_config(setup.model))
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_a_model_without_video_is_one_line_naming_those_with(capsys):
+    err = _one_line_error(capsys, ["estimate", "llava-hf/llava-1.5-7b-hf", "--video-frames", "8"])
+    assert "takes no --video-frames" in err and all(hub_id in err for hub_id in QWEN)
+
+
+def test_smolvlm_clip_is_refused_with_why(capsys):
+    """SmolVLMProcessor writes an introduction and a `Frame from MM:SS:` line per frame, words the stub tokenizer
+    would count one token each: refused rather than miscounted."""
+    err = _one_line_error(capsys, ["estimate", "HuggingFaceTB/SmolVLM2-500M-Video-Instruct", "--video-frames", "8"])
+    assert "Frame from" in err and QWEN[0] in err
+
+
+def test_a_text_model_with_video_frames_is_one_line(capsys):
+    err = _one_line_error(capsys, ["estimate", "openai-community/gpt2", "--video-frames", "8"])
+    assert "--video-frames" in err and "takes no video" in err
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_video_frames_must_be_positive(value):
+    with pytest.raises(MemfitError, match=rf"`video_frames` must be a positive integer; got `{value}`"):
+        TrainSetup(model=QWEN[0], video_frames=value)
+
+
+@pytest.mark.skipif(TORCHVISION, reason="torchvision imports here")
+def test_without_torchvision_a_clip_is_one_line(capsys):
+    err = _one_line_error(capsys, ["estimate", QWEN[0], "--video-frames", "8"])
+    assert "torchvision" in err and "video processor" in err
+
+
+def _installed_qwen_video(hub_id: str, frames: int, width: int, height: int):
+    """video_grid_thw of one black clip from the installed transformers' Qwen2-VL video processor, built from the
+    bundled preprocessor config, and the processor (its merge_size, temporal_patch_size)."""
+    import transformers
+
+    data = {k: v for k, v in load_bundled_processor(hub_id).items()
+            if not k.endswith("_type") and k != "processor_class"}
+    processor = transformers.Qwen2VLVideoProcessor(**data)
+    out = processor(videos=[np.zeros((frames, height, width, 3), dtype=np.uint8)], return_tensors="pt",
+                    do_sample_frames=False)
+    return out["video_grid_thw"], processor
+
+
+@needs_torchvision
+@pytest.mark.parametrize(("frames", "size"), [(2, "448x448"), (8, "640x360"), (16, "480x270"), (5, "320x240")])
+def test_qwen_video_tokens_are_what_the_installed_processor_returns(frames, size):
+    width, height = map(int, size.split("x"))
+    grid, processor = _installed_qwen_video(QWEN[0], frames, width, height)
+    expected = int(grid.prod()) // processor.merge_size**2
+    example, summary, notes = _example(model=QWEN[0], image_size=size, max_length=16, video_frames=frames)
+    assert summary["video_tokens_per_clip"] == expected > 0
+    assert summary["video_grid_thw"] == grid.tolist()
+    assert int((example["input_ids"] == 151656).sum()) == expected  # <|video_pad|>, the config's video_token_id
+    assert example["pixel_values_videos"].shape[0] == int(grid.prod())  # one row per patch
+    # the sequence: the video tokens, the 16 text words, <|vision_start|> and <|vision_end|>
+    assert summary["sequence_length"] == example["input_ids"].shape[1] == expected + 16 + 2
+    assert summary["frames_processed"] == int(grid[0, 0]) * processor.temporal_patch_size
+    assert f"becomes {expected} video tokens" in notes[-1]
+
+
+@needs_torchvision
+def test_an_odd_frame_count_says_what_it_becomes():
+    """5 frames are 3 temporal patches of 2: the processor repeats the last frame; the note says so."""
+    _, summary, notes = _example(model=QWEN[1], image_size="448x448", max_length=8, video_frames=5)
+    grid, processor = _installed_qwen_video(QWEN[1], 5, 448, 448)
+    made = int(grid[0, 0]) * processor.temporal_patch_size
+    assert made != 5 and summary["frames_processed"] == made
+    assert any(n.startswith(f"5 frames become {made}") for n in notes)
+    _, even, even_notes = _example(model=QWEN[1], image_size="448x448", max_length=8, video_frames=made)
+    assert even["video_tokens_per_clip"] == summary["video_tokens_per_clip"]
+    assert not any("frames become" in n for n in even_notes)
+
+
+@needs_torchvision
+def test_images_per_example_with_a_clip_is_one_line():
+    with pytest.raises(MemfitError, match="one clip and no image"):
+        _example(model=QWEN[0], image_size="448x448", video_frames=4, images_per_example=2)
+
+
+@pytest.mark.slow
+@needs_torchvision
+def test_fake_trace_with_a_clip_equals_real_cpu_run(tmp_path):
+    """A tiny Qwen2.5-VL (helpers.tiny_qwen2_5_vl_dir) saved with its video processor settings: the step on a clip
+    of 4 frames, on FakeTensors, allocates what the same step on real CPU tensors does, event for event."""
+    import transformers
+    from helpers import real_and_fake, tiny_qwen2_5_vl_dir
+
+    from memfit.peaks import peaks
+
+    folder = tiny_qwen2_5_vl_dir(tmp_path, text_layers=2, vision_depth=2)
+    transformers.Qwen2VLVideoProcessor(min_pixels=3136, max_pixels=200704).save_pretrained(folder)
+    setup = TrainSetup(model=folder, image_size="100x80", video_frames=4, max_length=16,
+                       per_device_train_batch_size=2)
+    real, fake = real_and_fake(setup, real_masks_like_fake=False)
+    assert real.media_inputs == fake.media_inputs
+    assert fake.media_inputs["video_tokens_per_clip"] > 0 and "video_grid_thw" in fake.media_inputs
+    assert peaks(real.trace) == peaks(fake.trace)
+
+
+@needs_torchvision
+def test_estimate_json_has_the_video_tokens(tmp_path, capsys):
+    from helpers import tiny_qwen2_5_vl_dir
+
+    folder = tiny_qwen2_5_vl_dir(tmp_path)
+    assert main(["estimate", folder, "--video-frames", "6", "--image-size", "224x224", "--max-length", "32",
+                 "--json"]) == 0
+    media = json.loads(capsys.readouterr().out)["media_inputs"]
+    assert media["kind"] == "video-text" and media["video_frames"] == 6
+    assert media["video_tokens_per_clip"] > 0 and media["sequence_length"] == media["video_tokens_per_clip"] + 32 + 2
