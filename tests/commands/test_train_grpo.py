@@ -163,7 +163,7 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         ([dirs["policy"], "--trainer", "dpo", "--data", files["prompts"], "--num-generations", "4"],
          "is for `--trainer grpo` or `--trainer rloo`, not `--trainer dpo`: DPOConfig has no such setting"),
         ([dirs["policy"], "--trainer", "sft", "--data", files["prompts"], "--beta", "0.1"],
-         "is for `--trainer dpo`, `--trainer grpo`, `--trainer rloo` or `--trainer kto`, not `--trainer sft`: SFTConfig has no "
+         "is for `--trainer dpo`, `--trainer grpo`, `--trainer rloo`, `--trainer kto` or `--trainer distill`, not `--trainer sft`: SFTConfig has no "
          "such setting"),
         # RLOOTrainer takes GRPOTrainer's reward functions and generation settings: the same checks
         ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"]], "`--trainer rloo` needs a reward"),

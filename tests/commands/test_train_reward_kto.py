@@ -116,7 +116,7 @@ def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, ca
         ([dirs["rm"], "--trainer", "kto", "--data", files["unpaired"]],
          "is a `LlamaForSequenceClassification`, not a causal language model"),
         ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--beta", "0.1"],
-         "is for `--trainer dpo`, `--trainer grpo`, `--trainer rloo` or `--trainer kto`, not `--trainer reward`"),
+         "is for `--trainer dpo`, `--trainer grpo`, `--trainer rloo`, `--trainer kto` or `--trainer distill`, not `--trainer reward`"),
         ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--precompute-ref-log-probs"],
          "not `--trainer reward`: RewardConfig has no such setting"),
         ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--packing"],
@@ -130,11 +130,10 @@ def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, ca
         # KTOTrainer.__init__: the KL term pairs the examples of a micro-batch
         ([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--batch-size", "1"],
          "KTOTrainer needs at least 2 examples per micro-batch"),
-        (["--beta", "0.1"], "`--beta` is a TRL setting; add `--trainer dpo, grpo, rloo or kto`"),
+        (["--beta", "0.1"], "`--beta` is a TRL setting; add `--trainer dpo, grpo, rloo, kto or distill`"),
         ([dirs["causal"], "--trainer", "reward", "--data", files["pairs"], "--task", "causal-lm"],
          "does not go with `--trainer reward`, which trains a one-score sequence classifier (seq-cls)"),
-        ([dirs["causal"], "--trainer", "distill", "--data", files["pc"]], "`memfit train --trainer distill` is not "
-                                                                          "supported: memfit.fit does not recover"),
+        ([dirs["causal"], "--trainer", "distill", "--data", files["pc"]], "`--trainer distill` needs the teacher"),
     ]
     for argv, match in cases:
         code, res = _run(argv + out, capsys)

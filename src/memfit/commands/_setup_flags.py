@@ -39,6 +39,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "use_liger_kernel": ("--liger",),
     "float8_recipe": ("--float8",),
     "bnb_4bit_use_double_quant": ("--double-quant",),
+    "teacher_model": ("--teacher",),  # DistillationTrainer's teacher (`memfit train --trainer distill --teacher DIR`)
 }
 
 #: A bool flag that also takes an optional value for another field: `--packing [STRATEGY]` (SFT packing, with

@@ -6,6 +6,7 @@
     memfit train ./my-model --data train.jsonl --args args.json --budget 2GiB --output-dir out/
     memfit train ./my-llm --trainer sft --data chat.jsonl --packing   # TRL (memfit.commands.train_trl)
     memfit train ./my-llm --trainer grpo --data prompts.jsonl --reward-func rewards.py:length
+    memfit train ./my-llm --trainer distill --teacher ./my-big-llm --data prompts.jsonl
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ DEFAULT_MAX_LENGTH = 128
 TRAINER_FIELDS = ("task", "num_labels", "max_length", "per_device_train_batch_size", "per_device_eval_batch_size",
                   "gradient_accumulation_steps", "eval_strategy")
 TRL_FIELDS = ("trainer", "packing", "packing_strategy", "padding_free", "completion_only_loss", "assistant_only_loss",
-              "precompute_ref_log_probs", *GRPO_TRAIN_FIELDS, "lora_r", "lora_target_modules")
+              "precompute_ref_log_probs", *GRPO_TRAIN_FIELDS, "teacher_model", "lora_r", "lora_target_modules")
 #: What `memfit train` does when a setup flag is not given (for --help), where it differs from TrainSetup's default.
 _TRAIN_DEFAULTS = {
     "task": "seq-cls; --trainer sft/dpo: causal-lm",
@@ -52,6 +53,7 @@ _TRAIN_DEFAULTS = {
     "eval_strategy": "no; the built-in default epoch",
     "lora_target_modules": "all-linear",
     "max_completion_length": "GRPOConfig's 512; half the model's positions when it has 512 or fewer",
+    "teacher_model": "none; --trainer distill needs one: a local model directory",
 }
 
 
@@ -105,7 +107,8 @@ def train_command_parser(subparsers) -> argparse.ArgumentParser:
                         "settings memfit saved in it")
     p.add_argument("--output-dir", default=None, help="where the model, checkpoints and report go (default memfit-train-out)")
     # TRL: SFTTrainer / DPOTrainer, the flag names of `memfit estimate` / `plan`
-    g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer / GRPOTrainer / RewardTrainer / KTOTrainer (JSONL data)")
+    g = p.add_argument_group("TRL's SFTTrainer / DPOTrainer / GRPOTrainer / RLOOTrainer / RewardTrainer / KTOTrainer / "
+                             "DistillationTrainer (JSONL data)")
     add_setup_flags(g, TRL_FIELDS, defaults=_TRAIN_DEFAULTS)
     g.add_argument("--dataset-text-field", default=None, help="SFT text column of text data (default text)")
     g.add_argument("--reward-func", "--reward-funcs", dest="reward_funcs", action="append", default=None,

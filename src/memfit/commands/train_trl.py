@@ -1,5 +1,5 @@
-"""`memfit train --trainer sft|dpo|grpo|rloo|reward|kto`: TRL's real SFTTrainer / DPOTrainer / GRPOTrainer /
-RLOOTrainer / RewardTrainer / KTOTrainer under memfit.fit.
+"""`memfit train --trainer sft|dpo|grpo|rloo|reward|kto|distill`: TRL's real SFTTrainer / DPOTrainer / GRPOTrainer /
+RLOOTrainer / RewardTrainer / KTOTrainer / DistillationTrainer under memfit.fit.
 
     memfit train ./my-llm --trainer sft --data chat.jsonl --packing --budget 2GiB
     memfit train ./my-llm --trainer sft --data pc.jsonl --completion-only-loss --lora-r 8
@@ -8,6 +8,7 @@ RLOOTrainer / RewardTrainer / KTOTrainer under memfit.fit.
     memfit train ./my-llm --trainer rloo --data prompts.jsonl --reward-func rewards.py:length --num-generations 4
     memfit train ./my-llm --trainer reward --data pairs.jsonl --lora-r 8
     memfit train ./my-llm --trainer kto --data unpaired.jsonl --beta 0.1
+    memfit train ./my-llm --trainer distill --teacher ./my-big-llm --data prompts.jsonl
 
 The same run as the classification default (memfit.commands.train: preflight, the plan applied when the
 setup does not fit, OOM recovery without lost steps, atomic checkpoints, the report and the console
@@ -24,6 +25,10 @@ is loaded, each bad one a one-line MemfitError:
   with a `label` column, is a classification dataset: the error says to drop `--trainer`.
 - GRPO's (and RLOO's: the same prompt-only data and reward call) reward functions: `--reward-func SPEC`, repeatable (memfit.commands._reward_funcs: `module:function`,
   `file.py:function` or a local reward model directory), each checked before the model is loaded.
+- distillation's teacher: `--teacher DIR` (TrainSetup.teacher_model, DistillationConfig's
+  teacher_model_name_or_path), a local causal LM directory with the student's vocabulary size (DistillationTrainer
+  compares the two next-token distributions; its `__init__` raises otherwise), checked before any model loads;
+  memfit loads it as it loads the student and passes it to DistillationTrainer, which keeps it on the GPU.
 - model: a causal LM (its config's `architectures` in transformers' causal-LM auto mapping); TRL loads
   DPO's reference from the same directory (`DPOTrainer.__init__`: `create_model_from_path(
   get_config_model_id(model.config))`) unless LoRA (adapter disabled) or `--precompute-ref-log-probs`;
@@ -63,9 +68,11 @@ _TRL_FLAGS = {
     "dataset_text_field": "sft",
     "precompute_ref_log_probs": ("dpo", "kto"),  # DPOConfig's and KTOConfig's: the reference's log-probs first
     "num_generations": ("grpo", "rloo"),
-    "max_completion_length": ("grpo", "rloo"),
-    # DPOConfig.beta / KTOConfig.beta: the loss's temperature; GRPOConfig.beta / RLOOConfig.beta: the KL coefficient
-    "beta": ("dpo", "grpo", "rloo", "kto"),
+    "max_completion_length": ("grpo", "rloo", "distill"),
+    # DPOConfig.beta / KTOConfig.beta: the loss's temperature; GRPOConfig.beta / RLOOConfig.beta: the KL coefficient;
+    # DistillationConfig.beta: the divergence's interpolation (0 forward KL, 1 reverse KL)
+    "beta": ("dpo", "grpo", "rloo", "kto", "distill"),
+    "teacher_model": "distill",
     "steps_per_generation": ("grpo", "rloo"),
     "generation_batch_size": ("grpo", "rloo"),
     "num_iterations": ("grpo", "rloo"),
@@ -73,22 +80,22 @@ _TRL_FLAGS = {
     "lora_target_modules": None,
 }
 
-#: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why.
-_ESTIMATE_ONLY = {  # distillation_trainer.py `_prepare_inputs`: on-policy generation of a buffered generation batch
-                  "distill": "memfit.fit does not recover inside DistillationTrainer's on-policy generation (only "
-                             "GRPOTrainer's, memfit.fitting.grpo_recovery) and does not count its teacher in "
-                             "--budget"}
+#: The TRL trainers `memfit estimate` simulates that `memfit train` does not run -> why (none today).
+_ESTIMATE_ONLY: dict[str, str] = {}
 
 #: The config class of each trainer memfit train runs (TRL 1.16).
 _CONFIGS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig", "rloo": "RLOOConfig",
-            "reward": "RewardConfig", "kto": "KTOConfig"}
+            "reward": "RewardConfig", "kto": "KTOConfig", "distill": "DistillationConfig"}
 _TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer",
-             "reward": "RewardTrainer", "kto": "KTOTrainer"}
+             "reward": "RewardTrainer", "kto": "KTOTrainer", "distill": "DistillationTrainer"}
 #: The trainers that generate and reward completions (RLOOTrainer takes GRPOTrainer's reward_funcs, prompt-only data
 #: and generation settings, TRL 1.16 rloo_trainer.py / rloo_config.py).
 _RL = ("grpo", "rloo")
+#: The trainers that generate completions of prompt-only data and never truncate the prompts (DistillationTrainer:
+#: its student generates on-policy, distillation_trainer.py `_prepare_inputs`; DistillationConfig has no max_length).
+_GENERATING = _RL + ("distill",)
 #: The columns of each trainer's data format (trl_data.dataset_format), for messages.
-_DATA_COLUMNS = {"dpo": "`prompt`/`chosen`/`rejected`", "grpo": "`prompt`", "rloo": "`prompt`",
+_DATA_COLUMNS = {"dpo": "`prompt`/`chosen`/`rejected`", "grpo": "`prompt`", "rloo": "`prompt`", "distill": "`prompt`",
                  "reward": "`chosen`/`rejected`, optionally `prompt`", "kto": "`prompt`/`completion`/`label`"}
 
 #: SFTConfig.max_length and DPOConfig.max_length default (TRL 1.16 sft_config.py / dpo_config.py)
@@ -123,7 +130,8 @@ def check_trl_flags(args: argparse.Namespace) -> str:
                           + (" (DPOTrainer does not pack or flatten pairs)" if trainer == "dpo" else ""),
                    "dpo": "it is DPOConfig's (the reference model of DPO)",
                    "kto": "it is KTOConfig's",
-                   "grpo": "it is GRPOConfig's (the completions GRPO generates and scores)"}[owners[0]] \
+                   "grpo": "it is GRPOConfig's (the completions GRPO generates and scores)",
+                   "distill": "it is DistillationConfig's (the teacher DistillationTrainer distils from)"}[owners[0]] \
                 if len(owners) == 1 else f"{_CONFIGS[trainer]} has no such setting"
             named = [f"`--trainer {o}`" for o in owners]
             where = ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0]
@@ -137,7 +145,7 @@ def check_trl_flags(args: argparse.Namespace) -> str:
         raise MemfitError(f"`--trainer {trainer}` needs a reward: give `--reward-func SPEC` (repeatable), SPEC "
                           "`module:function` (e.g. trl.rewards:think_format_reward), `path/to/file.py:function` or "
                           "a local reward model directory")
-    if trainer in _RL and getattr(args, "max_length", None) is not None:
+    if trainer in _GENERATING and getattr(args, "max_length", None) is not None:
         raise MemfitError(f"`{flag_name(args, 'max_length')}` does not go with `--trainer {trainer}`: "
                           f"{_CONFIGS[trainer]} has no max_length ({_TRAINERS[trainer]} 1.16 does not truncate "
                           "prompts); the completions' length is --max-completion-length: remove it")
@@ -291,6 +299,8 @@ class TrlInputs:
     eval_rows: list[dict[str, Any]] = field(default_factory=list)
     #: GRPO: the checked --reward-func values (memfit.commands._reward_funcs.RewardFunc), in order
     reward_funcs: list[Any] = field(default_factory=list)
+    #: distillation: the checked --teacher directory
+    teacher_dir: str | None = None
     is_default: bool = False
     #: what the trainer writes into output_dir itself: TRL's model card (`_save_checkpoint` -> `create_model_card`
     #: writes `output_dir/README.md`), so an earlier README.md there is moved aside first, this run's kept
@@ -348,6 +358,33 @@ def _reward_model_check(model_dir: str) -> tuple[Any, bool]:
                           "a one-label classifier or the causal LM it was fine-tuned from")
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     return config, any(a in causal for a in archs) or not archs
+
+
+def check_teacher(args: argparse.Namespace, kwargs: dict[str, Any], model_dir: str, config: Any) -> str:
+    """The --teacher directory (or `teacher_model_name_or_path` of --args), checked before any model loads: a local
+    causal LM directory (no hub: a hub id says how to download it, as --reward-func does) whose vocabulary size is
+    the student's (DistillationTrainer.__init__: "requires a shared vocabulary"); a one-line MemfitError otherwise."""
+    given = getattr(args, "teacher_model", None) or kwargs.get("teacher_model_name_or_path")
+    flag = flag_name(args, "teacher_model") if getattr(args, "teacher_model", None) else "teacher_model_name_or_path"
+    if not given:
+        raise MemfitError("`--trainer distill` needs the teacher DistillationTrainer distils from: give `--teacher DIR`, "
+                          "a local model directory with the student's vocabulary")
+    if not isinstance(given, str):
+        raise MemfitError(f"`{flag}` must be a model directory; got `{given!r}`")
+    if not os.path.isdir(given):
+        if given.count("/") == 1 and not given.startswith((".", "/", "~")):
+            raise MemfitError(f"`{flag} {given}` is not a local directory; memfit train loads the teacher from a local "
+                              f"directory (download it first: `hf download {given} --local-dir DIR`, then --teacher DIR)")
+        raise MemfitError(f"`{flag} {given}`: the directory does not exist; give the teacher's local model directory")
+    check_model_dir(given, given)
+    teacher = _causal_lm_check(given, "distill")
+    student_vocab = config.get_text_config().vocab_size
+    teacher_vocab = teacher.get_text_config().vocab_size
+    if student_vocab != teacher_vocab:
+        raise MemfitError(f"the teacher `{given}` has vocab_size {teacher_vocab} but the student `{model_dir}` has "
+                          f"{student_vocab}; DistillationTrainer compares their next-token distributions over one "
+                          "vocabulary (distillation_trainer.py __init__): give a teacher of the student's tokenizer")
+    return given
 
 
 def trl_config(trainer: str, output_dir: str, use_cpu: bool | None, kwargs: dict[str, Any]) -> Any:
@@ -447,12 +484,12 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     budget_bytes = read_budget(args.budget)
     check_resume(args.resume)
     positions = getattr(config, "max_position_embeddings", None)
-    if trainer not in _RL and "max_length" not in kwargs and isinstance(positions, int) \
+    if trainer not in _GENERATING and "max_length" not in kwargs and isinstance(positions, int) \
             and positions < TRL_DEFAULT_MAX_LENGTH:
         kwargs["max_length"] = positions
         notes.append(f"max_length {positions}: the model's positions (max_position_embeddings), below TRL's default "
                      f"{TRL_DEFAULT_MAX_LENGTH}")
-    if trainer in _RL and "max_completion_length" not in kwargs and isinstance(positions, int) \
+    if trainer in _GENERATING and "max_completion_length" not in kwargs and isinstance(positions, int) \
             and positions <= GRPO_DEFAULT_MAX_COMPLETION_LENGTH:
         kwargs["max_completion_length"] = positions // 2
         notes.append(f"max_completion_length {positions // 2}: half the model's {positions} positions "
@@ -464,6 +501,10 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
             value = kwargs.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise MemfitError(f"`{name}` in `{args.args_file}` must be a positive integer; got `{value!r}`")
+    teacher_dir = None
+    if trainer == "distill":  # the teacher checked before any model loads
+        teacher_dir = check_teacher(args, kwargs, model_dir, config)
+        kwargs["teacher_model_name_or_path"] = teacher_dir
     targs = trl_config(trainer, output_dir, use_cpu, kwargs)  # every setting checked before the data is read
     from memfit.train_setup import TrainSetup
 
@@ -472,7 +513,7 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
     if isinstance(positions, int) and isinstance(max_length, int) and max_length > positions:
         raise MemfitError(f"`--max-length {max_length}` is longer than the model's {positions} positions "
                           f"(max_position_embeddings); pass --max-length {positions} or less")
-    completion = getattr(targs, "max_completion_length", None) if trainer in _RL else None
+    completion = getattr(targs, "max_completion_length", None) if trainer in _GENERATING else None
     if isinstance(positions, int) and isinstance(completion, int) and completion >= positions:
         given = (f"`{flag_name(args, 'max_completion_length')} {completion}`" if args.max_completion_length is not None
                  else f"`max_completion_length: {completion}` of `{args.args_file}`")
@@ -519,7 +560,7 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
         notes.append(f"`{os.path.basename(model_dir.rstrip('/'))}` is a causal LM: RewardTrainer's "
                      "AutoModelForSequenceClassification keeps its body and starts a new one-score head (random)")
     return TrlInputs(trainer, model_dir, kwargs, notes, output_dir, use_cpu, budget_bytes, data, targs, eval_rows,
-                     reward_funcs=reward_funcs)
+                     reward_funcs=reward_funcs, teacher_dir=teacher_dir)
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -539,7 +580,7 @@ def _tokenizer(inputs: TrlInputs) -> Any:
                           "tokenizer_config.json (or a chat_template.jinja), or give the data as strings")
     if getattr(tok, "eos_token", None) is None:
         use = (f"{_TRAINERS[inputs.trainer]} stops each completion at (and pads with, without a pad token)"
-               if inputs.trainer in _RL
+               if inputs.trainer in _GENERATING
                else "TRL appends to every example (`add_eos`)")
         raise MemfitError(f"the tokenizer of `{inputs.model_dir}` has no EOS token, which {use}; set `eos_token` in "
                           "its tokenizer_config.json")
@@ -599,7 +640,14 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
         what = "a one-score sequence classifier" if inputs.trainer == "reward" else "a causal LM"
         raise MemfitError(f"the model in `{inputs.model_dir}` cannot be loaded as {what} ({first_line(err)})") \
             from None
-    check_budget_covers_model(model, inputs.budget_bytes)
+    teacher = None
+    if inputs.teacher_dir is not None:  # loaded as the student is; DistillationTrainer puts it on the device
+        try:
+            teacher = AutoModelForCausalLM.from_pretrained(inputs.teacher_dir)
+        except (OSError, ValueError) as err:
+            raise MemfitError(f"the teacher in `{inputs.teacher_dir}` cannot be loaded as a causal LM "
+                              f"({first_line(err)})") from None
+    check_budget_covers_model(model, inputs.budget_bytes, frozen=(teacher,) if teacher is not None else ())
     try:
         train_ds = Dataset.from_list(inputs.data.rows)
         eval_ds = Dataset.from_list(inputs.eval_rows) if inputs.eval_rows else None
@@ -607,7 +655,8 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
         raise MemfitError(f"the examples of `{inputs.data.path}` cannot be made a dataset ({first_line(err)}); give "
                           "each column one type in every example") from None
     cls = getattr(trl, _TRAINERS[inputs.trainer])
-    extra = {"reward_funcs": [r.value for r in inputs.reward_funcs]} if inputs.trainer in _RL else {}
+    extra = ({"reward_funcs": [r.value for r in inputs.reward_funcs]} if inputs.trainer in _RL
+             else {"teacher_model": teacher} if teacher is not None else {})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -636,13 +685,17 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
     console.print(f"[bold]memfit train[/bold] {os.path.basename(inputs.model_dir.rstrip('/'))} with TRL's {name} on "
                   f"`{os.path.basename(inputs.data.path)}` ({len(inputs.data.rows)} examples, {inputs.data.format}"
                   + (", conversational" if inputs.data.conversational else "") + f"; {n_train} "
-                  + ("packs" if getattr(targs, "packing", False) else "prompts" if inputs.trainer in _RL
+                  + ("packs" if getattr(targs, "packing", False) else "prompts" if inputs.trainer in _GENERATING
                      else "train rows")
                   + (f" / {len(inputs.eval_rows)} eval" if inputs.eval_rows else "") + ")")
     lora = f", LoRA r={args.lora_r}" if getattr(args, "lora_r", None) else ""
     if inputs.trainer in _RL:  # GRPOConfig's (RLOOConfig's) derived sizes (grpo_config.py __post_init__)
         lengths = (f"{targs.num_generations} completions per prompt of up to {targs.max_completion_length} tokens, "
                    f"{targs.generation_batch_size} generated at once, beta {targs.beta:g}")
+    elif inputs.trainer == "distill":  # DistillationTrainer: one completion per prompt, the window's at once
+        lengths = (f"one completion per prompt of up to {targs.max_completion_length} tokens, "
+                   f"{targs.per_device_train_batch_size * targs.gradient_accumulation_steps} generated at once, beta "
+                   f"{targs.beta:g}, teacher {os.path.basename(str(inputs.teacher_dir).rstrip('/'))}")
     else:
         lengths = f"max_length {targs.max_length}"
     console.print(f"batch {targs.per_device_train_batch_size} x accumulation {targs.gradient_accumulation_steps}, "

@@ -77,7 +77,7 @@ def dataset_format(row: dict[str, Any], trainer: str, text_field: str = "text") 
     `unpaired-preference` (KTO) or `prompt-only` (GRPO: a `prompt` column; GRPOTrainer passes the others to the
     reward functions), or a MemfitError listing the columns."""
     keys = set(row)
-    if trainer in ("grpo", "rloo"):  # RLOOTrainer reads the same prompt-only data as GRPOTrainer
+    if trainer in ("grpo", "rloo", "distill"):  # RLOOTrainer and DistillationTrainer read GRPOTrainer's prompt-only data
         if "prompt" in keys:
             return "prompt-only"
         need = "a `prompt` column of strings or chat messages"
