@@ -262,9 +262,10 @@ def test_qwen3_vl_weights_load_in_the_checkpoints_dtype():
 PALIGEMMA = "google/paligemma2-3b-pt-224"
 PALIGEMMA_448 = "google/paligemma2-3b-pt-448"
 PALIGEMMA_896 = "google/paligemma2-3b-pt-896"
+PALIGEMMA_10B = "google/paligemma2-10b-pt-224"
 
 
-@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448, PALIGEMMA_896])
+@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448, PALIGEMMA_896, PALIGEMMA_10B])
 def test_paligemma_default_task_is_image_text_to_text(hub_id):
     task, why = default_task(hub_id)
     assert task == "image-text-to-text" and "PaliGemmaForConditionalGeneration" in why
@@ -316,7 +317,7 @@ def test_target_length_for_a_processor_without_a_suffix_is_one_line():
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448, PALIGEMMA_896])
+@pytest.mark.parametrize("hub_id", [PALIGEMMA, PALIGEMMA_448, PALIGEMMA_896, PALIGEMMA_10B])
 def test_paligemma_tokens_are_the_features_its_vision_tower_makes(hub_id):
     """image_seq_length is what the SigLIP tower makes of one image at its input size: (size / 14)^2 patches, no
     CLS; the processor resizes to that size."""
@@ -396,3 +397,20 @@ def test_llava_next_images_per_example_repeat_the_views():
     two, s2, _ = _example(model=LLAVA_NEXT, image_size="1920x1080", max_length=8, images_per_example=2)
     assert s2["image_tokens"] == 2 * s1["image_tokens"]
     assert two["pixel_values"].shape[0] == 2 * one["pixel_values"].shape[0]
+
+
+def test_paligemma_10b_is_the_3b_tower_with_gemma_2_9b():
+    """The 10B checkpoint: the 3B's SigLIP tower (the same vision_config but its projection to the wider language
+    model) in front of the language model of the bundled google/gemma-2-9b (its hidden, intermediate, layer and head
+    sizes); its 256-token example is the 3B's at 224 px."""
+    big, small, lm = (load_bundled_config(h) for h in (PALIGEMMA_10B, PALIGEMMA, "google/gemma-2-9b"))
+    skip = {"projection_dim", "num_positions", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
+    assert ({k: v for k, v in big.vision_config.to_dict().items() if k not in skip}
+            == {k: v for k, v in small.vision_config.to_dict().items() if k not in skip})
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert getattr(big.text_config, key) == getattr(lm, key), key
+    assert big.projection_dim == big.vision_config.projection_dim == lm.hidden_size
+    _, s_big, _ = _example(model=PALIGEMMA_10B, image_size="640x480", max_length=16, target_length=4)
+    _, s_small, _ = _example(model=PALIGEMMA, image_size="640x480", max_length=16, target_length=4)
+    assert s_big["sequence_length"] == s_small["sequence_length"] and s_big["image_tokens_per_image"] == 256
