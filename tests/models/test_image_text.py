@@ -255,3 +255,11 @@ def test_do_pan_and_scan_in_an_args_file_is_the_field(tmp_path):
     path.write_text(json.dumps({"do_pan_and_scan": True, "pan_and_scan": False}))
     with pytest.raises(MemfitError, match="both `do_pan_and_scan` and `pan_and_scan`"):
         TrainSetup.from_json(path, model=GEMMA[0])
+
+
+def test_gemma_pan_and_scan_crops_each_image_of_an_example():
+    one, s1, _ = _example(model=GEMMA[0], image_size="3000x1000", max_length=8, pan_and_scan=True)
+    two, s2, _ = _example(model=GEMMA[0], image_size="3000x1000", max_length=8, pan_and_scan=True,
+                          images_per_example=2)
+    assert s2["crops_per_image"] == s1["crops_per_image"] > 0
+    assert s2["image_tokens"] == 2 * s1["image_tokens"] and two["pixel_values"].shape[0] == 2 * one["pixel_values"].shape[0]
