@@ -138,12 +138,19 @@ def _key(schema: str, setup: Any, gpu: Any, options: dict[str, Any]) -> str | No
     model = _model_content(setup.model)
     if model is None:
         return None
+    # the other models the run holds (DistillationTrainer's teacher, GRPO's / RLOO's reward model): their configs too
+    others = {}
+    for name in ("teacher_model", "reward_model"):
+        if getattr(setup, name, None) is not None:
+            others[name] = _model_content(getattr(setup, name))
+            if others[name] is None:
+                return None
     fields = {}
     for f in dataclasses.fields(setup):
         value = getattr(setup, f.name)
         fields[f.name] = os.fspath(value) if isinstance(value, os.PathLike) else value
     material = {
-        "schema": schema, "setup": fields, "model": model,
+        "schema": schema, "setup": fields, "model": model, "other_models": others,
         "gpu": None if gpu is None else dataclasses.asdict(gpu),
         **options,
         "env": {k: os.environ.get(k) for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")},

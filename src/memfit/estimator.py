@@ -530,7 +530,7 @@ def _rl_part(setup: TrainSetup, sim: Any, spec: GpuSpec | None) -> dict[str, Any
             "num_generations": setup.num_generations, "prompt_tokens": p, "completion_tokens": c,
             "kv_cache_bytes": None if setup.use_vllm else kv, "reference_copy": setup.beta != 0.0 and
             setup.lora_r is None and not setup.peft_config, "old_log_probs": setup.trainer == "rloo" or needs_old_log_probs(setup),  # RLOO: always
-            "vllm": vllm}
+            "reward_model": setup.reward_model, "vllm": vllm}
 
 
 def _with_vllm_startup(report: MemoryReport, vllm: dict[str, Any], spec: GpuSpec, outside_bytes: int) -> MemoryReport:

@@ -162,3 +162,32 @@ def test_every_upstream_package_whose_code_memfit_runs_is_in_the_key():
             assert versions[name] == metadata.version(name)
         except metadata.PackageNotFoundError:
             assert versions[name] is None
+
+
+@pytest.mark.parametrize("field, trainer", [("reward_model", "grpo"), ("teacher_model", "distill")])
+def test_the_other_model_s_config_is_in_the_key(field, trainer, tmp_path):
+    """GRPO's reward model and distillation's teacher are held on the GPU too: a change to their config.json is a
+    change to the estimate, though the setup names the same directory."""
+    import transformers
+
+    from memfit.allocator.conf import parse_alloc_conf
+    from memfit.gpus.catalog import as_gpu_spec
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    config.save_pretrained(tmp_path / "policy")
+    config.save_pretrained(tmp_path / "other")
+    setup = TrainSetup(model=str(tmp_path / "policy"), task="causal-lm", trainer=trainer, max_length=16,
+                       **{field: str(tmp_path / "other")})
+
+    def key():
+        return cache.estimate_key(setup, gpu=as_gpu_spec("T4"), conf=parse_alloc_conf(""), non_pytorch_bytes=None,
+                                  capacity_bytes=None)
+
+    before = key()
+    assert before is not None and before == key()
+    config.intermediate_size = 128
+    config.save_pretrained(tmp_path / "other")
+    assert key() != before
+    setup = setup.replace(**{field: str(tmp_path / "missing")})  # cannot be keyed: not cached
+    assert key() is None

@@ -236,6 +236,16 @@ def test_spliced_grpo_trace_equals_full_model_trace(kw, monkeypatch):
         {"eval"} if "eval_strategy" in kw else set())
 
 
+@pytest.mark.slow
+def test_spliced_trace_with_a_reward_model_equals_full_model_trace(tmp_path, monkeypatch):
+    """The reward model's forward runs whole between the policy's spliced passes (memfit.sim.grpo_steps
+    `reward_scores`): the spliced trace is still the full model's."""
+    config = _llama()
+    config.architectures = ["LlamaForSequenceClassification"]
+    config.save_pretrained(tmp_path / "reward")
+    test_spliced_grpo_trace_equals_full_model_trace(dict(reward_model=str(tmp_path / "reward")), monkeypatch)
+
+
 def test_old_log_probs_only_when_trl_computes_them():
     """GRPOTrainer computes old log-probs when gradient_accumulation_steps % (steps_per_generation x
     num_iterations) != 0, or with vLLM (its importance sampling correction)."""
@@ -310,10 +320,11 @@ EVAL_LLAMA = eos_beyond_vocab_llama()
 EVAL_BATCH, EVAL_COMPLETION = 8, 24
 
 
-def _real_evaluate(tmp_path, trainer: str, **kw):
+def _real_evaluate(tmp_path, trainer: str, reward_model=None, **kw):
     """TRL's GRPOTrainer / RLOOTrainer `evaluate()` on the CPU (one eval step of EVAL_BATCH completions), under
     memfit's tracker with TRL's log-prob kernels allocating as on CUDA (as memfit simulates them); the weights
-    registered first. Returns (the trace, the completions' lengths)."""
+    registered first. `reward_model`: a sequence-classification model as the one reward function (with
+    `char_tokenizer` as its processing class). Returns (the trace, the completions' lengths)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -332,9 +343,17 @@ def _real_evaluate(tmp_path, trainer: str, **kw):
                       use_cpu=True, report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="steps",
                       bf16=False, gradient_checkpointing=False, disable_tqdm=True,
                       model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"}, **kw)
-    t = trainer_cls(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
-                    args=args, train_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS * 4}),
-                    eval_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS}), processing_class=char_tokenizer())
+    tokenizer = char_tokenizer()
+    rewards = {"reward_funcs": lambda completions, **k: [float(len(c)) for c in completions]}
+    if reward_model is not None:
+        from tokenizers import decoders
+
+        # completions decoded without a space between characters: tokenized again, as many tokens as generated
+        tokenizer.backend_tokenizer.decoder = decoders.Fuse()
+        rewards = {"reward_funcs": reward_model, "reward_processing_classes": tokenizer}
+    t = trainer_cls(model=model, args=args, train_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS * 4}),
+                    eval_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS}), processing_class=tokenizer,
+                    **rewards)
     lengths = []
     generate = t._generate_single_turn
 
@@ -344,16 +363,23 @@ def _real_evaluate(tmp_path, trainer: str, **kw):
         return out
 
     t._generate_single_turn = counted
-    tr = StorageTracker()
+    tr, windows = StorageTracker(), []
     with trl_adapter.cuda_kernels(), tr:
         weights = [t.model.parameters(), t.model.buffers()]
         if getattr(t, "ref_model", None) is not None:
             weights += [t.ref_model.parameters(), t.ref_model.buffers()]
+        if reward_model is not None:
+            weights += [t.reward_funcs[0].parameters(), t.reward_funcs[0].buffers()]
         for group in weights:
             for w in group:
                 tr.register(w, "weights")
         first = len(tr.events)
+        if reward_model is not None:  # the event window of each reward forward, in the returned trace
+            t.reward_funcs[0].register_forward_pre_hook(lambda *a: windows.append([len(tr.events) - first]))
+            t.reward_funcs[0].register_forward_hook(lambda *a: windows[-1].append(len(tr.events) - first))
         t.evaluate()
+    if reward_model is not None:
+        return tr.trace()[first:], lengths, windows
     return tr.trace()[first:], lengths
 
 
@@ -387,6 +413,79 @@ def test_eval_phase_matches_real_trainer_evaluate(trainer, kw, tmp_path):
     cache = [ev for ev in sim.trace if ev.phase == "eval" and ev.action == "alloc" and ev.size_bytes == layer]
     assert sum(ev.size_bytes for ev in cache) == grpo_steps.kv_cache_bytes(
         EVAL_LLAMA, sequences=EVAL_BATCH, tokens=16 + EVAL_COMPLETION - 1, dtype_bytes=4)
+
+
+def _reward_config():
+    """A sequence-classification Llama over `char_tokenizer`'s ids, wider than the policy: its forward over the eval
+    batch is the largest thing scoring allocates (each tensor under the 1 MiB of `live_peaks`' loss tiles)."""
+    config = eos_beyond_vocab_llama(hidden=128)
+    config.intermediate_size = 512
+    config.architectures = ["LlamaForSequenceClassification"]
+    return config
+
+
+def _window_peak(events) -> int:
+    """The peak of (action, bytes) events above what was alive before the first."""
+    cur = peak = 0
+    for action, size in events:
+        cur += size if action == "alloc" else -size
+        peak = max(peak, cur)
+    return peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_reward_model_matches_real_trainer_evaluate(trainer, tmp_path, monkeypatch):
+    """A reward model among `reward_funcs` (`reward_model`): its weights on the device from the start (the closed
+    form), and its forward over the whole eval batch in scoring (`_calculate_rewards`, under inference_mode)
+    against TRL's real `evaluate()` on the CPU: the peak of the reward forward above what was alive when it
+    started, the same bytes; it sets GRPO's scoring peak here."""
+    from transformers import LlamaForSequenceClassification
+
+    from memfit.sim import engine
+
+    config = _reward_config()
+    config.save_pretrained(tmp_path / "reward")
+    torch.manual_seed(1)
+    reward = LlamaForSequenceClassification(copy.deepcopy(config))
+    real, _, windows = _real_evaluate(tmp_path, trainer, reward_model=reward)
+    assert len(windows) == 1  # one eval batch, scored in one reward call
+    real_forward = [(ev.action, ev.size_bytes) for ev in real[windows[0][0]:windows[0][1]]]
+
+    simulated, plain = [], grpo_steps.reward_scores
+
+    def measured(runner, g, tokens):  # the events of the simulated reward model's forward
+        at = []
+        hooks = [runner.reward_model.register_forward_pre_hook(lambda *a: at.append(len(runner.tracker.events))),
+                 runner.reward_model.register_forward_hook(lambda *a: at.append(len(runner.tracker.events)))]
+        out = plain(runner, g, tokens)
+        for h in hooks:
+            h.remove()
+        simulated.append([(a, r.size_bytes) for a, r, _, _ in runner.tracker.events[at[0]:at[1]]])
+        return out
+
+    monkeypatch.setattr(grpo_steps, "reward_scores", measured)
+    base = dict(model=EVAL_LLAMA, task="causal-lm", trainer=trainer, per_device_train_batch_size=4,
+                gradient_accumulation_steps=2, num_generations=4, max_completion_length=EVAL_COMPLETION,
+                example_lengths=[len(p) for p in EVAL_PROMPTS], optim="adamw_torch", attn_implementation="sdpa",
+                precision="fp32", eval_strategy="steps", per_device_eval_batch_size=EVAL_BATCH,
+                eval_samples=len(EVAL_PROMPTS), gradient_checkpointing=False)
+    with_reward = engine.simulate(TrainSetup(**base, reward_model=str(tmp_path / "reward")), splice=False)
+    assert _window_peak(simulated[-1]) == _window_peak(real_forward), "the eval batch's reward forward"
+    assert len(simulated) == 2  # the training step's generation batch before it
+    monkeypatch.setattr(grpo_steps, "reward_scores", plain)
+    without = engine.simulate(TrainSetup(**base), splice=False)
+    if trainer == "grpo":  # RLOO always scores old log-probs: the 32768-wide tiles of TRL's kernels set its peak
+        assert live_peaks(with_reward.trace, "scoring")[0] > 2 * live_peaks(without.trace, "scoring")[0]
+    reward_bytes = sum(p.numel() * p.element_size() for p in reward.parameters())
+    added = (peaks(with_reward.trace).by_phase["setup"].breakdown["weights"]
+             - peaks(without.trace).by_phase["setup"].breakdown["weights"])
+    assert abs(added - reward_bytes) <= 512 * 32  # each tensor rounded up to 512 bytes
+
+
+def test_reward_model_is_a_grpo_and_rloo_setting():
+    with pytest.raises(MemfitError, match="reward_model.*trainer is `dpo`"):
+        TrainSetup(model=LLAMA, task="causal-lm", trainer="dpo", reward_model="x")
 
 
 def test_eval_with_vllm_holds_no_generation_tensors_and_wakes_vllm():

@@ -340,7 +340,8 @@ def rl_lines(report) -> list[str]:
     out = [f"{str(rl.get('trainer', 'grpo')).upper()}: {rl['generation_batch_size']} completions generated at once ({rl['num_generations']} per prompt), "
            f"{rl['steps_per_generation']} micro-steps per generation, prompts {rl['prompt_tokens']} + completions "
            f"{rl['completion_tokens']} tokens; reference copy of the weights: {'yes' if rl['reference_copy'] else 'no'}"
-           f"; old log-probs kept: {'yes' if rl['old_log_probs'] else 'no'}"]
+           f"; old log-probs kept: {'yes' if rl['old_log_probs'] else 'no'}"
+           f"{'; reward model on the GPU: ' + rl['reward_model'] if rl.get('reward_model') else ''}"]
     if rl.get("kv_cache_bytes") is not None:
         out.append(f"  KV cache of generate at the last token (2 x layers x kv_heads x head_dim x tokens x batch x "
                    f"bytes): {format_bytes(rl['kv_cache_bytes'])}")

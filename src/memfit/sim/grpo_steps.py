@@ -45,7 +45,8 @@ the full model's.
 
 Known limitations: TRL's logging metrics (clip ratios, entropy means: `[B, C]` temporaries freed before the
 backward) are not simulated; other `loss_type`s are simulated as `dapo` (the same `[B, C]` element-wise ops);
-the reward functions run on the host (a reward *model* on the GPU is not modelled).
+the reward functions run on the host, a reward model (`reward_model`) on the GPU: its weights from the start, its
+forward over the whole generation batch in scoring (`reward_scores`; as many tokens as the policy's).
 
 Evaluation (phase `eval`, `evaluation`: GRPOTrainer.prediction_step): the eval batch of `per_device_eval_batch_size`
 completions (whole groups of `num_generations_eval`) generated, scored and its loss computed under no_grad, the
@@ -67,7 +68,8 @@ from memfit.sim.autocast import cuda_autocast
 from memfit.sim.splice import K, LayerTagger, SpliceCarry, SpliceRefused, close_carry, splice_events
 from memfit.trace import FORWARD, GENERATION, SCORING
 
-__all__ = ["micro_loss", "evaluation", "eval_generations", "generation", "needs_old_log_probs", "kv_cache_bytes"]
+__all__ = ["micro_loss", "evaluation", "eval_generations", "generation", "needs_old_log_probs", "kv_cache_bytes",
+           "reward_scores"]
 
 
 def kv_cache_bytes(config: Any, *, sequences: int, tokens: int, dtype_bytes: int) -> int:
@@ -359,12 +361,39 @@ def _score(runner: Any, g: int, p: int, c: int, *, evaluation: bool = False) -> 
     del prompt_completion_ids, attention_mask
     # rewards [G, functions] on the device, grouped by prompt: the advantages [G]
     n = eval_generations(s) if evaluation else s.num_generations
-    rewards = torch.zeros(g, 1).sum(dim=1)
+    rewards = reward_scores(runner, g, p + c).sum(dim=1)
     mean = rewards.view(-1, n).mean(dim=1).repeat_interleave(n, dim=0)
     std = rewards.view(-1, n).std(dim=1).repeat_interleave(n, dim=0)
     batch["advantages"] = (rewards - mean) / (std + 1e-4)
     del rewards, mean, std
     return batch
+
+
+def reward_scores(runner: Any, g: int, tokens: int) -> torch.Tensor:
+    """GRPOTrainer / RLOOTrainer `_calculate_rewards`: `rewards_per_func` `[G, functions]` on the device, and with a
+    reward model (`setup.reward_model`) its forward: the decoded prompts + completions tokenized again by the reward
+    model's tokenizer (right-padded `input_ids` / `attention_mask` `[G, tokens]`: as many tokens as the policy's,
+    which a reward model of another tokenizer changes), the whole generation batch in one call under
+    `torch.inference_mode()` and accelerate's prepared forward (autocast, fp32 outputs), `.logits[:, 0]` kept."""
+    tr = runner.tracker
+    rewards_per_func = torch.zeros(g, 1)
+    reward = getattr(runner, "reward_model", None)
+    if reward is None:
+        return rewards_per_func
+    _splice(runner)  # the policy's passes before it are spliced; the reward model's events are its own, whole
+    ids, mask = _longs(g, tokens), torch.ones(g, tokens, dtype=torch.long)
+    from memfit.sim.trl_steps import _padded
+
+    if _padded(runner.setup, tokens - runner.setup.max_completion_length):  # prompts of different lengths
+        mask[-1, -1:].zero_()  # right-padded: transformers builds the 4-D attention mask
+    for t in (ids, mask):
+        tr.register(t, "inputs")
+    # torch.inference_mode() as no_grad: the same allocations (no autograd graph, no saved tensors)
+    with torch.no_grad():
+        rewards_per_func[:, 0] = _PreparedForward(reward, runner.low)(input_ids=ids, attention_mask=mask).logits[:, 0]
+    del ids, mask
+    _splice(runner)
+    return rewards_per_func
 
 
 def _loss(runner: Any, inputs: dict[str, torch.Tensor], *, evaluation: bool = False) -> torch.Tensor:

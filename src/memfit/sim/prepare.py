@@ -44,6 +44,7 @@ class PreparedModel:
     quant_summary: dict | None = None  #: memfit.models.quantization.quantization_summary
     ref_model: nn.Module | None = None  #: DPO's / GRPO's reference copy (memfit.sim.trl_steps.build_reference)
     ref_cut: nn.Module | None = None  #: the reference's cut model (with `cut`, when it has a reference copy)
+    reward_model: nn.Module | None = None  #: GRPO's / RLOO's reward model (memfit.sim.trl_steps.build_reward_model)
     splice: bool = True  #: whether the cut model may stand for the full one
     cut: nn.Module | None = None  #: the cut model (memfit.sim.splice.truncate_layers), or None
     sizes: dict = field(default_factory=dict)  #: per repeated stack, its full number of blocks (with `cut`)
@@ -149,6 +150,17 @@ def prepare_for_trl(p: PreparedModel, setup: TrainSetup) -> None:
     """TRL's fused LM head (before peft) and DPO's reference model (memfit.sim.trl_steps)."""
     trl_steps.prepare_model(p.model, setup)
     p.ref_model = trl_steps.build_reference(setup, p.spec)
+    p.reward_model = trl_steps.build_reward_model(setup)
+    if p.reward_model is not None:
+        from memfit.units import format_bytes
+
+        params = sum(t.numel() for t in p.reward_model.parameters())
+        held = sum(t.numel() * t.element_size() for t in [*p.reward_model.parameters(), *p.reward_model.buffers()])
+        steps, gen = setup.grpo_sizes
+        p.notes.append(f"reward model `{setup.reward_model}` ({type(p.reward_model).__name__}, {params / 1e6:,.1f} M "
+                       f"parameters): {format_bytes(held)} of weights on the GPU for the whole run, and one forward "
+                       f"over each generation batch ({gen} sequences of {setup.sequence_length} + "
+                       f"{setup.max_completion_length} tokens, as the policy's tokenizer counts them) in scoring")
     p.notes += trl_steps.notes(setup)
 
 

@@ -70,7 +70,7 @@ def score(runner: Any, g: int, p: int, c: int, *, evaluation: bool = False) -> d
                                                                       prompt_completion_ids, attention_mask, c,
                                                                       batch_size=b, spliced=True)
     # rewards [G, functions] on the device (one function), weighted and summed; unscorable rows NaN
-    rewards_per_func = torch.zeros(g, 1)
+    rewards_per_func = grpo_steps.reward_scores(runner, g, p + c)
     unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
     rewards = (rewards_per_func * torch.ones(1).unsqueeze(0)).nansum(dim=1)
     rewards.masked_fill_(unscorable_mask, float("nan"))

@@ -176,6 +176,45 @@ def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     return ref
 
 
+def build_reward_model(setup: Any) -> nn.Module | None:
+    """GRPOTrainer's / RLOOTrainer's reward model on the meta device: `reward_model` as `GRPOTrainer.__init__` loads
+    a reward function given by name (`AutoModelForSequenceClassification.from_pretrained(reward_func, num_labels=1,
+    **model_init_kwargs)`: the policy's dtype settings), no gradients, eval mode (`accelerator.prepare_model(...,
+    evaluation_mode=True)`). None without one."""
+    if setup.trainer not in ("grpo", "rloo") or setup.reward_model is None:
+        return None
+    from memfit.models.build import build_meta_model, resolve_config
+
+    spec = resolve_config(setup.reward_model)
+    reward = build_meta_model(setup.replace(trainer="trainer", task="seq-cls", model=setup.reward_model,
+                                            num_labels=1, reward_model=None, lora_r=None, peft_config=None,
+                                            load_in_4bit=False, load_in_8bit=False, use_vllm=False, beta=None,
+                                            num_generations=None, use_liger_kernel=False), spec)
+    reward.requires_grad_(False)
+    reward.eval()
+    return reward
+
+
+def materialize_reward_model(runner: Any) -> None:
+    """`accelerator.prepare_model(reward_func, evaluation_mode=True, device_placement=True)`: the reward model's
+    parameters and buffers are weights on the device from the trainer's start."""
+    reward = getattr(runner, "reward_model", None)
+    if reward is None:
+        return
+    from memfit.models.build import to_empty_tied
+
+    tr = runner.tracker
+    tr.paused = True
+    to_empty_tied(reward, device="cpu")
+    if not runner.fake:
+        with torch.no_grad():
+            for t in list(reward.parameters()) + list(reward.buffers()):
+                t.zero_()
+    tr.paused = False
+    for t in list(reward.parameters()) + list(reward.buffers()):
+        tr.register(t, "weights")
+
+
 def _build_teacher(setup: Any, spec: Any) -> nn.Module:
     """DistillationTrainer's teacher on the meta device: `teacher_model` as `create_model_from_path` loads it (a
     causal LM, no gradients, eval mode), refused in one line when its vocabulary is not the student's
