@@ -161,7 +161,6 @@ def test_gemma3_fake_trace_equals_real_cpu_run(gemma_dir, fields):
     assert peaks(real.trace) == peaks(fake.trace)
 
 
-@pytest.mark.slow  # 11 s on 2 busy cores
 def test_gemma3_pan_and_scan_fake_trace_equals_real_cpu_run(gemma_dir):
     """Pan-and-scan: a 1200x400 image is the whole image and 3 crops of 400 x 400 (Gemma3Processor's crop
     settings: ratio 3 >= 1.2, crops of at least 256 px), each resized to 56 x 56 and 4 image tokens: the vision
