@@ -256,7 +256,10 @@ def test_grpo_run_with_a_file_reward_and_a_reward_model(dirs, files, tmp_path, c
     # the emulated GPU holds the policy and the reward model TRL loaded from the directory (beta 0: no reference)
     assert [type(m).__name__ for m in counted[-1]] == ["LlamaForCausalLM", "LlamaForSequenceClassification"]
     assert "with TRL's GRPOTrainer" in res.out and "rewards: length (function), rm (reward model)" in res.out
-    assert "reward model `rm` sits on the GPU beside the policy" in res.out and "steps 2/2" in res.out
+    assert "reward model `rm` sits on the GPU beside the policy; memfit's prediction counts" in res.out
+    assert "steps 2/2" in res.out
+    # the preflight's estimate holds the reward model: its weights beside the policy's
+    assert r["preflight"]["reward_model"] == str(dirs["rm"])
 
 
 _ARG_NAMES = ["num_generations", "max_completion_length", "generation_batch_size", "steps_per_generation", "beta",
@@ -355,3 +358,44 @@ def test_grpo_run_on_chat_prompts_with_trls_own_reward(dirs, files, tmp_path, ca
     assert "prompt-only, conversational" in res.out and "rewards: think_format_reward (function)" in res.out
     # its tokenizer has no maximum length (1e30): no preflight flag, GRPOTrainer never truncates with the tokenizer
     assert "no real maximum length" not in res.out
+
+
+@pytest.mark.slow
+def test_rloo_run_with_a_file_reward_and_its_reference_recovers_from_oom(dirs, files, tmp_path, capsys, monkeypatch):
+    """`--trainer rloo`: TRL's real RLOOTrainer for 2 optimizer steps, rewarded by a function of the user's file,
+    with RLOOConfig's default beta 0.05 (TRL loads a reference copy from the model directory, counted in the emulated
+    GPU). Under 3 MiB the scoring pass and the micro-batches run out of memory; memfit halves the scoring chunks and
+    splits the micro-batches, and every step is done with RLOOConfig's derived sizes kept."""
+    import memfit.testing
+
+    counted = []
+    original = memfit.testing.memory_budget
+
+    def budget(limit, *, count=(), **kw):
+        counted.append(tuple(count))
+        return original(limit, count=count, **kw)
+
+    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    log = files["rewards"].parent / "lengths.txt"
+    log.unlink(missing_ok=True)
+    out = tmp_path / "out"
+    code, res = _run([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"],
+                      "--reward-func", f"{files['rewards']}:length", "--num-generations", "4",
+                      "--max-completion-length", "8", "--batch-size", "4", "--grad-accum", "2", "--max-steps", "2",
+                      "--budget", "3MiB", "--output-dir", out], capsys)
+    assert code == 0, res.err[-2000:]
+    r = json.loads((out / "memfit-report.json").read_text())
+    assert r["status"] == "completed" and r["steps_completed"] == r["steps_expected"] == 2
+    # preflight estimated RLOO's step (generation and scoring phases) on the prompts as RLOOTrainer tokenizes them
+    assert {"generation", "scoring"} <= set(r["preflight"]["predicted_phases"])
+    assert r["preflight"]["longest_example"] == max(map(len, PROMPTS))
+    assert {x["phase"] for x in r["oom_recoveries"]} == {"scoring", "train"}
+    assert r["rl"]["scoring_batch_size"] < 4 and r["micro_batch_chunks"] >= 2
+    assert (r["rl"]["generation_batch_size"], r["rl"]["steps_per_generation"], r["rl"]["num_generations"],
+            r["effective_batch_size"], r["rl"]["generate_calls"]) == (8, 2, 4, 8, 2)
+    lengths = [int(x) for x in log.read_text().split()]
+    assert len(lengths) == 16 and len(set(lengths)) > 1  # 2 generation batches of 8, not all of one length
+    assert (out / "model.safetensors").exists() and (out / "checkpoint-2").is_dir()
+    models = counted[-1]  # the policy and TRL's reference copy, two models of the same size
+    assert len(models) == 2 and models[0] is not models[1]
+    assert "with TRL's RLOOTrainer" in res.out and "beta 0.05" in res.out and "steps 2/2" in res.out
