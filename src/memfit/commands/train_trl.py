@@ -707,10 +707,12 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
                                               for r in inputs.reward_funcs))
     for note in inputs.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
-    for r in inputs.reward_funcs:
-        if r.kind == "model":  # memfit.sim.grpo_steps: a reward model on the GPU is not modelled
-            console.print(f"[yellow]note:[/yellow] the reward model `{r.name}` sits on the GPU beside the policy; "
-                          "memfit's prediction leaves its weights and its scoring pass out", soft_wrap=True)
+    models = [r for r in inputs.reward_funcs if r.kind == "model"]
+    for i, r in enumerate(models):  # memfit.sim.grpo_steps models one reward model (TrainSetup.reward_model)
+        counted = ("memfit's prediction counts its weights and its forward over each generation batch" if i == 0
+                   else f"memfit's prediction models one reward model (`{models[0].name}`) and leaves this one out")
+        console.print(f"[yellow]note:[/yellow] the reward model `{r.name}` sits on the GPU beside the policy; "
+                      f"{counted}", soft_wrap=True)
     pre = mf.preflight(trainer, gpu=args.gpu, budget_bytes=inputs.budget_bytes)
     print_preflight(console, pre, no_plan=args.no_plan)
     return pre

@@ -70,6 +70,8 @@ class PreflightReport:
             "predicted_peak_reserved_bytes": self.estimate.peak_reserved_bytes,
             "predicted_phases": dict(self.estimate.phases),
             "sequence_length": self.setup.sequence_length,
+            # the models simulated beside the trained one (GRPO's / RLOO's reward model, distillation's teacher)
+            "reward_model": self.setup.reward_model, "teacher_model": self.setup.teacher_model,
             "example_count": self.example_count, "longest_example": self.longest_example,
             "free_bytes_now": self.free_bytes_now,
             "flags": [dataclasses.asdict(f) for f in self.flags],
@@ -210,6 +212,9 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
         # bf16=False is fp32
         fields["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         # GRPOTrainer does not truncate prompts; RLOOTrainer's `_tokenize_prompts` is the same code
+        rewards = [model for _, model, _ in trl_adapter.grpo_reward_models(trainer)]
+        if rewards:  # the reward model memfit's simulation holds and runs in scoring (memfit.sim.grpo_steps)
+            fields["reward_model"] = _config_path(rewards[0])
         prompts = trl_adapter.grpo_prompt_lengths(trainer)
         if prompts:
             fields["example_lengths"] = prompts
@@ -231,22 +236,29 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
 
 
 def _teacher_path(trainer: Any) -> str | None:
-    """Where memfit's simulation reads DistillationTrainer's teacher config from: the directory it was loaded from
-    (`config._name_or_path`, or DistillationConfig.teacher_model_name_or_path), else its config written to a
-    folder of its own (a teacher built in code), named by the config's hash so that it is written once."""
-    import hashlib
-    import tempfile
-
+    """Where memfit's simulation reads DistillationTrainer's teacher config from (`_config_path`;
+    DistillationConfig.teacher_model_name_or_path for a teacher not loaded yet)."""
     teacher = getattr(trainer, "teacher_model", None)
     config = getattr(getattr(teacher, "module", teacher), "config", None)
-    for path in (getattr(config, "_name_or_path", None), getattr(trainer.args, "teacher_model_name_or_path", None)):
-        if isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
-            return path
     if config is None:
         path = getattr(trainer.args, "teacher_model_name_or_path", None)
         return str(path) if path else None
+    return _config_path(teacher, getattr(trainer.args, "teacher_model_name_or_path", None))
+
+
+def _config_path(model: Any, given: str | None = None) -> str:
+    """A directory with `model`'s config.json for memfit's simulation: the one it was loaded from
+    (`config._name_or_path`, else `given`), else its config written to a folder of its own (a model built in code),
+    named by the config's hash so that it is written once."""
+    import hashlib
+    import tempfile
+
+    config = getattr(model, "module", model).config
+    for path in (getattr(config, "_name_or_path", None), given):
+        if isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
+            return path
     text = config.to_json_string(use_diff=False)
-    folder = os.path.join(tempfile.gettempdir(), "memfit-teacher-configs",
+    folder = os.path.join(tempfile.gettempdir(), "memfit-model-configs",
                           hashlib.sha256(text.encode()).hexdigest()[:16])
     if not os.path.isfile(os.path.join(folder, "config.json")):
         os.makedirs(folder, exist_ok=True)
