@@ -195,6 +195,12 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         code, res = _run(base + ["--reward-func", f"{f['rewards']}:length", "--args", tmp_path / "a.json"], capsys)
         assert code == 2, (data, res.err[-800:])
         assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (data, res.err[-800:])
+    # RLOOConfig has no loss_type (rloo_trainer.py `_compute_loss`: one loss)
+    (tmp_path / "a.json").write_text(json.dumps({"loss_type": "grpo"}))
+    code, res = _run([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"], "--reward-func",
+                      f"{f['rewards']}:length", "--args", tmp_path / "a.json", "--output-dir", tmp_path / "out"], capsys)
+    assert code == 2 and res.err.count("\n") == 1 and "Traceback" not in res.err
+    assert "`loss_type` in " in res.err and "is not a setting of RLOOConfig (SFTConfig, DPOConfig, GRPOConfig" in res.err
     assert not (tmp_path / "out").exists()  # every check ran before the run started
 
 
@@ -275,10 +281,11 @@ _FLAG_VALUES = st.one_of(st.integers(-2, 100).map(str), st.floats(allow_nan=True
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.dictionaries(st.sampled_from(_ARG_NAMES), _VALUES, max_size=4),
-       pairs=st.lists(st.tuples(st.sampled_from(_FLAGS), _FLAG_VALUES), max_size=3))
-def test_fuzz_grpo_args_and_flags(dirs, files, tmp_path_factory, data, pairs):
-    """Any GRPOConfig --args file and GRPO flag values: accepted (stopped before the model is loaded), or a one-line
-    error, never a traceback."""
+       pairs=st.lists(st.tuples(st.sampled_from(_FLAGS), _FLAG_VALUES), max_size=3),
+       trainer=st.sampled_from(["grpo", "rloo"]))
+def test_fuzz_grpo_args_and_flags(dirs, files, tmp_path_factory, data, pairs, trainer):
+    """Any GRPOConfig / RLOOConfig --args file and their flag values: accepted (stopped before the model is loaded),
+    or a one-line error, never a traceback."""
     import contextlib
     import io
 
@@ -292,7 +299,7 @@ def test_fuzz_grpo_args_and_flags(dirs, files, tmp_path_factory, data, pairs):
 
     d = tmp_path_factory.mktemp("fuzz")
     (d / "a.json").write_text(json.dumps(data))
-    argv = ["train", str(dirs["policy"]), "--trainer", "grpo", "--data", str(files["prompts"]), "--reward-func",
+    argv = ["train", str(dirs["policy"]), "--trainer", trainer, "--data", str(files["prompts"]), "--reward-func",
             f"{files['rewards']}:length", "--args", str(d / "a.json"), "--output-dir", str(d / "o")]
     for flag, value in pairs:
         argv += [flag, value]
@@ -307,7 +314,8 @@ def test_fuzz_grpo_args_and_flags(dirs, files, tmp_path_factory, data, pairs):
     finally:
         tt.build_trl_trainer = saved
     lines = [x for x in err.getvalue().splitlines() if x.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (data, pairs, err.getvalue()[-800:])
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (trainer, data, pairs,
+                                                                              err.getvalue()[-800:])
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ def train_kwargs_from_file(path: str, setup_names: set[str],
         setup_names: TrainSetup's field names (a memfit setting `memfit train` does not take is an error).
         trainer: `sft` / `dpo` (`memfit train --trainer`): SFTConfig / DPOConfig names go into the kwargs too.
     """
-    from memfit.train_setup import TRAINING_ARGS_NAMES, TRL_CONFIG_NAMES
+    from memfit.train_setup import TRAINING_ARGS_NAMES, TRL_CONFIG_CLASS_NAMES, TRL_CONFIG_NAMES
 
     data, notes = read_args(path, trainer)
     trl_names = TRL_CONFIG_NAMES.get(trainer, frozenset()) if trainer else frozenset()  # TRL
@@ -67,6 +67,11 @@ def train_kwargs_from_file(path: str, setup_names: set[str],
             raise MemfitError(f"`model` in `{path}`: `memfit train` takes the model as its first argument "
                               "(`memfit train MODEL --data FILE`); remove it from the file")
         elif key in setup_names or key == "quantization_config":  # quantization: estimate/plan only
+            owners = [TRL_CONFIG_CLASS_NAMES[t] for t, names in TRL_CONFIG_NAMES.items() if key in names]
+            if trainer in TRL_CONFIG_CLASS_NAMES and owners:  # another TRL config's name (RLOOConfig: no loss_type)
+                have = ", ".join(owners[:-1]) + " and " + owners[-1] if len(owners) > 1 else owners[0]
+                raise MemfitError(f"`{key}` in `{path}` is not a setting of {TRL_CONFIG_CLASS_NAMES[trainer]} ({have} "
+                                  f"{'have' if len(owners) > 1 else 'has'} it); remove it from the file")
             raise MemfitError(f"`{key}` in `{path}` is a memfit estimate setting that `memfit train` does not take; "
                               "remove it from the file")
     for key, forced in FORCED_BY_TRAIN.items():
