@@ -221,12 +221,11 @@ def test_fewer_generations_halve_the_completions_and_the_generation_batch_on_eve
     """`--allow fewer_generations` across GPUs: the single-GPU remedy's variant (num_generations halved, the same
     prompts), so every layout's ranks split E / 2 completions per step and a generation batch of G / 2, as
     memfit.planner.grpo_plan.grpo_micro_batches scales them on one GPU (no simulation: the candidates only)."""
-    from memfit.planner.grpo_parallel_plan import Layout, _opt_ins, _Planner
+    from memfit.planner.grpo_parallel_plan import GrpoParallelParts, Layout, _opt_ins, _Planner
     from memfit.planner.grpo_plan import opt_in_methods
     from memfit.planner.launch import VARIANTS
     from memfit.planner.parallel_plan import (TIE_FRACTION, ParallelCandidate, ParallelPlanResult, _model_facts,
                                               _request, _step)
-    from memfit.planner.grpo_parallel_plan import GrpoParallelParts
     from memfit.remedies import REGISTRY
 
     s = _setup(num_generations=4)

@@ -533,7 +533,8 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
             why += [x for x in w if x not in why]
         cands.sort(key=lambda c: c.bound_s)
         notes += [f"not searched: {w}" for w in why]
-        if any(dict(m).get("load_in_4bit") for m in methods) and any(v.strategy != "ddp" for v in variants):
+        if (any(m.get("load_in_4bit") for m in methods) and any(v.strategy != "ddp" for v in variants)
+                and any(lay.training_ranks > 1 for lay in layouts)):
             notes.append("not searched: QLoRA under ZeRO / FSDP2 for GRPO (DDP and one training rank only)")
         best, stopped = _search(pl, cands, order, parts.tie_fraction, max_simulations, notes)
         if best is not None:
