@@ -88,6 +88,8 @@ def test_bad_input_is_one_line():
         (dict(setup=TrainSetup(model=LLAMA, task="causal-lm"), gpus="4xA100-80GB", vllm_server_gpus=1),
          "are for GRPO / RLOO"),
         (dict(setup=_setup(), gpus="4xA100-80GB", allow=("truncation",)), "is not searched for GRPO; its opt-ins"),
+        # the GRPO plan across GPUs tries no CPU offload: the opt-ins it searches, not the engines' offload
+        (dict(setup=_setup(), gpus="4xA100-80GB", allow=("offload",)), "`--allow offload` is not searched for GRPO"),
     ]
     for kw, text in cases:
         setup = kw.pop("setup")

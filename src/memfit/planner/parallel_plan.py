@@ -378,7 +378,7 @@ def _request(setup: TrainSetup, *, gpus, gpu, world_size, nodes, global_batch, m
     if not 0 <= margin < 0.5:
         raise MemfitError(f"margin `{margin}` must be between 0 and 0.5 (a fraction of each GPU kept free)")
     allow = _check_options(margin=margin, allow=tuple(allow), exclude=())
-    if "offload" in allow:
+    if "offload" in allow and setup.trainer not in ("grpo", "rloo"):  # GRPO / RLOO: grpo_plan.check_grpo_allow
         raise MemfitError("`--allow offload` with --gpus: the plan already tries the engines' own CPU offload (ZeRO "
                           "offload_optimizer / offload_param, FSDP2 CPUOffloadPolicy) when nothing fits; drop it")
     if gpus is not None:
