@@ -105,6 +105,7 @@ def test_oom_in_generation_and_in_the_teachers_forward_are_recovered(tmp_path):
     report = mf.fit(t, plan=False)
     assert [r["phase"] for r in report.oom_recoveries] == ["generation", "train"]
     assert "in 2 calls of <= 4" in report.oom_recoveries[0]["change"] and report.micro_batch_chunks == 2
+    assert "same prompts, one completion each" in report.oom_recoveries[0]["change"]
     assert calls == [8, 4, 4, 4, 4] and ref_calls == [8, 8]  # one failed call, then 2 per window
     assert report.rl["generation_calls_per_batch"] == 2 and report.rl["generate_calls"] == 5
     assert report.steps_completed == report.steps_expected == ref_report.steps_completed == 2 and t._step == 4

@@ -69,6 +69,11 @@ class DistillTrainingStep(GrpoTrainingStep):
     """The replacement for a DistillationTrainer's `training_step`; see the module docstring."""
 
     name = "distillation"
+    #: DistillationConfig has no generation_batch_size: the window's prompts are the batch x accumulation
+    generation_advice = "lower max_completion_length or per_device_train_batch_size x gradient_accumulation_steps"
+
+    def kept_in_generation(self) -> str:
+        return "same prompts, one completion each, same sampling settings"
 
     @staticmethod
     def read_state(trainer: Any) -> dict[str, Any]:

@@ -120,6 +120,12 @@ class GrpoTrainingStep(ChunkedTrainingStep):
     #: what lowers the scoring pass's memory besides its chunks (GRPOTrainer scores nothing with beta=0 and
     #: num_iterations=1: grpo_trainer.py `_generate_and_score_completions`)
     scoring_advice = "lower max_completion_length, or set beta=0 and num_iterations=1 so that nothing is scored"
+    #: what lowers generation's memory when even one sequence per call does not fit
+    generation_advice = "lower max_completion_length or generation_batch_size"
+
+    def kept_in_generation(self) -> str:
+        """What a split generation keeps (the recovery's change line)."""
+        return f"same prompts, {self.state['num_generations']} completions per prompt, same sampling settings"
 
     @staticmethod
     def read_state(trainer: Any) -> dict[str, Any]:
@@ -270,14 +276,13 @@ class GrpoTrainingStep(ChunkedTrainingStep):
         if self.generation_parts >= n or used >= self.max_recoveries:
             raise torch.OutOfMemoryError(
                 f"memfit: out of memory in {self.name} generation at optimizer step {step} even generating the {n} "
-                f"sequences in {self.generation_parts} calls (recoveries: {used} of {self.max_recoveries}); lower "
-                f"max_completion_length or generation_batch_size. Last error: {cause}")
+                f"sequences in {self.generation_parts} calls (recoveries: {used} of {self.max_recoveries}); "
+                f"{self.generation_advice}. Last error: {cause}")
         old = self.generation_parts
         self.generation_parts = min(n, old * 2)
         per_call = max(b - a for a, b in split_bounds(n, self.generation_parts))
         change = (f"generation batch of {n} sequences now generated in {self.generation_parts} calls of <= "
-                  f"{per_call} (was {old}); same prompts, {self.state['num_generations']} completions per prompt, "
-                  "same sampling settings")
+                  f"{per_call} (was {old}); {self.kept_in_generation()}")
         self.recoveries.append(Recovery(step, GENERATION, change, cause, tried))
         self.on_change(f"out of memory at optimizer step {step} (generation): {cause} -> {change}")
 
