@@ -486,8 +486,10 @@ def _candidate_axes(setup: TrainSetup, spec: GpuSpec, verdicts: dict[str, Any], 
         + [{"gradient_checkpointing": True, **v} for v in axis("checkpoint_offload", {})[1:]]
         + [{"gradient_checkpointing": True, **v} for v in axis("reentrant_checkpointing", {})[1:]],
         optimizers=axis("optimizer", {"optim": setup.optim}),
-        # smaller images shorten the sequence as truncation does; freezing the vision tower is a freeze
-        lengths=axis("truncation", {}) + axis("smaller_images", {})[1:], loras=axis("lora", {}),
+        # smaller images and no pan-and-scan crops shorten the sequence as truncation does; freezing the vision
+        # tower is a freeze
+        lengths=axis("truncation", {}) + axis("smaller_images", {})[1:] + axis("no_pan_and_scan", {})[1:],
+        loras=axis("lora", {}),
         freezes=axis("freeze", {}) + axis("freeze_vision_tower", {})[1:],
         offloads=axis("offload", {}),
         micro_batches=[b for b in range(1, e + 1) if e % b == 0],

@@ -29,7 +29,7 @@ __all__ = ["Remedy", "Applicability", "REGISTRY", "OPT_IN", "ALIASES", "remedy_i
 _MODULES = ("mixed_precision", "gradient_checkpointing", "checkpoint_offload", "reentrant_checkpointing", "optimizer", "micro_batch",
             "truncation", "lora", "freeze", "offload", "eval_settings", "allocator", "padding", "flash_attention",
             "liger", "qlora", "vllm_share", "fewer_generations", "shorter_completions", "no_reference",
-            "freeze_vision_tower", "smaller_images", "fewer_beams", "shorter_generation")
+            "freeze_vision_tower", "smaller_images", "no_pan_and_scan", "fewer_beams", "shorter_generation")
 
 
 def _load(module: str) -> Remedy:
