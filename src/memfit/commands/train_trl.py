@@ -641,7 +641,9 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
         raise MemfitError(f"the model in `{inputs.model_dir}` cannot be loaded as {what} ({first_line(err)})") \
             from None
     teacher = None
-    if inputs.teacher_dir is not None:  # loaded as the student is; DistillationTrainer puts it on the device
+    # the teacher loaded as the student is (DistillationTrainer puts it on the device); with teacher_model_init_kwargs
+    # in --args, TRL loads it from the directory with them (it refuses those kwargs with a loaded teacher)
+    if inputs.teacher_dir is not None and getattr(targs, "teacher_model_init_kwargs", None) is None:
         try:
             teacher = AutoModelForCausalLM.from_pretrained(inputs.teacher_dir)
         except (OSError, ValueError) as err:
@@ -656,7 +658,8 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
                           "each column one type in every example") from None
     cls = getattr(trl, _TRAINERS[inputs.trainer])
     extra = ({"reward_funcs": [r.value for r in inputs.reward_funcs]} if inputs.trainer in _RL
-             else {"teacher_model": teacher} if teacher is not None else {})
+             else {"teacher_model": teacher if teacher is not None else inputs.teacher_dir}
+             if inputs.teacher_dir is not None else {})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -667,6 +670,8 @@ def build_trl_trainer(args: argparse.Namespace, inputs: TrlInputs) -> Any:
     except ImportError as err:  # GRPOConfig.use_vllm without vLLM installed (GRPOTrainer.__init__)
         raise MemfitError(f"{cls.__name__} needs a package that is not installed: {first_line(err)}; install it or "
                           "remove the setting that needs it (use_vllm: vLLM) from --args") from None
+    if inputs.teacher_dir is not None and teacher is None:  # the teacher TRL loaded
+        check_budget_covers_model(model, inputs.budget_bytes, frozen=(trainer.teacher_model,))
     trainer.remove_callback(PrinterCallback)
     from memfit.fitting.resume import resolve_checkpoint
 
