@@ -1,5 +1,5 @@
 """memfit.fit with TRL's real RLOOTrainer on the CPU (memfit.fitting.rloo_recovery): the tiny Llama of
-helpers.trl_llama_config, a character tokenizer built in code (no hub), a length reward; a 3 MiB emulated GPU
+helpers.trl_llama_config, a character tokenizer built in code (no hub), a length reward; a 4 MiB emulated GPU
 (memfit.testing.memory_budget) that the scoring pass and the training micro-batches do not fit, and an
 out-of-memory error (real CUDA text) injected in generation. Each run is compared with a run without the error: the
 optimizer steps, TRL's derived sizes, the completions per prompt, and the weights, against how far the optimizer
@@ -115,12 +115,12 @@ def test_chunk_weights_sum_the_chunks_to_rloos_own_loss(tmp_path):
 
 @pytest.mark.slow
 def test_small_gpu_scores_and_trains_in_chunks_and_learns_the_same(tmp_path, plain):
-    """Under 3 MiB the old log-probs' pass and the micro-batches of 4 completions run out of memory: memfit halves
+    """Under 4 MiB the old log-probs' pass and the micro-batches of 4 completions run out of memory: memfit halves
     TRL's scoring chunks and splits the micro-batches into chunks of completions weighted by their share, the
     windows recomputed; nothing is generated again, and the weights are the plain run's to float rounding."""
     base, base_reward, base_report, moved = plain
     t, reward = _rloo(tmp_path)
-    report = mf.fit(t, plan=False, budget_bytes="3MiB")
+    report = mf.fit(t, plan=False, budget_bytes="4MiB")
     assert report.status == "completed" and {r["phase"] for r in report.oom_recoveries} == {"scoring", "train"}
     assert report.micro_batch_chunks >= 2 and report.rl["scoring_batch_size"] < 4
     assert report.steps_completed == report.steps_expected == base_report.steps_completed == 2 and t._step == 4
