@@ -80,6 +80,10 @@ def test_oom_in_generation_and_in_the_teachers_forward_are_recovered(tmp_path):
     pre = mf.preflight(t)  # the teacher built in code: its config written to a folder for the simulation
     assert pre.setup.trainer == "distill" and pre.setup.teacher_model and pre.setup.max_completion_length == 8
     assert {"generation"} <= set(pre.estimate.phases)
+    # the prediction holds the teacher's weights beside the student's, each storage as the allocator rounds it
+    from memfit.testing import counted_bytes
+
+    assert pre.estimate.breakdown["weights"] == counted_bytes(t.model, t.teacher_model) > counted_bytes(t.model)
     original = t._generate_single_turn
     calls: list[int] = []
 
