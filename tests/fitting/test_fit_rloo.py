@@ -99,7 +99,9 @@ def plain(tmp_path_factory):
 def test_chunk_weights_sum_the_chunks_to_rloos_own_loss(tmp_path):
     """RLOOTrainer's `_compute_loss` on a real prepared micro-batch (generated, scored, its leave-one-out advantages
     taken over the whole generation batch), whole and as 3 uneven chunks of completions weighted 1/4, 2/4, 1/4."""
-    t, _ = _rloo(tmp_path)
+    t, _ = _rloo(tmp_path, max_steps=-1, num_train_epochs=1)
+    # an epoch: 8 prompts x 4 completions, 8 per optimizer step (RLOOTrainer's RepeatSampler, as GRPOTrainer's)
+    assert mf.steps_expected(t) == len(PROMPTS) * 4 // 8
     t.model.train()
     prepared = t._prepare_inputs(next(iter(t.get_train_dataloader())))
     assert prepared["completion_ids"].shape[0] == 4 and prepared["advantages"].abs().sum() > 0
