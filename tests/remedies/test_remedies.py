@@ -67,7 +67,7 @@ def test_every_remedy_is_documented_and_checkable():
         assert remedy.saves and remedy.costs and remedy.title
     assert set(OPT_IN) == {"truncation", "lora", "freeze", "offload", "qlora", "fewer_generations",
                            "shorter_completions", "no_reference", "freeze_vision_tower", "smaller_images",
-                           "fewer_beams", "shorter_generation"}
+                           "no_pan_and_scan", "fewer_beams", "shorter_generation"}
     # padding never counts as making a run fit: the peak is set by the longest batch
     assert REGISTRY["padding"].check(s, None).applies is False
 
