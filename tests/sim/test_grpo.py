@@ -124,16 +124,6 @@ def test_other_rl_trainers_are_named_not_supported(trainer, name):
     assert name in str(err.value) and "not supported" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_memfit_train_refuses_rloo():
-    """`memfit train --trainer grpo` runs GRPOTrainer (tests/commands/test_train_grpo.py); RLOO is estimate-only."""
-    import argparse
-
-    from memfit.commands.train_trl import check_trl_flags
-
-    with pytest.raises(MemfitError, match="not supported.*memfit estimate --trainer rloo"):
-        check_trl_flags(argparse.Namespace(trainer="rloo"))
-
-
 # -- generation: memfit against transformers' generate on real tensors ------------------------------------
 
 def _measured(fn, model) -> tuple[int, list]:
@@ -244,6 +234,35 @@ def test_spliced_trace_with_a_reward_model_equals_full_model_trace(tmp_path, mon
     config.architectures = ["LlamaForSequenceClassification"]
     config.save_pretrained(tmp_path / "reward")
     test_spliced_grpo_trace_equals_full_model_trace(dict(reward_model=str(tmp_path / "reward")), monkeypatch)
+
+
+def test_qlora_adapters_are_bf16_as_the_installed_trl_casts_them():
+    """Every TRL trainer memfit simulates casts a quantized model's trainable parameters to bf16 in `__init__` (the
+    installed TRL's code says so); transformers' Trainer does not: the estimate's adapter gradients are 2 bytes per
+    parameter for GRPO and SFT, peft's 4 for the plain Trainer."""
+    import inspect
+
+    from trl.trainer.distillation_trainer import DistillationTrainer
+
+    from memfit.sim.trl_steps import QLORA_BF16_ADAPTER_TRAINERS
+    from memfit.train_setup import TRL_CONFIG_CLASS_NAMES
+
+    classes = {"grpo": trl.GRPOTrainer, "rloo": trl.RLOOTrainer, "kto": trl.KTOTrainer, "sft": trl.SFTTrainer,
+               "dpo": trl.DPOTrainer, "reward": trl.RewardTrainer, "distill": DistillationTrainer}
+    assert set(classes) == set(TRL_CONFIG_CLASS_NAMES) == set(QLORA_BF16_ADAPTER_TRAINERS)
+    for name, cls in classes.items():
+        assert "param.data = param.data.to(torch.bfloat16)" in inspect.getsource(cls.__init__), name
+    lora = dict(load_in_4bit=True, lora_r=8, precision="bf16", optim="adamw_torch")
+    grpo = estimate(_setup(**lora), gpu="A100-80GB")
+    plain = dict(model=LLAMA, task="causal-lm", per_device_train_batch_size=4, max_length=32, **lora)
+    sft = estimate(TrainSetup(trainer="sft", **plain), gpu="A100-80GB")
+    hf = estimate(TrainSetup(**plain), gpu="A100-80GB")
+    # LoRA on q_proj / v_proj of 2 layers: A [8, 64] and B [64, 8] / [32, 8] (2 KV heads of 16)
+    adapters = 2 * (8 * 64 + 64 * 8) + 2 * (8 * 64 + 32 * 8)
+    assert hf.phase_breakdowns["optimizer"]["gradients"] >= 4 * adapters
+    for report in (grpo, sft):
+        assert 2 * adapters <= report.phase_breakdowns["optimizer"]["gradients"] < 4 * adapters
+        assert any("casts the trainable parameters of a quantized model to bf16" in n for n in report.notes)
 
 
 def test_old_log_probs_only_when_trl_computes_them():

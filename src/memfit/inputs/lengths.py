@@ -113,6 +113,15 @@ def padded_length(longest: int, *, padding: str = "longest", max_length: int | N
     return _round_up(longest, pad_to_multiple_of)
 
 
+def has_padding(setup: Any, seq: int) -> bool:
+    """Whether the worst batch of `setup`'s examples, padded to `seq` tokens, has padding (so the attention mask is
+    built): unknown lengths count as padded."""
+    if setup.example_lengths is None:
+        return True
+    cut = [min(n, setup.max_length) if setup.truncation else n for n in setup.example_lengths]
+    return min(cut) < seq
+
+
 def worst_batch(lengths: Sequence[int], batch_size: int, *, padding: str = "longest", max_length: int | None = None,
                 pad_to_multiple_of: int | None = None, group_by_length: bool = False,
                 packing: bool = False) -> WorstBatch:

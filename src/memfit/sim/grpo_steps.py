@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from memfit.inputs.lengths import has_padding
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
 from memfit.sim.splice import K, LayerTagger, SpliceCarry, SpliceRefused, close_carry, splice_events
@@ -382,9 +383,7 @@ def reward_scores(runner: Any, g: int, tokens: int) -> torch.Tensor:
         return rewards_per_func
     _splice(runner)  # the policy's passes before it are spliced; the reward model's events are its own, whole
     ids, mask = _longs(g, tokens), torch.ones(g, tokens, dtype=torch.long)
-    from memfit.sim.trl_steps import _padded
-
-    if _padded(runner.setup, tokens - runner.setup.max_completion_length):  # prompts of different lengths
+    if has_padding(runner.setup, tokens - runner.setup.max_completion_length):  # prompts of different lengths
         mask[-1, -1:].zero_()  # right-padded: transformers builds the 4-D attention mask
     for t in (ids, mask):
         tr.register(t, "inputs")

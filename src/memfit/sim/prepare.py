@@ -25,7 +25,7 @@ from memfit.models.quantization import (meta_safe_deepcopy, prepare_for_kbit_tra
                                         quantization_summary, quantize_meta_model)
 from memfit.sim import trl_steps
 from memfit.sim.splice import SpliceRefused, truncate_layers
-from memfit.train_setup import TrainSetup
+from memfit.train_setup import TRL_CONFIG_CLASS_NAMES, TrainSetup
 from memfit.units import format_bytes
 
 __all__ = ["PreparedModel", "prepare_model"]
@@ -74,6 +74,7 @@ def prepare_model(setup: TrainSetup, *, splice: bool, compute_capability: tuple[
     apply_peft(p, setup)
     summarize_quantization(p, setup)
     freeze(p, setup)
+    cast_trainable_for_trl(p, setup)
     cut_repeated_blocks(p, setup)
     turn_on_checkpointing(p, setup)
     check_experts(p, setup)
@@ -173,6 +174,16 @@ def apply_peft(p: PreparedModel, setup: TrainSetup) -> None:
 
     p.model = get_peft_model(p.model, setup)
     p.notes += peft_notes(setup)
+
+
+def cast_trainable_for_trl(p: PreparedModel, setup: TrainSetup) -> None:
+    """A TRL trainer with a quantized model: TRL casts the adapters to bf16 (memfit.sim.trl_steps
+    .cast_quantized_trainable)."""
+    cast = trl_steps.cast_quantized_trainable(p.model, setup)
+    if cast:
+        p.notes.append(f"{TRL_CONFIG_CLASS_NAMES[setup.trainer].replace('Config', 'Trainer')} casts the trainable "
+                       f"parameters of a quantized model to bf16 ({cast:,} parameters: the adapters, their gradients "
+                       "and optimizer state in bf16, not peft's fp32)")
 
 
 def summarize_quantization(p: PreparedModel, setup: TrainSetup) -> None:

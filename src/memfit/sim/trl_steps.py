@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.inputs.lengths import has_padding
 from memfit.sim import _trl_adapter as trl_adapter
 from memfit.sim.autocast import cuda_autocast
 
@@ -176,6 +177,27 @@ def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     return ref
 
 
+#: The TRL trainers whose `__init__` casts a quantized model's trainable parameters to bf16 (TRL 1.16 sft_trainer.py,
+#: dpo_trainer.py, reward_trainer.py, grpo_trainer.py, rloo_trainer.py, kto_trainer.py, distillation_trainer.py:
+#: "When using QLoRA, the PEFT adapter weights are converted to bf16 ... `autocast_adapter_dtype=False` ... is not yet
+#: supported for quantized models", peft#2889): all of them; transformers' Trainer keeps peft's fp32 adapters.
+QLORA_BF16_ADAPTER_TRAINERS = ("sft", "dpo", "reward", "grpo", "rloo", "kto", "distill")
+
+
+def cast_quantized_trainable(model: nn.Module, setup: Any) -> int:
+    """`param.data = param.data.to(torch.bfloat16)` for every trainable parameter of a 4-/8-bit model but DoRA's
+    magnitude vectors, as TRL's trainers' `__init__` does after the user's freezing and peft; returns how many
+    parameters (elements) it cast."""
+    if setup.trainer not in QLORA_BF16_ADAPTER_TRAINERS or not (setup.load_in_4bit or setup.load_in_8bit):
+        return 0
+    cast = 0
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name and param.dtype != torch.bfloat16:
+            param.data = param.data.to(torch.bfloat16)
+            cast += param.numel()
+    return cast
+
+
 def build_reward_model(setup: Any) -> nn.Module | None:
     """GRPOTrainer's / RLOOTrainer's reward model on the meta device: `reward_model` as `GRPOTrainer.__init__` loads
     a reward function given by name (`AutoModelForSequenceClassification.from_pretrained(reward_func, num_labels=1,
@@ -260,14 +282,6 @@ def _longs(*shape: int) -> torch.Tensor:
     return torch.zeros(*shape, dtype=torch.long)
 
 
-def _padded(setup: Any, seq: int) -> bool:
-    """Whether the worst batch has padding (so the attention mask is built): unknown lengths count as padded."""
-    if setup.example_lengths is None:
-        return True
-    cut = [min(n, setup.max_length) if setup.truncation else n for n in setup.example_lengths]
-    return min(cut) < seq
-
-
 def sft_batch(setup: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors the collator hands the device, the model's keyword arguments) of the worst SFT micro-batch."""
     b = setup.per_device_train_batch_size
@@ -284,7 +298,7 @@ def sft_batch(setup: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     seq = setup.max_length if setup.packing else setup.sequence_length  # wrapped packs are max_length long
     tensors = {"input_ids": _longs(b, seq), "labels": _longs(b, seq), "attention_mask": torch.ones(b, seq, dtype=torch.long)}
     kwargs = {"input_ids": tensors["input_ids"], "labels": tensors["labels"]}
-    if not setup.packing and _padded(setup, seq):
+    if not setup.packing and has_padding(setup, seq):
         # A padded batch: see engine._make_batch (one pad token makes transformers build the mask, as a
         # FakeTensor, which it cannot read, always does).
         tensors["attention_mask"][-1, -1:].zero_()
