@@ -127,3 +127,17 @@ def test_a_micro_batch_with_images_is_not_split():
     assert distill_recovery.chunk_refusal({"prompt_ids": ids, "completion_ids": ids}) is None
     why = distill_recovery.chunk_refusal({"prompt_ids": ids, "pixel_values": torch.zeros(8, 3)})
     assert "`pixel_values`" in why and "per image" in why
+
+
+
+def test_callback_without_the_teachers_path_is_one_line_before_the_first_step(tmp_path):
+    """MemfitCallback is given no trainer, only the arguments: without DistillationConfig.teacher_model_name_or_path
+    it cannot see the teacher, and says so in one line before the first step."""
+    from memfit import MemfitCallback
+    from memfit.errors import MemfitError
+
+    t = _distill(tmp_path, max_steps=1)
+    t.add_callback(MemfitCallback(gpu=None, report_path=tmp_path / "cb.json"))
+    with pytest.raises(MemfitError, match="set DistillationConfig.teacher_model_name_or_path") as info:
+        t.train()
+    assert "\n" not in str(info.value) and t.state.global_step == 0

@@ -225,8 +225,11 @@ def _trl_fields(trainer: Any, fields: dict[str, Any], lengths: list[int] | None)
         args = trainer.args
         fields["precision"] = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"  # _BaseConfig resolved bf16
         path = _teacher_path(trainer)
-        if path:  # the teacher memfit's simulation builds beside the student (memfit.sim.trl_steps)
-            fields["teacher_model"] = path
+        if not path:  # MemfitCallback's view of the trainer: only the arguments
+            raise MemfitError("memfit cannot see DistillationTrainer's teacher (a callback is given no trainer): set "
+                              "DistillationConfig.teacher_model_name_or_path to the teacher's directory or hub id, or "
+                              "train with memfit.fit(trainer)")
+        fields["teacher_model"] = path  # the teacher memfit's simulation builds beside the student (trl_steps)
         prompts = trl_adapter.grpo_prompt_lengths(trainer)
         if prompts:
             fields["example_lengths"] = prompts
