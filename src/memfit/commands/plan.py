@@ -32,8 +32,8 @@ def plan_command_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_setup_arguments(p)
     p.add_argument("--allow", default="", help="opt-in remedies: truncation, lora, qlora, freeze, offload; for image models: "
-                        "smaller_images, freeze_vision_tower; for Seq2Seq predict_with_generate evaluation: fewer_beams, "
-                        "shorter_generation; with --trainer grpo: "
+                        "smaller_images, freeze_vision_tower, no_pan_and_scan (Gemma 3 with --pan-and-scan); for Seq2Seq "
+                        "predict_with_generate evaluation: fewer_beams, shorter_generation; with --trainer grpo: "
                         "fewer_generations, shorter_completions, no_reference, lora, qlora (comma-separated)")
     p.add_argument("--margin", type=float, default=None, help="fraction of the GPU kept free (default 0.05)")
     p.add_argument("--check", action="store_true",
