@@ -178,7 +178,7 @@ def test_generation_oom_generates_in_smaller_calls_with_whole_groups_scored(tmp_
     assert report.steps_completed == report.steps_expected == 1
     assert _sizes(t) == (4, 2, 2, 8) and report.effective_batch_size == 8
     assert _groups_whole(reward) and sorted(reward.calls[0]) == sorted(plain_reward.calls[0])  # the same prompts
-    assert reward.calls == ref_reward.calls and moved > 1e-3 and _max_diff(_weights(t), _weights(ref)) < 1e-6
+    assert reward.calls == ref_reward.calls and moved > 1e-3 and _max_diff(_weights(t), _weights(ref)) == 0.0
     assert "_generate_single_turn" in vars(t) and t._generate_single_turn is generate  # memfit's guard removed
 
 
