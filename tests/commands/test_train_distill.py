@@ -73,6 +73,7 @@ def test_bad_teacher_inputs_are_one_line_errors(dirs, tmp_path, capsys, monkeypa
          "`--teacher Qwen/Qwen2.5-0.5B` is not a local directory; memfit train loads the teacher from a local "
          "directory (download it first: `hf download Qwen/Qwen2.5-0.5B --local-dir DIR`"),
         (base + ["--teacher", tmp_path / "nope"], "nope`: the directory does not exist"),
+        (base + ["--teacher", d["prompts"]], "prompts.jsonl` is a file, not a model directory"),
         (base + ["--teacher", d["teacher_vocab"]],
          f"has vocab_size {VOCAB + 4} but the student `{d['student']}` has {VOCAB}; DistillationTrainer compares"),
         (base + ["--teacher", d["teacher_cls"]], "is a `LlamaForSequenceClassification`, not a causal language model"),

@@ -122,7 +122,7 @@ def check_trl_flags(args: argparse.Namespace) -> str:
         owners = (owner,) if isinstance(owner, str) else owner
         if trainer == "trainer":
             need = (f"--trainer {', '.join(owners[:-1])} or {owners[-1]}" if owners and len(owners) > 1 else
-                    f"--trainer {owners[0]}" if owners else "--trainer sft, dpo, grpo, reward or kto")
+                    f"--trainer {owners[0]}" if owners else "--trainer sft, dpo, grpo, rloo, reward or kto")
             raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
                               "classifier with transformers' Trainer)")
         if owners is not None and trainer not in owners:
@@ -283,7 +283,7 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
 
 @dataclass
 class TrlInputs:
-    """What `memfit train --trainer sft|dpo|grpo|reward|kto` asks for, every value checked (the fields that
+    """What `memfit train --trainer sft|dpo|grpo|rloo|reward|kto` asks for, every value checked (the fields that
     memfit.commands._train_common's `fit_and_report` and `set_aside_earlier_results` read are named as in the
     classification run's `_Inputs`)."""
 
@@ -375,6 +375,9 @@ def check_teacher(args: argparse.Namespace, kwargs: dict[str, Any], model_dir: s
         if given.count("/") == 1 and not given.startswith((".", "/", "~")):
             raise MemfitError(f"`{flag} {given}` is not a local directory; memfit train loads the teacher from a local "
                               f"directory (download it first: `hf download {given} --local-dir DIR`, then --teacher DIR)")
+        if os.path.exists(given):
+            raise MemfitError(f"`{flag} {given}` is a file, not a model directory; give the teacher's local model "
+                              "directory (its config.json and weights)")
         raise MemfitError(f"`{flag} {given}`: the directory does not exist; give the teacher's local model directory")
     check_model_dir(given, given)
     teacher = _causal_lm_check(given, "distill")
@@ -724,7 +727,7 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
 
 
 def train_trl_command(args: argparse.Namespace, trainer: str, console: Any) -> int:
-    """`memfit train --trainer sft|dpo|grpo|reward|kto`: check every input, build TRL's trainer, preflight, `memfit.fit`,
+    """`memfit train --trainer sft|dpo|grpo|rloo|reward|kto`: check every input, build TRL's trainer, preflight, `memfit.fit`,
     report."""
     inputs = read_trl_inputs(args, trainer)
     run = build_trl_trainer(args, inputs)
