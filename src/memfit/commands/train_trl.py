@@ -122,7 +122,7 @@ def check_trl_flags(args: argparse.Namespace) -> str:
         owners = (owner,) if isinstance(owner, str) else owner
         if trainer == "trainer":
             need = (f"--trainer {', '.join(owners[:-1])} or {owners[-1]}" if owners and len(owners) > 1 else
-                    f"--trainer {owners[0]}" if owners else "--trainer sft, dpo, grpo, rloo, reward or kto")
+                    f"--trainer {owners[0]}" if owners else "--trainer sft, dpo, grpo, rloo, reward, kto or distill")
             raise MemfitError(f"`{flag}` is a TRL setting; add `{need}` (the default `memfit train` fine-tunes a "
                               "classifier with transformers' Trainer)")
         if owners is not None and trainer not in owners:
@@ -283,7 +283,7 @@ def read_trl_data(path: str, trainer: str, text_field: str = "text") -> TrlData:
 
 @dataclass
 class TrlInputs:
-    """What `memfit train --trainer sft|dpo|grpo|rloo|reward|kto` asks for, every value checked (the fields that
+    """What `memfit train --trainer sft|dpo|grpo|rloo|reward|kto|distill` asks for, every value checked (the fields that
     memfit.commands._train_common's `fit_and_report` and `set_aside_earlier_results` read are named as in the
     classification run's `_Inputs`)."""
 
@@ -727,7 +727,7 @@ def _preflight(console: Any, args: argparse.Namespace, inputs: TrlInputs, run: A
 
 
 def train_trl_command(args: argparse.Namespace, trainer: str, console: Any) -> int:
-    """`memfit train --trainer sft|dpo|grpo|rloo|reward|kto`: check every input, build TRL's trainer, preflight, `memfit.fit`,
+    """`memfit train --trainer sft|dpo|grpo|rloo|reward|kto|distill`: check every input, build TRL's trainer, preflight, `memfit.fit`,
     report."""
     inputs = read_trl_inputs(args, trainer)
     run = build_trl_trainer(args, inputs)
