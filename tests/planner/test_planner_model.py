@@ -79,3 +79,26 @@ def test_candidates_that_fit_rank_by_tier_then_time_the_others_by_need():
     short_by_a_lot = Candidate(False, 0, 0.8, 1, 5000, 4900, {"per_device_train_batch_size": 4})
     ranked = sorted([short_by_a_lot, fast_new_method, short_by_a_little, slow_same_method], key=Candidate.sort_key)
     assert ranked == [slow_same_method, fast_new_method, short_by_a_little, short_by_a_lot]
+
+
+def test_an_effective_batch_of_one_predicts_each_combination_its_own_simulated_peak(tiny_bert_dir):
+    """With an effective batch size of 1 every partial simulation runs at micro-batch 1, the only one searched: a
+    combination's fit is its own simulated peaks (not a line through the setup's constant part as at batch 2)."""
+    from types import SimpleNamespace
+
+    from memfit.planner.memory_model import Axes, _linear_fits
+    from memfit.train_setup import TrainSetup
+
+    peaks = {False: 300 * MiB, True: 120 * MiB}  # by gradient checkpointing, at micro-batch 1
+
+    class Sims:
+        def phase_peaks(self, s, **_):
+            assert s.per_device_train_batch_size == 1 and s.gradient_accumulation_steps == 1
+            p = peaks[s.gradient_checkpointing]
+            return {"forward": p, "backward": p}, {}, SimpleNamespace(params=10, trainable_params=10)
+
+    setup = TrainSetup(model=tiny_bert_dir, per_device_train_batch_size=1)
+    axes = Axes(precisions=[{}], checkpointing=[{"gradient_checkpointing": False}, {"gradient_checkpointing": True}],
+                optimizers=[{}], lengths=[{}], loras=[{}], freezes=[{}], offloads=[{}], micro_batches=[1])
+    fits = _linear_fits(setup, axes, Sims())
+    assert [f.at(1)["backward"] for f in fits.values()] == [300 * MiB, 120 * MiB]

@@ -401,7 +401,8 @@ def _linear_fits(setup: TrainSetup, axes: Axes, sims: Simulations) -> dict[tuple
                 raise
             continue  # a combination that cannot run (FlashAttention with fp32, ...): no candidate
         keys = ("forward", "backward", "optimizer") if method else ("forward", "backward")
-        if method or not changes or const is None:
+        # an effective batch of 1: s2 ran at micro-batch 1, the only one there is, so its peaks are the prediction
+        if method or not changes or const is None or e == 1:
             p1 = sims.phase_peaks(s2.replace(per_device_train_batch_size=1), optimizer_steps=steps).peak_bytes \
                 if e > 1 else p2
             slope = {k: p2.get(k, 0) - p1.get(k, 0) for k in keys}
