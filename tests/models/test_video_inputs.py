@@ -63,6 +63,13 @@ def test_a_model_without_video_is_one_line_naming_those_with(capsys):
     assert "takes no --video-frames" in err and all(hub_id in err for hub_id in QWEN)
 
 
+def test_video_frames_in_an_args_file_is_the_same_setting(capsys, tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"video_frames": 8, "per_device_train_batch_size": 1}))
+    err = _one_line_error(capsys, ["estimate", "llava-hf/llava-1.5-7b-hf", "--args", str(path)])
+    assert "takes no --video-frames" in err and QWEN[0] in err
+
+
 def test_smolvlm_clip_is_refused_with_why(capsys):
     """SmolVLMProcessor writes an introduction and a `Frame from MM:SS:` line per frame, words the stub tokenizer
     would count one token each: refused rather than miscounted."""
