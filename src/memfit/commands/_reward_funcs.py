@@ -111,7 +111,8 @@ def _annotation_text(p: inspect.Parameter) -> str:
     return "" if a is p.empty else (a if isinstance(a, str) else repr(a)).replace(" ", "").replace("typing.", "")
 
 
-def _check_signature(spec: str, func: Callable, columns: tuple[str, ...], conversational: bool | None) -> None:
+def _check_signature(spec: str, func: Callable, columns: tuple[str, ...], conversational: bool | None,
+                     trainer: str = "GRPOTrainer") -> None:
     """GRPOTrainer calls `func` with keywords only: REWARD_CALL_NAMES and the dataset's other columns; its
     `completions` are strings for string prompts and lists of one message for chat prompts
     (grpo_trainer.py `_generate` decodes them so), which an annotation of `completions` may say it needs."""
@@ -122,19 +123,19 @@ def _check_signature(spec: str, func: Callable, columns: tuple[str, ...], conver
     wants = next((_annotation_text(p) for p in params if p.name == "completions"), "")
     if conversational is False and wants.startswith("list[list[dict"):  # trl.rewards' accuracy / format rewards
         raise MemfitError(f"--reward-func `{spec}` takes conversational completions (`completions: {wants}`, "
-                          "lists of messages) but the prompts of --data are strings, so GRPOTrainer passes strings; "
+                          f"lists of messages) but the prompts of --data are strings, so {trainer} passes strings; "
                           "give the prompts as chat messages, or a reward function of strings")
     if conversational is True and wants in ("list[str]", "List[str]"):
         raise MemfitError(f"--reward-func `{spec}` takes completions as strings (`completions: {wants}`) but the "
-                          "prompts of --data are chat messages, so GRPOTrainer passes lists of messages; give string "
+                          f"prompts of --data are chat messages, so {trainer} passes lists of messages; give string "
                           "prompts, or a reward function of messages")
     passed = (*REWARD_CALL_NAMES, *columns)
     for p in params:
         if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
-            raise MemfitError(f"--reward-func `{spec}`: its parameter `{p.name}` is positional-only; GRPOTrainer "
+            raise MemfitError(f"--reward-func `{spec}`: its parameter `{p.name}` is positional-only; {trainer} "
                               "passes every argument by name: make it a normal parameter")
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in passed:
-            raise MemfitError(f"--reward-func `{spec}` needs `{p.name}`, which GRPOTrainer passes only from a dataset "
+            raise MemfitError(f"--reward-func `{spec}` needs `{p.name}`, which {trainer} passes only from a dataset "
                               f"column of that name; add a `{p.name}` column to every example of --data (or give "
                               "the parameter a default)")
     if any(p.kind is p.VAR_KEYWORD for p in params):
@@ -142,11 +143,12 @@ def _check_signature(spec: str, func: Callable, columns: tuple[str, ...], conver
     taken = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     missing = [n for n in passed if n not in taken]
     if missing:
-        raise MemfitError(f"--reward-func `{spec}`: it takes no `{missing[0]}`; GRPOTrainer calls a reward function "
+        raise MemfitError(f"--reward-func `{spec}`: it takes no `{missing[0]}`; {trainer} calls a reward function "
                           f"as f({', '.join(f'{n}=...' for n in passed)}): add `**kwargs` to its parameters")
 
 
-def _function(spec: str, columns: tuple[str, ...], conversational: bool | None) -> RewardFunc:
+def _function(spec: str, columns: tuple[str, ...], conversational: bool | None,
+              trainer: str = "GRPOTrainer") -> RewardFunc:
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
         raise MemfitError(f"--reward-func `{spec}` names no function; give {_FORMS}")
@@ -169,7 +171,7 @@ def _function(spec: str, columns: tuple[str, ...], conversational: bool | None) 
     if attr.startswith("get_") and _takes_no_completions(func):  # trl.rewards' factories
         raise MemfitError(f"--reward-func `{spec}`: `{attr}` builds a reward function, it is not one; call it in "
                           f"a file of your own (`reward = {attr}(...)`) and give `that_file.py:reward`")
-    _check_signature(spec, func, columns, conversational)
+    _check_signature(spec, func, columns, conversational, trainer)
     return RewardFunc(spec=spec, kind="function", value=func, name=getattr(func, "__name__", attr))
 
 
@@ -181,7 +183,7 @@ def _takes_no_completions(func: Callable) -> bool:
     return not any(p.name == "completions" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _reward_model(spec: str, conversational: bool | None) -> RewardFunc:
+def _reward_model(spec: str, conversational: bool | None, trainer: str = "GRPOTrainer") -> RewardFunc:
     """A local reward model directory, checked as GRPOTrainer will load it."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
@@ -198,19 +200,19 @@ def _reward_model(spec: str, conversational: bool | None) -> RewardFunc:
     archs = list(getattr(config, "architectures", None) or [])
     if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
         raise MemfitError(f"--reward-func `{spec}`: model type `{config.model_type}` has no sequence-classification "
-                          "head in transformers, which GRPOTrainer loads a reward model as; give a reward model")
+                          f"head in transformers, which {trainer} loads a reward model as; give a reward model")
     if archs and not any(a in classifiers for a in archs):
         raise MemfitError(f"--reward-func `{spec}` is a `{archs[0]}`, not a sequence-classification reward model: "
-                          "GRPOTrainer would score with a new, random head; train a reward model first (TRL's "
+                          f"{trainer} would score with a new, random head; train a reward model first (TRL's "
                           "RewardTrainer) and give its directory")
     labels = getattr(config, "num_labels", 1)
     if labels != 1:
-        raise MemfitError(f"--reward-func `{spec}` has {labels} labels; GRPOTrainer loads a reward model with "
+        raise MemfitError(f"--reward-func `{spec}` has {labels} labels; {trainer} loads a reward model with "
                           "num_labels=1 (one score per completion): give a reward model of one label")
     try:
         tok = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise MemfitError(f"--reward-func `{spec}`: its tokenizer cannot be loaded ({first_line(err)}); GRPOTrainer "
+        raise MemfitError(f"--reward-func `{spec}`: its tokenizer cannot be loaded ({first_line(err)}); {trainer} "
                           "loads the reward model's tokenizer from its directory: save the tokenizer it was trained "
                           "with there (tokenizer.save_pretrained)") from None
     rows = getattr(config.get_text_config(), "vocab_size", None)
@@ -220,31 +222,34 @@ def _reward_model(spec: str, conversational: bool | None) -> RewardFunc:
                           "(ids past its embedding stop the run after the first generation); save the reward model's "
                           "own tokenizer in its directory")
     if conversational and not getattr(tok, "chat_template", None):  # grpo_trainer.py `_calculate_rewards`
-        raise MemfitError(f"--reward-func `{spec}`: its tokenizer has no chat template, which GRPOTrainer applies to "
+        raise MemfitError(f"--reward-func `{spec}`: its tokenizer has no chat template, which {trainer} applies to "
                           "the chat prompt + completion before the reward model scores them; add `chat_template` to "
                           "its tokenizer_config.json, or give string prompts")
     if tok.pad_token_id is None and tok.eos_token_id is None:
-        raise MemfitError(f"--reward-func `{spec}`: its tokenizer has neither a pad nor an EOS token; GRPOTrainer "
+        raise MemfitError(f"--reward-func `{spec}`: its tokenizer has neither a pad nor an EOS token; {trainer} "
                           "pads the scored texts with one (it sets pad to EOS when pad is missing): set `pad_token` "
                           "in its tokenizer_config.json")
     return RewardFunc(spec=spec, kind="model", value=spec, name=os.path.basename(os.path.normpath(spec)))
 
 
-def read_reward_func(spec: str, columns: tuple[str, ...] = (), conversational: bool | None = None) -> RewardFunc:
+def read_reward_func(spec: str, columns: tuple[str, ...] = (), conversational: bool | None = None,
+                     trainer: str = "GRPOTrainer") -> RewardFunc:
     """One `--reward-func SPEC`, checked (see the module docstring); a one-line MemfitError otherwise.
 
     Args:
         spec: `module:function`, `path/to/file.py:function` or a local reward model directory.
         columns: the dataset's columns besides `prompt`, which GRPOTrainer passes to reward functions by name.
         conversational: the prompts are chat messages (True), strings (False), or not known (None).
+        trainer: the trainer class the messages name (`RLOOTrainer` calls and loads reward functions as
+            GRPOTrainer does: rloo_trainer.py `__init__`, `_calculate_rewards`).
     """
     spec = str(spec).strip()
     if not spec:
         raise MemfitError(f"--reward-func is empty; give {_FORMS}")
     if os.path.isdir(spec):
-        return _reward_model(spec, conversational)
+        return _reward_model(spec, conversational, trainer)
     if ":" in spec and not (len(spec) > 1 and spec[1] == ":" and spec.count(":") == 1):  # `C:\dir` is a path
-        return _function(spec, columns, conversational)
+        return _function(spec, columns, conversational, trainer)
     if spec.endswith(".py"):
         raise MemfitError(f"--reward-func `{spec}` names a file but no function; give `{spec}:function`")
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
@@ -254,7 +259,7 @@ def read_reward_func(spec: str, columns: tuple[str, ...] = (), conversational: b
     raise MemfitError(f"--reward-func `{spec}` is neither a function nor an existing directory; give {_FORMS}")
 
 
-def read_reward_funcs(specs: list[str], columns: tuple[str, ...] = (),
-                      conversational: bool | None = None) -> list[RewardFunc]:
+def read_reward_funcs(specs: list[str], columns: tuple[str, ...] = (), conversational: bool | None = None,
+                      trainer: str = "GRPOTrainer") -> list[RewardFunc]:
     """Every `--reward-func`, in order, each checked (read_reward_func)."""
-    return [read_reward_func(s, columns, conversational) for s in specs]
+    return [read_reward_func(s, columns, conversational, trainer) for s in specs]

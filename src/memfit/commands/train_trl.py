@@ -537,7 +537,7 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
         from memfit.commands._reward_funcs import read_reward_funcs
 
         columns = tuple(sorted({k for row in data.rows for k in row} - {"prompt", "completion", "completion_ids"}))
-        reward_funcs = read_reward_funcs(args.reward_funcs, columns, data.conversational)
+        reward_funcs = read_reward_funcs(args.reward_funcs, columns, data.conversational, _TRAINERS[trainer])
         _check_grpo_config(targs, len(reward_funcs), args.args_file)
     if getattr(targs, "activation_offloading", False):
         import torch
