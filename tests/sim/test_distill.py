@@ -83,6 +83,21 @@ def test_teacher_of_another_vocabulary_is_refused(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_teacher_and_reference_are_built_with_flash_attention_emulated(teacher_dir):
+    """transformers refuses to build a flash-attn model where flash-attn is not installed: the teacher and DPO's
+    reference are built as the trained model is (with sdpa, then switched to memfit's emulated kernels), so a plan
+    that tries flash attention for a distillation or DPO run can simulate it."""
+    from memfit.models.build import resolve_config
+    from memfit.sim import trl_steps
+
+    setup = _setup(teacher_dir, attn_implementation="flash_attention_2", precision="bf16")
+    spec = resolve_config(setup.model)
+    teacher = trl_steps.build_reference(setup, spec)
+    assert teacher.config.num_hidden_layers == 3 and teacher.config._attn_implementation == "flash_attention_2"
+    reference = trl_steps.build_reference(setup.replace(trainer="dpo", teacher_model=None), spec)
+    assert reference.config.num_hidden_layers == 2 and reference.config._attn_implementation == "flash_attention_2"
+
+
 def test_divergence_kernels_allocate_what_cuda_allocates():
     """ChunkedDivergenceFunction forward + backward under divergence_kernels: the buffers the kernels write into
     (two `[N, 32768]` fp32 tiles each way, the `[N]` statistics, the `[N, H]` and `[vocab, H]` fp32 gradients), none

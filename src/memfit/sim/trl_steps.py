@@ -153,6 +153,27 @@ def kernels(setup: Any):
 LOSS_SCALED_FOR_GA = ("grpo", "distill")
 
 
+#: The autocast dtype of each precision (memfit.sim.engine `_LOW`): what a flash-attn kernel sees.
+_AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _frozen_model(setup: Any, spec: Any) -> nn.Module:
+    """A second model of `setup` on the meta device (DPO's reference, the teacher), built as
+    memfit.sim.prepare.build_model builds the trained one: with flash-attn, built with sdpa and then switched to the
+    emulated kernels (`use_flash_attention`: transformers refuses to build it where flash-attn is not installed)."""
+    from memfit.models.build import build_meta_model
+
+    attn = setup.attn_implementation
+    flash = attn is not None and attn not in ("eager", "sdpa", "flex_attention")
+    model = build_meta_model(setup.replace(attn_implementation="sdpa") if flash else setup, spec)
+    if flash:
+        from memfit.sim.kernels.flash_attn import use_flash_attention
+
+        use_flash_attention(model, attn, compute_capability=tuple(setup.compute_capability),
+                            amp_dtype=_AMP_DTYPES.get(setup.precision))
+    return model
+
+
 def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     """DPO's reference model on the meta device: a second copy of the model (None with peft, where the
     adapter-disabled model is the reference, or with precomputed reference log-probs)."""
@@ -168,9 +189,7 @@ def build_reference(setup: Any, spec: Any) -> nn.Module | None:
     elif setup.trainer not in ("dpo", "kto") or setup.precompute_ref_log_probs or setup.lora_r is not None \
             or setup.peft_config:
         return None
-    from memfit.models.build import build_meta_model
-
-    ref = build_meta_model(setup, spec)
+    ref = _frozen_model(setup, spec)
     ref.requires_grad_(False)
     ref.eval()  # DPOTrainer: accelerator.prepare_model(ref_model, evaluation_mode=True), dropout disabled
     trl_adapter.add_fused_lm_head(ref, trl_adapter.DPO_FUSED_OUTPUTS)  # GRPO's reference: the default outputs too
@@ -241,7 +260,7 @@ def _build_teacher(setup: Any, spec: Any) -> nn.Module:
     """DistillationTrainer's teacher on the meta device: `teacher_model` as `create_model_from_path` loads it (a
     causal LM, no gradients, eval mode), refused in one line when its vocabulary is not the student's
     (DistillationTrainer.__init__ raises ValueError)."""
-    from memfit.models.build import build_meta_model, resolve_config
+    from memfit.models.build import resolve_config
 
     teacher_spec = resolve_config(setup.teacher_model)
     student_vocab = spec.config.get_text_config().vocab_size
@@ -250,8 +269,8 @@ def _build_teacher(setup: Any, spec: Any) -> nn.Module:
         raise MemfitError(f"teacher `{setup.teacher_model}` has vocab_size {teacher_vocab} but the student has "
                           f"{student_vocab}; DistillationTrainer needs a shared vocabulary: choose a teacher of the "
                           "student's family")
-    teacher = build_meta_model(setup.replace(model=setup.teacher_model, lora_r=None, peft_config=None,
-                                             load_in_4bit=False, load_in_8bit=False), teacher_spec)
+    teacher = _frozen_model(setup.replace(model=setup.teacher_model, lora_r=None, peft_config=None,
+                                          load_in_4bit=False, load_in_8bit=False), teacher_spec)
     teacher.requires_grad_(False)
     teacher.eval()
     return teacher
