@@ -26,6 +26,7 @@ from memfit.models.video_inputs import video_text_example
 from memfit.train_setup import TrainSetup
 
 QWEN = ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
+SMOLVLM = ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", "HuggingFaceTB/SmolVLM2-500M-Video-Instruct")
 
 
 def _torchvision_imports() -> bool:
@@ -70,11 +71,10 @@ def test_video_frames_in_an_args_file_is_the_same_setting(capsys, tmp_path):
     assert "takes no --video-frames" in err and QWEN[0] in err
 
 
-def test_smolvlm_clip_is_refused_with_why(capsys):
-    """SmolVLMProcessor writes an introduction and a `Frame from MM:SS:` line per frame, words the stub tokenizer
-    would count one token each: refused rather than miscounted."""
-    err = _one_line_error(capsys, ["estimate", "HuggingFaceTB/SmolVLM2-500M-Video-Instruct", "--video-frames", "8"])
-    assert "Frame from" in err and QWEN[0] in err
+def test_qwen3_vl_clip_is_refused_with_why(capsys):
+    """Qwen3VLProcessor writes each temporal patch's timestamp from the video's metadata: refused, not guessed."""
+    err = _one_line_error(capsys, ["estimate", "Qwen/Qwen3-VL-4B-Instruct", "--video-frames", "8"])
+    assert "seconds>" in err and QWEN[0] in err and SMOLVLM[0] in err
 
 
 def test_a_text_model_with_video_frames_is_one_line(capsys):
@@ -135,6 +135,41 @@ def test_an_odd_frame_count_says_what_it_becomes():
     _, even, even_notes = _example(model=QWEN[1], image_size="448x448", max_length=8, video_frames=made)
     assert even["video_tokens_per_clip"] == summary["video_tokens_per_clip"]
     assert not any("frames become" in n for n in even_notes)
+
+
+def _installed_smolvlm_frames(hub_id: str, frames: int, width: int, height: int) -> int:
+    """Frames (images) the installed transformers' SmolVLM video processor, built from the bundled preprocessor
+    config, makes of one black clip."""
+    import transformers
+
+    data = {k: v for k, v in load_bundled_processor(hub_id).items()
+            if not k.endswith("_type") and k != "processor_class"}
+    out = transformers.SmolVLMVideoProcessor(**data)(videos=[np.zeros((frames, height, width, 3), dtype=np.uint8)],
+                                                     return_tensors="pt", do_sample_frames=False)
+    return int(out["pixel_values"].shape[1])
+
+
+@needs_torchvision
+@pytest.mark.parametrize(("hub_id", "frames", "size"), [(SMOLVLM[0], 16, "640x360"), (SMOLVLM[1], 8, "1280x720"),
+                                                        (SMOLVLM[0], 3, "300x300")])
+def test_smolvlm_video_tokens_are_what_the_installed_processor_returns(hub_id, frames, size):
+    """Each frame the installed video processor makes is one image of image_seq_len `<image>` tokens (the bundled
+    processor_config.json); the per-frame text is said in the note to be counted one token a word."""
+    from memfit.models.processors import bundled_processor_record
+
+    width, height = map(int, size.split("x"))
+    made = _installed_smolvlm_frames(hub_id, frames, width, height)
+    expected = made * bundled_processor_record(hub_id)["processor_config"]["image_seq_len"]
+    example, summary, notes = _example(model=hub_id, image_size=size, max_length=16, video_frames=frames)
+    assert summary["video_tokens_per_clip"] == expected > 0
+    assert example["pixel_values"].shape[1] == made
+    assert "one token a word here" in notes[-1]
+
+
+@needs_torchvision
+def test_smolvlm_more_frames_than_it_samples_is_one_line(capsys):
+    err = _one_line_error(capsys, ["estimate", SMOLVLM[0], "--video-frames", "65", "--image-size", "320x240"])
+    assert "at most 64 frames" in err and "--video-frames 64" in err
 
 
 @needs_torchvision

@@ -40,6 +40,9 @@ class VideoFamily:
     """What the model's chat template writes for one video in a user turn (the processor expands it)."""
     video_token_attr: str
     """The config attribute of the id of the tokens the video features replace (counted in `input_ids`)."""
+    frame_text: str | None = None
+    """Text the processor writes around each frame, which the stub tokenizer makes one token a word of (said in the
+    notes: the model's own tokenizer may make more tokens of it); None: only special tokens."""
 
 
 VIDEO_FAMILIES: dict[str, VideoFamily] = {
@@ -48,15 +51,20 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # (processing_qwen2_5_vl.py `replace_video_token`) and adds `second_per_grid_ts` (temporal_patch_size / fps)
     "qwen2_5_vl": VideoFamily(placeholder="<|vision_start|><|video_pad|><|vision_end|>",
                               video_token_attr="video_token_id"),
+    # SmolVLM2's chat template writes `<video>` for a video of a user turn; SmolVLMProcessor replaces it with
+    # `You are provided the following series of {frame_count} frames from a {duration} [H:MM:SS] video.\n`, then
+    # per frame `\nFrame from MM:SS:` + `<fake_token_around_image><global-img>` + `<image>` x image_seq_len +
+    # `<fake_token_around_image>`, then `\n\n` (processing_smolvlm.py `replace_video_token`, DEFAULT_VIDEO_INTRO,
+    # FRAME_TIMESTAMP_MESSAGE, DEFAULT_MEDIA_OUTTRO); each frame is one image of SmolVLMVideoProcessor's size
+    "smolvlm": VideoFamily(placeholder="<video>", video_token_attr="image_token_id",
+                           frame_text="an introduction and a `Frame from MM:SS:` line before each frame"),
 }
 
-#: Model types whose processors write text of their own for each frame, which memfit's stub tokenizer (one token
-#: per whitespace-separated word) cannot count as the model's tokenizer does: Qwen3-VL writes a timestamp
-#: `<t seconds>` before each temporal patch (processing_qwen3_vl.py `replace_video_token`), SmolVLM2
-#: `You are provided the following series of ...` and `\nFrame from MM:SS:` before each frame
-#: (processing_smolvlm.py `expand_text_with_video_tokens`, DEFAULT_VIDEO_INTRO / FRAME_TIMESTAMP_MESSAGE).
-_TEXT_PER_FRAME = {"qwen3_vl": "a `<t seconds>` timestamp before each temporal patch (Qwen3VLProcessor)",
-                   "smolvlm": "an introduction and a `Frame from MM:SS:` line before each frame (SmolVLMProcessor)"}
+#: Model types memfit makes no clip for yet, and why: Qwen3VLProcessor builds each temporal patch's `<t seconds>`
+#: timestamp from the video's metadata (processing_qwen3_vl.py `replace_video_token`, `_calculate_timestamps`),
+#: which a clip of decoded frames does not have.
+_NO_CLIP_YET = {"qwen3_vl": "Qwen3VLProcessor writes a `<t seconds>` timestamp before each temporal patch from the "
+                            "video's metadata (fps, frame indices), which memfit does not model yet"}
 
 
 def video_model_ids() -> list[str]:
@@ -143,14 +151,19 @@ def video_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     model_type = getattr(spec.config, "model_type", "")
     video, family = VIDEO_FAMILIES.get(model_type), FAMILIES.get(model_type)
     if video is None or family is None:
-        why = (f"its processor writes {_TEXT_PER_FRAME[model_type]}, which memfit's stand-in tokenizer cannot count as "
-               "the model's tokenizer does" if model_type in _TEXT_PER_FRAME
-               else f"memfit has no video recipe for model type `{model_type}`")
+        why = _NO_CLIP_YET.get(model_type, f"memfit has no video recipe for model type `{model_type}`")
         raise _refuse(spec, why)
     if setup.images_per_example != 1:
         raise MemfitError(f"an example of --video-frames holds one clip and no image; drop --images-per-example "
                           f"{setup.images_per_example} (or estimate the images without --video-frames)")
     video_processor, source = load_video_processor(spec)
+    vp = type(video_processor).__name__
+    # the most frames the processor's own sampling keeps of a clip: SmolVLMVideoProcessor's `num_frames`
+    # (video_sampling's max_frames), Qwen2VLVideoProcessor's `max_frames` (its `sample_frames`)
+    limit = getattr(video_processor, "num_frames", None) or getattr(video_processor, "max_frames", None)
+    if isinstance(limit, int) and setup.video_frames > limit:
+        raise MemfitError(f"{vp} of `{spec.name}` keeps at most {limit} frames of a clip when it samples one; "
+                          f"`video_frames` {setup.video_frames} is more: use --video-frames {limit} or fewer")
     image_processor, _ = load_processor(spec, "image")
     notes = []
     if setup.image_wh is None:
@@ -176,7 +189,6 @@ def video_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     example = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
     video_tokens = int((example["input_ids"] == _config_id(spec.config, video.video_token_attr)).sum())
     length = int(example["input_ids"].shape[-1])
-    vp = type(video_processor).__name__
     summary = {"kind": "video-text", "image_size": f"{width}x{height}", "given": setup.image_size,
                "video_frames": frames, "video_tokens_per_clip": video_tokens, "text_tokens": setup.max_length,
                "sequence_length": length, "processor": f"{family.processor} ({vp})", "processor_settings": source,
@@ -193,7 +205,9 @@ def video_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
     notes.append(f"each clip of {frames} frames of {width}x{height} becomes {video_tokens} video tokens "
                  f"({family.processor} with {vp}, settings from {source}); the sequence is {length} tokens: "
                  f"{video_tokens} video, {setup.max_length} text (--max-length), "
-                 f"{length - video_tokens - setup.max_length} the template's video markers")
+                 f"{length - video_tokens - setup.max_length} the template's video markers"
+                 + (f" and {video.frame_text}, one token a word here (the model's own tokenizer may make more of it)"
+                    if video.frame_text else ""))
     return example, summary, notes
 
 
