@@ -208,3 +208,42 @@ def test_estimate_json_has_the_video_tokens(tmp_path, capsys):
     media = json.loads(capsys.readouterr().out)["media_inputs"]
     assert media["kind"] == "video-text" and media["video_frames"] == 6
     assert media["video_tokens_per_clip"] > 0 and media["sequence_length"] == media["video_tokens_per_clip"] + 32 + 2
+
+
+def _tiny_smolvlm_dir(folder) -> str:
+    """A tiny SmolVLM2 (two language blocks of width 64, two vision blocks of width 32: 32-px frames of 8-px
+    patches, pixel-shuffled 2 x 2, 4 tokens a frame) saved with its image and video processor settings."""
+    import transformers
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    text = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=200, max_position_embeddings=1024, bos_token_id=0, eos_token_id=0,
+                pad_token_id=2)
+    transformers.SmolVLMConfig(
+        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=32, patch_size=8),
+        scale_factor=2, image_token_id=150, architectures=["SmolVLMForConditionalGeneration"]).save_pretrained(folder)
+    SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(folder)
+    transformers.SmolVLMVideoProcessor(max_image_size={"longest_edge": 32},  # each frame squared to one 32-px tile
+                                       video_sampling={"fps": 1, "max_frames": 8, "video_size": {"longest_edge": 32}}
+                                       ).save_pretrained(folder)
+    with open(f"{folder}/processor_config.json", "w", encoding="utf-8") as f:
+        json.dump({"image_seq_len": 4, "processor_class": "SmolVLMProcessor"}, f)
+    return str(folder)
+
+
+@pytest.mark.slow
+@needs_torchvision
+def test_smolvlm_fake_trace_with_a_clip_equals_real_cpu_run(tmp_path):
+    """A tiny SmolVLM2's step on a clip of 3 frames: FakeTensors allocate what real CPU tensors do, event for
+    event (SmolVLM2 reads `pixel_attention_mask` on the host, as for its image tiles)."""
+    from helpers import real_and_fake
+
+    from memfit.peaks import peaks
+
+    setup = TrainSetup(model=_tiny_smolvlm_dir(tmp_path), image_size="100x80", video_frames=3, max_length=16,
+                       per_device_train_batch_size=2)
+    real, fake = real_and_fake(setup, real_masks_like_fake=False)
+    assert real.media_inputs == fake.media_inputs
+    assert fake.media_inputs["video_tokens_per_clip"] == 3 * 4
+    assert peaks(real.trace) == peaks(fake.trace)
