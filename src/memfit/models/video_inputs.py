@@ -12,6 +12,8 @@ settings of the model's preprocessor config, which AutoVideoProcessor reads when
 `do_sample_frames` off) and a prompt of `max_length` one-token words after the clip's placeholder, as the chat
 template writes it. The example's tensors come back real, as an image example's do (memfit.models.image_text):
 the model reads `video_grid_thw` and `second_per_grid_ts` on the host (its vision windows, its 3D positions).
+SmolVLM2's `SmolVLMVideoProcessor` squares each frame to one `max_image_size` tile, and `SmolVLMProcessor`
+writes `image_seq_len` `<image>` tokens per frame between per-frame text (VIDEO_FAMILIES).
 
 transformers' video processors are torchvision code (`BaseVideoProcessor` resizes with
 torchvision.transforms.v2): without an importable torchvision a clip is refused in one line.
