@@ -74,3 +74,20 @@ def test_a_plan_chooses_it_and_saves_what_the_simulation_says():
     assert chosen.peak_allocated_bytes == after.peak_allocated_bytes
     assert result.baseline.peak_allocated_bytes - chosen.peak_allocated_bytes \
         == before.peak_allocated_bytes - after.peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "distill"])
+def test_checkpoint_offload_is_not_offered_to_trainers_that_generate(trainer, tmp_path):
+    """TRL turns checkpointing off around generation and back on with the whole gradient_checkpointing_kwargs
+    (trl/models/utils.py `disable_gradient_checkpointing`), `offload` included, which torch.utils.checkpoint
+    rejects: GRPO, RLOO and distillation runs never get it."""
+    offload = REGISTRY["checkpoint_offload"]
+    sft = _setup(load_in_8bit=False, lora_r=None, gradient_checkpointing=True, trainer="sft")
+    assert offload.check(sft, None).applies
+    extra = {"per_device_train_batch_size": 8}  # GRPO: whole groups of num_generations (8)
+    if trainer == "distill":
+        sft.model.to_json_file(str(tmp_path / "config.json"))  # the teacher: a directory with its config
+        extra = {"teacher_model": str(tmp_path)}
+    s = sft.replace(trainer=trainer, max_length=64, max_completion_length=32, **extra)
+    why = offload.check(s, None)
+    assert not why.applies and "hands `offload` to torch.utils.checkpoint" in why.reason

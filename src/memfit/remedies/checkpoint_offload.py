@@ -49,6 +49,12 @@ def _check(setup, gpu):
         return Applicability(False, "already offloaded")
     if setup.activation_offloading:
         return Applicability(False, "TRL's activation offloading already keeps the saved tensors in host memory")
+    if setup.trainer in ("grpo", "rloo", "distill"):
+        # Trainer pops `offload` before it enables checkpointing (transformers trainer.py `train`), but TRL turns it
+        # off around generation and back on with the whole kwargs (trl/models/utils.py
+        # `disable_gradient_checkpointing`: `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)`)
+        return Applicability(False, "TRL re-enables checkpointing after each generation with these kwargs, which hands "
+                                    "`offload` to torch.utils.checkpoint (a ValueError at the first step)")
     if not _has_hf_checkpointing(setup):
         return Applicability(False, "the model has no Hugging Face gradient checkpointing; memfit's own "
                                     "per-block checkpointing keeps its inputs on the GPU")
