@@ -202,8 +202,10 @@ def video_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         seen = int(grid[0, 0]) * step  # frames the vision tower reads: the processor's temporal patches
         summary["frames_processed"] = seen
         if seen != frames:
-            notes.append(f"{frames} frames become {seen} ({int(grid[0, 0])} temporal patches of {step} frames, "
-                         f"{vp}'s temporal_patch_size: it repeats the last frame to fill the last patch)")
+            patches = int(grid[0, 0])
+            notes.append(f"{frames} frame{'s become' if frames > 1 else ' becomes'} {seen} ({patches} temporal "
+                         f"patch{'es' if patches > 1 else ''} of {step} frames, {vp}'s temporal_patch_size: it "
+                         "repeats the last frame to fill the last patch)")
     notes.append(f"each clip of {frames} frames of {width}x{height} becomes {video_tokens} video tokens "
                  f"({family.processor} with {vp}, settings from {source}); the sequence is {length} tokens: "
                  f"{video_tokens} video, {setup.max_length} text (--max-length), "
