@@ -39,8 +39,10 @@ def _distill(tmp_path, **kw):
                 report_to="none", logging_strategy="no", save_strategy="no", max_steps=2, seed=0, disable_tqdm=True,
                 bf16=False, learning_rate=1e-3)
     args = DistillationConfig(str(tmp_path / "out"), **{**base, **kw})
+    evaluates = args.eval_strategy != "no"
     return DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=TOK,
-                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                               eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}) if evaluates else None)
 
 
 def _weights(trainer):
@@ -141,3 +143,10 @@ def test_callback_without_the_teachers_path_is_one_line_before_the_first_step(tm
     with pytest.raises(MemfitError, match="set DistillationConfig.teacher_model_name_or_path") as info:
         t.train()
     assert "\n" not in str(info.value) and t.state.global_step == 0
+
+
+def test_preflight_does_not_flag_eval_logits(tmp_path):
+    """DistillationTrainer's `prediction_step` returns the loss alone (`loss, None, None`): no logits are kept."""
+    t = _distill(tmp_path, eval_strategy="steps", eval_steps=1)
+    pre = mf.preflight(t)
+    assert pre.setup.does_eval and "eval_logits_on_gpu" not in {f.kind for f in pre.flags}

@@ -559,6 +559,13 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
         n_eval = max(1, len(data.rows) // 5)
         eval_rows = data.rows[-n_eval:]
         data = TrlData(data.path, data.format, data.rows[:-n_eval], data.conversational)
+    window = targs.per_device_train_batch_size * targs.gradient_accumulation_steps
+    if trainer == "distill" and len(data.rows) < window:  # distillation_trainer.py `_get_train_sampler`
+        raise MemfitError(f"`--trainer distill` generates for per_device_train_batch_size x gradient_accumulation_steps "
+                          f"= {window} prompts at once, and DistillationTrainer's sampler drops a generation batch "
+                          f"that is not full: `{args.data}` gives {len(data.rows)} training prompts"
+                          + (" (after the eval split)" if eval_rows and not args.eval_data else "")
+                          + f"; give at least {window}, or lower --batch-size / --grad-accum")
     if new_head:
         notes.append(f"`{os.path.basename(model_dir.rstrip('/'))}` is a causal LM: RewardTrainer's "
                      "AutoModelForSequenceClassification keeps its body and starts a new one-score head (random)")

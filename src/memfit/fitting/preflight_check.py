@@ -395,7 +395,9 @@ def preflight(trainer: Any, gpu: Any = None, *, budget_bytes: int | str | None =
             f"per_device_train_batch_size ({args.per_device_train_batch_size}); evaluation may need more memory "
             "than training (it also keeps the predictions on the GPU)",
             f"per_device_eval_batch_size={args.per_device_train_batch_size}"))
+    # GRPOTrainer / RLOOTrainer / DistillationTrainer: `prediction_step` returns `loss, None, None` (no logits)
     if (setup.task in _LM_TASKS and args.eval_accumulation_steps is None
+            and setup.trainer not in ("grpo", "rloo", "distill")
             and getattr(trainer, "preprocess_logits_for_metrics", None) is None
             and not args.prediction_loss_only
             and (setup.does_eval or getattr(trainer, "compute_metrics", None) is not None)):
