@@ -101,7 +101,7 @@ def test_bad_inputs_are_one_line_errors(llm_dir, no_template_dir, files, tmp_pat
     out = ["--output-dir", tmp_path / "out"]
     cases = [
         (["--packing"], "is a TRL setting; add `--trainer sft`"),
-        (["--lora-r", "4"], "add `--trainer sft, dpo, grpo, reward or kto`"),
+        (["--lora-r", "4"], "add `--trainer sft, dpo, grpo, rloo, reward, kto or distill`"),
         ([llm_dir, "--trainer", "dpo", "--data", files["pairs"], "--packing"], "is for `--trainer sft`, not `--tra"),
         ([llm_dir, "--trainer", "dpo", "--data", files["pairs"], "--padding-free"], "DPOConfig has no such setting"),
         ([llm_dir, "--trainer", "sft", "--data", files["chat"], "--precompute-ref-log-probs"], "is for `--trainer dpo`"),
