@@ -90,6 +90,7 @@ def files(tmp_path_factory):
     (d / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
     (d / "chat_prompts.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": p}]}) + "\n"
                                                   for p in PROMPTS[:4]))
+    (d / "one_prompt.jsonl").write_text(json.dumps({"prompt": PROMPTS[0], "target": 1}) + "\n")
     (d / "rewards.py").write_text(LENGTH_REWARD)
     (d / "syntax.py").write_text("def length(completions, **kwargs)\n    return [0.0]\n")
     (d / "raises.py").write_text("import json\nraise RuntimeError('no reward server at localhost:9000')\n")
@@ -177,6 +178,10 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
          "has 2 labels; RLOOTrainer loads a reward model with num_labels=1"),
         ([dirs["policy"], "--trainer", "rloo", "--data", files["prompts"], "--reward-func", f"{f['rewards']}:length",
           "--num-generations", "1"], "invalid RLOOConfig: RLOO requires at least 2 generations per prompt"),
+        # RepeatSampler: 8 completions per generation batch, 4 per prompt = 2 prompts; 1 prompt would run no step
+        ([dirs["policy"], "--trainer", "rloo", "--data", files["one_prompt"], "--reward-func", f"{f['rewards']}:length",
+          "--num-generations", "4", "--batch-size", "4", "--grad-accum", "2"],
+         "one_prompt.jsonl` gives 1 training prompt, so no step would run; give at least 2"),
         ([dirs["policy"], "--trainer", "rloo", "--data", files["chat"], "--reward-func", f"{f['rewards']}:length"],
          "RLOO dataset needs a `prompt` column"),
     ]

@@ -566,6 +566,16 @@ def read_trl_inputs(args: argparse.Namespace, trainer: str) -> TrlInputs:
                           f"that is not full: `{args.data}` gives {len(data.rows)} training prompts"
                           + (" (after the eval split)" if eval_rows and not args.eval_data else "")
                           + f"; give at least {window}, or lower --batch-size / --grad-accum")
+    if trainer in _RL:  # grpo_trainer.py / rloo_trainer.py RepeatSampler: a generation batch's prompts, full or dropped
+        prompts = targs.generation_batch_size // targs.num_generations
+        if len(data.rows) < prompts:
+            raise MemfitError(
+                f"`--trainer {trainer}` generates {targs.num_generations} completions for each of "
+                f"generation_batch_size / num_generations = {prompts} prompts at once, and {_TRAINERS[trainer]}'s "
+                f"sampler drops a generation batch that is not full: `{args.data}` gives {len(data.rows)} training "
+                "prompt" + ("s" if len(data.rows) != 1 else "")
+                + (" (after the eval split)" if eval_rows and not args.eval_data else "")
+                + f", so no step would run; give at least {prompts}, or lower --batch-size / --grad-accum")
     if new_head:
         notes.append(f"`{os.path.basename(model_dir.rstrip('/'))}` is a causal LM: RewardTrainer's "
                      "AutoModelForSequenceClassification keeps its body and starts a new one-score head (random)")
