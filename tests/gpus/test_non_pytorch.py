@@ -35,6 +35,11 @@ def test_cublas_workspace_sizes():
     assert cublas_workspace_bytes(resolve_gpu("A100-80GB"), {}) == 8 * MiB + 128 * KiB
     assert cublas_workspace_bytes(resolve_gpu("A100-80GB"), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * MiB
     assert cublas_workspace_bytes(resolve_gpu("A100-80GB"), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 128 * KiB
+    # memfit.fit's emulated GPU is a budget on the CPU's tensors: no cuBLAS, so no workspace in its prediction
+    from memfit.fitting.preflight_check import budget_spec
+
+    assert cublas_workspace_bytes(budget_spec(800 * MiB), {}) == 0
+    assert cublas_workspace_bytes(budget_spec(800 * MiB), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 0
 
 
 def test_measure_without_gpu_returns_none():

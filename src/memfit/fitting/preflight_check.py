@@ -270,12 +270,13 @@ def _config_path(model: Any, given: str | None = None) -> str:
 
 
 def budget_spec(budget_bytes: int):
-    """An emulated GPU of `budget_bytes` (memfit.testing.memory_budget): A100-40GB rates, nothing outside PyTorch."""
+    """An emulated GPU of `budget_bytes` (memfit.testing.memory_budget): A100-40GB rates, nothing outside PyTorch,
+    no cuBLAS workspaces (the run's tensors are the CPU's)."""
     from memfit.gpus.catalog import CATALOG
     from memfit.units import format_bytes
 
     return dataclasses.replace(CATALOG["a100-40gb"], name=f"memory_budget-{format_bytes(int(budget_bytes))}",
-                               total_bytes=int(budget_bytes), total_bytes_source="memory_budget",
+                               total_bytes=int(budget_bytes), total_bytes_source="memory_budget", emulated=True,
                                notes=("an emulated GPU (memfit.testing.memory_budget) on the CPU",))
 
 

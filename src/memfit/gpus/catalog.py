@@ -65,6 +65,8 @@ class GpuSpec:
     notes: tuple[str, ...] = ()
     vendor: str = "nvidia"  #: "nvidia" (CUDA) or "amd" (ROCm/HIP)
     sm_count: int | None = None  #: SMs (NVIDIA) or compute units (AMD), as props.multi_processor_count
+    #: memfit.testing.memory_budget's GPU: a budget on the CPU's tensors, where no cuBLAS workspace is allocated
+    emulated: bool = False
 
     @property
     def supports_bf16(self) -> bool:

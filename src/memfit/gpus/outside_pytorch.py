@@ -71,8 +71,11 @@ def cublas_workspace_bytes(gpu: GpuSpec, environ: Mapping[str, str] | None = Non
     `CUBLAS_WORKSPACE_CONFIG` (`:SIZE_KiB:COUNT` pairs, summed) when set; else on CUDA
     `:4096:2:16:8` (8 MiB + 128 KiB), or 32 MiB for compute capability major 9, 10, 11 and 12
     (Hopper, Blackwell); on ROCm `HIPBLAS_WORKSPACE_CONFIG` / `ROCBLAS_WORKSPACE_CONFIG` are read
-    too, and the default is 32 MiB, 128 MiB on gfx942 / gfx950 (MI300 / MI350: (9, 4), (9, 5)).
+    too, and the default is 32 MiB, 128 MiB on gfx942 / gfx950 (MI300 / MI350: (9, 4), (9, 5)). None on an
+    emulated GPU (`GpuSpec.emulated`).
     """
+    if gpu.emulated:  # a memory budget on the CPU (memfit.testing.memory_budget): no cuBLAS
+        return 0
     env = os.environ if environ is None else environ
     names = ("CUBLAS_WORKSPACE_CONFIG",) + (("HIPBLAS_WORKSPACE_CONFIG", "ROCBLAS_WORKSPACE_CONFIG")
                                              if gpu.vendor == "amd" else ())
