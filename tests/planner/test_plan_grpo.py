@@ -153,7 +153,8 @@ def test_colocated_share_is_sized_and_leaves_the_step_fitting():
 
 def test_opt_ins_only_with_allow_and_ranked_last():
     """The search space: without --allow no candidate changes the generations, the completion length, beta or
-    the adapters; with them those candidates come after every one that keeps the method (tier 2)."""
+    the adapters; with them those candidates come after every one that keeps the method (tier 2), and every
+    allowed opt-in together after each one alone (tier 3: the last resort, not the fastest combination)."""
     from memfit.planner.grpo_plan import _Search, grpo_facts
     from memfit.planner.memory_model import Simulations
     from memfit.planner.search import _as_setup, _budget_for
@@ -172,8 +173,12 @@ def test_opt_ins_only_with_allow_and_ranked_last():
     allowed = search.candidates(verdicts, allow=("fewer_generations", "shorter_completions", "no_reference"),
                                 exclude=(), base_report=counts)
     opt = [c for c in allowed if method & set(c.changes)]
-    assert opt and all(c.tier == 2 for c in opt) and all(c.tier < 2 for c in allowed if c not in opt)
+    together = [c for c in opt if {"num_generations", "max_completion_length", "beta"} <= set(c.changes)]
+    alone = [c for c in opt if c not in together]
+    assert together and alone and all(c.tier == 3 for c in together) and all(c.tier == 2 for c in alone)
+    assert all(c.tier < 2 for c in allowed if c not in opt)
     assert allowed.index(opt[0]) > max(i for i, c in enumerate(allowed) if c not in opt)
+    assert allowed.index(together[0]) > max(allowed.index(c) for c in alone)
     for c in opt:
         t = s.replace(**c.changes)
         if "num_generations" in c.changes:  # the same prompts: half the completions, half the generation batch

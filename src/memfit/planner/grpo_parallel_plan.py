@@ -516,6 +516,7 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
     notes += [f"not searched: {w}" for w in why]
     order = {v.key: i for i, v in enumerate(variants)}
     best, stopped = _search(pl, cands, order, parts.tie_fraction, max_simulations, notes)
+    fitted_as_typed = best is not None
     methods = _opt_ins(setup, req)
     from memfit.remedies import REGISTRY
 
@@ -523,20 +524,26 @@ def plan_grpo_parallel(setup: TrainSetup, req: Any, variants: list[Any], *, part
         verdict = REGISTRY[name].check(setup, req.spec)
         if not verdict.applies:
             notes.append(f"not searched: --allow {name}: {verdict.reason}")
-    if best is None and not stopped and methods:
-        # as the single-GPU GRPO plan ranks them (memfit.planner.grpo_plan: an opt-in's tier after every plan that
-        # keeps the method): the `--allow` opt-ins are searched only when nothing fits as typed
+    # as the single-GPU GRPO plan ranks them (memfit.planner.grpo_plan: an opt-in's tier after every plan that
+    # keeps the method, every allowed opt-in together after each one alone): the `--allow` opt-ins are searched
+    # only when nothing fits as typed, and their combination only when no single one fits
+    tiers = [methods[:-1], methods[-1:]] if len(methods) > 1 else [methods]
+    for tier_methods in tiers:
+        if best is not None or stopped or not tier_methods:
+            break
         cands, why = [], []
-        for method in methods:
+        for method in tier_methods:
             found, w = pl.candidates(layouts, variants, method)
             cands += found
             why += [x for x in w if x not in why]
         cands.sort(key=lambda c: c.bound_s)
-        notes += [f"not searched: {w}" for w in why]
-        if (any(m.get("load_in_4bit") for m in methods) and any(v.strategy != "ddp" for v in variants)
-                and any(lay.training_ranks > 1 for lay in layouts)):
+        notes += [f"not searched: {w}" for w in why if f"not searched: {w}" not in notes]
+        if (any(m.get("load_in_4bit") for m in tier_methods) and any(v.strategy != "ddp" for v in variants)
+                and any(lay.training_ranks > 1 for lay in layouts)
+                and "not searched: QLoRA under ZeRO / FSDP2 for GRPO (DDP and one training rank only)" not in notes):
             notes.append("not searched: QLoRA under ZeRO / FSDP2 for GRPO (DDP and one training rank only)")
         best, stopped = _search(pl, cands, order, parts.tie_fraction, max_simulations, notes)
+    if methods and not fitted_as_typed:
         if best is not None:
             notes.append("nothing fits as typed; " + _opt_in_note(setup, best.setup_changes))
         elif not stopped:

@@ -116,7 +116,7 @@ def held_when_vllm_wakes(trace: list) -> int:
 @dataclass
 class _Candidate:
     changes: dict[str, Any]  #: TrainSetup changes, without the vLLM share (sized per candidate)
-    tier: int  #: 0 same method; 1 another optimizer; 2 an opt-in
+    tier: int  #: 0 same method; 1 another optimizer; 2 an opt-in; 3 every allowed opt-in together
     bound_s: float  #: lower bound of its modelled step time (vLLM decoding all at once)
 
 
@@ -296,8 +296,11 @@ class _Search:
                         if "gradient_checkpointing" not in exclude else [])
         optims = [{}] + (REGISTRY["optimizer"].variants(s, self.budget.spec) if usable("optimizer") else [])
         kernels = [{}] + (REGISTRY["liger"].variants(s, self.budget.spec) if usable("liger") else [])
-        methods: list[dict[str, Any]] = [{}] + opt_in_methods(s, self.budget.spec, [n for n in GRPO_OPT_IN
-                                                                                   if usable(n)])
+        singles = opt_in_methods(s, self.budget.spec, [n for n in GRPO_OPT_IN if usable(n)])
+        # every allowed opt-in together is the last resort: tier 3, after each one alone (each changes what is
+        # learned: a combination that happens to be faster is not a reason to change more than one thing)
+        combined = singles[-1] if len(singles) > 1 else None
+        methods: list[dict[str, Any]] = [{}] + singles
         out: list[_Candidate] = []
         seen = set()
         for method in methods:
@@ -317,7 +320,7 @@ class _Search:
                                 continue
                             # a lower bound: with LoRA, as if nothing trained (the adapters' share is unknown yet)
                             trainable = 0 if method.get("lora_r") else base_report.trainable_params
-                            tier = 2 if method else int(bool(optim))
+                            tier = (3 if method is combined else 2) if method else int(bool(optim))
                             bound = self.time(cs, base_report.params, trainable, None, bound=True)
                             out.append(_Candidate(changes, tier, bound))
         out.sort(key=lambda c: (c.tier, c.bound_s, len(c.changes)))
