@@ -502,9 +502,11 @@ def test_reward_model_matches_real_trainer_evaluate(trainer, tmp_path, monkeypat
     assert abs(added - reward_bytes) <= 512 * 32  # each tensor rounded up to 512 bytes
 
 
-def test_reward_model_is_a_grpo_and_rloo_setting():
+def test_reward_model_is_a_grpo_and_rloo_setting(tmp_path):
     with pytest.raises(MemfitError, match="reward_model.*trainer is `dpo`"):
         TrainSetup(model=LLAMA, task="causal-lm", trainer="dpo", reward_model="x")
+    with pytest.raises(MemfitError, match="^reward model `.*missing` is not bundled"):
+        estimate(_setup(reward_model=str(tmp_path / "missing")))
 
 
 def test_eval_with_vllm_holds_no_generation_tensors_and_wakes_vllm():

@@ -226,7 +226,11 @@ def build_reward_model(setup: Any) -> nn.Module | None:
         return None
     from memfit.models.build import build_meta_model, resolve_config
 
-    spec = resolve_config(setup.reward_model)
+    try:
+        spec = resolve_config(setup.reward_model)
+    except MemfitError as err:  # "model `X` is not bundled ...": say which model
+        text = str(err)
+        raise MemfitError("reward " + text if text.startswith("model `") else f"reward model: {text}") from err
     reward = build_meta_model(setup.replace(trainer="trainer", task="seq-cls", model=setup.reward_model,
                                             num_labels=1, reward_model=None, lora_r=None, peft_config=None,
                                             load_in_4bit=False, load_in_8bit=False, use_vllm=False, beta=None,
