@@ -62,6 +62,8 @@ _INIT_SCALE = 2.0**16
 DEFAULT_EVAL_SAMPLES = 1000
 #: At most this many prediction-concatenation steps are written to the trace (the last ones).
 _MAX_EVAL_CONCAT_EVENTS = 64
+#: vision-window notes already said on stderr in this process (a plan's simulations repeat them)
+_SAID: set[str] = set()
 
 
 @dataclass
@@ -209,6 +211,7 @@ class _Runner:
         if self.media is not None:
             self.notes = [*self.notes, *self.media.notes]
             _check_media_dtypes(self.model, self.media, setup, self.compute_capability)
+            self._note_vision_windows(setup)
         self.eval_model = self.fwd_model  # the evaluation forward is spliced too
         self.host = None  # memfit.sim.host_values.HostValues of a vision-language model (`_cuda_emulation`)
         self.liger_log: list[str] = []
@@ -385,6 +388,26 @@ class _Runner:
         p.grad = torch.empty_like(p)
         self.tracker.paused = False
         self.tracker.bind(p.grad, rec)
+
+    def _note_vision_windows(self, setup: TrainSetup) -> None:
+        """A windowed vision tower beyond what memfit has measured: say now, on stderr, what simulating it takes
+        (memfit.sim.vision_windows), and keep the note with the result."""
+        import sys
+
+        from memfit.sim.vision_windows import vision_window_cost
+
+        config = getattr(self.model, "config", None)
+        if self.media.example is None or config is None:
+            return
+        attn = getattr(getattr(config, "vision_config", None), "_attn_implementation", None) \
+            or getattr(config, "_attn_implementation", None)
+        cost = vision_window_cost(config, self.media.example, setup.per_device_train_batch_size, attn)
+        note = None if cost is None else cost.note()
+        if note is not None and note not in self.notes:
+            self.notes = [*self.notes, note]
+            if note not in _SAID:
+                _SAID.add(note)
+                print(f"memfit: note: {note}", file=sys.stderr, flush=True)
 
     def _splice(self, first_event: int) -> None:
         """Write the full model's events for what the cut model just ran; bind the full model's grads."""
