@@ -30,11 +30,13 @@ def test_a_16_frame_1024_clip_at_batch_8_on_the_7b_is_noted():
 
 
 def test_what_was_measured_is_not_noted():
-    """The 3B at one 1792x1792 image (128 x 128 patches: 16 x 16 windows), the largest run measured."""
-    cost = vision_window_cost(_config("Qwen--Qwen2.5-VL-3B-Instruct"),
-                              {"image_grid_thw": torch.tensor([[1, 128, 128]])}, 1, "sdpa")
-    assert cost.window_blocks == MEASURED_WINDOW_BLOCKS == 256 * 28
-    assert cost.note() is None
+    """The 7B at one such clip, the largest run measured; the 3B at one 1792x1792 image (16 x 16 windows)."""
+    clip = vision_window_cost(_config("Qwen--Qwen2.5-VL-7B-Instruct"),
+                              {"video_grid_thw": torch.tensor([[8, 74, 74]])}, 1, "sdpa")
+    image = vision_window_cost(_config("Qwen--Qwen2.5-VL-3B-Instruct"),
+                               {"image_grid_thw": torch.tensor([[1, 128, 128]])}, 1, "sdpa")
+    assert (clip.window_blocks, image.window_blocks) == (MEASURED_WINDOW_BLOCKS, 256 * 28) == (800 * 28, 7168)
+    assert clip.note() is None and image.note() is None
 
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3"])
@@ -65,5 +67,5 @@ def test_the_simulation_says_it_on_stderr_and_in_its_notes(tmp_path, monkeypatch
     said = [line for line in capsys.readouterr().err.splitlines() if "vision tower attends" in line]
     # 100x80: 6 x 8 patches, 3 x 4 merged ones, one window of 4 x 4; two examples, one windowed block of two
     assert said == ["memfit: note: the vision tower attends in 2 windows in each of 1 blocks (96 patches): "
-                    f"simulating them takes at least {said[0].split('at least ')[1]}"]
+                    f"simulating them takes about {said[0].split('about ')[1]}"]
     assert said[0].removeprefix("memfit: note: ") in sim.notes
