@@ -385,8 +385,9 @@ class TrainSetup:
     """Images in each example (image classification takes one; a vision-language model any number)."""
     video_frames: int | None = None
     """Frames of the one video clip in each example, each of `image_size`, given to the model's video processor
-    as decoded frames (Qwen2.5-VL's `Qwen2VLVideoProcessor`, SmolVLM2's `SmolVLMVideoProcessor`,
-    memfit.models.video_inputs); None: no video. A vision-language model that takes video only."""
+    as decoded frames (Qwen2.5-VL's `Qwen2VLVideoProcessor`, Qwen3-VL's `Qwen3VLVideoProcessor`, SmolVLM2's
+    `SmolVLMVideoProcessor`, memfit.models.video_inputs); None: no video. A vision-language model that takes video
+    only."""
     pan_and_scan: bool = False
     """Gemma 3: each image is also cut into crops along its longer side, each one more block of image tokens
     (Gemma3Processor's `do_pan_and_scan`, with its own crop settings; `do_pan_and_scan` in --args is read as

@@ -26,6 +26,7 @@ from memfit.models.video_inputs import video_text_example
 from memfit.train_setup import TrainSetup
 
 QWEN = ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
+QWEN3 = "Qwen/Qwen3-VL-4B-Instruct"
 SMOLVLM = ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", "HuggingFaceTB/SmolVLM2-500M-Video-Instruct")
 
 
@@ -69,12 +70,6 @@ def test_video_frames_in_an_args_file_is_the_same_setting(capsys, tmp_path):
     path.write_text(json.dumps({"video_frames": 8, "per_device_train_batch_size": 1}))
     err = _one_line_error(capsys, ["estimate", "llava-hf/llava-1.5-7b-hf", "--args", str(path)])
     assert "takes no --video-frames" in err and QWEN[0] in err
-
-
-def test_qwen3_vl_clip_is_refused_with_why(capsys):
-    """Qwen3VLProcessor writes each temporal patch's timestamp from the video's metadata: refused, not guessed."""
-    err = _one_line_error(capsys, ["estimate", "Qwen/Qwen3-VL-4B-Instruct", "--video-frames", "8"])
-    assert "seconds>" in err and QWEN[0] in err and SMOLVLM[0] in err
 
 
 def test_a_text_model_with_video_frames_is_one_line(capsys):
@@ -246,4 +241,51 @@ def test_smolvlm_fake_trace_with_a_clip_equals_real_cpu_run(tmp_path):
     real, fake = real_and_fake(setup, real_masks_like_fake=False)
     assert real.media_inputs == fake.media_inputs
     assert fake.media_inputs["video_tokens_per_clip"] == 3 * 4
+    assert peaks(real.trace) == peaks(fake.trace)
+
+
+# -- Qwen3-VL: a `<t seconds>` timestamp before each temporal patch, from the clip's metadata -----------------------
+
+@needs_torchvision
+@pytest.mark.parametrize(("frames", "size"), [(2, "448x448"), (8, "640x360"), (5, "320x240")])
+def test_qwen3_vl_video_tokens_are_what_the_installed_processor_returns(frames, size):
+    """The installed Qwen3VLVideoProcessor, built from the bundled video preprocessor settings, on the same clip:
+    its grid gives the video tokens; the processor writes one `<t seconds>` timestamp (two stub words) and
+    `<|vision_start|>` / `<|vision_end|>` per temporal patch inside the template's own pair."""
+    import transformers
+
+    from memfit.models.processors import bundled_processor_record
+
+    width, height = map(int, size.split("x"))
+    video = bundled_processor_record(QWEN3)["video_preprocessor_config"]
+    processor = transformers.Qwen3VLVideoProcessor(**{k: v for k, v in video.items() if not k.endswith("_type")})
+    grid = processor(videos=[np.zeros((frames, height, width, 3), dtype=np.uint8)], return_tensors="pt",
+                     do_sample_frames=False)["video_grid_thw"]
+    expected = int(grid.prod()) // processor.merge_size**2
+    example, summary, notes = _example(model=QWEN3, image_size=size, max_length=16, video_frames=frames)
+    assert summary["video_tokens_per_clip"] == expected > 0 and summary["video_grid_thw"] == grid.tolist()
+    patches = int(grid[0, 0])
+    assert summary["sequence_length"] == expected + 16 + 2 + 4 * patches
+    assert "bundled video preprocessor config" in notes[-1] and "<t seconds>" in notes[-1]
+
+
+@pytest.mark.slow
+@needs_torchvision
+def test_qwen3_vl_fake_trace_with_a_clip_equals_real_cpu_run(tmp_path):
+    """A tiny Qwen3-VL (helpers.tiny_qwen3_vl_dir, tests/sim/test_vlm_exactness.py's) saved with a video processor: the step on a clip of 4
+    frames, on FakeTensors, allocates what the same step on real CPU tensors does, event for event."""
+    import transformers
+    from helpers import real_and_fake, tiny_qwen3_vl_dir
+
+    from memfit.peaks import peaks
+
+    tiny_qwen3_vl_dir(tmp_path)
+    with open(tmp_path / "processor_config.json", "w", encoding="utf-8") as f:
+        json.dump({"processor_class": "Qwen3VLProcessor"}, f)
+    transformers.Qwen3VLVideoProcessor(size={"shortest_edge": 1024, "longest_edge": 200704}, patch_size=16,
+                                       merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(tmp_path)
+    setup = TrainSetup(model=str(tmp_path), image_size="100x80", video_frames=4, max_length=16,
+                       per_device_train_batch_size=2)
+    real, fake = real_and_fake(setup, real_masks_like_fake=False)
+    assert real.media_inputs == fake.media_inputs and fake.media_inputs["video_tokens_per_clip"] > 0
     assert peaks(real.trace) == peaks(fake.trace)

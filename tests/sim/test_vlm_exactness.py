@@ -23,7 +23,7 @@ import os
 
 import pytest
 import transformers
-from helpers import real_and_fake
+from helpers import real_and_fake, tiny_qwen3_vl_dir
 
 from memfit.peaks import peaks
 from memfit.sim.engine import simulate
@@ -80,22 +80,7 @@ def _mllama(folder):
 
 
 def _qwen3_vl(folder, *, text_layers: int = 2, vision_depth: int = 2, deepstack=(0,)):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    # 16-px patches merged 2 x 2; the first vision block's hidden states (deepstack_visual_indexes) are merged
-    # too and added to the image positions of the first language block's output (the model's `_deepstack_process`)
-    transformers.Qwen3VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=32, vocab_size=200, max_position_embeddings=4096,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=2,
-                         rope_scaling={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True}),
-        vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                           deepstack_visual_indexes=list(deepstack)),
-        image_token_id=151, video_token_id=152, vision_start_token_id=150, vision_end_token_id=153,
-        architectures=["Qwen3VLForConditionalGeneration"]).save_pretrained(folder)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 1024, "longest_edge": 200704}, patch_size=16, merge_size=2,
-                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    tiny_qwen3_vl_dir(folder, text_layers=text_layers, vision_depth=vision_depth, deepstack=deepstack)
     return {"processor_class": "Qwen3VLProcessor"}
 
 

@@ -12,6 +12,9 @@ settings of the model's preprocessor config, which AutoVideoProcessor reads when
 `do_sample_frames` off) and a prompt of `max_length` one-token words after the clip's placeholder, as the chat
 template writes it. The example's tensors come back real, as an image example's do (memfit.models.image_text):
 the model reads `video_grid_thw` and `second_per_grid_ts` on the host (its vision windows, its 3D positions).
+Qwen3-VL's `Qwen3VLVideoProcessor` reads the model's own video preprocessor settings (bundled in the processor
+config's `_memfit` record), and `Qwen3VLProcessor` writes a `<t seconds>` timestamp before each temporal patch from
+the clip's metadata, which memfit gives as frames sampled at the video processor's `fps` (VIDEO_FAMILIES).
 SmolVLM2's `SmolVLMVideoProcessor` squares each frame to one `max_image_size` tile, and `SmolVLMProcessor`
 writes `image_seq_len` `<image>` tokens per frame between per-frame text (VIDEO_FAMILIES).
 
@@ -45,6 +48,9 @@ class VideoFamily:
     frame_text: str | None = None
     """Text the processor writes around each frame, which the stub tokenizer makes one token a word of (said in the
     notes: the model's own tokenizer may make more tokens of it); None: only special tokens."""
+    metadata: bool = False
+    """The processor writes the frames' timestamps from the clip's `video_metadata`: memfit passes the metadata of
+    frames sampled at the video processor's own `fps` (frame i at i / fps seconds)."""
 
 
 VIDEO_FAMILIES: dict[str, VideoFamily] = {
@@ -60,13 +66,17 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # FRAME_TIMESTAMP_MESSAGE, DEFAULT_MEDIA_OUTTRO); each frame is one image of SmolVLMVideoProcessor's size
     "smolvlm": VideoFamily(placeholder="<video>", video_token_attr="image_token_id",
                            frame_text="an introduction and a `Frame from MM:SS:` line before each frame"),
+    # Qwen3-VL's chat template writes a video as Qwen2.5-VL's; Qwen3VLProcessor writes, per temporal patch,
+    # `<{t:.1f} seconds>` + `<|vision_start|>` + `<|video_pad|>` x (grid h x w // merge_size**2) + `<|vision_end|>`,
+    # t the mean of the patch's frames' `frames_indices / fps` from the clip's metadata (processing_qwen3_vl.py
+    # `replace_video_token`, `_calculate_timestamps`)
+    "qwen3_vl": VideoFamily(placeholder="<|vision_start|><|video_pad|><|vision_end|>",
+                            video_token_attr="video_token_id",
+                            frame_text="a `<t seconds>` timestamp before each temporal patch", metadata=True),
 }
 
-#: Model types memfit makes no clip for yet, and why: Qwen3VLProcessor builds each temporal patch's `<t seconds>`
-#: timestamp from the video's metadata (processing_qwen3_vl.py `replace_video_token`, `_calculate_timestamps`),
-#: which a clip of decoded frames does not have.
-_NO_CLIP_YET = {"qwen3_vl": "Qwen3VLProcessor writes a `<t seconds>` timestamp before each temporal patch from the "
-                            "video's metadata (fps, frame indices), which memfit does not model yet"}
+#: Model types memfit makes no clip for yet, and why.
+_NO_CLIP_YET: dict[str, str] = {}
 
 
 def video_model_ids() -> list[str]:
@@ -117,6 +127,12 @@ def load_video_processor(spec: Any) -> tuple[Any, str]:
             from memfit.models.catalog import find_bundled
 
             hub_id = find_bundled(spec.name) or spec.name
+            from memfit.models.processors import bundled_processor_record
+
+            video = (bundled_processor_record(hub_id) or {}).get("video_preprocessor_config")
+            if video is not None:  # the model's own video_preprocessor_config.json, which AutoVideoProcessor reads first
+                settings = {k: v for k, v in video.items() if not k.endswith("_type") and k != "processor_class"}
+                return cls(**settings), f"the bundled video preprocessor config of `{hub_id}`"
             data = load_bundled_processor(hub_id)
             if data is not None:
                 # AutoVideoProcessor reads preprocessor_config.json where a model has no video_preprocessor_config
@@ -183,7 +199,14 @@ def video_text_example(setup: Any, spec: Any) -> tuple[dict[str, torch.Tensor], 
         text = video.placeholder + " " + " ".join([TEXT_WORD] * setup.max_length)
         clip = np.zeros((frames, height, width, 3), dtype=np.uint8)  # decoded frames, THWC
         try:
-            out = processor(videos=[clip], text=[text], return_tensors="pt", do_sample_frames=False)
+            extra = {}
+            if video.metadata:  # frames sampled at the video processor's own rate
+                from transformers.video_utils import VideoMetadata
+
+                fps = float(getattr(video_processor, "fps", None) or 2)
+                extra["video_metadata"] = [VideoMetadata(total_num_frames=frames, fps=fps,
+                                                         frames_indices=list(range(frames)))]
+            out = processor(videos=[clip], text=[text], return_tensors="pt", do_sample_frames=False, **extra)
         except (ValueError, RuntimeError, TypeError) as err:
             raise MemfitError(f"{family.processor} refuses a clip of {frames} frames of {width}x{height}: "
                               f"{str(err).splitlines()[0][:200]}; choose another --video-frames or --image-size") \
