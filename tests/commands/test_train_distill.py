@@ -82,7 +82,7 @@ def test_bad_teacher_inputs_are_one_line_errors(dirs, tmp_path, capsys, monkeypa
         ([d["student"], "--trainer", "sft", "--data", d["prompts"], "--teacher", d["teacher"]],
          "is for `--trainer distill`, not `--trainer sft`: it is DistillationConfig's"),
         ([d["student"], "--trainer", "distill", "--data", d["chat"], "--teacher", d["teacher"]],
-         "a DISTILL dataset needs a `prompt` column"),
+         "DistillationTrainer's dataset needs a `prompt` column"),
         # 8 prompts, one held out for evaluation: 7 < the generation batch of 4 x 2
         (base + ["--teacher", d["teacher"], "--batch-size", "4", "--grad-accum", "2", "--eval-strategy", "epoch"],
          "= 8 prompts at once, and DistillationTrainer's sampler drops a generation batch that is not full: "),

@@ -152,7 +152,7 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
         assert match in res.err and res.err.count("\n") == 1 and "Traceback" not in res.err, (argv, res.err[-800:])
     other = [
         ([dirs["policy"], "--trainer", "grpo", "--data", files["chat"], "--reward-func", f"{f['rewards']}:length"],
-         "the examples have the columns `messages`; a GRPO dataset needs a `prompt` column"),
+         "the examples have the columns `messages`; GRPOTrainer's dataset needs a `prompt` column"),
         ([dirs["chat_policy"], "--trainer", "grpo", "--data", files["chat_prompts"], "--reward-func", dirs["rm"]],
          "its tokenizer has no chat template, which GRPOTrainer applies"),
         ([dirs["chat_policy"], "--trainer", "grpo", "--data", files["chat_prompts"], "--reward-func",
@@ -183,7 +183,7 @@ def test_bad_reward_specs_are_one_line_errors(dirs, files, tmp_path, capsys):
           "--num-generations", "4", "--batch-size", "4", "--grad-accum", "2"],
          "one_prompt.jsonl` gives 1 training prompt, so no step would run; give at least 2"),
         ([dirs["policy"], "--trainer", "rloo", "--data", files["chat"], "--reward-func", f"{f['rewards']}:length"],
-         "RLOO dataset needs a `prompt` column"),
+         "RLOOTrainer's dataset needs a `prompt` column"),
     ]
     for argv, match in other:
         code, res = _run(argv + ["--output-dir", tmp_path / "out"], capsys)

@@ -101,12 +101,12 @@ def test_bad_reward_and_kto_inputs_are_one_line_errors(dirs, files, tmp_path, ca
     out = ["--output-dir", tmp_path / "out"]
     cases = [
         ([dirs["causal"], "--trainer", "reward", "--data", files["unpaired"]],
-         "a REWARD dataset needs `chosen` and `rejected` (and optionally `prompt`)"),
+         "RewardTrainer's dataset needs `chosen` and `rejected` (and optionally `prompt`)"),
         ([dirs["causal"], "--trainer", "reward", "--data", files["csv"]],
          "`--trainer reward` reads JSONL (one object per line: `chosen`/`rejected`, optionally `prompt`)"),
         ([dirs["causal"], "--trainer", "kto", "--data", files["implicit"]],
-         "a KTO dataset needs `prompt`, `completion` and `label` (true: desirable"),
-        ([dirs["causal"], "--trainer", "kto", "--data", files["pc"]], "a KTO dataset needs `prompt`, `completion`"),
+         "KTOTrainer's dataset needs `prompt`, `completion` and `label` (true: desirable"),
+        ([dirs["causal"], "--trainer", "kto", "--data", files["pc"]], "KTOTrainer's dataset needs `prompt`, `completion`"),
         ([dirs["causal"], "--trainer", "kto", "--data", files["int_label"]],
          "`label` of example 1 in "),
         ([dirs["causal"], "--trainer", "kto", "--data", files["no_label"]], "example 2 of "),

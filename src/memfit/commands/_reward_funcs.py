@@ -1,4 +1,5 @@
-"""`memfit train --trainer grpo --reward-func SPEC`: the reward functions of GRPOTrainer, named as TRL users name them.
+"""`memfit train --trainer grpo|rloo --reward-func SPEC`: the reward functions of GRPOTrainer (RLOOTrainer calls and
+loads them the same way), named as TRL users name them.
 
 A SPEC is one of
 

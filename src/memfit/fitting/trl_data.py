@@ -104,7 +104,10 @@ def dataset_format(row: dict[str, Any], trainer: str, text_field: str = "text") 
         if text_field in keys:
             return "text"
         need = f"`{text_field}`, `messages` or `prompt` and `completion`"
-    raise MemfitError(f"the examples have the columns `{', '.join(sorted(keys))}`; a {trainer.upper()} dataset needs "
+    from memfit.train_setup import TRL_CONFIG_CLASS_NAMES
+
+    owner = TRL_CONFIG_CLASS_NAMES.get(trainer, trainer).replace("Config", "Trainer")
+    raise MemfitError(f"the examples have the columns `{', '.join(sorted(keys))}`; {owner}'s dataset needs "
                       f"{need} (TRL's dataset formats)")
 
 
