@@ -8,6 +8,7 @@ DDP ranks of tests/fitting/test_fit_distributed.py import this module too (tests
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -337,6 +338,54 @@ def char_tokenizer():
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def eos2_char_tokenizer():
+    """A character-level tokenizer built in code (no hub): pad 0, bos 1, eos 2, then `CHARS` (the tokenizer of the
+    memfit.fit GRPO / RLOO runs, whose tiny Llama has `3 + len(CHARS)` ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+class LengthReward:
+    """A GRPO / RLOO reward function: a completion's length in characters (the lengths vary, so do the advantages);
+    it records the prompts of each call (one call per generation batch), which shows how many completions each
+    prompt got per generation batch."""
+
+    __name__ = "length_reward"
+
+    def __init__(self):
+        self.calls: list[Counter] = []
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.calls.append(Counter(prompts))
+        return [float(len(c)) for c in completions]
+
+    def groups_whole(self, num_generations: int = 4) -> bool:
+        """Some call was made, and every call scored each of its prompts `num_generations` times."""
+        return bool(self.calls) and all(set(c.values()) == {num_generations} for c in self.calls)
+
+
+def weights_of(trainer) -> list:
+    """Copies of a trainer's model parameters."""
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def max_weight_diff(a, b) -> float:
+    """The largest element-wise difference between two lists of parameters."""
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def rl_sizes(trainer) -> tuple:
+    """GRPOConfig's / RLOOConfig's derived sizes: (batch, accumulation, steps per generation, generation batch)."""
+    a = trainer.args
+    return (a.per_device_train_batch_size, a.gradient_accumulation_steps, a.steps_per_generation,
+            a.generation_batch_size)
 
 
 def eos_beyond_vocab_llama(hidden: int = 64, layers: int = 2) -> LlamaConfig:

@@ -7,48 +7,21 @@ two runs compute the same thing."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 
 trl = pytest.importorskip("trl")
 
 import torch  # noqa: E402
-from helpers import oom_error  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from helpers import (CHARS, LengthReward, eos2_char_tokenizer, max_weight_diff, oom_error, rl_sizes,  # noqa: E402
+                     weights_of)
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import memfit.fitting.run as mf  # noqa: E402
 from memfit.fitting import grpo_recovery  # noqa: E402
 
 PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
-CHARS = "abcdefghijklmnopqrstuvwxyz "
-
-
-def _tokenizer():
-    """A character-level tokenizer built in code: pad 0, bos 1, eos 2, then the characters."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-TOK = _tokenizer()
-
-
-class LengthReward:
-    """The reward: a completion's length in characters (the lengths vary, so do the advantages); it records the
-    prompts of each call, which shows how many completions each prompt got per generation batch."""
-
-    __name__ = "length_reward"
-
-    def __init__(self):
-        self.calls: list[Counter] = []
-
-    def __call__(self, prompts, completions, **kwargs):
-        self.calls.append(Counter(prompts))
-        return [float(len(c)) for c in completions]
+TOK = eos2_char_tokenizer()
 
 
 def _grpo(tmp_path, **kw):
@@ -72,36 +45,17 @@ def _grpo(tmp_path, **kw):
     return trainer, reward
 
 
-def _weights(trainer):
-    return [p.detach().clone() for p in trainer.model.parameters()]
-
-
-def _max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
-
-
 def _moved(trainer, before):
-    return _max_diff(before, _weights(trainer)) > 1e-4
-
-
-def _sizes(trainer):
-    a = trainer.args
-    return (a.per_device_train_batch_size, a.gradient_accumulation_steps, a.steps_per_generation,
-            a.generation_batch_size)
-
-
-def _groups_whole(reward):
-    """Every reward call (one per generation batch) scored each of its prompts num_generations (4) times."""
-    return all(set(c.values()) == {4} for c in reward.calls)
+    return max_weight_diff(before, weights_of(trainer)) > 1e-4
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """The run without an error: (trainer, reward, report, weights before, weights after)."""
     t, reward = _grpo(tmp_path_factory.mktemp("plain"))
-    before = _weights(t)
+    before = weights_of(t)
     report = mf.fit(t, plan=False)
-    return t, reward, report, before, _weights(t)
+    return t, reward, report, before, weights_of(t)
 
 
 # -- preflight -------------------------------------------------------------------------------------------------
@@ -124,7 +78,7 @@ def test_steps_expected_is_what_grpo_trainer_runs(plain, tmp_path):
     t, reward, report, before, after = plain
     # 8 prompts x 4 completions, 8 completions per generation batch, 2 micro-steps of 4 per batch, 2 per step
     assert report.steps_completed == report.steps_expected == t.state.global_step == 4
-    assert report.rl["generate_calls"] == len(reward.calls) == 4 and _groups_whole(reward)
+    assert report.rl["generate_calls"] == len(reward.calls) == 4 and reward.groups_whole()
     assert report.status == "completed" and not report.oom_recoveries and _moved(t, before)
     t3, _ = _grpo(tmp_path, num_train_epochs=2, steps_per_generation=4)
     assert mf.steps_expected(t3) == 8
@@ -153,7 +107,7 @@ def test_generation_oom_generates_in_smaller_calls_with_the_same_completions_per
     ref_report = mf.fit(ref, plan=False)
 
     t, reward = _grpo(tmp_path / "oom")
-    before = _weights(t)
+    before = weights_of(t)
     original = t._generate_single_turn
     seen = []
 
@@ -171,11 +125,11 @@ def test_generation_oom_generates_in_smaller_calls_with_the_same_completions_per
     assert seen == [8] + [4] * 8  # one failed call, then 2 calls for each of the 4 generation batches
     assert report.rl["generation_calls_per_batch"] == 2 and report.rl["generate_calls"] == 9
     assert report.steps_completed == report.steps_expected == plain_report.steps_completed == 4
-    assert _sizes(t) == (4, 2, 2, 8) and report.effective_batch_size == 8
-    assert len(reward.calls) == len(plain_reward.calls) == 4 and _groups_whole(reward)
+    assert rl_sizes(t) == (4, 2, 2, 8) and report.effective_batch_size == 8
+    assert len(reward.calls) == len(plain_reward.calls) == 4 and reward.groups_whole()
     assert [sorted(c) for c in reward.calls] == [sorted(c) for c in plain_reward.calls]  # the same prompts
     # the RNG state of the failed call is restored: the run is the one that generated in two calls from the start
-    assert _max_diff(_weights(t), _weights(ref)) == 0.0 and _moved(t, before)
+    assert max_weight_diff(weights_of(t), weights_of(ref)) == 0.0 and _moved(t, before)
     assert [c for c in reward.calls] == [c for c in ref_reward.calls] and ref_report.steps_completed == 4
 
 
@@ -200,9 +154,9 @@ def test_scoring_oom_halves_trl_chunks_and_learns_the_same(tmp_path):
     report = mf.fit(t, plan=False)
     assert [r["phase"] for r in report.oom_recoveries] == ["scoring"]
     assert chunks == [4] + [2] * 4 and report.rl["scoring_batch_size"] == 2
-    assert report.steps_completed == report.steps_expected == 4 and _sizes(t) == (4, 2, 2, 8)
-    assert _groups_whole(reward)
-    assert _max_diff(_weights(t), _weights(base)) < 1e-6
+    assert report.steps_completed == report.steps_expected == 4 and rl_sizes(t) == (4, 2, 2, 8)
+    assert reward.groups_whole()
+    assert max_weight_diff(weights_of(t), weights_of(base)) < 1e-6
 
 
 def _inject_train_oom(trainer, at_call, min_rows):
@@ -233,10 +187,10 @@ def test_training_oom_chunks_the_micro_batch_and_learns_the_same(tmp_path, loss_
     assert [r["phase"] for r in report.oom_recoveries] == ["train"] and report.oom_recoveries[0]["step"] == 1
     assert report.micro_batch_chunks == 2
     assert report.steps_completed == report.steps_expected == 4 and t._step == 8
-    assert _sizes(t) == (4, 2, 2, 8) and report.effective_batch_size == 8
+    assert rl_sizes(t) == (4, 2, 2, 8) and report.effective_batch_size == 8
     assert report.rl["generate_calls"] == len(reward.calls) == len(base_reward.calls) == 4
     assert reward.calls == base_reward.calls  # the same completions' prompts, in the same order
-    assert _max_diff(_weights(t), _weights(base)) < 1e-5
+    assert max_weight_diff(weights_of(t), weights_of(base)) < 1e-5
 
 
 def test_chunk_weights_sum_the_chunks_to_the_micro_batch_loss():

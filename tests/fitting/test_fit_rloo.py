@@ -7,47 +7,20 @@ steps move them."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 trl = pytest.importorskip("trl")
 
 import torch  # noqa: E402
-from helpers import oom_error, trl_llama_config  # noqa: E402
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from helpers import (LengthReward, eos2_char_tokenizer, max_weight_diff, oom_error, rl_sizes,  # noqa: E402
+                     trl_llama_config, weights_of)
+from transformers import LlamaForCausalLM  # noqa: E402
 
 import memfit.fitting.run as mf  # noqa: E402
 from memfit.fitting import recovery, rloo_recovery  # noqa: E402
 
 PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
-CHARS = "abcdefghijklmnopqrstuvwxyz "
-
-
-def _tokenizer():
-    """A character-level tokenizer built in code: pad 0, bos 1, eos 2, then the characters."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-TOK = _tokenizer()
-
-
-class LengthReward:
-    """A completion's length in characters; records the prompts of each call (one call per generation batch)."""
-
-    __name__ = "length_reward"
-
-    def __init__(self):
-        self.calls: list[Counter] = []
-
-    def __call__(self, prompts, completions, **kwargs):
-        self.calls.append(Counter(prompts))
-        return [float(len(c)) for c in completions]
+TOK = eos2_char_tokenizer()
 
 
 def _rloo(tmp_path, **kw):
@@ -68,32 +41,13 @@ def _rloo(tmp_path, **kw):
     return trainer, reward
 
 
-def _weights(trainer):
-    return [p.detach().clone() for p in trainer.model.parameters()]
-
-
-def _max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
-
-
-def _sizes(trainer):
-    a = trainer.args
-    return (a.per_device_train_batch_size, a.gradient_accumulation_steps, a.steps_per_generation,
-            a.generation_batch_size)
-
-
-def _groups_whole(reward):
-    """Every reward call (one per generation batch) scored each of its prompts num_generations (4) times."""
-    return bool(reward.calls) and all(set(c.values()) == {4} for c in reward.calls)
-
-
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """The run without an error: (trainer, reward, report, how far its 2 steps moved the weights)."""
     t, reward = _rloo(tmp_path_factory.mktemp("plain"))
-    before = _weights(t)
+    before = weights_of(t)
     report = mf.fit(t, plan=False)
-    return t, reward, report, _max_diff(before, _weights(t))
+    return t, reward, report, max_weight_diff(before, weights_of(t))
 
 
 def test_chunk_weights_sum_the_chunks_to_rloos_own_loss(tmp_path):
@@ -126,12 +80,12 @@ def test_small_gpu_scores_and_trains_in_chunks_and_learns_the_same(tmp_path, pla
     assert report.status == "completed" and {r["phase"] for r in report.oom_recoveries} == {"scoring", "train"}
     assert report.micro_batch_chunks >= 2 and report.rl["scoring_batch_size"] < 4
     assert report.steps_completed == report.steps_expected == base_report.steps_completed == 2 and t._step == 4
-    assert _sizes(t) == _sizes(base) == (4, 2, 2, 8) and report.effective_batch_size == 8
+    assert rl_sizes(t) == rl_sizes(base) == (4, 2, 2, 8) and report.effective_batch_size == 8
     assert report.rl["generate_calls"] == len(reward.calls) == len(base_reward.calls) == 2
-    assert reward.calls == base_reward.calls and _groups_whole(reward)
+    assert reward.calls == base_reward.calls and reward.groups_whole()
     # two optimizer steps at lr 1e-2 move a weight by ~1.5e-2; the recovered run differs by ~3e-6 (float rounding
     # of smaller matmuls)
-    assert moved > 1e-3 and _max_diff(_weights(t), _weights(base)) < 1e-4
+    assert moved > 1e-3 and max_weight_diff(weights_of(t), weights_of(base)) < 1e-4
 
 
 def _generate_in_halves(trainer):
@@ -154,9 +108,9 @@ def test_generation_oom_generates_in_smaller_calls_with_whole_groups_scored(tmp_
     plain_reward = plain[1]
     ref, ref_reward = _rloo(tmp_path / "halves", max_steps=1)
     _generate_in_halves(ref)
-    before = _weights(ref)
+    before = weights_of(ref)
     mf.fit(ref, plan=False)
-    moved = _max_diff(before, _weights(ref))
+    moved = max_weight_diff(before, weights_of(ref))
 
     t, reward = _rloo(tmp_path / "oom", max_steps=1)
     original = t._generate_single_turn
@@ -176,9 +130,10 @@ def test_generation_oom_generates_in_smaller_calls_with_whole_groups_scored(tmp_
     assert seen == [8, 4, 4]  # the failed call, then 2 calls for the generation batch
     assert report.rl["generation_calls_per_batch"] == 2 and report.rl["generate_calls"] == 3
     assert report.steps_completed == report.steps_expected == 1
-    assert _sizes(t) == (4, 2, 2, 8) and report.effective_batch_size == 8
-    assert _groups_whole(reward) and sorted(reward.calls[0]) == sorted(plain_reward.calls[0])  # the same prompts
-    assert reward.calls == ref_reward.calls and moved > 1e-3 and _max_diff(_weights(t), _weights(ref)) == 0.0
+    assert rl_sizes(t) == (4, 2, 2, 8) and report.effective_batch_size == 8
+    assert reward.groups_whole() and sorted(reward.calls[0]) == sorted(plain_reward.calls[0])  # the same prompts
+    assert reward.calls == ref_reward.calls and moved > 1e-3
+    assert max_weight_diff(weights_of(t), weights_of(ref)) == 0.0
     assert "_generate_single_turn" in vars(t) and t._generate_single_turn is generate  # memfit's guard removed
 
 
