@@ -340,6 +340,22 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def record_budget_models(monkeypatch) -> list:
+    """Make every `memfit.testing.memory_budget` memfit.fit opens record the models it counts from the start (its
+    `count`: the policy, a reference, reward models, a teacher); returns the list it appends each tuple to."""
+    import memfit.testing
+
+    counted: list = []
+    original = memfit.testing.memory_budget
+
+    def budget(limit, *, count=(), **kw):
+        counted.append(tuple(count))
+        return original(limit, count=count, **kw)
+
+    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    return counted
+
+
 def eos2_char_tokenizer():
     """A character-level tokenizer built in code (no hub): pad 0, bos 1, eos 2, then `CHARS` (the tokenizer of the
     memfit.fit GRPO / RLOO runs, whose tiny Llama has `3 + len(CHARS)` ids)."""

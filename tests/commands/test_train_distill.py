@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 
-from helpers import CHARS, char_tokenizer, trl_llama_config  # noqa: E402
+from helpers import CHARS, char_tokenizer, record_budget_models, trl_llama_config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 
 PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
@@ -107,18 +107,9 @@ def _max_diff(a, b):
 @pytest.fixture(scope="module")
 def plain(dirs, tmp_path_factory):
     """The unbudgeted-sized run (400 MiB: nothing runs out), the models the emulated GPU counted, its output."""
-    import memfit.testing
-
-    counted = []
-    original = memfit.testing.memory_budget
-
-    def budget(limit, *, count=(), **kw):
-        counted.append(tuple(count))
-        return original(limit, count=count, **kw)
-
     out = tmp_path_factory.mktemp("plain") / "out"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(memfit.testing, "memory_budget", budget)
+        counted = record_budget_models(mp)
         code = main(["train", str(dirs["student"]), "--teacher", str(dirs["teacher"]), "--data", str(dirs["prompts"]),
                      *RUN, "--budget", "400MiB", "--output-dir", str(out)])
     assert code == 0

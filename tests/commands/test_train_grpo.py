@@ -13,7 +13,7 @@ pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from helpers import trl_llama_config  # noqa: E402
+from helpers import record_budget_models, trl_llama_config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 
 PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
@@ -240,16 +240,7 @@ def test_grpo_run_with_a_file_reward_and_a_reward_model(dirs, files, tmp_path, c
     """Real GRPOTrainer for 2 optimizer steps under an emulated GPU, rewarded by a function of the user's file and
     by a reward model directory (loaded by TRL, counted in the emulated GPU): completes, the completions' lengths
     vary, checkpoint, report, model saved."""
-    import memfit.testing
-
-    counted = []
-    original = memfit.testing.memory_budget
-
-    def budget(limit, *, count=(), **kw):
-        counted.append(tuple(count))
-        return original(limit, count=count, **kw)
-
-    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    counted = record_budget_models(monkeypatch)
     log = files["rewards"].parent / "lengths.txt"
     log.unlink(missing_ok=True)
     out = tmp_path / "out"
@@ -333,16 +324,7 @@ def test_grpo_run_with_a_reference_recovers_from_oom_without_losing_steps(dirs, 
     """`--beta 0.04`: TRL loads a reference copy from the model directory (counted in the emulated GPU); under 3 MiB
     the scoring pass (old / reference log-probs) and a training micro-step run out of memory, memfit halves the
     scoring chunks and splits the micro-batch, and every optimizer step is done with TRL's derived sizes kept."""
-    import memfit.testing
-
-    counted = []
-    original = memfit.testing.memory_budget
-
-    def budget(limit, *, count=(), **kw):
-        counted.append(tuple(count))
-        return original(limit, count=count, **kw)
-
-    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    counted = record_budget_models(monkeypatch)
     out = tmp_path / "out"
     code, res = _run([dirs["policy"], "--trainer", "grpo", "--data", files["prompts"],
                       "--reward-func", f"{files['rewards']}:length", "--num-generations", "4",
@@ -383,16 +365,7 @@ def test_rloo_run_with_a_file_reward_and_its_reference_recovers_from_oom(dirs, f
     with RLOOConfig's default beta 0.05 (TRL loads a reference copy from the model directory, counted in the emulated
     GPU). Under 3 MiB the scoring pass and the micro-batches run out of memory; memfit halves the scoring chunks and
     splits the micro-batches, and every step is done with RLOOConfig's derived sizes kept."""
-    import memfit.testing
-
-    counted = []
-    original = memfit.testing.memory_budget
-
-    def budget(limit, *, count=(), **kw):
-        counted.append(tuple(count))
-        return original(limit, count=count, **kw)
-
-    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    counted = record_budget_models(monkeypatch)
     log = files["rewards"].parent / "lengths.txt"
     log.unlink(missing_ok=True)
     out = tmp_path / "out"

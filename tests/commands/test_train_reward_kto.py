@@ -14,7 +14,7 @@ pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from helpers import trl_llama_config  # noqa: E402
+from helpers import record_budget_models, trl_llama_config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz "
@@ -185,16 +185,7 @@ def test_reward_run(dirs, files, tmp_path, capsys, model, data, lora):
 def test_kto_run_with_its_reference(dirs, files, tmp_path, capsys, monkeypatch):
     """Real KTOTrainer for 2 optimizer steps under an emulated GPU on unpaired data: TRL loads the reference from
     the model directory (counted in the emulated GPU beside the policy); checkpoint, report, model saved."""
-    import memfit.testing
-
-    counted = []
-    original = memfit.testing.memory_budget
-
-    def budget(limit, *, count=(), **kw):
-        counted.append(tuple(count))
-        return original(limit, count=count, **kw)
-
-    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    counted = record_budget_models(monkeypatch)
     out = tmp_path / "out"
     code, res = _run([dirs["causal"], "--trainer", "kto", "--data", files["unpaired"], "--batch-size", "2",
                       "--grad-accum", "2", "--max-steps", "2", "--beta", "0.2", "--budget", "400MiB",

@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from memfit.cli import main  # noqa: E402
 from memfit.commands.train import bundled_model_dir  # noqa: E402
-from helpers import bundled_tokenizer  # noqa: E402
+from helpers import bundled_tokenizer, record_budget_models  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -246,16 +246,7 @@ def test_sft_completion_only_lora_run_with_eval(llm_dir, files, tmp_path, capsys
 def test_dpo_runs_with_reference_copy_and_with_lora(llm_dir, files, tmp_path, capsys, monkeypatch):
     """Real DPOTrainer: the reference loaded by TRL from the model directory (counted in the emulated GPU), then
     LoRA with precomputed reference log-probs (no reference model: the adapter-disabled model)."""
-    import memfit.testing
-
-    counted = []
-    original = memfit.testing.memory_budget
-
-    def budget(limit, *, count=(), **kw):
-        counted.append(tuple(count))
-        return original(limit, count=count, **kw)
-
-    monkeypatch.setattr(memfit.testing, "memory_budget", budget)
+    counted = record_budget_models(monkeypatch)
     out = tmp_path / "ref"
     code, res = _run([llm_dir, "--trainer", "dpo", "--data", files["pairs"], "--batch-size", "2", "--max-length",
                       "16", "--max-steps", "2", "--budget", "400MiB", "--output-dir", out], capsys)
