@@ -340,6 +340,36 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def assert_accepted_or_one_line(argv: list, *, stop_at: str, context=None) -> None:
+    """`memfit` with `argv` either gets as far as memfit.commands.train_trl's `stop_at` (accepted: stopped there,
+    before data or models are read) or exits 2 with one stderr line starting `memfit`, never a traceback; `context`
+    goes into the assertion's message (the fuzzed values)."""
+    import contextlib
+    import io
+
+    import memfit.commands.train_trl as tt
+    from memfit.cli import main
+
+    class Accepted(Exception):
+        pass
+
+    def accepted(*a, **k):
+        raise Accepted()
+
+    err = io.StringIO()
+    saved = getattr(tt, stop_at)
+    setattr(tt, stop_at, accepted)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+    except Accepted:
+        return
+    finally:
+        setattr(tt, stop_at, saved)
+    lines = [x for x in err.getvalue().splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (context, err.getvalue()[-800:])
+
+
 def record_budget_models(monkeypatch) -> list:
     """Make every `memfit.testing.memory_budget` memfit.fit opens record the models it counts from the start (its
     `count`: the policy, a reference, reward models, a teacher); returns the list it appends each tuple to."""

@@ -13,7 +13,7 @@ pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from helpers import record_budget_models, trl_llama_config  # noqa: E402
+from helpers import assert_accepted_or_one_line, record_budget_models, trl_llama_config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 
 PROMPTS = ["abcd", "efghij", "klm", "nopqrs", "tuvw", "xyz", "abcdefg", "hi"]
@@ -286,36 +286,13 @@ _FLAG_VALUES = st.one_of(st.integers(-2, 100).map(str), st.floats(allow_nan=True
 def test_fuzz_grpo_args_and_flags(dirs, files, tmp_path_factory, data, pairs, trainer):
     """Any GRPOConfig / RLOOConfig --args file and their flag values: accepted (stopped before the model is loaded),
     or a one-line error, never a traceback."""
-    import contextlib
-    import io
-
-    import memfit.commands.train_trl as tt
-
-    class Accepted(Exception):
-        pass
-
-    def accepted(*a, **k):
-        raise Accepted()
-
     d = tmp_path_factory.mktemp("fuzz")
     (d / "a.json").write_text(json.dumps(data))
     argv = ["train", str(dirs["policy"]), "--trainer", trainer, "--data", str(files["prompts"]), "--reward-func",
             f"{files['rewards']}:length", "--args", str(d / "a.json"), "--output-dir", str(d / "o")]
     for flag, value in pairs:
         argv += [flag, value]
-    err = io.StringIO()
-    saved = tt.build_trl_trainer
-    tt.build_trl_trainer = accepted
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(argv)
-    except Accepted:
-        return
-    finally:
-        tt.build_trl_trainer = saved
-    lines = [x for x in err.getvalue().splitlines() if x.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (trainer, data, pairs,
-                                                                              err.getvalue()[-800:])
+    assert_accepted_or_one_line(argv, stop_at="build_trl_trainer", context=(trainer, data, pairs))
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ pytest.importorskip("trl")  # the `llm` extra; the `test` extra installs it
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from helpers import record_budget_models, trl_llama_config  # noqa: E402
+from helpers import assert_accepted_or_one_line, record_budget_models, trl_llama_config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyz "
@@ -283,33 +283,12 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 10**6), st.floats(
 def test_fuzz_reward_kto_args_files(dirs, files, tmp_path_factory, trainer, data):
     """Any RewardConfig / KTOConfig --args file: accepted (stopped before the model is loaded), or a one-line error,
     never a traceback."""
-    import contextlib
-    import io
-
-    import memfit.commands.train_trl as tt
-
-    class Accepted(Exception):
-        pass
-
-    def accepted(*a, **k):
-        raise Accepted()
-
     d = tmp_path_factory.mktemp("fuzz")
     (d / "a.json").write_text(json.dumps(data))
-    err = io.StringIO()
-    saved = tt.build_trl_trainer
-    tt.build_trl_trainer = accepted
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(["train", str(dirs["causal"]), "--trainer", trainer, "--data",
-                         str(files["pairs" if trainer == "reward" else "unpaired"]), "--args", str(d / "a.json"),
-                         "--output-dir", str(d / "o")])
-    except Accepted:
-        return
-    finally:
-        tt.build_trl_trainer = saved
-    lines = [x for x in err.getvalue().splitlines() if x.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (data, err.getvalue()[-800:])
+    assert_accepted_or_one_line(["train", str(dirs["causal"]), "--trainer", trainer, "--data",
+                                 str(files["pairs" if trainer == "reward" else "unpaired"]), "--args",
+                                 str(d / "a.json"), "--output-dir", str(d / "o")],
+                                stop_at="build_trl_trainer", context=data)
 
 
 @pytest.mark.slow

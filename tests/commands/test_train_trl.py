@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from memfit.cli import main  # noqa: E402
 from memfit.commands.train import bundled_model_dir  # noqa: E402
-from helpers import bundled_tokenizer, record_budget_models  # noqa: E402
+from helpers import assert_accepted_or_one_line, bundled_tokenizer, record_budget_models  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -173,32 +173,11 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 10**6), st.floats(
        data=st.dictionaries(st.sampled_from(_ARG_NAMES), _VALUES, min_size=1, max_size=4))
 def test_fuzz_args_files(llm_dir, files, tmp_path_factory, trainer, data):
     """Any --args file: accepted (stopped before the data is read), or a one-line error, never a traceback."""
-    import contextlib
-    import io
-
-    import memfit.commands.train_trl as tt
-
-    class Accepted(Exception):
-        pass
-
-    def accepted(*a, **k):
-        raise Accepted()
-
     d = tmp_path_factory.mktemp("fuzz")
     (d / "a.json").write_text(json.dumps(data))
-    err = io.StringIO()
-    saved = tt.read_trl_data
-    tt.read_trl_data = accepted
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(["train", str(llm_dir), "--trainer", trainer, "--data", str(files["pairs"]),
-                         "--args", str(d / "a.json"), "--output-dir", str(d / "o")])
-    except Accepted:
-        return
-    finally:
-        tt.read_trl_data = saved
-    lines = [x for x in err.getvalue().splitlines() if x.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("memfit"), (data, err.getvalue()[-800:])
+    assert_accepted_or_one_line(["train", str(llm_dir), "--trainer", trainer, "--data", str(files["pairs"]),
+                                 "--args", str(d / "a.json"), "--output-dir", str(d / "o")],
+                                stop_at="read_trl_data", context=data)
 
 
 def _report(out):
